@@ -1,0 +1,318 @@
+"""Flax NNX MoE decoder (Qwen3-MoE and Mixtral) over packed input.
+
+Input is a flat token array with segment ids and positions (``PackedBatch``):
+requests of different lengths share one batch without padding to the longest.
+Attention is causal within a segment, computed block-locally: the flat array is
+cut into query blocks of ``attn_block`` tokens and each block attends to the
+``lookback`` blocks before it and itself. The packer guarantees every segment is
+at most ``lookback · attn_block`` tokens long, so no key a query needs is outside
+its window, and attention costs T·(lookback+1)·attn_block instead of T².
+
+Params (a nested dict, all layers stacked on a leading L axis, matrices [in, out]):
+``embed [V, d]``, ``layers.{attn_norm [L, d], wq [L, d, n_q·h], wk/wv [L, d, n_kv·h],
+wo [L, n_q·h, d], q_norm/k_norm [L, h] (Qwen3), mlp_norm [L, d], router [L, d, E],
+w_gate/w_up [L, E, d, f], w_down [L, E, f, d]}``, ``final_norm [d]``,
+``lm_head [d, V]`` (absent when tied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax import moe
+from moejax.config import ModelConfig
+
+Params = dict[str, Any]
+MASK_VALUE = -1e30  # finite, so a row with no visible key cannot turn into NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """One packed forward.
+
+    tokens, positions, segment_ids: [T] int32 (segment_ids -1 marks padding);
+    score_positions: [P] int32 flat indices whose next-token logits are read;
+    score_token_ids: [P, C] int32 vocabulary ids whose logits are returned.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    score_positions: jax.Array
+    score_token_ids: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """Static choices of one compiled forward (part of the compile key)."""
+
+    attn_block: int
+    lookback: int = 1
+    full_vocab: bool = True
+    expert_impl: moe.ExpertImpl = "auto"
+    tile_rows: int | None = None
+
+
+# --------------------------------------------------------------------- stages
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, cast back to x's dtype (as the HF reference does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half convention) on x [T, heads, h] at positions [T]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _windows(x: jax.Array, lookback: int, fill) -> jax.Array:
+    """x [nb, B, ...] -> [nb, (lookback+1)·B, ...]: blocks b-lookback..b of each block b
+    (blocks before the first are ``fill``)."""
+    if lookback == 0:
+        return x
+    pad = jnp.full((lookback,) + x.shape[1:], fill, x.dtype)
+    padded = jnp.concatenate([pad, x], axis=0)
+    nb = x.shape[0]
+    parts = [padded[j:j + nb] for j in range(lookback + 1)]
+    return jnp.concatenate(parts, axis=1)
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                     attn_block: int, lookback: int) -> jax.Array:
+    """Grouped-query causal attention within segments of a packed sequence.
+
+    q [T, n_q, h], k/v [T, n_kv, h], segment_ids [T] -> [T, n_q, h]. T must be a
+    multiple of ``attn_block``; when one block covers T there is no lookback.
+    """
+    t, n_q, h = q.shape
+    n_kv = k.shape[1]
+    groups = n_q // n_kv
+    nb = t // attn_block
+    lookback = min(lookback, nb - 1)
+    idx = jnp.arange(t, dtype=jnp.int32).reshape(nb, attn_block)
+    seg = segment_ids.reshape(nb, attn_block)
+    key_idx = _windows(idx, lookback, -1)
+    key_seg = _windows(seg, lookback, -2)  # -2 matches no query, not even padding (-1)
+    keys = _windows(k.reshape(nb, attn_block, n_kv, h), lookback, 0)
+    values = _windows(v.reshape(nb, attn_block, n_kv, h), lookback, 0)
+    queries = q.reshape(nb, attn_block, n_kv, groups, h)
+    scores = jnp.einsum("bqkgh,bskh->bkgqs", queries, keys,
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    visible = (seg[:, :, None] == key_seg[:, None, :]) & (key_idx[:, None, :] <= idx[:, :, None])
+    scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskh->bqkgh", probs, values, preferred_element_type=jnp.float32)
+    return out.reshape(t, n_q, h).astype(q.dtype)
+
+
+def attention_block(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
+                    cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+    """Pre-norm residual input x [T, d] -> attention output [T, d] (one layer's params)."""
+    t = x.shape[0]
+    h = cfg.head_dim
+    q = (x @ p["wq"].astype(x.dtype)).reshape(t, cfg.num_heads, h)
+    k = (x @ p["wk"].astype(x.dtype)).reshape(t, cfg.num_kv_heads, h)
+    v = (x @ p["wv"].astype(x.dtype)).reshape(t, cfg.num_kv_heads, h)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = rope(q, batch.positions, cfg.rope_theta)
+    k = rope(k, batch.positions, cfg.rope_theta)
+    out = packed_attention(q, k, v, batch.segment_ids, opts.attn_block, opts.lookback)
+    return out.reshape(t, cfg.num_heads * h) @ p["wo"].astype(x.dtype)
+
+
+def decoder_layer(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
+                  cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+    """One pre-norm decoder layer: x + attn(norm(x)), then + moe(norm(x))."""
+    x = x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, cfg, opts)
+    moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    valid = batch.segment_ids >= 0
+    moe_out = moe.moe_block(moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"],
+                            k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                            valid=valid, impl=opts.expert_impl, tile_rows=opts.tile_rows)
+    return x + moe_out
+
+
+def lm_head_scores(params: Params, hidden: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
+                   full_vocab: bool) -> tuple[jax.Array, jax.Array | None]:
+    """Logits of ``token_ids`` [P, C] at final hidden states [P, d] -> ([P, C] f32, lse [P] | None).
+
+    With ``full_vocab`` the whole [P, V] row is computed (needed for the
+    log-softmax over the vocabulary); otherwise only the C requested columns.
+    """
+    tied = cfg.tie_word_embeddings
+    if full_vocab:
+        head = params["embed"].T if tied else params["lm_head"]
+        logits = jnp.dot(hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        picked = jnp.take_along_axis(logits, token_ids, axis=1)
+        return picked, jax.nn.logsumexp(logits, axis=-1)
+    if tied:
+        columns = jnp.take(params["embed"], token_ids, axis=0)           # [P, C, d]
+    else:
+        columns = jnp.take(params["lm_head"].T, token_ids, axis=0)       # [P, C, d]
+    picked = jnp.einsum("pd,pcd->pc", hidden, columns.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return picked, None
+
+
+def forward(params: Params, batch: PackedBatch, cfg: ModelConfig,
+            opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
+    """Packed forward to the scoring positions: ([P, C] logits f32, [P] logsumexp or None)."""
+    x = hidden_states(params, batch, cfg, opts)
+    final = rms_norm(jnp.take(x, batch.score_positions, axis=0), params["final_norm"],
+                     cfg.rms_norm_eps)
+    return lm_head_scores(params, final, batch.score_token_ids, cfg, opts.full_vocab)
+
+
+def hidden_states(params: Params, batch: PackedBatch, cfg: ModelConfig,
+                  opts: ForwardOptions) -> jax.Array:
+    """Embedding and every decoder layer (a scan over the stacked layers) -> [T, d]."""
+    x = jnp.take(params["embed"], batch.tokens, axis=0)
+    return decoder_stack(params["layers"], x, batch, cfg, opts)
+
+
+def decoder_stack(layer_params: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
+                  cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+    """Every decoder layer on x [T, d]: a scan over the stacked layer params."""
+
+    def body(x, one_layer):
+        return decoder_layer(one_layer, x, batch, cfg, opts), None
+
+    x, _ = jax.lax.scan(body, x, layer_params)
+    return x
+
+
+def full_logits(params: Params, batch: PackedBatch, cfg: ModelConfig,
+                opts: ForwardOptions) -> jax.Array:
+    """Logits over the vocabulary at every position [T, V] (tests and debugging)."""
+    x = rms_norm(hidden_states(params, batch, cfg, opts), params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------ NNX model
+def param_shapes(cfg: ModelConfig) -> Params:
+    """Shapes of every parameter of ``cfg`` in the layout of this module."""
+    d, h, L, E, f = (cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.num_experts,
+                     cfg.moe_intermediate_size)
+    layers = {
+        "attn_norm": (L, d),
+        "wq": (L, d, cfg.num_heads * h),
+        "wk": (L, d, cfg.num_kv_heads * h),
+        "wv": (L, d, cfg.num_kv_heads * h),
+        "wo": (L, cfg.num_heads * h, d),
+        "mlp_norm": (L, d),
+        "router": (L, d, E),
+        "w_gate": (L, E, d, f),
+        "w_up": (L, E, d, f),
+        "w_down": (L, E, f, d),
+    }
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, h), k_norm=(L, h))
+    shapes: Params = {"embed": (cfg.vocab_size, d), "layers": layers, "final_norm": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02,
+                dtype: Any = np.float32) -> Params:
+    """Deterministic random params (norm weights 1, matrices N(0, scale²)) as NumPy arrays."""
+    rng = np.random.default_rng(seed)
+
+    def make(path: str, shape: tuple[int, ...]) -> np.ndarray:
+        if path.endswith("norm"):
+            return np.ones(shape, dtype)
+        return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+    shapes = param_shapes(cfg)
+    params: Params = {}
+    for name, shape in shapes.items():
+        if name == "layers":
+            params["layers"] = {n: make(n, s) for n, s in shape.items()}
+        else:
+            params[name] = make(name, shape)
+    return params
+
+
+def check_params(params: Params, cfg: ModelConfig) -> None:
+    """Raise ValueError naming any missing, unexpected or mis-shaped parameter."""
+    expected = param_shapes(cfg)
+    flat_expected = {(k,): v for k, v in expected.items() if k != "layers"}
+    flat_expected.update({("layers", k): v for k, v in expected["layers"].items()})
+    flat_found = {(k,): v for k, v in params.items() if k != "layers"}
+    flat_found.update({("layers", k): v for k, v in params.get("layers", {}).items()})
+    for key, shape in flat_expected.items():
+        if key not in flat_found:
+            raise ValueError(f"missing parameter {'.'.join(key)} (expected shape {shape})")
+        if tuple(flat_found[key].shape) != tuple(shape):
+            raise ValueError(f"parameter {'.'.join(key)}: expected shape {tuple(shape)}, "
+                             f"found {tuple(flat_found[key].shape)}")
+    extra = set(flat_found) - set(flat_expected)
+    if extra:
+        raise ValueError(f"unexpected parameters: {sorted('.'.join(k) for k in extra)}")
+
+
+class DecoderLayers(nnx.Module):
+    """All L decoder layers, parameters stacked on a leading layer axis."""
+
+    def __init__(self, cfg: ModelConfig, layer_params: Mapping[str, Any], dtype: Any):
+        self.cfg = cfg
+        for name, value in layer_params.items():
+            setattr(self, name, nnx.Param(jnp.asarray(value, dtype)))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        names = param_shapes(self.cfg)["layers"]
+        return {name: getattr(self, name)[...] for name in names}
+
+    def __call__(self, x: jax.Array, batch: PackedBatch, opts: ForwardOptions) -> jax.Array:
+        return decoder_stack(self.arrays(), x, batch, self.cfg, opts)
+
+
+class MoEDecoder(nnx.Module):
+    """The decoder as an NNX module; ``__call__`` returns scoring-position logits.
+
+    Build it from a params dict (``MoEDecoder(cfg, params)``) or with random
+    weights (``MoEDecoder.random(cfg, seed)``). ``params()`` returns the dict the
+    pure ``forward`` takes, which is what the runners jit.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: Params, dtype: Any = jnp.float32):
+        check_params(params, cfg)
+        self.cfg = cfg
+        self.embed = nnx.Param(jnp.asarray(params["embed"], dtype))
+        self.layers = DecoderLayers(cfg, params["layers"], dtype)
+        self.final_norm = nnx.Param(jnp.asarray(params["final_norm"], dtype))
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nnx.Param(jnp.asarray(params["lm_head"], dtype)))
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> "MoEDecoder":
+        return cls(cfg, init_params(cfg, seed), dtype)
+
+    def params(self) -> Params:
+        out: Params = {"embed": self.embed[...], "layers": self.layers.arrays(),
+                       "final_norm": self.final_norm[...]}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head[...]
+        return out
+
+    def __call__(self, batch: PackedBatch, opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
+        return forward(self.params(), batch, self.cfg, opts)

@@ -1,0 +1,126 @@
+"""The MoE layer in stages: route -> permute (sort by expert) -> expert compute
+(grouped GEMM) -> unpermute + weighted combine.
+
+Every stage is a pure function of arrays so that backends can reuse the ones
+they do not change. Shapes: T tokens, d hidden, E experts, k experts per token,
+f expert intermediate size, M = T·k routed rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from moejax import grouped_gemm as gmm_lib
+
+ExpertImpl = Literal["auto", "fused_tiles", "gmm", "ragged_dot", "dense"]
+EXPERT_IMPLS = ("auto", "fused_tiles", "gmm", "ragged_dot", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Top-k routing of T tokens.
+
+    weights: [T, k] float32 combine weights; experts: [T, k] int32 expert ids.
+    """
+
+    weights: jax.Array
+    experts: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Permutation:
+    """Routed rows sorted by expert.
+
+    x_sorted: [M, d] token rows, grouped by expert (invalid tokens at the end);
+    order: [M] row of the flat [T·k] routing each sorted row came from;
+    group_sizes: [E] int32 rows per expert (invalid tokens are counted in none).
+    """
+
+    x_sorted: jax.Array
+    order: jax.Array
+    group_sizes: jax.Array
+
+
+def route(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool) -> Routing:
+    """Softmax router: x [T, d] @ router_w [d, E] -> top-k experts and weights.
+
+    Probabilities are computed in float32 over all E experts, as in the reference
+    implementations; with ``norm_topk_prob`` the k selected ones are renormalised
+    to sum to 1 (Mixtral's softmax-over-top-k logits is the same function).
+    """
+    logits = jnp.dot(x, router_w.astype(x.dtype), preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(weights=weights, experts=experts.astype(jnp.int32))
+
+
+def permute(x: jax.Array, routing: Routing, num_experts: int,
+            valid: jax.Array | None = None) -> Permutation:
+    """Sort the T·k routed rows by expert.
+
+    ``valid`` [T] bool marks real tokens; padding tokens get the sentinel expert
+    id E, sort after every real row and are counted in no group, so the expert
+    compute never touches them.
+    """
+    t, k = routing.experts.shape
+    flat_experts = routing.experts.reshape(-1)
+    if valid is not None:
+        flat_experts = jnp.where(jnp.repeat(valid, k), flat_experts, num_experts)
+    order = jnp.argsort(flat_experts, stable=True).astype(jnp.int32)
+    x_sorted = jnp.take(x, order // k, axis=0)
+    group_sizes = jnp.bincount(flat_experts, length=num_experts + 1)[:num_experts]
+    return Permutation(x_sorted=x_sorted, order=order, group_sizes=group_sizes.astype(jnp.int32))
+
+
+def expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                   impl: ExpertImpl = "auto", tile_rows: int | None = None) -> jax.Array:
+    """SwiGLU experts on sorted rows: y = (silu(x·W_gate) * (x·W_up)) · W_down.
+
+    x_sorted [M, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] -> [M, d]. Rows
+    beyond sum(group_sizes) come back as zeros.
+    """
+    x, sizes = perm.x_sorted, perm.group_sizes
+    if impl == "auto":
+        impl = gmm_lib.default_expert_impl()
+    if impl == "fused_tiles":
+        return gmm_lib.grouped_swiglu_tiles(x, w_gate, w_up, w_down, sizes, tile_rows=tile_rows)
+    if impl == "dense":
+        return gmm_lib.swiglu_dense(x, w_gate, w_up, w_down, sizes)
+    if impl in ("gmm", "ragged_dot"):
+        matmul = gmm_lib.gmm if impl == "gmm" else gmm_lib.ragged_dot_gmm
+        kwargs = {"tile_rows": tile_rows} if impl == "gmm" else {}
+        gate = matmul(x, w_gate, sizes, **kwargs)
+        up = matmul(x, w_up, sizes, **kwargs)
+        hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        return matmul(hidden, w_down, sizes, **kwargs)
+    raise ValueError(f"unknown expert implementation {impl!r}; choose one of {EXPERT_IMPLS}")
+
+
+def combine(y_sorted: jax.Array, perm: Permutation, routing: Routing,
+            valid: jax.Array | None = None) -> jax.Array:
+    """Unsort the expert outputs [M, d] and sum each token's k rows with its weights -> [T, d]."""
+    t, k = routing.experts.shape
+    inverse = jnp.argsort(perm.order).astype(jnp.int32)
+    y = jnp.take(y_sorted, inverse, axis=0).reshape(t, k, -1)
+    weights = routing.weights
+    if valid is not None:
+        weights = jnp.where(valid[:, None], weights, 0.0)
+    out = jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
+    return out.astype(y_sorted.dtype)
+
+
+def moe_block(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+              w_down: jax.Array, *, k: int, norm_topk_prob: bool,
+              valid: jax.Array | None = None, impl: ExpertImpl = "auto",
+              tile_rows: int | None = None) -> jax.Array:
+    """The whole MoE layer on x [T, d]: route -> permute -> experts -> combine."""
+    routing = route(x, router_w, k, norm_topk_prob)
+    perm = permute(x, routing, w_gate.shape[0], valid)
+    y_sorted = expert_compute(perm, w_gate, w_up, w_down, impl=impl, tile_rows=tile_rows)
+    return combine(y_sorted, perm, routing, valid)
