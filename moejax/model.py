@@ -3,10 +3,10 @@
 Input is a flat token array with segment ids and positions (``PackedBatch``):
 requests of different lengths share one batch without padding to the longest.
 Attention is causal within a segment, computed block-locally: the flat array is
-cut into query blocks of ``attn_block`` tokens and each block attends to the
-``lookback`` blocks before it and itself. The packer guarantees every segment is
-at most ``lookback · attn_block`` tokens long, so no key a query needs is outside
-its window, and attention costs T·(lookback+1)·attn_block instead of T².
+cut into blocks of ``attn_block`` tokens and the packer (``moejax.packing``)
+never lets a segment cross a block boundary, so each block attends only to
+itself and attention costs T·B instead of T². (Measured on this CPU, a
+lookback window over the previous block cost 2-3× more for the same batch.)
 
 Params (a nested dict, all layers stacked on a leading L axis, matrices [in, out]):
 ``embed [V, d]``, ``layers.{attn_norm [L, d], wq [L, d, n_q·h], wk/wv [L, d, n_kv·h],
@@ -55,7 +55,6 @@ class ForwardOptions:
     """Static choices of one compiled forward (part of the compile key)."""
 
     attn_block: int
-    lookback: int = 1
     full_vocab: bool = True
     expert_impl: moe.ExpertImpl = "auto"
     tile_rows: int | None = None
@@ -81,48 +80,41 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _windows(x: jax.Array, lookback: int, fill) -> jax.Array:
-    """x [nb, B, ...] -> [nb, (lookback+1)·B, ...]: blocks b-lookback..b of each block b
-    (blocks before the first are ``fill``)."""
-    if lookback == 0:
-        return x
-    pad = jnp.full((lookback,) + x.shape[1:], fill, x.dtype)
-    padded = jnp.concatenate([pad, x], axis=0)
-    nb = x.shape[0]
-    parts = [padded[j:j + nb] for j in range(lookback + 1)]
-    return jnp.concatenate(parts, axis=1)
+def segment_bias(segment_ids: jax.Array, attn_block: int) -> jax.Array:
+    """Additive attention bias [T/B, B, B] for blocks of B tokens: 0 where the key is in
+    the query's segment and not after it, a large negative value elsewhere.
+
+    Computed once per forward and shared by every layer (it depends only on the
+    packing). Padding tokens (segment -1) see each other, so no row is empty.
+    """
+    seg = segment_ids.reshape(-1, attn_block)
+    idx = jnp.arange(attn_block, dtype=jnp.int32)
+    visible = (seg[:, :, None] == seg[:, None, :]) & (idx[None, None, :] <= idx[None, :, None])
+    return jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                     attn_block: int, lookback: int) -> jax.Array:
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -> jax.Array:
     """Grouped-query causal attention within segments of a packed sequence.
 
-    q [T, n_q, h], k/v [T, n_kv, h], segment_ids [T] -> [T, n_q, h]. T must be a
-    multiple of ``attn_block``; when one block covers T there is no lookback.
+    q [T, n_q, h], k/v [T, n_kv, h], bias [T/B, B, B] from :func:`segment_bias`
+    -> [T, n_q, h]. The packer never lets a segment cross a block boundary, so
+    each block of B tokens attends only to itself: the cost is T·B, not T².
     """
     t, n_q, h = q.shape
     n_kv = k.shape[1]
-    groups = n_q // n_kv
-    nb = t // attn_block
-    lookback = min(lookback, nb - 1)
-    idx = jnp.arange(t, dtype=jnp.int32).reshape(nb, attn_block)
-    seg = segment_ids.reshape(nb, attn_block)
-    key_idx = _windows(idx, lookback, -1)
-    key_seg = _windows(seg, lookback, -2)  # -2 matches no query, not even padding (-1)
-    keys = _windows(k.reshape(nb, attn_block, n_kv, h), lookback, 0)
-    values = _windows(v.reshape(nb, attn_block, n_kv, h), lookback, 0)
-    queries = q.reshape(nb, attn_block, n_kv, groups, h)
-    scores = jnp.einsum("bqkgh,bskh->bkgqs", queries, keys,
+    nb, block = bias.shape[0], bias.shape[1]
+    queries = q.reshape(nb, block, n_kv, n_q // n_kv, h).transpose(0, 2, 3, 1, 4)
+    keys = k.reshape(nb, block, n_kv, h).transpose(0, 2, 1, 3)
+    values = v.reshape(nb, block, n_kv, h).transpose(0, 2, 1, 3)
+    scores = jnp.einsum("bkgqh,bksh->bkgqs", queries, keys,
                         preferred_element_type=jnp.float32) / math.sqrt(h)
-    visible = (seg[:, :, None] == key_seg[:, None, :]) & (key_idx[:, None, :] <= idx[:, :, None])
-    scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskh->bqkgh", probs, values, preferred_element_type=jnp.float32)
-    return out.reshape(t, n_q, h).astype(q.dtype)
+    probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bksh->bkgqh", probs, values, preferred_element_type=jnp.float32)
+    return out.transpose(0, 3, 1, 2, 4).reshape(t, n_q, h).astype(q.dtype)
 
 
 def attention_block(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                    cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+                    bias: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Pre-norm residual input x [T, d] -> attention output [T, d] (one layer's params)."""
     t = x.shape[0]
     h = cfg.head_dim
@@ -134,14 +126,14 @@ def attention_block(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = rope(q, batch.positions, cfg.rope_theta)
     k = rope(k, batch.positions, cfg.rope_theta)
-    out = packed_attention(q, k, v, batch.segment_ids, opts.attn_block, opts.lookback)
+    out = packed_attention(q, k, v, bias)
     return out.reshape(t, cfg.num_heads * h) @ p["wo"].astype(x.dtype)
 
 
 def decoder_layer(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                  cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+                  bias: jax.Array, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """One pre-norm decoder layer: x + attn(norm(x)), then + moe(norm(x))."""
-    x = x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, cfg, opts)
+    x = x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, bias, cfg)
     moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     valid = batch.segment_ids >= 0
     moe_out = moe.moe_block(moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"],
@@ -191,9 +183,10 @@ def hidden_states(params: Params, batch: PackedBatch, cfg: ModelConfig,
 def decoder_stack(layer_params: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
                   cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """Every decoder layer on x [T, d]: a scan over the stacked layer params."""
+    bias = segment_bias(batch.segment_ids, opts.attn_block)
 
     def body(x, one_layer):
-        return decoder_layer(one_layer, x, batch, cfg, opts), None
+        return decoder_layer(one_layer, x, batch, bias, cfg, opts), None
 
     x, _ = jax.lax.scan(body, x, layer_params)
     return x

@@ -20,6 +20,7 @@ ExpertImpl = Literal["auto", "fused_tiles", "gmm", "ragged_dot", "dense"]
 EXPERT_IMPLS = ("auto", "fused_tiles", "gmm", "ragged_dot", "dense")
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """Top-k routing of T tokens.
@@ -31,6 +32,7 @@ class Routing:
     experts: jax.Array
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Permutation:
     """Routed rows sorted by expert.

@@ -1,0 +1,617 @@
+"""Weights in and out of moejax: Hugging Face safetensors in, orbax checkpoints both ways.
+
+The params pytree (the contract with the model code) is a nested dict of arrays with every
+layer stacked on a leading ``L`` axis and every matrix stored ``[in, out]`` (the transpose
+of the ``[out, in]`` HF ``nn.Linear`` weight)::
+
+    embed        [V, d]
+    layers/attn_norm [L, d]     layers/mlp_norm [L, d]
+    layers/wq    [L, d, n_q*h]  layers/wk [L, d, n_kv*h]  layers/wv [L, d, n_kv*h]
+    layers/wo    [L, n_q*h, d]
+    layers/q_norm, layers/k_norm [L, h]            (only when cfg.qk_norm, i.e. qwen3_moe)
+    layers/router [L, d, E]
+    layers/w_gate [L, E, d, f]  layers/w_up [L, E, d, f]  layers/w_down [L, E, f, d]
+    final_norm   [d]
+    lm_head      [d, V]                            (absent when cfg.tie_word_embeddings)
+
+Reading is done by a small safetensors reader written from the format description
+(8-byte little-endian header length, a JSON header, then the raw tensor bytes): files are
+memory-mapped and each stacked param is allocated once and filled slice by slice, so the
+host never holds a second full copy of the model.
+
+Accepted HF spellings: per-expert ``mlp.experts.M.{gate,up,down}_proj.weight`` (qwen3_moe)
+or ``block_sparse_moe.experts.M.{w1,w3,w2}.weight`` (mixtral), and the fused form transformers
+5 holds in memory, ``experts.gate_up_proj [E, 2f, d]`` (gate rows first, then up) and
+``experts.down_proj [E, d, f]``, both ``[out, in]`` per expert; Mixtral's MoE block may be
+prefixed ``block_sparse_moe.`` or ``mlp.``.
+
+Strictness: a checkpoint tensor that no param consumes (say a ``shared_expert`` of a
+Qwen2-MoE or the scales of an FP8 checkpoint) means the checkpoint is not the architecture
+the config describes, and dropping it would give silently wrong outputs, so
+:func:`load_hf_params` raises :class:`CheckpointError` for it (``strict=False`` turns that
+into a warning). Rotary ``inv_freq`` buffers, and ``lm_head.weight`` of a model with tied
+embeddings, are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from typing import Any, Callable, Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from moejax.config import ModelConfig, load_config
+
+Params = dict[str, Any]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "config.json"
+PARAMS_SUBDIR = "params"
+# Written last by convert_checkpoint: its presence is what makes a directory "converted".
+CONVERTED_MARKER = "moejax_checkpoint.json"
+CONVERTED_FORMAT_VERSION = 1
+# Small side files of a HF directory that are worth carrying into a converted one.
+_SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+# Param dtypes the engine computes in.
+PARAM_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+
+# safetensors dtype codes -> numpy dtypes (the format is little-endian throughout).
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("u1"), "I8": np.dtype("i1"),
+    "U16": np.dtype("<u2"), "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"), "I32": np.dtype("<i4"),
+    "U64": np.dtype("<u8"), "I64": np.dtype("<i8"),
+    "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+# Only these can be weights: FP8 tensors come with scales that moejax does not apply.
+_WEIGHT_CODES = ("F16", "BF16", "F32", "F64")
+# The format caps the JSON header at 100 MB; a larger value means a corrupt file.
+_MAX_HEADER_BYTES = 100_000_000
+
+# Buffers some exporters store although they are computed from the config.
+_IGNORABLE = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the config or the safetensors format, with the reason."""
+
+
+# =========================================================================== dtypes
+def resolve_dtype(dtype: str | np.dtype | type) -> np.dtype:
+    """Map "float32" | "bfloat16" | "float16" (or the numpy dtype itself) to a numpy dtype."""
+    if isinstance(dtype, str):
+        if dtype not in PARAM_DTYPES:
+            raise ValueError(f"unsupported param dtype {dtype!r}: use one of "
+                             f"{', '.join(PARAM_DTYPES)}")
+        return PARAM_DTYPES[dtype]
+    resolved = np.dtype(dtype)
+    if resolved not in PARAM_DTYPES.values():
+        raise ValueError(f"unsupported param dtype {resolved}: use one of "
+                         f"{', '.join(PARAM_DTYPES)}")
+    return resolved
+
+
+# =========================================================================== safetensors
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in a safetensors file; ``start``/``end`` are absolute byte offsets."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Parse and validate the header of a safetensors file (reads only the header bytes)."""
+    path = os.fspath(path)
+    file_size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > min(_MAX_HEADER_BYTES, file_size - 8):
+            raise CheckpointError(f"{path}: header length {header_len} does not fit in a "
+                                  f"{file_size}-byte file")
+        raw = fh.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    data_start = 8 + header_len
+    data_size = file_size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {name: _tensor_info(path, name, entry, data_start, data_size)
+               for name, entry in header.items()}
+    return SafetensorsHeader(tensors=tensors, metadata=dict(metadata), data_start=data_start)
+
+
+def _tensor_info(path: str, name: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
+    try:
+        code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        shape = tuple(int(n) for n in shape)
+        begin, end = int(begin), int(end)
+    except (TypeError, KeyError, ValueError):
+        raise CheckpointError(f"{path}: malformed header entry for {name}: {entry!r}") from None
+    if code not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {code}")
+    nbytes = math.prod(shape) * SAFETENSORS_DTYPES[code].itemsize
+    if any(n < 0 for n in shape) or not 0 <= begin <= end <= data_size or end - begin != nbytes:
+        raise CheckpointError(f"{path}: tensor {name} ({code}, shape {shape}) has inconsistent "
+                              f"data_offsets [{begin}, {end}] (data section is {data_size} bytes)")
+    return TensorInfo(dtype=code, shape=shape, start=data_start + begin, end=data_start + end)
+
+
+class SafetensorsFile:
+    """Read-only, memory-mapped access to the tensors of one safetensors file.
+
+    Arrays returned by :meth:`get` are views into the mapping (no copy, not writeable); the
+    pages are read from disk only when touched.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.header = read_safetensors_header(self.path)
+        with open(self.path, "rb") as fh:  # the mapping stays valid after the file closes
+            self._buffer = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ),
+                                         dtype=np.uint8)
+
+    def keys(self) -> list[str]:
+        return list(self.header.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.header.tensors[name]
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor ``name`` as a read-only numpy view of the file."""
+        info = self.header.tensors[name]
+        flat = self._buffer[info.start:info.end].view(SAFETENSORS_DTYPES[info.dtype])
+        return flat.reshape(info.shape)
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Views may still reference the mapping; dropping our reference lets it close with them.
+        self._buffer = np.zeros(0, np.uint8)
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
+                      metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` as a safetensors file (names sorted, header space-padded to 8 bytes).
+
+    The output is a pure function of the inputs, so equal tensors give equal bytes.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
+            raise ValueError(f"{name}: dtype {array.dtype} cannot be stored in safetensors")
+        array = array.astype(SAFETENSORS_DTYPES[code], copy=False)  # little-endian on disk
+        header[name] = {"dtype": code, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+        arrays.append(array)
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # keeps the data section 8-byte aligned
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for array in arrays:
+            fh.write(array.reshape(-1).view(np.uint8).data)  # no intermediate bytes copy
+
+
+class CheckpointReader:
+    """The tensors of a HF model directory: ``model.safetensors`` or a sharded index."""
+
+    def __init__(self, model_dir: str | os.PathLike) -> None:
+        self.model_dir = os.fspath(model_dir)
+        index_path = os.path.join(self.model_dir, INDEX_FILE)
+        single_path = os.path.join(self.model_dir, SINGLE_FILE)
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, str] = {}  # tensor name -> file name
+        if os.path.isfile(index_path):
+            self._read_index(index_path)
+        elif os.path.isfile(single_path):
+            self._where = {name: SINGLE_FILE for name in self._file(SINGLE_FILE).keys()}
+        else:
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.model_dir}")
+
+    def _read_index(self, index_path: str) -> None:
+        with open(index_path, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: no weight_map")
+        for name, file_name in weight_map.items():
+            if name not in self._file(file_name).header.tensors:
+                raise CheckpointError(f"{index_path}: maps {name} to {file_name}, "
+                                      "which does not contain it")
+        self._where = dict(weight_map)
+
+    def _file(self, file_name: str) -> SafetensorsFile:
+        if file_name not in self._files:
+            path = os.path.join(self.model_dir, file_name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint shard {path} is missing")
+            self._files[file_name] = SafetensorsFile(path)
+        return self._files[file_name]
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._file(self._where[name]).info(name)
+
+    def get(self, name: str) -> np.ndarray:
+        return self._file(self._where[name]).get(name)
+
+
+# =========================================================================== HF -> params
+def expected_param_shapes(cfg: ModelConfig) -> Params:
+    """The params pytree of ``cfg`` with shape tuples as leaves (see the module docstring)."""
+    d, L, h, E = cfg.hidden_size, cfg.num_layers, cfg.head_dim, cfg.num_experts
+    f, V, q, kv = cfg.moe_intermediate_size, cfg.vocab_size, cfg.num_heads * h, cfg.num_kv_heads * h
+    layers = {"attn_norm": (L, d), "wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv),
+              "wo": (L, q, d), "mlp_norm": (L, d), "router": (L, d, E),
+              "w_gate": (L, E, d, f), "w_up": (L, E, d, f), "w_down": (L, E, f, d)}
+    if cfg.qk_norm:
+        layers["q_norm"] = (L, h)
+        layers["k_norm"] = (L, h)
+    shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (d, V)
+    return shapes
+
+
+Transform = Callable[[np.ndarray], np.ndarray]
+
+
+def _same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def _swap(a: np.ndarray) -> np.ndarray:
+    """HF ``[..., out, in]`` -> moejax ``[..., in, out]`` (a view, no copy)."""
+    return np.swapaxes(a, -1, -2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Write:
+    key: tuple[str, ...]          # path in the params pytree, e.g. ("layers", "w_gate")
+    index: tuple[int, ...]        # leading indices of the slice to fill, e.g. (layer, expert)
+    transform: Transform          # HF tensor -> that slice
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One HF tensor: its expected on-disk shape and the param slices it fills."""
+
+    name: str
+    shape: tuple[int, ...]
+    writes: tuple[_Write, ...]
+
+
+def _moe_prefix(cfg: ModelConfig, layer: str, names: set[str]) -> str:
+    """Mixtral checkpoints say ``block_sparse_moe``; transformers 5 in-memory names say ``mlp``."""
+    candidates = ("block_sparse_moe", "mlp") if cfg.model_type == "mixtral" else ("mlp",)
+    for candidate in candidates:
+        if f"{layer}{candidate}.gate.weight" in names:
+            return f"{layer}{candidate}."
+    return f"{layer}{candidates[0]}."  # so a missing-tensor message names the usual form
+
+
+def _expert_slots(cfg: ModelConfig, i: int, moe: str, names: set[str]) -> list[_Slot]:
+    """Expert weights of layer ``i``, per expert or in the fused 3-D form (either per pair).
+
+    Fused, as transformers 5 holds them in memory: ``experts.gate_up_proj [E, 2f, d]`` (rows
+    ``:f`` gate, ``f:`` up, each ``[out, in]``) and ``experts.down_proj [E, d, f]``.
+    """
+    E, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gate, up, down = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else \
+        ("gate_proj", "up_proj", "down_proj")
+    slots = []
+    fused_gate_up, fused_down = f"{moe}experts.gate_up_proj", f"{moe}experts.down_proj"
+    if fused_gate_up in names:
+        slots.append(_Slot(fused_gate_up, (E, 2 * f, d), (
+            _Write(("layers", "w_gate"), (i,), lambda a: _swap(a[:, :f])),
+            _Write(("layers", "w_up"), (i,), lambda a: _swap(a[:, f:])))))
+    else:
+        for e in range(E):
+            slots.append(_Slot(f"{moe}experts.{e}.{gate}.weight", (f, d),
+                               (_Write(("layers", "w_gate"), (i, e), _swap),)))
+            slots.append(_Slot(f"{moe}experts.{e}.{up}.weight", (f, d),
+                               (_Write(("layers", "w_up"), (i, e), _swap),)))
+    if fused_down in names:
+        slots.append(_Slot(fused_down, (E, d, f), (_Write(("layers", "w_down"), (i,), _swap),)))
+    else:
+        for e in range(E):
+            slots.append(_Slot(f"{moe}experts.{e}.{down}.weight", (d, f),
+                               (_Write(("layers", "w_down"), (i, e), _swap),)))
+    return slots
+
+
+def _layer_slots(cfg: ModelConfig, i: int, names: set[str]) -> list[_Slot]:
+    d, h, E = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+    q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
+    p = f"model.layers.{i}."
+
+    def slot(name: str, shape: tuple[int, ...], key: str, transform: Transform) -> _Slot:
+        return _Slot(p + name, shape, (_Write(("layers", key), (i,), transform),))
+
+    slots = [
+        slot("input_layernorm.weight", (d,), "attn_norm", _same),
+        slot("post_attention_layernorm.weight", (d,), "mlp_norm", _same),
+        slot("self_attn.q_proj.weight", (q, d), "wq", _swap),
+        slot("self_attn.k_proj.weight", (kv, d), "wk", _swap),
+        slot("self_attn.v_proj.weight", (kv, d), "wv", _swap),
+        slot("self_attn.o_proj.weight", (d, q), "wo", _swap),
+    ]
+    if cfg.qk_norm:
+        slots.append(slot("self_attn.q_norm.weight", (h,), "q_norm", _same))
+        slots.append(slot("self_attn.k_norm.weight", (h,), "k_norm", _same))
+    moe = _moe_prefix(cfg, p, names)
+    slots.append(_Slot(f"{moe}gate.weight", (E, d), (_Write(("layers", "router"), (i,), _swap),)))
+    return slots + _expert_slots(cfg, i, moe, names)
+
+
+def hf_tensor_plan(cfg: ModelConfig, names: set[str]) -> list[_Slot]:
+    """Every HF tensor ``cfg`` needs, given the tensor ``names`` a checkpoint holds.
+
+    ``names`` only chooses between equivalent spellings (fused or per-expert experts,
+    ``block_sparse_moe`` or ``mlp``); what is missing is reported by :func:`load_hf_params`.
+    """
+    V, d = cfg.vocab_size, cfg.hidden_size
+    slots = [_Slot("model.embed_tokens.weight", (V, d), (_Write(("embed",), (), _same),)),
+             _Slot("model.norm.weight", (d,), (_Write(("final_norm",), (), _same),))]
+    if not cfg.tie_word_embeddings:
+        slots.append(_Slot("lm_head.weight", (V, d), (_Write(("lm_head",), (), _swap),)))
+    for i in range(cfg.num_layers):
+        slots.extend(_layer_slots(cfg, i, names))
+    return slots
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    if cfg.tie_word_embeddings and name == "lm_head.weight":
+        return True  # some exporters write the tied head anyway; the embedding is the truth
+    return any(pattern.search(name) for pattern in _IGNORABLE)
+
+
+def _listing(items: list[str], limit: int = 8) -> str:
+    shown = "; ".join(items[:limit])
+    return shown + (f"; ... and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _validate(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot], strict: bool) -> None:
+    """Check names, shapes and dtypes before any data is read, and report all problems at once."""
+    where = reader.model_dir
+    missing = [f"{s.name} (expected shape {s.shape})" for s in plan if s.name not in reader.names]
+    if missing:
+        raise CheckpointError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the config "
+                              f"needs: missing {_listing(missing)}")
+    wrong = [f"{s.name}: expected shape {s.shape}, found {reader.info(s.name).shape}"
+             for s in plan if reader.info(s.name).shape != s.shape]
+    if wrong:
+        raise CheckpointError(_listing(wrong) + f" (in {where})")
+    not_float = [f"{s.name} ({reader.info(s.name).dtype})" for s in plan
+                 if reader.info(s.name).dtype not in _WEIGHT_CODES]
+    if not_float:
+        raise CheckpointError(f"{where}: moejax loads only F16/BF16/F32 weights (quantized "
+                              f"checkpoints are not supported): {_listing(not_float)}")
+    used = {s.name for s in plan}
+    extra = sorted(n for n in reader.names - used if not _ignorable(n, cfg))
+    if extra:
+        message = (f"{where}: checkpoint has {len(extra)} tensor(s) the {cfg.model_type} config "
+                   f"does not use (wrong config or unsupported architecture?): {_listing(extra)}")
+        if strict:
+            raise CheckpointError(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _allocate(shapes: Any, dtype: np.dtype) -> Any:
+    if isinstance(shapes, dict):
+        return {key: _allocate(value, dtype) for key, value in shapes.items()}
+    return np.empty(shapes, dtype)
+
+
+def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
+                   dtype: str | np.dtype = "float32", *, strict: bool = True) -> Params:
+    """Load a HF safetensors checkpoint into the moejax params layout (numpy, ``dtype``).
+
+    Each stacked param is allocated once and filled from the memory-mapped tensors, so peak
+    host memory is one copy of the params (plus page cache). Raises :class:`CheckpointError`
+    naming the tensor for missing tensors, wrong shapes, non-float weights, and (with
+    ``strict``, the default; otherwise a warning) tensors the config does not use.
+    """
+    target = resolve_dtype(dtype)
+    reader = CheckpointReader(model_dir)
+    plan = hf_tensor_plan(cfg, reader.names)
+    _validate(reader, cfg, plan, strict)
+    params = _allocate(expected_param_shapes(cfg), target)
+    for slot in plan:
+        source = reader.get(slot.name)
+        for write in slot.writes:
+            leaf = params
+            for key in write.key:
+                leaf = leaf[key]
+            leaf[write.index] = write.transform(source)  # numpy casts to ``target`` here
+    return params
+
+
+# =========================================================================== orbax
+def _tree_items(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _tree_items(value, f"{prefix}/{key}" if prefix else str(key))
+    else:
+        yield prefix, tree
+
+
+def _tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {key: _tree_map(fn, value) for key, value in tree.items()}
+    return fn(tree)
+
+
+def save_params(params: Params, out_dir: str | os.PathLike, *, overwrite: bool = False) -> str:
+    """Save a params pytree (numpy or jax arrays) as an orbax checkpoint at ``out_dir``."""
+    import orbax.checkpoint as ocp  # imported here: pulls in jax, which readers do not need
+
+    path = os.path.abspath(os.fspath(out_dir))  # orbax insists on absolute paths
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        checkpointer.save(path, params, force=overwrite)
+        checkpointer.wait_until_finished()  # StandardCheckpointer saves asynchronously
+    finally:
+        checkpointer.close()
+    return path
+
+
+def restore_params(out_dir: str | os.PathLike, dtype: str | np.dtype | None = None) -> Params:
+    """Restore a :func:`save_params` checkpoint as numpy arrays, cast to ``dtype`` while reading
+    (``None`` keeps the saved dtypes). Shapes are those saved."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.fspath(out_dir))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no orbax checkpoint at {path}")
+    target_dtype = None if dtype is None else resolve_dtype(dtype)
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        metadata = checkpointer.metadata(path)
+        tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+        # numpy leaves ask orbax for numpy results (jax arrays would land on one device);
+        # broadcast zero-stride placeholders carry shape and dtype without allocating.
+        target = _tree_map(lambda m: np.broadcast_to(
+            np.zeros((), m.dtype if target_dtype is None else target_dtype), tuple(m.shape)),
+            tree)
+        return checkpointer.restore(path, target)
+    finally:
+        checkpointer.close()
+
+
+# =========================================================================== model dirs
+def load_tokenizer(model_dir: str | os.PathLike):
+    """``tokenizers.Tokenizer`` from ``model_dir/tokenizer.json`` (or that file's path)."""
+    from tokenizers import Tokenizer
+
+    path = os.fspath(model_dir)
+    if os.path.isdir(path) or not path.endswith(".json"):
+        path = os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no tokenizer at {path}: moejax needs a Hugging Face "
+                                "'tokenizers' JSON file (tokenizer.json) next to config.json")
+    return Tokenizer.from_file(path)
+
+
+def is_converted_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a finished :func:`convert_checkpoint` output."""
+    path = os.fspath(path)
+    return (os.path.isfile(os.path.join(path, CONVERTED_MARKER))
+            and os.path.isfile(os.path.join(path, CONFIG_FILE))
+            and os.path.isdir(os.path.join(path, PARAMS_SUBDIR)))
+
+
+def convert_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                       dtype: str | np.dtype = "bfloat16", *, overwrite: bool = False) -> str:
+    """Convert a HF model directory once into ``out_dir`` (config.json, tokenizer.json, params/).
+
+    The output is built in a temporary sibling directory and renamed into place, so an
+    interrupted conversion never leaves a directory that :func:`is_converted_dir` accepts.
+    Returns the absolute ``out_dir``.
+    """
+    model_dir = os.fspath(model_dir)
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+    target = resolve_dtype(dtype)
+    cfg = load_config(model_dir)
+    tokenizer_path = os.path.join(model_dir, TOKENIZER_FILE)
+    load_tokenizer(model_dir)  # fail before the expensive part if it is missing or broken
+    params = load_hf_params(model_dir, cfg, target)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        shutil.copyfile(os.path.join(model_dir, CONFIG_FILE), os.path.join(tmp, CONFIG_FILE))
+        shutil.copyfile(tokenizer_path, os.path.join(tmp, TOKENIZER_FILE))
+        for name in _SIDE_FILES:
+            if os.path.isfile(os.path.join(model_dir, name)):
+                shutil.copyfile(os.path.join(model_dir, name), os.path.join(tmp, name))
+        save_params(params, os.path.join(tmp, PARAMS_SUBDIR))
+        with open(os.path.join(tmp, CONVERTED_MARKER), "w", encoding="utf-8") as fh:
+            json.dump({"format_version": CONVERTED_FORMAT_VERSION, "dtype": target.name,
+                       "source": os.path.abspath(model_dir)}, fh, indent=2)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
+        if os.path.exists(out_dir):  # overwrite=True
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _check_shapes(params: Params, cfg: ModelConfig, where: str) -> None:
+    expected = dict(_tree_items(expected_param_shapes(cfg)))
+    found = {key: tuple(np.shape(value)) for key, value in _tree_items(params)}
+    problems = [f"{key}: expected shape {shape}, found {found.get(key, 'nothing')}"
+                for key, shape in expected.items() if found.get(key) != shape]
+    problems += [f"{key}: unexpected param" for key in found if key not in expected]
+    if problems:
+        raise CheckpointError(f"{where}: params do not match config.json: {_listing(problems)}")
+
+
+def load_model_dir(path: str | os.PathLike, dtype: str | np.dtype = "float32"):
+    """``(cfg, params, tokenizer)`` from a HF model directory or a converted one.
+
+    ``params`` are numpy arrays of ``dtype`` in the layout of the module docstring.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no model directory at {path}")
+    cfg = load_config(path)
+    tokenizer = load_tokenizer(path)
+    if is_converted_dir(path):
+        params = restore_params(os.path.join(path, PARAMS_SUBDIR), dtype)
+        _check_shapes(params, cfg, path)
+    else:
+        params = load_hf_params(path, cfg, dtype)
+    return cfg, params, tokenizer

@@ -1,0 +1,198 @@
+"""Pack variable-length sequences into flat batches with bucketed shapes.
+
+A scoring job holds sequences of any length up to the model's context. Each
+packed batch has:
+
+* an attention block size B: the smallest power of two >= the longest sequence
+  in the batch (and >= ``min_block``); no sequence crosses a block boundary;
+* T = B · n_blocks tokens, with n_blocks a power of two and T <= max_batch_tokens
+  (a single sequence longer than that gets a batch of its own, T = B);
+* P scoring positions rounded up to a power of two (>= ``min_positions``);
+* C candidate columns per position rounded up to a power of two (>= ``min_candidates``).
+
+So the compiled programs are keyed by (T, B, P, C, full_vocab), each from a
+short list of powers of two: a long job compiles a bounded number of them
+(at most log2(max T / min_block)² · |P buckets| · |C buckets| · 2, and in
+practice a handful). Sequences are sorted longest first, so batches hold similar
+lengths and B stays tight; blocks are filled first-fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from moejax.model import ForwardOptions, PackedBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPolicy:
+    """Shape buckets of packed batches (see the module docstring)."""
+
+    max_batch_tokens: int = 4096
+    min_block: int = 32
+    min_positions: int = 8
+    min_candidates: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "min_block", "min_positions", "min_candidates"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_batch_tokens < self.min_block:
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) is smaller than "
+                             f"min_block ({self.min_block})")
+
+    def block_for(self, length: int) -> int:
+        return max(self.min_block, next_power_of_two(length))
+
+    def token_buckets(self, max_context: int) -> list[int]:
+        """Every batch length T this policy can produce for sequences up to ``max_context``."""
+        top = max(self.max_batch_tokens, self.block_for(max_context))
+        out, t = [], self.min_block
+        while t <= top:
+            out.append(t)
+            t *= 2
+        return out
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def prev_power_of_two(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringSequence:
+    """One sequence to prefill and the logits to read from it.
+
+    token_ids: [n] ints; score_positions: indices in [0, n) whose next-token logits
+    are read; score_token_ids: per score position, the vocabulary ids wanted;
+    full_vocab: whether the log-sum-exp over the vocabulary is needed.
+    """
+
+    key: Hashable
+    token_ids: np.ndarray
+    score_positions: tuple[int, ...]
+    score_token_ids: tuple[tuple[int, ...], ...]
+    full_vocab: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError(f"sequence {self.key!r} is empty")
+        if len(self.score_positions) != len(self.score_token_ids):
+            raise ValueError(f"sequence {self.key!r}: {len(self.score_positions)} score positions "
+                             f"but {len(self.score_token_ids)} candidate lists")
+        bad = [p for p in self.score_positions if not 0 <= p < n]
+        if bad:
+            raise ValueError(f"sequence {self.key!r}: score positions {bad} outside [0, {n})")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+    """A packed batch in host memory and where each sequence's answers land.
+
+    rows[i]: first row in the [P, C] output of sequence ``keys[i]``; its
+    ``len(score_positions)`` rows follow, each with ``len(score_token_ids[j])`` valid columns.
+    """
+
+    batch: PackedBatch
+    options: ForwardOptions
+    sequences: tuple[ScoringSequence, ...]
+    rows: tuple[int, ...]
+    real_tokens: int
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, int, bool]:
+        p, c = self.batch.score_token_ids.shape
+        return (self.batch.tokens.shape[0], self.options.attn_block, p, c, self.options.full_vocab)
+
+
+def _first_fit(blocks: list[int], length: int, block: int) -> int | None:
+    for i, used in enumerate(blocks):
+        if used + length <= block:
+            return i
+    return None
+
+
+def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
+         options: ForwardOptions | None = None) -> list[HostBatch]:
+    """Pack ``sequences`` into batches (longest first). ``options`` supplies the
+    non-shape forward options (expert implementation, tile rows)."""
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i].token_ids))
+    batches: list[HostBatch] = []
+    members: list[tuple[int, int, int]] = []   # (sequence index, block, offset in block)
+    blocks: list[int] = []
+    block = 0
+    for i in order:
+        length = len(sequences[i].token_ids)
+        if not members:
+            block = policy.block_for(length)
+        slot = _first_fit(blocks, length, block)
+        if slot is None:
+            if len(blocks) >= prev_power_of_two(policy.max_batch_tokens // block):
+                batches.append(_build(sequences, members, len(blocks), block, policy, options))
+                members, blocks = [], []
+                block = policy.block_for(length)
+            blocks.append(0)
+            slot = len(blocks) - 1
+        members.append((i, slot, blocks[slot]))
+        blocks[slot] += length
+    if members:
+        batches.append(_build(sequences, members, len(blocks), block, policy, options))
+    return batches
+
+
+def _build(sequences: Sequence[ScoringSequence], members: list[tuple[int, int, int]],
+           num_blocks: int, block: int, policy: BucketPolicy,
+           options: ForwardOptions | None) -> HostBatch:
+    total = next_power_of_two(num_blocks) * block
+    tokens = np.zeros(total, np.int32)
+    positions = np.zeros(total, np.int32)
+    segment_ids = np.full(total, -1, np.int32)
+    chosen = [sequences[i] for i, _, _ in members]
+    num_positions = sum(len(s.score_positions) for s in chosen)
+    num_columns = max(len(ids) for s in chosen for ids in s.score_token_ids) if num_positions else 1
+    p_bucket = max(policy.min_positions, next_power_of_two(num_positions))
+    c_bucket = max(policy.min_candidates, next_power_of_two(num_columns))
+    score_positions = np.zeros(p_bucket, np.int32)
+    score_token_ids = np.zeros((p_bucket, c_bucket), np.int32)
+    rows, row, real = [], 0, 0
+    for segment, ((_, slot, offset), seq) in enumerate(zip(members, chosen)):
+        start = slot * block + offset
+        n = len(seq.token_ids)
+        tokens[start:start + n] = seq.token_ids
+        positions[start:start + n] = np.arange(n, dtype=np.int32)
+        segment_ids[start:start + n] = segment
+        rows.append(row)
+        for pos, ids in zip(seq.score_positions, seq.score_token_ids):
+            score_positions[row] = start + pos
+            score_token_ids[row, :len(ids)] = ids
+            row += 1
+        real += n
+    base = options or ForwardOptions(attn_block=block)
+    opts = dataclasses.replace(base, attn_block=block,
+                               full_vocab=any(s.full_vocab for s in chosen))
+    batch = PackedBatch(tokens=tokens, positions=positions, segment_ids=segment_ids,
+                        score_positions=score_positions, score_token_ids=score_token_ids)
+    return HostBatch(batch=batch, options=opts, sequences=tuple(chosen), rows=tuple(rows),
+                     real_tokens=real)
+
+
+def unpack(host: HostBatch, logits: np.ndarray, logsumexp: np.ndarray | None
+           ) -> list[tuple[Hashable, list[np.ndarray], np.ndarray | None]]:
+    """Split a batch's [P, C] logits (and [P] log-sum-exp) back per sequence:
+    (key, [logits of each score position's ids], [log-sum-exp per position] or None)."""
+    out = []
+    for seq, row in zip(host.sequences, host.rows):
+        count = len(seq.score_positions)
+        per_position = [np.asarray(logits[row + j, :len(ids)])
+                        for j, ids in enumerate(seq.score_token_ids)]
+        lse = None if logsumexp is None else np.asarray(logsumexp[row:row + count])
+        out.append((seq.key, per_position, lse))
+    return out

@@ -1,0 +1,70 @@
+"""Scorer options: defaults from ``configs/scoring.yaml``, validated into a dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from moejax.moe import EXPERT_IMPLS
+
+DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "configs" / "scoring.yaml"
+DTYPES = ("float32", "bfloat16")
+AUTO_BATCH_TOKENS = {"cpu": 4096, "gpu": 16384}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerOptions:
+    dtype: str = "auto"
+    max_batch_tokens: int | str = "auto"
+    min_block: int = 32
+    expert_impl: str = "auto"
+    tile_rows: int | None = None
+    progress_min_requests: int = 64
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
+        if self.expert_impl not in EXPERT_IMPLS:
+            raise ValueError(f"expert_impl must be one of {EXPERT_IMPLS}, got {self.expert_impl!r}")
+        if self.max_batch_tokens != "auto" and (not isinstance(self.max_batch_tokens, int)
+                                                or self.max_batch_tokens <= 0):
+            raise ValueError(f"max_batch_tokens must be a positive integer or 'auto', "
+                             f"got {self.max_batch_tokens!r}")
+        if self.tile_rows is not None and (not isinstance(self.tile_rows, int) or self.tile_rows <= 0):
+            raise ValueError(f"tile_rows must be a positive integer or None, got {self.tile_rows!r}")
+
+    @property
+    def platform(self) -> str:
+        return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+
+    def resolved_dtype(self) -> jnp.dtype:
+        name = self.dtype
+        if name == "auto":
+            name = "bfloat16" if self.platform == "gpu" else "float32"
+        return jnp.dtype(name)
+
+    def resolved_batch_tokens(self) -> int:
+        if self.max_batch_tokens == "auto":
+            return AUTO_BATCH_TOKENS[self.platform]
+        return int(self.max_batch_tokens)
+
+
+def load_options(overrides: Mapping[str, Any] | None = None,
+                 path: str | Path = DEFAULTS_PATH) -> ScorerOptions:
+    """Defaults from the YAML file, then ``overrides`` (None values are ignored)."""
+    import yaml
+
+    values: dict[str, Any] = {}
+    if Path(path).is_file():
+        with open(path, encoding="utf-8") as fh:
+            values.update(yaml.safe_load(fh) or {})
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = {f.name for f in dataclasses.fields(ScorerOptions)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"unknown Scorer option(s) {unknown}; known: {sorted(known)}")
+    return ScorerOptions(**values)

@@ -1,0 +1,752 @@
+"""Scoring requests: validation, expansion into prefill operations, and results.
+
+A scoring request is answered by ONE prefill forward pass per operation; the
+answer is read from next-token logits at a few positions, restricted to a set of
+candidate tokens. This module is the boundary between users and the engine:
+
+* :func:`parse_request` checks one request (a dict from JSONL or a
+  :class:`ScoreRequest`) without needing a tokenizer;
+* :func:`normalize_requests` tokenizes the valid requests and expands each into
+  atomic :class:`PrefillOp` s; bad requests are reported in ``errors`` and get no
+  ops, so one bad line never sinks the batch;
+* the engine runs every op and hands back one :class:`OpOutput` per op;
+* :func:`combine_results` turns the outputs back into one :class:`ScoreResult`
+  per request, in request order.
+
+Semantics
+---------
+Tokenization. Text is encoded WITHOUT special tokens (see
+:class:`TokenizerAdapter`). The prompt and every candidate are encoded
+*separately*, so all ops of a request share the prompt tokens exactly (that is
+what ``PrefillOp.prefix_len`` advertises to the packer) and a candidate scores
+the same tokens whatever prompt precedes it. Consequently candidates must carry
+the leading space the tokenizer expects (``" Paris"``, not ``"Paris"``).
+
+kind ``"classify"`` (prompt + candidates):
+
+* every candidate is one token -> ONE op (``candidate_index=-1``): token_ids =
+  prompt, score position = last prompt token, ``score_token_ids`` = (all
+  candidate ids,);
+* any candidate has more tokens -> one sibling op per candidate (all candidates,
+  single-token ones included, are then treated uniformly as sequences):
+  token_ids = prompt + candidate[:-1], score positions = last prompt token and
+  every candidate token but the last, each scoring the next candidate token,
+  ``need_vocab_logsumexp=True``. Sequence log-prob = sum(logit - logsumexp).
+
+normalize ``"candidates"``: logprobs = log-softmax over the candidates (of the
+single-token logits, or of the sequence log-probs); they sum to one in
+probability space. normalize ``"vocab"``: single-token: logit - logsumexp over
+the full vocabulary (``need_vocab_logsumexp=True``); multi-token: the raw
+sequence log-prob. ``label`` = index of the best candidate (first on ties).
+
+kind ``"choice"`` (multiple choice; text only): the prompt is rendered as
+``"{prompt}\\nA. {opt1}\\nB. {opt2}\\n...\\nAnswer:"`` and the scored candidates
+are the identifiers ``" A"``, ``" B"``, ... (templates and labels live in
+:class:`NormalizeOptions`; at most ``len(choice_labels)`` = 26 options). Then
+the classify rules apply, including the multi-token fallback when an identifier
+is not a single token for this tokenizer.
+
+kind ``"multi"`` (multi-selection): candidate k becomes a binary sibling op:
+token_ids = prompt tokens + encode(``multi_template.format(candidate=...)``),
+one score position (the last token) scoring ``(yes_id, no_id)`` =
+encode(" yes"), encode(" no") (``NormalizeOptions.multi_answers``; both must be
+single tokens). ``logprobs[k]`` = log P(yes) normalised over {yes, no}
+("candidates") or over the vocabulary ("vocab"); ``label`` = argmax over k;
+``selected`` = [k with P(yes) > P(no)], always under the binary normalisation.
+By construction this equals ``logprobs[0]`` of a "classify" request whose
+``prompt_token_ids`` are the sibling's token_ids and whose candidates are
+``[" yes", " no"]``. With token-id input (``prompt_token_ids``), candidates must
+be ``candidate_token_ids``; they are inserted where ``{candidate}`` sits in the
+template, the template text around them being encoded on its own.
+
+``ScoreResult.prompt_tokens`` is the number of prompt tokens (after the choice
+formatting; without the multi suffix). Failed requests get ``error`` set,
+``logprobs=None`` and ``prompt_tokens=0``.
+
+Every validation error is a :class:`RequestError` whose message reads
+``"request 'ID': FIELD: problem"`` (``request #INDEX`` when the id is absent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from collections import defaultdict
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+KINDS = ("classify", "choice", "multi")
+NORMALIZATIONS = ("candidates", "vocab")
+
+
+class RequestError(ValueError):
+    """A request that cannot be scored; the message names the request and the field."""
+
+    def __init__(self, message: str, *, index: int | None = None, field: str | None = None):
+        super().__init__(message)
+        self.index = index
+        self.field = field
+
+
+class Tokenizer(Protocol):
+    """Anything that turns text into token ids (no special tokens added)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+# ----------------------------------------------------------------------------- types
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+    """One scoring request, as the user wrote it (see the module docstring)."""
+
+    id: str | int | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    candidates: list[str] | None = None
+    candidate_token_ids: list[list[int]] | None = None
+    kind: str = "classify"
+    normalize: str = "candidates"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], index: int | None = None) -> ScoreRequest:
+        """Build from a JSON object; unknown keys are an error (they are usually typos)."""
+        if not isinstance(d, Mapping):
+            raise RequestError(f"{_label(None, index)}: expected an object (dict), "
+                               f"got {type(d).__name__}", index=index)
+        label = _label(d.get("id"), index)
+        unknown = sorted(str(k) for k in d if k not in _FIELD_NAMES)
+        if unknown:
+            names = ", ".join(repr(k) for k in unknown)
+            raise RequestError(f"{label}: unknown field(s) {names} "
+                               f"(accepted: {', '.join(_FIELD_NAMES)})",
+                               index=index, field=unknown[0])
+        return cls(**d)
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ScoreRequest))
+
+
+@dataclasses.dataclass
+class ScoreResult:
+    """The answer to one request; ``selected`` is set for kind "multi" only."""
+
+    id: str | int | None = None
+    logprobs: list[float] | None = None
+    label: int | None = None
+    prompt_tokens: int = 0
+    error: str | None = None
+    selected: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; ``selected`` appears only when set (kind "multi")."""
+        d: dict[str, Any] = {"id": self.id, "logprobs": self.logprobs, "label": self.label,
+                             "prompt_tokens": self.prompt_tokens, "error": self.error}
+        if self.selected is not None:
+            d["selected"] = self.selected
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOp:
+    """One prefill forward pass and the logits to read from it.
+
+    ``score_positions[i]`` indexes ``token_ids``; the NEXT-token logits there are
+    read for the ids ``score_token_ids[i]``. The first ``prefix_len`` tokens (the
+    prompt) are shared with the sibling ops of the same request.
+    """
+
+    request_index: int
+    candidate_index: int
+    token_ids: tuple[int, ...]
+    prefix_len: int
+    score_positions: tuple[int, ...]
+    score_token_ids: tuple[tuple[int, ...], ...]
+    need_vocab_logsumexp: bool
+
+
+@dataclasses.dataclass
+class OpOutput:
+    """What the model returns for one op.
+
+    ``logits[i]``: logits of ``score_token_ids[i]`` at ``score_positions[i]``.
+    ``logsumexp[i]``: log-sum-exp of the full-vocabulary logits there (required
+    when ``need_vocab_logsumexp``; used whenever present).
+    """
+
+    logits: list[np.ndarray]
+    logsumexp: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizeOptions:
+    """Prompt templates for kinds "choice" and "multi"."""
+
+    choice_template: str = "{prompt}\n{options}\nAnswer:"
+    choice_option_template: str = "{label}. {option}"
+    choice_option_separator: str = "\n"
+    choice_labels: tuple[str, ...] = tuple(string.ascii_uppercase)
+    choice_identifier_template: str = " {label}"
+    multi_template: str = "\nCandidate: {candidate}\nRelevant (yes/no):"
+    multi_answers: tuple[str, str] = (" yes", " no")
+
+    def __post_init__(self) -> None:
+        if self.multi_template.count("{candidate}") != 1:
+            raise ValueError("multi_template must contain '{candidate}' exactly once")
+        if not self.choice_labels or len(set(self.choice_labels)) != len(self.choice_labels):
+            raise ValueError("choice_labels must be non-empty and distinct")
+        if len(self.multi_answers) != 2 or self.multi_answers[0] == self.multi_answers[1]:
+            raise ValueError("multi_answers must be two distinct strings (yes, no)")
+
+
+class TokenizerAdapter:
+    """Wraps a ``tokenizers.Tokenizer``: encodes without special tokens, checks the text.
+
+    Special tokens (BOS, ...) are left out because prompt and candidates are
+    encoded separately and concatenated; a BOS in front of each candidate would
+    corrupt the sequence. Add it to ``prompt_token_ids`` yourself if the model needs it.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str) -> TokenizerAdapter:
+        """Load a ``tokenizer.json``."""
+        from tokenizers import Tokenizer as HFTokenizer
+        return cls(HFTokenizer.from_file(path))
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the tokenizer's vocabulary, added tokens included."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; raises TypeError / ValueError on non-str or non-UTF-8 text."""
+        problem = _text_problem(text)
+        if problem is not None:
+            raise (TypeError if not isinstance(text, str) else ValueError)(f"text {problem}")
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+# ----------------------------------------------------------------------------- parsing
+def _label(request_id: Any, index: int | None) -> str:
+    """How messages name a request: by its id when it has a usable one, else by index."""
+    if isinstance(request_id, str) or (isinstance(request_id, int)
+                                       and not isinstance(request_id, bool)):
+        return f"request {str(request_id)!r}"
+    return f"request #{index}" if index is not None else "request"
+
+
+def _text_problem(value: Any) -> str | None:
+    """Why ``value`` is not usable text (None when it is a str of valid UTF-8)."""
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"is not valid UTF-8 (bytes, invalid at byte {exc.start})"
+        return "must be a str, got bytes (decode it as UTF-8 first)"
+    if not isinstance(value, str):
+        return f"must be a str, got {type(value).__name__}"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Lone surrogates (e.g. from a bad JSON "\udc80" escape) are not encodable.
+        return f"is not valid UTF-8 text (lone surrogate {value[exc.start]!r} at index {exc.start})"
+    return None
+
+
+def _as_token_id(value: Any) -> int | None:
+    """``value`` as an int token id, or None when it is not an integer (bools refused)."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    return None
+
+
+class _Checker:
+    """Raises :class:`RequestError` s that name one request and the offending field."""
+
+    def __init__(self, request_id: Any, index: int | None):
+        self.index = index
+        self.label = _label(request_id, index)
+
+    def fail(self, field: str, problem: str) -> RequestError:
+        """The error to raise for ``field`` (returned so callers write ``raise check.fail``)."""
+        return RequestError(f"{self.label}: {field}: {problem}", index=self.index, field=field)
+
+    def text(self, value: Any, field: str) -> str:
+        """A str of valid UTF-8."""
+        problem = _text_problem(value)
+        if problem is not None:
+            raise self.fail(field, problem)
+        return value
+
+    def token_ids(self, value: Any, field: str) -> list[int]:
+        """A non-empty list of integers (range is checked later, against the model vocab)."""
+        if not isinstance(value, (list, tuple)):
+            raise self.fail(field, f"must be a list of integers, got {type(value).__name__}")
+        if not value:
+            raise self.fail(field, "is empty")
+        ids = []
+        for i, v in enumerate(value):
+            token = _as_token_id(v)
+            if token is None:
+                raise self.fail(f"{field}[{i}]", f"is not an integer (got {type(v).__name__})")
+            ids.append(token)
+        return ids
+
+    def choice_of(self, value: Any, field: str, accepted: tuple[str, ...]) -> str:
+        """One of ``accepted``."""
+        if value not in accepted or not isinstance(value, str):
+            raise self.fail(field, f"{value!r} is not one of "
+                                   f"{', '.join(repr(a) for a in accepted)}")
+        return value
+
+
+def _check_id(check: _Checker, request_id: Any) -> None:
+    """Ids end up in JSONL output, so only JSON scalars are allowed."""
+    if request_id is not None and _label(request_id, None) == "request":
+        raise check.fail("id", f"must be a string, an integer or null, "
+                               f"got {type(request_id).__name__}")
+
+
+def _parse_prompt(check: _Checker, req: ScoreRequest) -> tuple[str | None, list[int] | None]:
+    """Exactly one non-empty prompt, as text or as token ids."""
+    has_text, has_ids = req.prompt is not None, req.prompt_token_ids is not None
+    if has_text == has_ids:
+        raise check.fail("prompt", "give exactly one of prompt or prompt_token_ids "
+                                   f"(got {'both' if has_text else 'neither'})")
+    if has_ids:
+        return None, check.token_ids(req.prompt_token_ids, "prompt_token_ids")
+    text = check.text(req.prompt, "prompt")
+    if not text:
+        raise check.fail("prompt", "is empty")
+    return text, None
+
+
+def _parse_candidates(check: _Checker, req: ScoreRequest
+                      ) -> tuple[list[str] | None, list[list[int]] | None]:
+    """Exactly one non-empty, duplicate-free candidate list, as text or as token ids."""
+    has_text, has_ids = req.candidates is not None, req.candidate_token_ids is not None
+    if has_text == has_ids:
+        problem = ("give only one of candidates or candidate_token_ids (got both)" if has_text
+                   else "no candidates (give candidates or candidate_token_ids)")
+        raise check.fail("candidates", problem)
+    field = "candidates" if has_text else "candidate_token_ids"
+    values = req.candidates if has_text else req.candidate_token_ids
+    if not isinstance(values, (list, tuple)):
+        raise check.fail(field, f"must be a list, got {type(values).__name__}")
+    if not values:
+        raise check.fail(field, "is empty")
+    if has_text:
+        parsed: list[Any] = [check.text(v, f"{field}[{i}]") for i, v in enumerate(values)]
+    else:
+        parsed = [check.token_ids(v, f"{field}[{i}]") for i, v in enumerate(values)]
+    _check_distinct(check, field, [p if has_text else tuple(p) for p in parsed])
+    return (parsed, None) if has_text else (None, parsed)
+
+
+def _check_distinct(check: _Checker, field: str, values: Sequence[Any]) -> None:
+    """Duplicates would split probability mass between identical answers."""
+    first: dict[Any, int] = {}
+    for i, v in enumerate(values):
+        if v in first:
+            shown = list(v) if isinstance(v, tuple) else v
+            raise check.fail(field, f"candidates {first[v]} and {i} are duplicates ({shown!r})")
+        first[v] = i
+
+
+def _check_kind_inputs(check: _Checker, req: ScoreRequest) -> None:
+    """Input forms that a kind cannot use."""
+    if req.kind == "choice":
+        # The options are rendered into the prompt as text; ids cannot be rendered.
+        if req.prompt_token_ids is not None:
+            raise check.fail("prompt_token_ids", "kind 'choice' needs text: "
+                                                 "give prompt, not prompt_token_ids")
+        if req.candidate_token_ids is not None:
+            raise check.fail("candidate_token_ids", "kind 'choice' needs text: "
+                                                    "give candidates, not candidate_token_ids")
+        for i, option in enumerate(req.candidates or ()):
+            if not option.strip():
+                raise check.fail(f"candidates[{i}]", "is blank")
+    if req.kind == "multi" and req.prompt_token_ids is not None and req.candidates is not None:
+        raise check.fail("candidates", "kind 'multi' with prompt_token_ids needs the candidates "
+                                       "as candidate_token_ids too")
+
+
+def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreRequest:
+    """Validate one request (everything that needs no tokenizer) and return it cleaned.
+
+    Token ids come back as lists of Python ints. Raises :class:`RequestError`.
+    """
+    req = obj if isinstance(obj, ScoreRequest) else ScoreRequest.from_dict(obj, index)
+    check = _Checker(req.id, index)
+    _check_id(check, req.id)
+    check.choice_of(req.kind, "kind", KINDS)
+    check.choice_of(req.normalize, "normalize", NORMALIZATIONS)
+    prompt, prompt_ids = _parse_prompt(check, req)
+    candidates, candidate_ids = _parse_candidates(check, req)
+    req = dataclasses.replace(req, prompt=prompt, prompt_token_ids=prompt_ids,
+                              candidates=candidates, candidate_token_ids=candidate_ids)
+    _check_kind_inputs(check, req)
+    return req
+
+
+# ----------------------------------------------------------------------------- expansion
+class _Encoder:
+    """Encodes text for one request, turning tokenizer failures into RequestErrors."""
+
+    def __init__(self, tokenizer: Tokenizer, check: _Checker, vocab_size: int):
+        self.tokenizer, self.check, self.vocab_size = tokenizer, check, vocab_size
+
+    def encode(self, text: str, field: str, *, allow_empty: bool = False) -> list[int]:
+        """Token ids of ``text`` (``field`` names it in errors)."""
+        try:
+            ids = [int(t) for t in self.tokenizer.encode(text)]
+        except Exception as exc:  # any tokenizer failure is this request's problem only
+            raise self.check.fail(field, f"could not be tokenized ({exc})") from exc
+        if not ids and not allow_empty:
+            raise self.check.fail(field, f"{text!r} tokenizes to no tokens")
+        self.in_vocab(ids, field, "the tokenizer produced id")
+        return ids
+
+    def in_vocab(self, ids: Sequence[int], field: str, what: str = "token id") -> None:
+        """Ids the model has embeddings for."""
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.vocab_size:
+                raise self.check.fail(field, f"{what} {t} (position {i}) is outside the "
+                                             f"vocabulary [0, {self.vocab_size})")
+
+
+def _joint_op(index: int, candidate_index: int, context: Sequence[int], prefix_len: int,
+              continuations: Sequence[Sequence[int]], need_vocab: bool) -> PrefillOp:
+    """All continuations are single tokens: read them all at the context's last position."""
+    return PrefillOp(request_index=index, candidate_index=candidate_index,
+                     token_ids=tuple(context), prefix_len=prefix_len,
+                     score_positions=(len(context) - 1,),
+                     score_token_ids=(tuple(c[0] for c in continuations),),
+                     need_vocab_logsumexp=need_vocab)
+
+
+def _sequence_op(index: int, candidate_index: int, context: Sequence[int],
+                 continuation: Sequence[int]) -> PrefillOp:
+    """Teacher-force ``continuation`` after ``context``, reading each of its tokens."""
+    start = len(context) - 1
+    return PrefillOp(request_index=index, candidate_index=candidate_index,
+                     token_ids=tuple(context) + tuple(continuation[:-1]),
+                     prefix_len=len(context),
+                     score_positions=tuple(range(start, start + len(continuation))),
+                     score_token_ids=tuple((t,) for t in continuation),
+                     # log P(token) needs the full-vocabulary normaliser.
+                     need_vocab_logsumexp=True)
+
+
+def _classify_ops(index: int, prompt: list[int], continuations: list[list[int]],
+                  need_vocab: bool) -> list[PrefillOp]:
+    """One joint op when every candidate is one token, else one sequence op per candidate."""
+    if all(len(c) == 1 for c in continuations):
+        return [_joint_op(index, -1, prompt, len(prompt), continuations, need_vocab)]
+    return [_sequence_op(index, k, prompt, c) for k, c in enumerate(continuations)]
+
+
+def _classify_candidates(req: ScoreRequest, enc: _Encoder) -> list[list[int]]:
+    """Candidate token sequences of a classify request, distinct after tokenization."""
+    if req.candidate_token_ids is not None:
+        for k, ids in enumerate(req.candidate_token_ids):
+            enc.in_vocab(ids, f"candidate_token_ids[{k}]")
+        return req.candidate_token_ids
+    continuations = [enc.encode(c, f"candidates[{k}]") for k, c in enumerate(req.candidates)]
+    # Two texts with the same tokens (e.g. both [UNK]) would share probability mass.
+    first: dict[tuple[int, ...], int] = {}
+    for k, c in enumerate(continuations):
+        if tuple(c) in first:
+            j = first[tuple(c)]
+            raise enc.check.fail("candidates", f"candidates {j} ({req.candidates[j]!r}) and "
+                                               f"{k} ({req.candidates[k]!r}) tokenize identically")
+        first[tuple(c)] = k
+    return continuations
+
+
+def _choice_prompt(req: ScoreRequest, options: NormalizeOptions) -> str:
+    """The question with lettered options and the answer cue."""
+    rendered = options.choice_option_separator.join(
+        options.choice_option_template.format(label=label, option=option)
+        for label, option in zip(options.choice_labels, req.candidates))
+    return options.choice_template.format(prompt=req.prompt, options=rendered)
+
+
+def _choice_ops(index: int, req: ScoreRequest, enc: _Encoder, options: NormalizeOptions,
+                need_vocab: bool) -> tuple[list[PrefillOp], int]:
+    """Ops of a multiple-choice request: classify over the option identifiers."""
+    if len(req.candidates) > len(options.choice_labels):
+        raise enc.check.fail("candidates", f"kind 'choice' takes at most "
+                                           f"{len(options.choice_labels)} options, "
+                                           f"got {len(req.candidates)}")
+    prompt = enc.encode(_choice_prompt(req, options), "prompt")
+    labels = options.choice_labels[:len(req.candidates)]
+    identifiers = [enc.encode(options.choice_identifier_template.format(label=label),
+                              f"choice identifier {label!r}") for label in labels]
+    return _classify_ops(index, prompt, identifiers, need_vocab), len(prompt)
+
+
+def _multi_suffix(req: ScoreRequest, k: int, enc: _Encoder, options: NormalizeOptions
+                  ) -> list[int]:
+    """Tokens appended to the prompt for candidate k: the rendered multi template."""
+    if req.candidates is not None:
+        enc.encode(req.candidates[k], f"candidates[{k}]")  # refuses empty tokenizations
+        return enc.encode(options.multi_template.format(candidate=req.candidates[k]),
+                          f"candidates[{k}]")
+    # Token-id candidates: encode the template around them, insert the ids verbatim.
+    before, after = options.multi_template.split("{candidate}")
+    ids = req.candidate_token_ids[k]
+    enc.in_vocab(ids, f"candidate_token_ids[{k}]")
+    return (enc.encode(before, "multi_template", allow_empty=True) + list(ids)
+            + enc.encode(after, "multi_template", allow_empty=True))
+
+
+def _multi_answer_ids(enc: _Encoder, options: NormalizeOptions) -> tuple[int, int]:
+    """The (yes, no) token ids; each answer must be a single token."""
+    ids = []
+    for answer in options.multi_answers:
+        tokens = enc.encode(answer, "kind")
+        if len(tokens) != 1:
+            raise enc.check.fail("kind", f"kind 'multi' needs single-token answers, but "
+                                         f"{answer!r} is {len(tokens)} tokens for this "
+                                         f"tokenizer (NormalizeOptions.multi_answers)")
+        ids.append(tokens[0])
+    if ids[0] == ids[1]:
+        raise enc.check.fail("kind", f"multi answers {options.multi_answers!r} tokenize "
+                                     "identically")
+    return ids[0], ids[1]
+
+
+def _multi_ops(index: int, req: ScoreRequest, prompt: list[int], enc: _Encoder,
+               options: NormalizeOptions, need_vocab: bool) -> list[PrefillOp]:
+    """One binary (yes/no) op per candidate, all sharing the prompt tokens as prefix."""
+    yes_no = _multi_answer_ids(enc, options)
+    n = len(req.candidates if req.candidates is not None else req.candidate_token_ids)
+    ops = []
+    for k in range(n):
+        context = prompt + _multi_suffix(req, k, enc, options)
+        ops.append(_joint_op(index, k, context, len(prompt), [[yes_no[0]], [yes_no[1]]],
+                             need_vocab))
+    return ops
+
+
+def _prompt_ids(req: ScoreRequest, enc: _Encoder) -> list[int]:
+    """Prompt token ids of a classify / multi request."""
+    if req.prompt_token_ids is not None:
+        enc.in_vocab(req.prompt_token_ids, "prompt_token_ids")
+        return req.prompt_token_ids
+    return enc.encode(req.prompt, "prompt")
+
+
+def _check_context(check: _Checker, ops: list[PrefillOp], prompt_len: int,
+                   max_context: int) -> None:
+    """Every op must fit in the model's context window."""
+    if prompt_len > max_context:
+        raise check.fail("prompt", f"has {prompt_len} tokens, more than "
+                                   f"max_context ({max_context})")
+    longest = max(ops, key=lambda op: len(op.token_ids))
+    if len(longest.token_ids) > max_context:
+        extra = len(longest.token_ids) - prompt_len
+        raise check.fail("candidates", f"prompt ({prompt_len} tokens) + the "
+                                       f"{extra} token(s) appended for candidate "
+                                       f"{longest.candidate_index} = "
+                                       f"{len(longest.token_ids)} tokens, more than "
+                                       f"max_context ({max_context})")
+
+
+def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size: int,
+                 max_context: int, options: NormalizeOptions) -> tuple[list[PrefillOp], int]:
+    """Ops and prompt length of one parsed request; raises RequestError."""
+    check = _Checker(req.id, index)
+    enc = _Encoder(tokenizer, check, vocab_size)
+    need_vocab = req.normalize == "vocab"
+    if req.kind == "choice":
+        ops, prompt_len = _choice_ops(index, req, enc, options, need_vocab)
+    else:
+        prompt = _prompt_ids(req, enc)
+        prompt_len = len(prompt)
+        if req.kind == "multi":
+            ops = _multi_ops(index, req, prompt, enc, options, need_vocab)
+        else:
+            ops = _classify_ops(index, prompt, _classify_candidates(req, enc), need_vocab)
+    _check_context(check, ops, prompt_len, max_context)
+    return ops, prompt_len
+
+
+def normalize_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
+                       tokenizer: Tokenizer, *, vocab_size: int, max_context: int,
+                       options: NormalizeOptions = NormalizeOptions(),
+                       ) -> tuple[list[PrefillOp], dict[int, str], dict[int, int]]:
+    """Expand requests into prefill ops.
+
+    Returns ``(ops, errors, prompt_tokens)``: ops in request order (siblings
+    adjacent), ``errors[i]`` = message for each bad request (which gets no ops),
+    ``prompt_tokens[i]`` = prompt length of each good request.
+    """
+    ops: list[PrefillOp] = []
+    errors: dict[int, str] = {}
+    prompt_tokens: dict[int, int] = {}
+    for index, obj in enumerate(requests):
+        try:
+            req = parse_request(obj, index)
+            request_ops, prompt_tokens[index] = _request_ops(index, req, tokenizer,
+                                                              vocab_size, max_context, options)
+        except RequestError as exc:
+            errors[index] = str(exc)
+            prompt_tokens.pop(index, None)
+            continue
+        ops.extend(request_ops)
+    return ops, errors, prompt_tokens
+
+
+# ----------------------------------------------------------------------------- results
+def _check_output(op: PrefillOp, out: OpOutput) -> None:
+    """An output that does not match its op is an engine bug, not a user error."""
+    if len(out.logits) != len(op.score_positions):
+        raise ValueError(f"op of request #{op.request_index} has {len(op.score_positions)} "
+                         f"score positions but its output has {len(out.logits)} logit rows")
+    for i, (row, ids) in enumerate(zip(out.logits, op.score_token_ids)):
+        if np.shape(row) != (len(ids),):
+            raise ValueError(f"op of request #{op.request_index}: logits[{i}] has shape "
+                             f"{np.shape(row)}, expected ({len(ids)},)")
+    if out.logsumexp is None:
+        if op.need_vocab_logsumexp:
+            raise ValueError(f"op of request #{op.request_index} needs logsumexp, got None")
+    elif np.shape(out.logsumexp) != (len(op.score_positions),):
+        raise ValueError(f"op of request #{op.request_index}: logsumexp has shape "
+                         f"{np.shape(out.logsumexp)}, expected ({len(op.score_positions)},)")
+
+
+def _joint_scores(out: OpOutput) -> np.ndarray:
+    """Per-candidate scores at the single position: vocab log-probs when logsumexp is given.
+
+    Subtracting the (shared) logsumexp leaves the candidate log-softmax unchanged.
+    """
+    scores = np.asarray(out.logits[0], dtype=np.float64)
+    if out.logsumexp is not None:
+        scores = scores - float(np.asarray(out.logsumexp, dtype=np.float64)[0])
+    return scores
+
+
+def _sequence_logprob(out: OpOutput) -> float:
+    """Sum over positions of log P(next token) = logit - logsumexp."""
+    lse = np.asarray(out.logsumexp, dtype=np.float64)
+    return float(sum(float(np.asarray(row, dtype=np.float64)[0]) - lse[i]
+                     for i, row in enumerate(out.logits)))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """Numerically stable log-softmax of a 1-D float64 array."""
+    shift = np.max(x)
+    if not np.isfinite(shift):
+        shift = 0.0
+    return x - (shift + np.log(np.sum(np.exp(x - shift))))
+
+
+def _outputs_by_candidate(pairs: list[tuple[PrefillOp, OpOutput]], n: int) -> list[OpOutput]:
+    """Outputs of sibling ops ordered by candidate_index, which must be exactly 0..n-1."""
+    by_candidate = {op.candidate_index: out for op, out in pairs}
+    if len(pairs) != n or sorted(by_candidate) != list(range(n)):
+        got = sorted(op.candidate_index for op, _ in pairs)
+        raise ValueError(f"request #{pairs[0][0].request_index}: expected one op per "
+                         f"candidate 0..{n - 1}, got candidate indices {got}")
+    return [by_candidate[k] for k in range(n)]
+
+
+def _candidate_scores(pairs: list[tuple[PrefillOp, OpOutput]], n: int) -> np.ndarray:
+    """Scores of the n candidates of a classify/choice request (joint or sequence ops)."""
+    if len(pairs) == 1 and pairs[0][0].candidate_index == -1:
+        scores = _joint_scores(pairs[0][1])
+    else:
+        scores = np.array([_sequence_logprob(out) for out in _outputs_by_candidate(pairs, n)])
+    if scores.shape != (n,):
+        raise ValueError(f"request #{pairs[0][0].request_index}: {scores.shape[0]} scores "
+                         f"for {n} candidates")
+    return scores
+
+
+def _classify_result(req: ScoreRequest, pairs: list[tuple[PrefillOp, OpOutput]],
+                     n: int) -> ScoreResult:
+    """logprobs/label of a classify or choice request."""
+    scores = _candidate_scores(pairs, n)
+    logprobs = _log_softmax(scores) if req.normalize == "candidates" else scores
+    return ScoreResult(id=req.id, logprobs=[float(v) for v in logprobs],
+                       label=int(np.argmax(logprobs)))
+
+
+def _multi_result(req: ScoreRequest, pairs: list[tuple[PrefillOp, OpOutput]],
+                  n: int) -> ScoreResult:
+    """logprobs (log P(yes) per candidate), label and selected of a multi request."""
+    logprobs, selected = [], []
+    for k, out in enumerate(_outputs_by_candidate(pairs, n)):
+        yes_no = _joint_scores(out)  # [yes, no]
+        binary = _log_softmax(yes_no)
+        logprobs.append(float(binary[0] if req.normalize == "candidates" else yes_no[0]))
+        if binary[0] > binary[1]:
+            selected.append(k)
+    return ScoreResult(id=req.id, logprobs=logprobs, label=int(np.argmax(logprobs)),
+                       selected=selected)
+
+
+def _error_id(obj: Any) -> str | int | None:
+    """Best-effort id of a request that failed validation (for the error result)."""
+    request_id = obj.id if isinstance(obj, ScoreRequest) else (
+        obj.get("id") if isinstance(obj, Mapping) else None)
+    return request_id if _label(request_id, None) != "request" else None
+
+
+def _has_nan(pairs: list[tuple[PrefillOp, OpOutput]]) -> bool:
+    """NaN logits mean the forward pass broke; -inf (masked tokens) is legitimate."""
+    for _, out in pairs:
+        if any(np.isnan(np.asarray(row, dtype=np.float64)).any() for row in out.logits):
+            return True
+        if out.logsumexp is not None and np.isnan(np.asarray(out.logsumexp, np.float64)).any():
+            return True
+    return False
+
+
+def _request_result(req: ScoreRequest, index: int,
+                    pairs: list[tuple[PrefillOp, OpOutput]]) -> ScoreResult:
+    """Result of one request that produced ops."""
+    if not pairs:
+        raise ValueError(f"request #{index} has neither ops nor an error")
+    if _has_nan(pairs):
+        return ScoreResult(id=req.id, error=f"{_label(req.id, index)}: the model produced "
+                                            "NaN logits")
+    n = len(req.candidates if req.candidates is not None else req.candidate_token_ids)
+    if req.kind == "multi":
+        return _multi_result(req, pairs, n)
+    return _classify_result(req, pairs, n)
+
+
+def combine_results(requests: Sequence[ScoreRequest | Mapping[str, Any]],
+                    ops: Sequence[PrefillOp], outputs: Sequence[OpOutput],
+                    errors: Mapping[int, str], prompt_tokens: Mapping[int, int],
+                    ) -> list[ScoreResult]:
+    """One result per request, in request order.
+
+    ``outputs[i]`` must belong to ``ops[i]``; the pairs may come in any order
+    (ops are matched to candidates by ``candidate_index``). Raises ValueError
+    when outputs do not match their ops (an engine bug).
+    """
+    if len(ops) != len(outputs):
+        raise ValueError(f"{len(ops)} ops but {len(outputs)} outputs")
+    pairs_by_request: dict[int, list[tuple[PrefillOp, OpOutput]]] = defaultdict(list)
+    for op, out in zip(ops, outputs):
+        _check_output(op, out)
+        pairs_by_request[op.request_index].append((op, out))
+    results = []
+    for index, obj in enumerate(requests):
+        if index in errors:
+            results.append(ScoreResult(id=_error_id(obj), error=errors[index]))
+            continue
+        result = _request_result(parse_request(obj, index), index, pairs_by_request[index])
+        if result.error is None:
+            result.prompt_tokens = prompt_tokens[index]
+        results.append(result)
+    return results
