@@ -1,0 +1,37 @@
+# make demo: create .venv if missing, install moejax, score examples/requests.jsonl with the
+#            built-in (untrained) demo model.
+# make test: the same set-up plus the dev and parity extras, then the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_OUT ?= out/demo_scores.jsonl
+
+.PHONY: demo test bench-quick clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e ".[dev,parity]"
+	touch $(VENV)/.installed $@
+
+demo: $(VENV)/.installed
+	@mkdir -p $(dir $(DEMO_OUT))
+	$(VENV)/bin/moejax score examples/requests.jsonl -o $(DEMO_OUT)
+	@cat $(DEMO_OUT)
+
+# pytest exits 5 when it collected no test: that is a failure here, not a success.
+test: $(VENV)/.installed-test
+	$(PY) -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$rc
+
+bench-quick: $(VENV)/.installed-test
+	$(PY) benchmarks/prefill_cpu.py --quick
+
+clean:
+	rm -rf $(VENV) out .pytest_cache
