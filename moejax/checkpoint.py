@@ -44,14 +44,13 @@ import re
 import shutil
 import tempfile
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
 
 from moejax.config import ModelConfig, load_config
-
-Params = dict[str, Any]
+from moejax.param_layout import Params, param_shapes, shape_problems
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -286,19 +285,8 @@ class CheckpointReader:
 
 # =========================================================================== HF -> params
 def expected_param_shapes(cfg: ModelConfig) -> Params:
-    """The params pytree of ``cfg`` with shape tuples as leaves (see the module docstring)."""
-    d, L, h, E = cfg.hidden_size, cfg.num_layers, cfg.head_dim, cfg.num_experts
-    f, V, q, kv = cfg.moe_intermediate_size, cfg.vocab_size, cfg.num_heads * h, cfg.num_kv_heads * h
-    layers = {"attn_norm": (L, d), "wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv),
-              "wo": (L, q, d), "mlp_norm": (L, d), "router": (L, d, E),
-              "w_gate": (L, E, d, f), "w_up": (L, E, d, f), "w_down": (L, E, f, d)}
-    if cfg.qk_norm:
-        layers["q_norm"] = (L, h)
-        layers["k_norm"] = (L, h)
-    shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, V)
-    return shapes
+    """The params pytree of ``cfg`` with shape tuples as leaves (``moejax.param_layout``)."""
+    return param_shapes(cfg)
 
 
 Transform = Callable[[np.ndarray], np.ndarray]
@@ -476,14 +464,6 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
 
 
 # =========================================================================== orbax
-def _tree_items(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(tree, Mapping):
-        for key, value in tree.items():
-            yield from _tree_items(value, f"{prefix}/{key}" if prefix else str(key))
-    else:
-        yield prefix, tree
-
-
 def _tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     if isinstance(tree, Mapping):
         return {key: _tree_map(fn, value) for key, value in tree.items()}
@@ -590,11 +570,7 @@ def convert_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
 
 def _check_shapes(params: Params, cfg: ModelConfig, where: str) -> None:
-    expected = dict(_tree_items(expected_param_shapes(cfg)))
-    found = {key: tuple(np.shape(value)) for key, value in _tree_items(params)}
-    problems = [f"{key}: expected shape {shape}, found {found.get(key, 'nothing')}"
-                for key, shape in expected.items() if found.get(key) != shape]
-    problems += [f"{key}: unexpected param" for key in found if key not in expected]
+    problems = shape_problems(params, cfg)
     if problems:
         raise CheckpointError(f"{where}: params do not match config.json: {_listing(problems)}")
 

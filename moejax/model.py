@@ -28,8 +28,8 @@ from flax import nnx
 
 from moejax import moe
 from moejax.config import ModelConfig
+from moejax.param_layout import Params, param_shapes, shape_problems
 
-Params = dict[str, Any]
 MASK_VALUE = -1e30  # finite, so a row with no visible key cannot turn into NaN
 
 
@@ -201,30 +201,6 @@ def full_logits(params: Params, batch: PackedBatch, cfg: ModelConfig,
 
 
 # ------------------------------------------------------------------ NNX model
-def param_shapes(cfg: ModelConfig) -> Params:
-    """Shapes of every parameter of ``cfg`` in the layout of this module."""
-    d, h, L, E, f = (cfg.hidden_size, cfg.head_dim, cfg.num_layers, cfg.num_experts,
-                     cfg.moe_intermediate_size)
-    layers = {
-        "attn_norm": (L, d),
-        "wq": (L, d, cfg.num_heads * h),
-        "wk": (L, d, cfg.num_kv_heads * h),
-        "wv": (L, d, cfg.num_kv_heads * h),
-        "wo": (L, cfg.num_heads * h, d),
-        "mlp_norm": (L, d),
-        "router": (L, d, E),
-        "w_gate": (L, E, d, f),
-        "w_up": (L, E, d, f),
-        "w_down": (L, E, f, d),
-    }
-    if cfg.qk_norm:
-        layers.update(q_norm=(L, h), k_norm=(L, h))
-    shapes: Params = {"embed": (cfg.vocab_size, d), "layers": layers, "final_norm": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    return shapes
-
-
 def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02,
                 dtype: Any = np.float32) -> Params:
     """Deterministic random params (norm weights 1, matrices N(0, scale²)) as NumPy arrays."""
@@ -246,21 +222,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02,
 
 
 def check_params(params: Params, cfg: ModelConfig) -> None:
-    """Raise ValueError naming any missing, unexpected or mis-shaped parameter."""
-    expected = param_shapes(cfg)
-    flat_expected = {(k,): v for k, v in expected.items() if k != "layers"}
-    flat_expected.update({("layers", k): v for k, v in expected["layers"].items()})
-    flat_found = {(k,): v for k, v in params.items() if k != "layers"}
-    flat_found.update({("layers", k): v for k, v in params.get("layers", {}).items()})
-    for key, shape in flat_expected.items():
-        if key not in flat_found:
-            raise ValueError(f"missing parameter {'.'.join(key)} (expected shape {shape})")
-        if tuple(flat_found[key].shape) != tuple(shape):
-            raise ValueError(f"parameter {'.'.join(key)}: expected shape {tuple(shape)}, "
-                             f"found {tuple(flat_found[key].shape)}")
-    extra = set(flat_found) - set(flat_expected)
-    if extra:
-        raise ValueError(f"unexpected parameters: {sorted('.'.join(k) for k in extra)}")
+    """Raise ValueError naming every missing, unexpected or mis-shaped parameter."""
+    problems = shape_problems(params, cfg)
+    if problems:
+        raise ValueError("params do not match the model config: " + "; ".join(problems))
 
 
 class DecoderLayers(nnx.Module):

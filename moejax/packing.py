@@ -6,19 +6,22 @@ packed batch has:
 * an attention block size B: the smallest power of two >= the longest sequence
   in the batch (and >= ``min_block``); no sequence crosses a block boundary;
 * T = B · n_blocks tokens, with n_blocks a power of two and T <= max_batch_tokens
-  (a single sequence longer than that gets a batch of its own, T = B);
+  (a single sequence longer than that gets a batch of its own, T = B); short
+  sequences share blocks (best-fit-decreasing bin packing, any block size), and
+  the blocks of one size are cut into batches of power-of-two block counts, so
+  no batch carries empty blocks;
 * P scoring positions rounded up to a power of two (>= ``min_positions``);
 * C candidate columns per position rounded up to a power of two (>= ``min_candidates``).
 
 So the compiled programs are keyed by (T, B, P, C, full_vocab), each from a
 short list of powers of two: a long job compiles a bounded number of them
 (at most log2(max T / min_block)² · |P buckets| · |C buckets| · 2, and in
-practice a handful). Sequences are sorted longest first, so batches hold similar
-lengths and B stays tight; blocks are filled first-fit.
+practice a handful).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Hashable, Sequence
 
@@ -113,45 +116,75 @@ class HostBatch:
         return (self.batch.tokens.shape[0], self.options.attn_block, p, c, self.options.full_vocab)
 
 
-def _first_fit(blocks: list[int], length: int, block: int) -> int | None:
-    for i, used in enumerate(blocks):
-        if used + length <= block:
-            return i
-    return None
+@dataclasses.dataclass
+class _Block:
+    size: int
+    used: int = 0
+    members: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (seq, offset)
+
+
+def assign_blocks(lengths: Sequence[int], policy: BucketPolicy) -> list[_Block]:
+    """Best-fit-decreasing bin packing of sequences into attention blocks.
+
+    Longest first; each sequence goes into the open block with the least room
+    that still fits it (any block size), else into a new block of
+    ``policy.block_for(length)`` tokens. Short sequences thus fill the tails of
+    long ones' blocks, where they cost no extra attention work (the block is
+    computed whole anyway), and padding stays small.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    blocks: list[_Block] = []
+    room: list[tuple[int, int]] = []   # sorted (free tokens, block id)
+    for i in order:
+        n = lengths[i]
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            _, b = room.pop(at)
+        else:
+            b = len(blocks)
+            blocks.append(_Block(size=policy.block_for(n)))
+        block = blocks[b]
+        block.members.append((i, block.used))
+        block.used += n
+        if block.used < block.size:
+            bisect.insort(room, (block.size - block.used, b))
+    return blocks
+
+
+def batch_block_counts(num_blocks: int, cap: int) -> list[int]:
+    """Blocks per batch: full batches of ``cap`` (a power of two), then the remainder as
+    a sum of decreasing powers of two, so no batch is padded with empty blocks."""
+    counts = [cap] * (num_blocks // cap)
+    rest = num_blocks % cap
+    while rest:
+        counts.append(prev_power_of_two(rest))
+        rest -= counts[-1]
+    return counts
 
 
 def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
          options: ForwardOptions | None = None) -> list[HostBatch]:
-    """Pack ``sequences`` into batches (longest first). ``options`` supplies the
-    non-shape forward options (expert implementation, tile rows)."""
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i].token_ids))
-    batches: list[HostBatch] = []
-    members: list[tuple[int, int, int]] = []   # (sequence index, block, offset in block)
-    blocks: list[int] = []
-    block = 0
-    for i in order:
-        length = len(sequences[i].token_ids)
-        if not members:
-            block = policy.block_for(length)
-        slot = _first_fit(blocks, length, block)
-        if slot is None:
-            if len(blocks) >= prev_power_of_two(policy.max_batch_tokens // block):
-                batches.append(_build(sequences, members, len(blocks), block, policy, options))
-                members, blocks = [], []
-                block = policy.block_for(length)
-            blocks.append(0)
-            slot = len(blocks) - 1
-        members.append((i, slot, blocks[slot]))
-        blocks[slot] += length
-    if members:
-        batches.append(_build(sequences, members, len(blocks), block, policy, options))
+    """Pack ``sequences`` into batches (largest attention blocks first). ``options``
+    supplies the non-shape forward options (expert implementation, tile rows)."""
+    blocks = assign_blocks([len(s.token_ids) for s in sequences], policy)
+    by_size: dict[int, list[_Block]] = {}
+    for block in blocks:
+        by_size.setdefault(block.size, []).append(block)
+    batches = []
+    for size in sorted(by_size, reverse=True):
+        group = by_size[size]
+        cap = prev_power_of_two(max(1, policy.max_batch_tokens // size))
+        start = 0
+        for count in batch_block_counts(len(group), cap):
+            batches.append(_build(sequences, group[start:start + count], size, policy, options))
+            start += count
     return batches
 
 
-def _build(sequences: Sequence[ScoringSequence], members: list[tuple[int, int, int]],
-           num_blocks: int, block: int, policy: BucketPolicy,
-           options: ForwardOptions | None) -> HostBatch:
-    total = next_power_of_two(num_blocks) * block
+def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: int,
+           policy: BucketPolicy, options: ForwardOptions | None) -> HostBatch:
+    members = [(i, slot, offset) for slot, b in enumerate(blocks) for i, offset in b.members]
+    total = len(blocks) * block
     tokens = np.zeros(total, np.int32)
     positions = np.zeros(total, np.int32)
     segment_ids = np.full(total, -1, np.int32)
