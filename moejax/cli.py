@@ -18,30 +18,32 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 
-def _read_jsonl(path: str) -> tuple[list[Any], dict[int, str]]:
-    """Parsed lines, and an error message for each line that is not a JSON object."""
-    requests: list[Any] = []
-    bad: dict[int, str] = {}
-    stream = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="surrogateescape")
-    with stream:
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            index = len(requests)
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                bad[index] = f"line {number}: invalid JSON: {exc.msg} (column {exc.colno})"
-                obj = None
-            else:
-                if not isinstance(obj, dict):
-                    bad[index] = f"line {number}: expected a JSON object, got {type(obj).__name__}"
-                    obj = None
-            requests.append(obj)
-    return requests, bad
+def _parse_line(number: int, line: str) -> tuple[Any, str | None]:
+    """(request, None) or (None, error message) for one JSONL line."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"line {number}: invalid JSON: {exc.msg} (column {exc.colno})"
+    if not isinstance(obj, dict):
+        return None, f"line {number}: expected a JSON object, got {type(obj).__name__}"
+    return obj, None
+
+
+def read_jsonl_chunks(stream, chunk_size: int) -> Iterator[list[tuple[Any, str | None]]]:
+    """Chunks of (request, error) pairs, one per non-blank line, in file order."""
+    chunk: list[tuple[Any, str | None]] = []
+    for number, line in enumerate(stream, start=1):
+        if not line.strip():
+            continue
+        chunk.append(_parse_line(number, line))
+        if len(chunk) >= chunk_size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _scorer_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,31 +51,62 @@ def _scorer_options(args: argparse.Namespace) -> dict[str, Any]:
             "expert_impl": args.expert_impl}
 
 
-def cmd_score(args: argparse.Namespace) -> int:
-    from serving import Scorer
+def _count_lines(path: str) -> int | None:
+    if path == "-":
+        return None
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+def score_chunk(scorer: Any, chunk: list[tuple[Any, str | None]]) -> list[Any]:
+    """Results for one chunk, in order: parse errors as error results, the rest scored."""
     from serving.requests import ScoreResult
 
-    requests, bad = _read_jsonl(args.input)
+    good = [obj for obj, error in chunk if error is None]
+    scored = iter(scorer.score(good, progress=False))
+    return [ScoreResult(error=error) if error is not None else next(scored)
+            for _, error in chunk]
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from serving import Scorer
+
     scorer = Scorer(args.model, **_scorer_options(args))
-    good_index = [i for i in range(len(requests)) if i not in bad]
+    total = _count_lines(args.input)
+    show_bar = args.progress if args.progress is not None else (
+        sys.stderr.isatty() and (total or 0) >= scorer.options.progress_min_requests)
+    bar = None
+    if show_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", desc="scoring", file=sys.stderr)
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8",
+                                                      errors="surrogateescape")
+    sink = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
+    count = errors = 0
     start = time.perf_counter()
-    scored = scorer.score([requests[i] for i in good_index], progress=args.progress)
+    try:
+        # Chunks bound memory on files of millions of requests; results are written as
+        # each chunk finishes, in input order.
+        for chunk in read_jsonl_chunks(source, args.chunk_size):
+            for result in score_chunk(scorer, chunk):
+                sink.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                errors += result.error is not None
+            count += len(chunk)
+            sink.flush()
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+        if source is not sys.stdin:
+            source.close()
+        if sink is not sys.stdout:
+            sink.close()
     elapsed = time.perf_counter() - start
-    results: list[ScoreResult | None] = [None] * len(requests)
-    for i, message in bad.items():
-        results[i] = ScoreResult(error=message)
-    for i, result in zip(good_index, scored):
-        results[i] = result
-    lines = "".join(json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in results)
-    if args.output in (None, "-"):
-        sys.stdout.write(lines)
-    else:
-        with open(args.output, "w", encoding="utf-8") as out:
-            out.write(lines)
-    errors = sum(1 for r in results if r.error)
     stats = scorer.engine.stats
     rate = stats.real_tokens / elapsed if elapsed > 0 else 0.0
-    print(f"scored {len(results) - errors} of {len(results)} requests ({errors} with errors) in "
+    print(f"scored {count - errors} of {count} requests ({errors} with errors) in "
           f"{elapsed:.2f}s: {stats.real_tokens} tokens, {rate:.0f} tokens/s, "
           f"{stats.batches} batches, {stats.compiles} compiled shapes"
           + (f", results in {args.output}" if args.output not in (None, "-") else ""),
@@ -102,13 +135,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo",
                    help="local Hugging Face model directory, converted moejax directory, or "
                         "'demo' (built-in untrained model; default)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=None,
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--max-batch-tokens", type=int, default=None,
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=None,
                    help="tokens per packed batch (default: configs/scoring.yaml)")
     p.add_argument("--expert-impl", default=None,
                    choices=["auto", "fused_tiles", "gmm", "ragged_dot", "dense"],
@@ -123,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     score = sub.add_parser("score", help="score a JSONL file of requests")
     score.add_argument("input", help="JSONL requests ('-' for stdin)")
     score.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
+    score.add_argument("--chunk-size", type=_positive_int, default=4096,
+                       help="requests scored per chunk; results are written after each chunk")
     score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar (default: on for large inputs on a terminal)")
     _add_model_options(score)

@@ -168,3 +168,31 @@ def test_cli_reports_missing_model(tmp_path, capsys):
     src.write_text(json.dumps(REQUESTS[0]) + "\n")
     assert main(["score", str(src), "--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_chunks_give_the_same_results(tmp_path):
+    from moejax.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in REQUESTS) + "\n{bad\n", encoding="utf-8")
+    outputs = []
+    for chunk in ("1000", "2"):
+        out = tmp_path / f"out{chunk}.jsonl"
+        assert main(["score", str(src), "-o", str(out), "--chunk-size", chunk,
+                     "--max-batch-tokens", "512"]) == 0
+        outputs.append([json.loads(line) for line in out.read_text().splitlines()])
+    assert len(outputs[0]) == len(REQUESTS) + 1
+    for a, b in zip(*outputs):
+        assert a["id"] == b["id"] and a["error"] == b["error"] and a["label"] == b["label"]
+        if a["logprobs"] is not None:
+            assert _close(a["logprobs"], b["logprobs"])
+
+
+def test_bfloat16_scores_track_float32(scorer):
+    bf16 = Scorer("demo", dtype="bfloat16", max_batch_tokens=512)
+    assert bf16.info["dtype"] == "bfloat16"
+    requests = REQUESTS[:3] + REQUESTS[4:]
+    for a, b in zip(bf16.score(requests), scorer.score(requests)):
+        assert a.error is None
+        # The demo's untrained logits are nearly flat, so compare log-probs, not argmax.
+        assert np.max(np.abs(np.array(a.logprobs) - np.array(b.logprobs))) < 0.1
