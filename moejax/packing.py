@@ -5,8 +5,10 @@ packed batch has:
 
 * an attention block size B: the smallest power of two >= the longest sequence
   in the batch (and >= ``min_block``); no sequence crosses a block boundary;
-* T = B · n_blocks tokens, with n_blocks a power of two and T <= max_batch_tokens
-  (a single sequence longer than that gets a batch of its own, T = B); short
+* T = B · n_blocks tokens, with n_blocks a power of two and T <= max_batch_tokens,
+  except that a block is never split: when B itself exceeds max_batch_tokens
+  (a sequence longer than the largest power of two <= max_batch_tokens), the
+  batch is that one block (T = B, shorter sequences may share it); short
   sequences share blocks (best-fit-decreasing bin packing, any block size), and
   the blocks of one size are cut into batches of power-of-two block counts, so
   no batch carries empty blocks;
