@@ -2,11 +2,10 @@
 
 Input is a flat token array with segment ids and positions (``PackedBatch``):
 requests of different lengths share one batch without padding to the longest.
-Attention is causal within a segment, computed block-locally: the flat array is
-cut into blocks of ``attn_block`` tokens and the packer (``moejax.packing``)
-never lets a segment cross a block boundary, so each block attends only to
-itself and attention costs T·B instead of T². (Measured on this CPU, a
-lookback window over the previous block cost 2-3× more for the same batch.)
+Attention is causal within a segment, computed block-locally (``moejax.attention``):
+the flat array is cut into blocks of ``attn_block`` tokens and the packer
+(``moejax.packing``) never lets a segment cross a block boundary, so each block
+attends only to itself and attention costs at most T·B instead of T².
 
 Params (a nested dict, all layers stacked on a leading L axis, matrices [in, out]):
 ``embed [V, d]``, ``layers.{attn_norm [L, d], wq [L, d, n_q·h], wk/wv [L, d, n_kv·h],
@@ -26,11 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax import moe
+from moejax import attention, moe
 from moejax.config import ModelConfig
 from moejax.param_layout import Params, param_shapes, shape_problems
 
-MASK_VALUE = -1e30  # finite, so a row with no visible key cannot turn into NaN
 
 
 @jax.tree_util.register_dataclass
@@ -80,41 +78,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def segment_bias(segment_ids: jax.Array, attn_block: int) -> jax.Array:
-    """Additive attention bias [T/B, B, B] for blocks of B tokens: 0 where the key is in
-    the query's segment and not after it, a large negative value elsewhere.
-
-    Computed once per forward and shared by every layer (it depends only on the
-    packing). Padding tokens (segment -1) see each other, so no row is empty.
-    """
-    seg = segment_ids.reshape(-1, attn_block)
-    idx = jnp.arange(attn_block, dtype=jnp.int32)
-    visible = (seg[:, :, None] == seg[:, None, :]) & (idx[None, None, :] <= idx[None, :, None])
-    return jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
-
-
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -> jax.Array:
-    """Grouped-query causal attention within segments of a packed sequence.
-
-    q [T, n_q, h], k/v [T, n_kv, h], bias [T/B, B, B] from :func:`segment_bias`
-    -> [T, n_q, h]. The packer never lets a segment cross a block boundary, so
-    each block of B tokens attends only to itself: the cost is T·B, not T².
-    """
-    t, n_q, h = q.shape
-    n_kv = k.shape[1]
-    nb, block = bias.shape[0], bias.shape[1]
-    queries = q.reshape(nb, block, n_kv, n_q // n_kv, h).transpose(0, 2, 3, 1, 4)
-    keys = k.reshape(nb, block, n_kv, h).transpose(0, 2, 1, 3)
-    values = v.reshape(nb, block, n_kv, h).transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkgqh,bksh->bkgqs", queries, keys,
-                        preferred_element_type=jnp.float32) / math.sqrt(h)
-    probs = jax.nn.softmax(scores + bias[:, None, None], axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bksh->bkgqh", probs, values, preferred_element_type=jnp.float32)
-    return out.transpose(0, 3, 1, 2, 4).reshape(t, n_q, h).astype(q.dtype)
-
-
 def attention_block(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                    bias: jax.Array, cfg: ModelConfig) -> jax.Array:
+                    bias: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """Pre-norm residual input x [T, d] -> attention output [T, d] (one layer's params)."""
     t = x.shape[0]
     h = cfg.head_dim
@@ -126,14 +91,14 @@ def attention_block(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = rope(q, batch.positions, cfg.rope_theta)
     k = rope(k, batch.positions, cfg.rope_theta)
-    out = packed_attention(q, k, v, bias)
+    out = attention.packed_attention(q, k, v, batch.segment_ids, opts.attn_block, bias)
     return out.reshape(t, cfg.num_heads * h) @ p["wo"].astype(x.dtype)
 
 
 def decoder_layer(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                  bias: jax.Array, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+                  bias: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """One pre-norm decoder layer: x + attn(norm(x)), then + moe(norm(x))."""
-    x = x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, bias, cfg)
+    x = x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, bias, cfg, opts)
     moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     valid = batch.segment_ids >= 0
     moe_out = moe.moe_block(moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"],
@@ -183,7 +148,7 @@ def hidden_states(params: Params, batch: PackedBatch, cfg: ModelConfig,
 def decoder_stack(layer_params: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
                   cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """Every decoder layer on x [T, d]: a scan over the stacked layer params."""
-    bias = segment_bias(batch.segment_ids, opts.attn_block)
+    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)  # shared by all layers
 
     def body(x, one_layer):
         return decoder_layer(one_layer, x, batch, bias, cfg, opts), None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax import model
+from moejax import attention, model
 from moejax.config import ConfigError, ModelConfig, from_hf_dict
 from moejax.packing import BucketPolicy, ScoringSequence, pack
 
@@ -114,26 +114,32 @@ def np_causal_gqa(q, k, v):
 
 def test_segment_bias_matches_layout():
     segment_ids, _ = _layout_arrays()
-    bias = np.asarray(model.segment_bias(jnp.asarray(segment_ids), 8))
+    bias = np.asarray(attention.segment_bias(jnp.asarray(segment_ids), 8))
     assert bias.shape == (4, 8, 8) and bias.dtype == np.float32
     seg = segment_ids.reshape(4, 8)
     for b in range(4):
         for i in range(8):
             for j in range(8):
                 visible = seg[b, i] == seg[b, j] and j <= i
-                assert bias[b, i, j] == (0.0 if visible else model.MASK_VALUE)
+                assert bias[b, i, j] == (0.0 if visible else attention.MASK_VALUE)
 
 
+TILINGS = [None, attention.AttentionTiling("triangular", 8), attention.AttentionTiling("triangular", 4),
+           attention.AttentionTiling("triangular", 2), attention.AttentionTiling("flash", 4),
+           attention.AttentionTiling("flash", 8), attention.AttentionTiling("flash", 2)]
+
+
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
 @pytest.mark.parametrize("n_q,n_kv", [(4, 2), (4, 1), (2, 2)])
-def test_packed_attention_vs_numpy(n_q, n_kv):
+def test_packed_attention_vs_numpy(n_q, n_kv, tiling):
     segment_ids, _ = _layout_arrays()
     rng = np.random.default_rng(n_q * 10 + n_kv)
     t, h = len(segment_ids), 8
     q = rng.standard_normal((t, n_q, h)).astype(np.float32) * 2
     k = rng.standard_normal((t, n_kv, h)).astype(np.float32) * 2
     v = rng.standard_normal((t, n_kv, h)).astype(np.float32)
-    bias = model.segment_bias(jnp.asarray(segment_ids), 8)
-    out = np.asarray(model.packed_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), bias))
+    out = np.asarray(attention.packed_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                jnp.asarray(segment_ids), 8, tiling=tiling))
     assert out.shape == (t, n_q, h) and np.isfinite(out).all()
     for seg in range(4):
         rows = np.nonzero(segment_ids == seg)[0]
@@ -340,3 +346,34 @@ def test_from_hf_dict_mixtral():
                            norm_topk_prob=None, sliding_window=None))
     assert cfg.model_type == "mixtral" and cfg.num_experts == 8
     assert cfg.moe_intermediate_size == 16 and cfg.norm_topk_prob and not cfg.qk_norm
+
+
+def test_attention_tiling_table():
+    assert attention.tiling_for(32) == attention.AttentionTiling("triangular", 32)
+    assert attention.tiling_for(512).mode == "triangular"
+    assert 512 % attention.tiling_for(512).sub == 0
+    big = attention.tiling_for(1 << 16)
+    assert big.mode == "flash" and (1 << 16) % big.sub == 0
+    assert attention.attention_bias(jnp.zeros(1 << 16, jnp.int32), 1 << 16) is None
+
+
+@pytest.mark.parametrize("tiling", [attention.AttentionTiling("triangular", 16),
+                                    attention.AttentionTiling("flash", 16)], ids=str)
+def test_attention_tilings_do_not_change_logits(params, monkeypatch, tiling):
+    """The whole forward with multi-tile attention (as long prompts get) equals the
+    single-tile computation."""
+    hosts = pack(_sequences(), LARGE)
+    reference = _logits_by_sequence(params, hosts)
+    calls = []
+    monkeypatch.setattr(attention, "tiling_for", lambda block: calls.append(block) or tiling)
+    tiled = {}
+    for host in hosts:   # a new function object, so JAX traces it afresh with the patch
+        logits = np.asarray(jax.jit(lambda p, b: model.full_logits(p, b, CFG, host.options))(
+            params, host.batch))
+        seg, pos = np.asarray(host.batch.segment_ids), np.asarray(host.batch.positions)
+        for i, seq in enumerate(host.sequences):
+            rows = np.nonzero(seg == i)[0]
+            tiled[seq.key] = logits[rows[np.argsort(pos[rows])]]
+    assert calls, "the tiled attention was not traced"
+    for key, ref in reference.items():
+        np.testing.assert_allclose(tiled[key], ref, rtol=1e-5, atol=1e-5, err_msg=key)
