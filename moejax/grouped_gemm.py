@@ -18,21 +18,33 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-# Rows per tile for the pure-JAX tiled loop, keyed by (platform, hidden size
-# bucket). Larger tiles amortise the per-iteration cost of the loop; smaller ones
-# waste fewer rows at group ends. Tuned with benchmarks/prefill_cpu.py.
+# Rows per tile for the pure-JAX tiled loop, keyed by (platform, hidden size bucket):
+# (full tile rows, remainder tile rows). Each expert's rows run first in full tiles,
+# then its remainder in small tiles, so big matmuls do most of the work while at most
+# (small - 1) rows per expert are wasted. Measured on a 2-core CPU (d=512, f=256,
+# 4K tokens, E=32, k=4): (256, 64) took 0.130 s against 0.144 s for single 128-row tiles.
 TILE_ROWS = {
-    ("cpu", "small"): 128,   # d <= 1024
-    ("cpu", "large"): 128,
-    ("gpu", "small"): 128,
-    ("gpu", "large"): 256,
+    ("cpu", "small"): (256, 64),   # d <= 1024
+    ("cpu", "large"): (256, 64),
+    ("gpu", "small"): (256, 64),
+    ("gpu", "large"): (256, 64),
 }
 
-
-def tile_rows_for(hidden: int, platform: str | None = None) -> int:
+def tile_rows_for(hidden: int, platform: str | None = None) -> tuple[int, int]:
+    """(full tile rows, remainder tile rows) from :data:`TILE_ROWS`."""
     platform = platform or jax.default_backend()
     platform = "gpu" if platform in ("gpu", "cuda", "rocm") else "cpu"
     return TILE_ROWS[(platform, "small" if hidden <= 1024 else "large")]
+
+
+def resolve_tile_rows(tile_rows: int | tuple[int, int] | None, hidden: int) -> tuple[int, int]:
+    """``None`` -> the table; an int -> one tile size for everything; a pair as given."""
+    if tile_rows is None:
+        return tile_rows_for(hidden)
+    if isinstance(tile_rows, int):
+        return tile_rows, tile_rows
+    full, rest = tile_rows
+    return int(full), int(rest)
 
 
 def default_expert_impl(platform: str | None = None) -> str:
@@ -41,6 +53,7 @@ def default_expert_impl(platform: str | None = None) -> str:
     return "fused_tiles"
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
     """Static-shape description of the tiles covering the groups.
@@ -55,44 +68,73 @@ class TilePlan:
     tile_end: jax.Array
 
 
-def plan_tiles(group_sizes: jax.Array, num_rows: int, tile_rows: int) -> TilePlan:
-    """Split each group into ceil(size / tile_rows) tiles; at most ceil(M/tm) + E tiles."""
-    num_groups = group_sizes.shape[0]
-    max_tiles = -(-num_rows // tile_rows) + num_groups
-    sizes = group_sizes.astype(jnp.int32)
-    group_offsets = jnp.cumsum(sizes) - sizes
+def plan_tiles(starts: jax.Array, sizes: jax.Array, max_tiles: int, tile_rows: int) -> TilePlan:
+    """Cover rows [starts[g], starts[g] + sizes[g]) of each group g with ceil(size / tile_rows)
+    tiles; ``max_tiles`` (static) bounds the total."""
+    num_groups = sizes.shape[0]
+    sizes = sizes.astype(jnp.int32)
     tiles_per_group = (sizes + tile_rows - 1) // tile_rows
     first_tile = jnp.cumsum(tiles_per_group) - tiles_per_group
     tile_group = jnp.repeat(jnp.arange(num_groups, dtype=jnp.int32), tiles_per_group,
                             total_repeat_length=max_tiles)
     index_in_group = jnp.arange(max_tiles, dtype=jnp.int32) - first_tile[tile_group]
-    tile_start = group_offsets[tile_group] + index_in_group * tile_rows
-    tile_end = group_offsets[tile_group] + sizes[tile_group]
+    tile_start = starts[tile_group] + index_in_group * tile_rows
+    tile_end = starts[tile_group] + sizes[tile_group]
     return TilePlan(num_tiles=jnp.sum(tiles_per_group), tile_group=tile_group,
                     tile_start=tile_start, tile_end=tile_end)
 
 
-def _tile_loop(lhs: jax.Array, out_cols: int, out_dtype, group_sizes: jax.Array,
-               tile_rows: int, tile_fn) -> jax.Array:
-    """Run ``tile_fn(x_tile [tm, d], expert) -> [tm, out_cols]`` over every tile and
-    write the rows that belong to the tile's group. Rows outside every group stay 0."""
-    num_rows = lhs.shape[0]
-    plan = plan_tiles(group_sizes, num_rows, tile_rows)
-    # Padding lets the last tile of a group slice past the end without clamping.
-    lhs_padded = jnp.pad(lhs, ((0, tile_rows), (0, 0)))
-    out = jnp.zeros((num_rows + tile_rows, out_cols), out_dtype)
+def plan_two_level(group_sizes: jax.Array, num_rows: int, full_rows: int,
+                   rest_rows: int) -> tuple[TilePlan, TilePlan]:
+    """Tiles of ``full_rows`` over each group's first floor(size/full)·full rows, then tiles
+    of ``rest_rows`` over the remainder (rows are grouped: group g starts at Σ sizes[<g])."""
+    sizes = group_sizes.astype(jnp.int32)
+    offsets = jnp.cumsum(sizes) - sizes
+    full = (sizes // full_rows) * full_rows
+    full_plan = plan_tiles(offsets, full, num_rows // full_rows, full_rows)
+    rest_plan = plan_tiles(offsets + full, sizes - full,
+                           -(-num_rows // rest_rows) + sizes.shape[0], rest_rows)
+    return full_plan, rest_plan
+
+
+def _run_tiles(lhs_padded: jax.Array, out: jax.Array, plan: TilePlan, tile_rows: int,
+               tile_fn) -> jax.Array:
+    """One loop over the plan's tiles, writing only the rows inside each tile's group."""
     row_ids = jnp.arange(tile_rows, dtype=jnp.int32)
 
     def body(t, out):
         start = plan.tile_start[t]
         x_tile = jax.lax.dynamic_slice_in_dim(lhs_padded, start, tile_rows, axis=0)
-        y_tile = tile_fn(x_tile, plan.tile_group[t]).astype(out_dtype)
+        y_tile = tile_fn(x_tile, plan.tile_group[t]).astype(out.dtype)
         keep = (start + row_ids < plan.tile_end[t])[:, None]
         current = jax.lax.dynamic_slice_in_dim(out, start, tile_rows, axis=0)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y_tile, current),
                                                    start, axis=0)
 
-    out = jax.lax.fori_loop(0, plan.num_tiles, body, out)
+    return jax.lax.fori_loop(0, plan.num_tiles, body, out)
+
+
+def _tile_loop(lhs: jax.Array, out_cols: int, out_dtype, group_sizes: jax.Array,
+               tile_rows: tuple[int, int], tile_fn) -> jax.Array:
+    """Run ``tile_fn(x_tile [tm, d], expert) -> [tm, out_cols]`` over every tile (full tiles,
+    then remainder tiles) and write the rows of the tile's group. Rows outside every
+    group stay 0."""
+    num_rows = lhs.shape[0]
+    full_rows, rest_rows = tile_rows
+    pad = max(full_rows, rest_rows)
+    # Padding lets the last tile of a group slice past the end without clamping.
+    lhs_padded = jnp.pad(lhs, ((0, pad), (0, 0)))
+    out = jnp.zeros((num_rows + pad, out_cols), out_dtype)
+    if full_rows == rest_rows:
+        plans = [(plan_tiles(jnp.cumsum(group_sizes) - group_sizes, group_sizes,
+                             -(-num_rows // full_rows) + group_sizes.shape[0], full_rows),
+                  full_rows)]
+    else:
+        full_plan, rest_plan = plan_two_level(group_sizes, num_rows, full_rows, rest_rows)
+        plans = [(full_plan, full_rows), (rest_plan, rest_rows)]
+    for plan, rows in plans:
+        if plan.tile_group.shape[0]:   # no full tile fits when M < full_rows
+            out = _run_tiles(lhs_padded, out, plan, rows, tile_fn)
     return out[:num_rows]
 
 
@@ -101,9 +143,9 @@ def _expert_matrix(w: jax.Array, expert: jax.Array) -> jax.Array:
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-        tile_rows: int | None = None) -> jax.Array:
+        tile_rows: int | tuple[int, int] | None = None) -> jax.Array:
     """Grouped matmul lhs [M, d] × rhs [E, d, f] -> [M, f], f32 accumulation, lhs dtype out."""
-    tile_rows = tile_rows or tile_rows_for(lhs.shape[1])
+    tile_rows = resolve_tile_rows(tile_rows, lhs.shape[1])
 
     def tile_fn(x_tile, expert):
         return jnp.dot(x_tile, _expert_matrix(rhs, expert).astype(x_tile.dtype),
@@ -121,10 +163,11 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
 
 
 def grouped_swiglu_tiles(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                         group_sizes: jax.Array, tile_rows: int | None = None) -> jax.Array:
+                         group_sizes: jax.Array,
+                         tile_rows: int | tuple[int, int] | None = None) -> jax.Array:
     """The whole expert MLP per row tile in one loop: the [tm, f] intermediate never
     leaves the tile. x [M, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] -> [M, d]."""
-    tile_rows = tile_rows or tile_rows_for(x.shape[1])
+    tile_rows = resolve_tile_rows(tile_rows, x.shape[1])
     dtype = x.dtype
 
     def tile_fn(x_tile, expert):

@@ -134,7 +134,8 @@ def test_grouped_gemm_vs_numpy(case, dtype, tol, impl):
 
 def test_gmm_tile_rows_do_not_change_result():
     lhs, rhs, sizes = _gmm_inputs("random_with_zeros", np.float32, seed=3)
-    results = [np.asarray(_gmm(lhs, rhs, sizes, tile_rows=tm)) for tm in (TILE, 1, 32)]
+    results = [np.asarray(_gmm(lhs, rhs, sizes, tile_rows=tm))
+               for tm in (TILE, 1, 32, (4, 2), (8, 3), (16, 16))]
     for other in results[1:]:
         np.testing.assert_allclose(other, results[0], rtol=1e-6, atol=1e-6)
 
@@ -166,7 +167,9 @@ def test_grouped_swiglu_vs_numpy(case, dtype, tol, impl):
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _plan_tiles(sizes, num_rows, tile_rows):
-    plan = gg.plan_tiles(sizes, num_rows, tile_rows)  # TilePlan is not a pytree: unpack it
+    starts = jnp.cumsum(sizes) - sizes
+    max_tiles = -(-num_rows // tile_rows) + sizes.shape[0]
+    plan = gg.plan_tiles(starts, sizes, max_tiles, tile_rows)  # not a pytree: unpack it
     return plan.num_tiles, plan.tile_group, plan.tile_start, plan.tile_end
 
 
@@ -205,6 +208,30 @@ def test_plan_tiles_invariants(tile_rows):
             assert (s - offsets[g]) % tile_rows == 0
             covered.extend(range(s, min(s + tile_rows, e)))
         assert covered == list(range(int(sizes.sum()))), (sizes, "tiles cover routed rows once")
+
+
+@pytest.mark.parametrize("full_rows,rest_rows", [(4, 1), (8, 3), (4, 4)])
+def test_two_level_plan_covers_each_routed_row_once(full_rows, rest_rows):
+    rng = np.random.default_rng(full_rows * 7 + rest_rows)
+    num_rows = 50
+    for _ in range(10):
+        sizes = rng.integers(0, 14, 5) * (rng.random(5) < 0.8)
+        if sizes.sum() > num_rows:
+            continue
+        plans = jax.jit(gg.plan_two_level, static_argnums=(1, 2, 3))(
+            jnp.asarray(sizes, jnp.int32), num_rows, full_rows, rest_rows)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        covered = []
+        for plan, rows in zip(plans, (full_rows, rest_rows)):
+            n = int(plan.num_tiles)
+            assert n <= plan.tile_group.shape[0]
+            for g, s, e in zip(*(np.asarray(a)[:n] for a in
+                                 (plan.tile_group, plan.tile_start, plan.tile_end))):
+                assert offsets[g] <= s < e <= offsets[g + 1]
+                if rows == full_rows and full_rows != rest_rows:
+                    assert s + rows <= e, "full tiles are never partial"
+                covered.extend(range(s, min(s + rows, e)))
+        assert sorted(covered) == list(range(int(sizes.sum()))), sizes
 
 
 # ----------------------------------------------------------------------------- routing / block
