@@ -160,3 +160,26 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
             bias = segment_bias(segment_ids, attn_block)
         out = _triangular(queries, keys, values, bias, tiling.sub)
     return _merge_heads(out, q.dtype)
+
+
+def attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                      rows: jax.Array, attn_block: int) -> jax.Array:
+    """Attention for a few query rows: q [P, n_q, h] (the queries of flat positions
+    ``rows`` [P]) over k/v [T, n_kv, h] -> [P, n_q, h]. Each row sees the keys of its own
+    block (the packer keeps segments inside blocks), masked to its segment and causal."""
+    p, n_q, h = q.shape
+    n_kv = k.shape[1]
+    block_of_row = rows // attn_block
+    keys = k.reshape(-1, attn_block, n_kv, h)[block_of_row]          # [P, B, n_kv, h]
+    values = v.reshape(-1, attn_block, n_kv, h)[block_of_row]
+    key_seg = segment_ids.reshape(-1, attn_block)[block_of_row]       # [P, B]
+    local = rows % attn_block
+    visible = ((key_seg == segment_ids[rows][:, None])
+               & (jnp.arange(attn_block, dtype=rows.dtype)[None, :] <= local[:, None]))
+    queries = q.reshape(p, n_kv, n_q // n_kv, h)
+    scores = jnp.einsum("pkgh,pskh->pkgs", queries, keys,
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("pkgs,pskh->pkgh", probs, values, preferred_element_type=jnp.float32)
+    return out.reshape(p, n_q, h).astype(q.dtype)

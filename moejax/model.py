@@ -17,7 +17,6 @@ w_gate/w_up [L, E, d, f], w_down [L, E, f, d]}``, ``final_norm [d]``,
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 import jax
@@ -78,33 +77,64 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def project_q(p: Mapping[str, jax.Array], h_in: jax.Array, positions: jax.Array,
+              cfg: ModelConfig) -> jax.Array:
+    """Normed input [n, d] -> queries [n, n_q, h] (q-norm for Qwen3, then RoPE)."""
+    q = (h_in @ p["wq"].astype(h_in.dtype)).reshape(-1, cfg.num_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    return rope(q, positions, cfg.rope_theta)
+
+
+def project_kv(p: Mapping[str, jax.Array], h_in: jax.Array, positions: jax.Array,
+               cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Normed input [n, d] -> keys, values [n, n_kv, h] (k-norm for Qwen3, RoPE on keys)."""
+    k = (h_in @ p["wk"].astype(h_in.dtype)).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+    v = (h_in @ p["wv"].astype(h_in.dtype)).reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return rope(k, positions, cfg.rope_theta), v
+
+
 def attention_block(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
                     bias: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """Pre-norm residual input x [T, d] -> attention output [T, d] (one layer's params)."""
-    t = x.shape[0]
-    h = cfg.head_dim
-    q = (x @ p["wq"].astype(x.dtype)).reshape(t, cfg.num_heads, h)
-    k = (x @ p["wk"].astype(x.dtype)).reshape(t, cfg.num_kv_heads, h)
-    v = (x @ p["wv"].astype(x.dtype)).reshape(t, cfg.num_kv_heads, h)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = rope(q, batch.positions, cfg.rope_theta)
-    k = rope(k, batch.positions, cfg.rope_theta)
+    q = project_q(p, x, batch.positions, cfg)
+    k, v = project_kv(p, x, batch.positions, cfg)
     out = attention.packed_attention(q, k, v, batch.segment_ids, opts.attn_block, bias)
-    return out.reshape(t, cfg.num_heads * h) @ p["wo"].astype(x.dtype)
+    return out.reshape(x.shape[0], -1) @ p["wo"].astype(x.dtype)
+
+
+def moe_residual(p: Mapping[str, jax.Array], x: jax.Array, valid: jax.Array | None,
+                 cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+    """x [n, d] + MoE(RMSNorm(x)); ``valid`` [n] marks real tokens (None: all)."""
+    moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    return x + moe.moe_block(moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"],
+                             k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                             valid=valid, impl=opts.expert_impl, tile_rows=opts.tile_rows)
 
 
 def decoder_layer(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
                   bias: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """One pre-norm decoder layer: x + attn(norm(x)), then + moe(norm(x))."""
     x = x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, bias, cfg, opts)
-    moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    valid = batch.segment_ids >= 0
-    moe_out = moe.moe_block(moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"],
-                            k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                            valid=valid, impl=opts.expert_impl, tile_rows=opts.tile_rows)
-    return x + moe_out
+    return moe_residual(p, x, batch.segment_ids >= 0, cfg, opts)
+
+
+def decoder_layer_at_rows(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
+                          rows: jax.Array, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+    """One decoder layer's output at ``rows`` [P] only -> [P, d].
+
+    Used for the last layer: keys and values still come from every token, but the
+    queries, the attention output, the output projection and the MoE run on the
+    scoring positions alone.
+    """
+    h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    k, v = project_kv(p, h_in, batch.positions, cfg)
+    q = project_q(p, jnp.take(h_in, rows, axis=0), jnp.take(batch.positions, rows), cfg)
+    out = attention.attention_at_rows(q, k, v, batch.segment_ids, rows, opts.attn_block)
+    x_rows = jnp.take(x, rows, axis=0) + out.reshape(rows.shape[0], -1) @ p["wo"].astype(x.dtype)
+    return moe_residual(p, x_rows, None, cfg, opts)
 
 
 def lm_head_scores(params: Params, hidden: jax.Array, token_ids: jax.Array, cfg: ModelConfig,
@@ -131,10 +161,20 @@ def lm_head_scores(params: Params, hidden: jax.Array, token_ids: jax.Array, cfg:
 
 def forward(params: Params, batch: PackedBatch, cfg: ModelConfig,
             opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
-    """Packed forward to the scoring positions: ([P, C] logits f32, [P] logsumexp or None)."""
-    x = hidden_states(params, batch, cfg, opts)
-    final = rms_norm(jnp.take(x, batch.score_positions, axis=0), params["final_norm"],
-                     cfg.rms_norm_eps)
+    """Packed forward to the scoring positions: ([P, C] logits f32, [P] logsumexp or None).
+
+    The last layer runs only at the scoring positions when they are few (P <= T/4):
+    nothing after it reads the other rows.
+    """
+    rows = batch.score_positions
+    if 4 * rows.shape[0] <= batch.tokens.shape[0]:
+        x = jnp.take(params["embed"], batch.tokens, axis=0)
+        layers = params["layers"]
+        x = decoder_stack(jax.tree.map(lambda a: a[:-1], layers), x, batch, cfg, opts)
+        x = decoder_layer_at_rows(jax.tree.map(lambda a: a[-1], layers), x, batch, rows, cfg, opts)
+    else:
+        x = jnp.take(hidden_states(params, batch, cfg, opts), rows, axis=0)
+    final = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     return lm_head_scores(params, final, batch.score_token_ids, cfg, opts.full_vocab)
 
 

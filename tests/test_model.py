@@ -377,3 +377,28 @@ def test_attention_tilings_do_not_change_logits(params, monkeypatch, tiling):
     assert calls, "the tiled attention was not traced"
     for key, ref in reference.items():
         np.testing.assert_allclose(tiled[key], ref, rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("positions_per_sequence", [1, 12])
+def test_last_layer_at_scoring_rows_equals_full_stack(params, positions_per_sequence):
+    """forward() runs the last layer only at the scoring rows when P <= T/4 and the whole
+    stack otherwise; both must equal full_logits at those rows."""
+    rng = np.random.default_rng(9)
+    seqs = []
+    for i, n in enumerate(LENGTHS):
+        count = min(n, positions_per_sequence)
+        positions = tuple(sorted(rng.choice(n, count, replace=False).tolist()))
+        seqs.append(ScoringSequence(key=i, token_ids=rng.integers(0, CFG.vocab_size, n),
+                                    score_positions=positions,
+                                    score_token_ids=tuple((1, 5, 7) for _ in positions),
+                                    full_vocab=True))
+    host, = pack(seqs, LARGE)
+    p_rows, t = host.batch.score_token_ids.shape[0], host.batch.tokens.shape[0]
+    assert (4 * p_rows <= t) == (positions_per_sequence == 1)   # both branches are covered
+    picked, lse = _forward(params, host.batch, CFG, host.options)
+    full = np.asarray(_full_logits(params, host.batch, CFG, host.options))
+    rows = np.asarray(host.batch.score_positions)
+    expected = np.take_along_axis(full[rows], np.asarray(host.batch.score_token_ids), axis=1)
+    np.testing.assert_allclose(np.asarray(picked), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), jax.nn.logsumexp(full[rows], axis=-1),
+                               rtol=1e-5, atol=1e-5)
