@@ -196,3 +196,27 @@ def test_bfloat16_scores_track_float32(scorer):
         assert a.error is None
         # The demo's untrained logits are nearly flat, so compare log-probs, not argmax.
         assert np.max(np.abs(np.array(a.logprobs) - np.array(b.logprobs))) < 0.1
+
+
+def test_cli_convert_then_score_converted_dir(tmp_path, scorer, capsys):
+    """`moejax convert` writes orbax params once; a Scorer on the converted directory
+    gives the same scores as on the original checkpoint."""
+    from moejax.cli import main
+
+    out = tmp_path / "converted"
+    assert main(["convert", scorer.model_dir, str(out), "--dtype", "float32"]) == 0
+    assert "converted" in capsys.readouterr().err
+    converted = Scorer(str(out), dtype="float32", max_batch_tokens=512)
+    for a, b in zip(converted.score(REQUESTS), scorer.score(REQUESTS)):
+        assert a.error is None and _close(a.logprobs, b.logprobs)
+    assert main(["convert", scorer.model_dir, str(out)]) == 2      # exists: refused
+    assert "exists" in capsys.readouterr().err
+
+
+def test_cli_info_lists_buckets(capsys):
+    from moejax.cli import main
+
+    assert main(["info", "--max-batch-tokens", "512"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model_type"] == "qwen3_moe" and info["demo"] is True
+    assert info["token_buckets"][0] == 32 and info["linear_flops_per_token"] > 0
