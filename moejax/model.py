@@ -169,9 +169,9 @@ def forward(params: Params, batch: PackedBatch, cfg: ModelConfig,
     rows = batch.score_positions
     if 4 * rows.shape[0] <= batch.tokens.shape[0]:
         x = jnp.take(params["embed"], batch.tokens, axis=0)
-        layers = params["layers"]
-        x = decoder_stack(jax.tree.map(lambda a: a[:-1], layers), x, batch, cfg, opts)
-        x = decoder_layer_at_rows(jax.tree.map(lambda a: a[-1], layers), x, batch, rows, cfg, opts)
+        last = cfg.num_layers - 1
+        x = decoder_stack(params["layers"], x, batch, cfg, opts, num_layers=last)
+        x = decoder_layer_at_rows(layer_slice(params["layers"], last), x, batch, rows, cfg, opts)
     else:
         x = jnp.take(hidden_states(params, batch, cfg, opts), rows, axis=0)
     final = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -185,16 +185,24 @@ def hidden_states(params: Params, batch: PackedBatch, cfg: ModelConfig,
     return decoder_stack(params["layers"], x, batch, cfg, opts)
 
 
+def layer_slice(layer_params: Mapping[str, jax.Array], index) -> dict[str, jax.Array]:
+    """One layer's params out of the stacked ones (``index`` static or traced)."""
+    return {name: jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False)
+            for name, a in layer_params.items()}
+
+
 def decoder_stack(layer_params: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                  cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
-    """Every decoder layer on x [T, d]: a scan over the stacked layer params."""
+                  cfg: ModelConfig, opts: ForwardOptions, num_layers: int | None = None
+                  ) -> jax.Array:
+    """Decoder layers [0, num_layers) (default: all) on x [T, d]: a loop over the stacked
+    layer params that indexes them in place (slicing the stack first would copy it)."""
     bias = attention.attention_bias(batch.segment_ids, opts.attn_block)  # shared by all layers
+    count = cfg.num_layers if num_layers is None else num_layers
 
-    def body(x, one_layer):
-        return decoder_layer(one_layer, x, batch, bias, cfg, opts), None
+    def body(i, x):
+        return decoder_layer(layer_slice(layer_params, i), x, batch, bias, cfg, opts)
 
-    x, _ = jax.lax.scan(body, x, layer_params)
-    return x
+    return jax.lax.fori_loop(0, count, body, x)
 
 
 def full_logits(params: Params, batch: PackedBatch, cfg: ModelConfig,
