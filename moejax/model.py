@@ -29,7 +29,6 @@ from moejax.config import ModelConfig
 from moejax.param_layout import Params, param_shapes, shape_problems
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
@@ -54,7 +53,7 @@ class ForwardOptions:
     attn_block: int
     full_vocab: bool = True
     expert_impl: moe.ExpertImpl = "auto"
-    tile_rows: int | None = None
+    tile_rows: int | tuple[int, int] | None = None   # None: grouped_gemm.TILE_ROWS
 
 
 # --------------------------------------------------------------------- stages
@@ -180,7 +179,7 @@ def forward(params: Params, batch: PackedBatch, cfg: ModelConfig,
 
 def hidden_states(params: Params, batch: PackedBatch, cfg: ModelConfig,
                   opts: ForwardOptions) -> jax.Array:
-    """Embedding and every decoder layer (a scan over the stacked layers) -> [T, d]."""
+    """Embedding and every decoder layer (a loop over the stacked layers) -> [T, d]."""
     x = jnp.take(params["embed"], batch.tokens, axis=0)
     return decoder_stack(params["layers"], x, batch, cfg, opts)
 
