@@ -52,18 +52,29 @@ def _sequence(index: int, op: PrefillOp) -> ScoringSequence:
                            full_vocab=op.need_vocab_logsumexp)
 
 
+def enable_compilation_cache(directory: str | None) -> None:
+    """Point JAX's persistent compilation cache at ``directory`` so that a restarted job
+    does not recompile its shape buckets; a cache the user configured is left alone."""
+    import jax
+
+    if directory is None or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+
+
 class Scorer:
     """Scores requests with one model on one device.
 
     Options (keyword arguments; defaults in ``configs/scoring.yaml``): ``dtype``
     ("float32" | "bfloat16" | "auto"), ``max_batch_tokens``, ``min_block``,
-    ``expert_impl``, ``tile_rows``, ``progress_min_requests``; plus
+    ``expert_impl``, ``tile_rows``, ``progress_min_requests``, ``compilation_cache``; plus
     ``normalize_options`` (prompt templates of "choice" and "multi").
     """
 
     def __init__(self, model: str | os.PathLike = "demo", *,
                  normalize_options: NormalizeOptions | None = None, **options: Any):
         self.options: ScorerOptions = load_options(options)
+        enable_compilation_cache(self.options.resolved_compilation_cache())
         self.model_dir, self.is_demo = resolve_model_dir(model)
         if self.is_demo:
             from moejax.demo import DEMO_NOTICE

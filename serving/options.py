@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,6 +25,7 @@ class ScorerOptions:
     expert_impl: str = "auto"
     tile_rows: int | None = None
     progress_min_requests: int = 64
+    compilation_cache: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -46,6 +48,16 @@ class ScorerOptions:
         if name == "auto":
             name = "bfloat16" if self.platform == "gpu" else "float32"
         return jnp.dtype(name)
+
+    def resolved_compilation_cache(self) -> str | None:
+        """Directory of JAX's persistent compilation cache, or None when disabled."""
+        if self.compilation_cache in ("off", ""):
+            return None
+        if self.compilation_cache == "auto":
+            from moejax.demo import default_cache_root
+
+            return os.path.join(default_cache_root(), "jax-cache")
+        return os.path.expanduser(self.compilation_cache)
 
     def resolved_batch_tokens(self) -> int:
         if self.max_batch_tokens == "auto":

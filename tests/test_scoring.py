@@ -220,3 +220,19 @@ def test_cli_info_lists_buckets(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["model_type"] == "qwen3_moe" and info["demo"] is True
     assert info["token_buckets"][0] == 32 and info["linear_flops_per_token"] > 0
+
+
+def test_scorer_options_defaults_and_validation(monkeypatch, tmp_path):
+    from serving.options import load_options
+
+    opts = load_options()
+    assert opts.min_block == 32 and opts.expert_impl == "auto"
+    assert opts.resolved_dtype().name == "float32"          # CPU default
+    assert opts.resolved_batch_tokens() == 4096
+    monkeypatch.setenv("MOEJAX_CACHE", str(tmp_path))
+    assert opts.resolved_compilation_cache() == str(tmp_path / "jax-cache")
+    assert load_options({"compilation_cache": "off"}).resolved_compilation_cache() is None
+    for bad in ({"dtype": "float8"}, {"expert_impl": "magic"}, {"max_batch_tokens": 0},
+                {"tile_rows": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            load_options(bad)
