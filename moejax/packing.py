@@ -10,8 +10,8 @@ packed batch has:
   (a sequence longer than the largest power of two <= max_batch_tokens), the
   batch is that one block (T = B, shorter sequences may share it); short
   sequences share blocks (best-fit-decreasing bin packing, any block size), and
-  the blocks of one size are cut into batches of power-of-two block counts, so
-  no batch carries empty blocks;
+  the blocks of one size are cut into full batches plus one last batch whose
+  block count is rounded up to a power of two;
 * P scoring positions rounded up to a power of two (>= ``min_positions``);
 * C candidate columns per position rounded up to a power of two (>= ``min_candidates``).
 
@@ -154,13 +154,13 @@ def assign_blocks(lengths: Sequence[int], policy: BucketPolicy) -> list[_Block]:
 
 
 def batch_block_counts(num_blocks: int, cap: int) -> list[int]:
-    """Blocks per batch: full batches of ``cap`` (a power of two), then the remainder as
-    a sum of decreasing powers of two, so no batch is padded with empty blocks."""
+    """Blocks per batch: full batches of ``cap`` (a power of two), then the remainder in one
+    batch rounded up to a power of two. The empty blocks of that last batch cost a little
+    attention work (they skip the experts); splitting the remainder into several smaller
+    batches instead would cost a compile per extra shape, which dominates small jobs."""
     counts = [cap] * (num_blocks // cap)
-    rest = num_blocks % cap
-    while rest:
-        counts.append(prev_power_of_two(rest))
-        rest -= counts[-1]
+    if num_blocks % cap:
+        counts.append(next_power_of_two(num_blocks % cap))
     return counts
 
 
@@ -179,14 +179,14 @@ def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
         start = 0
         for count in batch_block_counts(len(group), cap):
             batches.append(_build(sequences, group[start:start + count], size, policy, options))
-            start += count
+            start += min(count, len(group) - start)
     return batches
 
 
 def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: int,
            policy: BucketPolicy, options: ForwardOptions | None) -> HostBatch:
     members = [(i, slot, offset) for slot, b in enumerate(blocks) for i, offset in b.members]
-    total = len(blocks) * block
+    total = next_power_of_two(len(blocks)) * block
     tokens = np.zeros(total, np.int32)
     positions = np.zeros(total, np.int32)
     segment_ids = np.full(total, -1, np.int32)

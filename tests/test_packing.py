@@ -54,9 +54,12 @@ def check_batches(sequences, hosts, policy):
         assert t % block == 0 and is_power_of_two(t // block)
         if t > policy.max_batch_tokens:
             assert t == block and block > policy.max_batch_tokens
-        # No batch carries an empty block.
-        for b in range(t // block):
-            assert np.any(seg[b * block:(b + 1) * block] >= 0), f"block {b} is empty"
+        # Empty blocks only pad the last batch of a block size, and fill less than half of it.
+        empty = sum(not np.any(seg[b * block:(b + 1) * block] >= 0) for b in range(t // block))
+        assert 2 * empty < t // block or t == block, f"{empty} empty blocks of {t // block}"
+        if empty:
+            later = [h for h in hosts[index + 1:] if h.options.attn_block == block]
+            assert not later, "only the last batch of a block size is padded with empty blocks"
         # Segments: contiguous, positions 0..n-1, the right tokens, inside one block.
         assert len(host.rows) == len(host.sequences)
         real = 0
@@ -91,7 +94,7 @@ def check_batches(sequences, hosts, policy):
         assert host.shape_key == (t, block, sp.shape[0], ids.shape[1], host.options.full_vocab)
         keys.append(host.shape_key)
     # Batches come largest B first; for each B, the block counts are full batches of
-    # cap = prev_pow2(max_batch_tokens / B) blocks, then strictly decreasing powers of two.
+    # cap = prev_pow2(max_batch_tokens / B) blocks, then at most one smaller batch.
     blocks = [h.options.attn_block for h in hosts]
     assert blocks == sorted(blocks, reverse=True)
     for b in set(blocks):
@@ -100,7 +103,7 @@ def check_batches(sequences, hosts, policy):
         full = [c for c in counts if c == cap]
         rest = counts[len(full):]
         assert counts[:len(full)] == full, counts
-        assert all(c < cap for c in rest) and rest == sorted(set(rest), reverse=True), counts
+        assert len(rest) <= 1 and all(c < cap for c in rest), counts
     return keys
 
 
