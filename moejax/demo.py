@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from moejax.checkpoint import write_safetensors
+from moejax.safetensors_io import write_safetensors
 from moejax.config import ModelConfig, from_hf_dict
 
 DEMO_NOTICE = ("moejax demo model: its weights are random and untrained, so its scores, "

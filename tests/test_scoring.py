@@ -236,3 +236,10 @@ def test_scorer_options_defaults_and_validation(monkeypatch, tmp_path):
                 {"tile_rows": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             load_options(bad)
+
+
+def test_empty_and_all_bad_inputs(scorer):
+    assert scorer.score([]) == []
+    results = scorer.score([{"prompt": ""}, {"candidates": [" a"]}])
+    assert [r.logprobs for r in results] == [None, None]
+    assert "request #0" in results[0].error and "request #1" in results[1].error
