@@ -23,7 +23,8 @@ from moejax.packing import BucketPolicy, ScoringSequence
 from serving.engine import Engine
 from serving.options import ScorerOptions, load_options
 from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, ScoreRequest, ScoreResult,
-                              TokenizerAdapter, combine_results, normalize_requests)
+                              TokenizerAdapter, normalize_requests)
+from serving.results import combine_results
 
 log = logging.getLogger("moejax.scorer")
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from serving.requests import (  # noqa: E402
     NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest, ScoreResult,
-    TokenizerAdapter, combine_results, normalize_requests, parse_request)
+    TokenizerAdapter, normalize_requests, parse_request)
+from serving.results import combine_results  # noqa: E402
 
 WORDS = ("[UNK] <s> the capital of france is paris london rome new york what ? "
          "which city : . ( ) ): / yes no please Candidate Relevant Answer option "

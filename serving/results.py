@@ -1,0 +1,163 @@
+"""Turning the engine's outputs back into one :class:`ScoreResult` per request.
+
+The log-probability rules (normalisation over candidates or the vocabulary,
+sums over multi-token candidates, the binary siblings of multi-selection) are
+documented in :mod:`serving.requests`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from serving.requests import (OpOutput, PrefillOp, ScoreRequest, ScoreResult, parse_request,
+                              request_label)
+
+
+def _check_output(op: PrefillOp, out: OpOutput) -> None:
+    """An output that does not match its op is an engine bug, not a user error."""
+    if len(out.logits) != len(op.score_positions):
+        raise ValueError(f"op of request #{op.request_index} has {len(op.score_positions)} "
+                         f"score positions but its output has {len(out.logits)} logit rows")
+    for i, (row, ids) in enumerate(zip(out.logits, op.score_token_ids)):
+        if np.shape(row) != (len(ids),):
+            raise ValueError(f"op of request #{op.request_index}: logits[{i}] has shape "
+                             f"{np.shape(row)}, expected ({len(ids)},)")
+    if out.logsumexp is None:
+        if op.need_vocab_logsumexp:
+            raise ValueError(f"op of request #{op.request_index} needs logsumexp, got None")
+    elif np.shape(out.logsumexp) != (len(op.score_positions),):
+        raise ValueError(f"op of request #{op.request_index}: logsumexp has shape "
+                         f"{np.shape(out.logsumexp)}, expected ({len(op.score_positions)},)")
+
+
+def _joint_scores(out: OpOutput) -> np.ndarray:
+    """Per-candidate scores at the single position: vocab log-probs when logsumexp is given.
+
+    Subtracting the (shared) logsumexp leaves the candidate log-softmax unchanged.
+    """
+    scores = np.asarray(out.logits[0], dtype=np.float64)
+    if out.logsumexp is not None:
+        scores = scores - float(np.asarray(out.logsumexp, dtype=np.float64)[0])
+    return scores
+
+
+def _sequence_logprob(out: OpOutput) -> float:
+    """Sum over positions of log P(next token) = logit - logsumexp."""
+    lse = np.asarray(out.logsumexp, dtype=np.float64)
+    return float(sum(float(np.asarray(row, dtype=np.float64)[0]) - lse[i]
+                     for i, row in enumerate(out.logits)))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """Numerically stable log-softmax of a 1-D float64 array."""
+    shift = np.max(x)
+    if not np.isfinite(shift):
+        shift = 0.0
+    return x - (shift + np.log(np.sum(np.exp(x - shift))))
+
+
+def _outputs_by_candidate(pairs: list[tuple[PrefillOp, OpOutput]], n: int) -> list[OpOutput]:
+    """Outputs of sibling ops ordered by candidate_index, which must be exactly 0..n-1."""
+    by_candidate = {op.candidate_index: out for op, out in pairs}
+    if len(pairs) != n or sorted(by_candidate) != list(range(n)):
+        got = sorted(op.candidate_index for op, _ in pairs)
+        raise ValueError(f"request #{pairs[0][0].request_index}: expected one op per "
+                         f"candidate 0..{n - 1}, got candidate indices {got}")
+    return [by_candidate[k] for k in range(n)]
+
+
+def _candidate_scores(pairs: list[tuple[PrefillOp, OpOutput]], n: int) -> np.ndarray:
+    """Scores of the n candidates of a classify/choice request (joint or sequence ops)."""
+    if len(pairs) == 1 and pairs[0][0].candidate_index == -1:
+        scores = _joint_scores(pairs[0][1])
+    else:
+        scores = np.array([_sequence_logprob(out) for out in _outputs_by_candidate(pairs, n)])
+    if scores.shape != (n,):
+        raise ValueError(f"request #{pairs[0][0].request_index}: {scores.shape[0]} scores "
+                         f"for {n} candidates")
+    return scores
+
+
+def _classify_result(req: ScoreRequest, pairs: list[tuple[PrefillOp, OpOutput]],
+                     n: int) -> ScoreResult:
+    """logprobs/label of a classify or choice request."""
+    scores = _candidate_scores(pairs, n)
+    logprobs = _log_softmax(scores) if req.normalize == "candidates" else scores
+    return ScoreResult(id=req.id, logprobs=[float(v) for v in logprobs],
+                       label=int(np.argmax(logprobs)))
+
+
+def _multi_result(req: ScoreRequest, pairs: list[tuple[PrefillOp, OpOutput]],
+                  n: int) -> ScoreResult:
+    """logprobs (log P(yes) per candidate), label and selected of a multi request."""
+    logprobs, selected = [], []
+    for k, out in enumerate(_outputs_by_candidate(pairs, n)):
+        yes_no = _joint_scores(out)  # [yes, no]
+        binary = _log_softmax(yes_no)
+        logprobs.append(float(binary[0] if req.normalize == "candidates" else yes_no[0]))
+        if binary[0] > binary[1]:
+            selected.append(k)
+    return ScoreResult(id=req.id, logprobs=logprobs, label=int(np.argmax(logprobs)),
+                       selected=selected)
+
+
+def _error_id(obj: Any) -> str | int | None:
+    """Best-effort id of a request that failed validation (for the error result)."""
+    request_id = obj.id if isinstance(obj, ScoreRequest) else (
+        obj.get("id") if isinstance(obj, Mapping) else None)
+    return request_id if request_label(request_id, None) != "request" else None
+
+
+def _has_nan(pairs: list[tuple[PrefillOp, OpOutput]]) -> bool:
+    """NaN logits mean the forward pass broke; -inf (masked tokens) is legitimate."""
+    for _, out in pairs:
+        if any(np.isnan(np.asarray(row, dtype=np.float64)).any() for row in out.logits):
+            return True
+        if out.logsumexp is not None and np.isnan(np.asarray(out.logsumexp, np.float64)).any():
+            return True
+    return False
+
+
+def _request_result(req: ScoreRequest, index: int,
+                    pairs: list[tuple[PrefillOp, OpOutput]]) -> ScoreResult:
+    """Result of one request that produced ops."""
+    if not pairs:
+        raise ValueError(f"request #{index} has neither ops nor an error")
+    if _has_nan(pairs):
+        return ScoreResult(id=req.id, error=f"{request_label(req.id, index)}: the model produced "
+                                            "NaN logits")
+    n = len(req.candidates if req.candidates is not None else req.candidate_token_ids)
+    if req.kind == "multi":
+        return _multi_result(req, pairs, n)
+    return _classify_result(req, pairs, n)
+
+
+def combine_results(requests: Sequence[ScoreRequest | Mapping[str, Any]],
+                    ops: Sequence[PrefillOp], outputs: Sequence[OpOutput],
+                    errors: Mapping[int, str], prompt_tokens: Mapping[int, int],
+                    ) -> list[ScoreResult]:
+    """One result per request, in request order.
+
+    ``outputs[i]`` must belong to ``ops[i]``; the pairs may come in any order
+    (ops are matched to candidates by ``candidate_index``). Raises ValueError
+    when outputs do not match their ops (an engine bug).
+    """
+    if len(ops) != len(outputs):
+        raise ValueError(f"{len(ops)} ops but {len(outputs)} outputs")
+    pairs_by_request: dict[int, list[tuple[PrefillOp, OpOutput]]] = defaultdict(list)
+    for op, out in zip(ops, outputs):
+        _check_output(op, out)
+        pairs_by_request[op.request_index].append((op, out))
+    results = []
+    for index, obj in enumerate(requests):
+        if index in errors:
+            results.append(ScoreResult(id=_error_id(obj), error=errors[index]))
+            continue
+        result = _request_result(parse_request(obj, index), index, pairs_by_request[index])
+        if result.error is None:
+            result.prompt_tokens = prompt_tokens[index]
+        results.append(result)
+    return results
