@@ -243,3 +243,17 @@ def test_empty_and_all_bad_inputs(scorer):
     results = scorer.score([{"prompt": ""}, {"candidates": [" a"]}])
     assert [r.logprobs for r in results] == [None, None]
     assert "request #0" in results[0].error and "request #1" in results[1].error
+
+
+def test_new_shapes_are_logged_once(caplog):
+    import logging
+
+    fresh = Scorer("demo", max_batch_tokens=512)   # an engine that has compiled nothing yet
+    request = {"prompt_token_ids": list(range(3, 300)), "candidate_token_ids": [[1], [2]]}
+    with caplog.at_level(logging.INFO, logger="moejax.engine"):
+        fresh.score([request])
+        fresh.score([request])
+    compiled = [r.getMessage() for r in caplog.records if "compiled forward" in r.getMessage()]
+    assert len(compiled) == 1, compiled           # the second call reuses the program
+    assert "T=512 block=512" in compiled[0], compiled
+    assert fresh.engine.stats.compiles == 1 and fresh.engine.stats.batches == 2
