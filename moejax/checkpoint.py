@@ -1,18 +1,8 @@
 """Weights in and out of moejax: Hugging Face safetensors in, orbax checkpoints both ways.
 
-The params pytree (the contract with the model code) is a nested dict of arrays with every
-layer stacked on a leading ``L`` axis and every matrix stored ``[in, out]`` (the transpose
-of the ``[out, in]`` HF ``nn.Linear`` weight)::
-
-    embed        [V, d]
-    layers/attn_norm [L, d]     layers/mlp_norm [L, d]
-    layers/wq    [L, d, n_q*h]  layers/wk [L, d, n_kv*h]  layers/wv [L, d, n_kv*h]
-    layers/wo    [L, n_q*h, d]
-    layers/q_norm, layers/k_norm [L, h]            (only when cfg.qk_norm, i.e. qwen3_moe)
-    layers/router [L, d, E]
-    layers/w_gate [L, E, d, f]  layers/w_up [L, E, d, f]  layers/w_down [L, E, f, d]
-    final_norm   [d]
-    lm_head      [d, V]                            (absent when cfg.tie_word_embeddings)
+The params pytree (the contract with the model code) is described in
+``moejax.param_layout``: every layer stacked on a leading ``L`` axis and every matrix
+stored ``[in, out]`` (the transpose of the ``[out, in]`` HF ``nn.Linear`` weight).
 
 Reading goes through ``moejax.safetensors_io`` (a memory-mapped reader written from the
 format description): each stacked param is allocated once and filled slice by slice, so
@@ -47,11 +37,10 @@ import numpy as np
 
 from moejax.config import ModelConfig, load_config
 from moejax.param_layout import Params, param_shapes, shape_problems
-from moejax.safetensors_io import (INDEX_FILE, PARAM_DTYPES, SAFETENSORS_DTYPES,  # noqa: F401
-                                   SINGLE_FILE, CheckpointError, CheckpointReader,
-                                   SafetensorsFile, SafetensorsHeader, TensorInfo,
-                                   WEIGHT_CODES, read_safetensors_header, resolve_dtype,
-                                   write_safetensors)
+# Re-exported so that callers need one module for checkpoint I/O.
+from moejax.safetensors_io import (INDEX_FILE, SINGLE_FILE, WEIGHT_CODES,  # noqa: F401
+                                   CheckpointError, CheckpointReader, SafetensorsFile,
+                                   read_safetensors_header, resolve_dtype, write_safetensors)
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "config.json"

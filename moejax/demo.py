@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from moejax.checkpoint import hf_tensor_plan
 from moejax.safetensors_io import write_safetensors
 from moejax.config import ModelConfig, from_hf_dict
 
@@ -178,25 +179,11 @@ def build_demo_tokenizer(vocab_size: int = 1024, seed: int = DEMO_SEED):
 def demo_weights(cfg: ModelConfig, seed: int = DEMO_SEED) -> dict[str, np.ndarray]:
     """HF-named float32 tensors for ``cfg``: N(0, 1) * WEIGHT_SCALE, norm weights 1.0.
 
-    Tensors are drawn in sorted-name order from one ``default_rng(seed)`` stream.
+    The names and shapes are the loader's own plan (per-expert spelling), so the demo
+    checkpoint is exactly what :func:`moejax.checkpoint.load_hf_params` expects. Tensors
+    are drawn in sorted-name order from one ``default_rng(seed)`` stream.
     """
-    d, h, E, f = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_intermediate_size
-    q, kv, V = cfg.num_heads * h, cfg.num_kv_heads * h, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, d),
-                                          "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, d)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layer = {"input_layernorm": (d,), "post_attention_layernorm": (d,),
-                 "self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d),
-                 "self_attn.v_proj": (kv, d), "self_attn.o_proj": (d, q),
-                 "self_attn.q_norm": (h,), "self_attn.k_norm": (h,), "mlp.gate": (E, d)}
-        shapes.update({f"{p}{name}.weight": shape for name, shape in layer.items()})
-        for e in range(E):
-            shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (f, d),
-                           f"{p}mlp.experts.{e}.up_proj.weight": (f, d),
-                           f"{p}mlp.experts.{e}.down_proj.weight": (d, f)})
+    shapes = {slot.name: slot.shape for slot in hf_tensor_plan(cfg, set())}
     rng = np.random.default_rng(seed)
     tensors = {}
     for name in sorted(shapes):

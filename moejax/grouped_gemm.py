@@ -125,14 +125,8 @@ def _tile_loop(lhs: jax.Array, out_cols: int, out_dtype, group_sizes: jax.Array,
     # Padding lets the last tile of a group slice past the end without clamping.
     lhs_padded = jnp.pad(lhs, ((0, pad), (0, 0)))
     out = jnp.zeros((num_rows + pad, out_cols), out_dtype)
-    if full_rows == rest_rows:
-        plans = [(plan_tiles(jnp.cumsum(group_sizes) - group_sizes, group_sizes,
-                             -(-num_rows // full_rows) + group_sizes.shape[0], full_rows),
-                  full_rows)]
-    else:
-        full_plan, rest_plan = plan_two_level(group_sizes, num_rows, full_rows, rest_rows)
-        plans = [(full_plan, full_rows), (rest_plan, rest_rows)]
-    for plan, rows in plans:
+    full_plan, rest_plan = plan_two_level(group_sizes, num_rows, full_rows, rest_rows)
+    for plan, rows in ((full_plan, full_rows), (rest_plan, rest_rows)):
         if plan.tile_group.shape[0]:   # no full tile fits when M < full_rows
             out = _run_tiles(lhs_padded, out, plan, rows, tile_fn)
     return out[:num_rows]

@@ -7,11 +7,8 @@ the flat array is cut into blocks of ``attn_block`` tokens and the packer
 (``moejax.packing``) never lets a segment cross a block boundary, so each block
 attends only to itself and attention costs at most T·B instead of T².
 
-Params (a nested dict, all layers stacked on a leading L axis, matrices [in, out]):
-``embed [V, d]``, ``layers.{attn_norm [L, d], wq [L, d, n_q·h], wk/wv [L, d, n_kv·h],
-wo [L, n_q·h, d], q_norm/k_norm [L, h] (Qwen3), mlp_norm [L, d], router [L, d, E],
-w_gate/w_up [L, E, d, f], w_down [L, E, f, d]}``, ``final_norm [d]``,
-``lm_head [d, V]`` (absent when tied).
+Params are the nested dict of ``moejax.param_layout`` (all layers stacked on a
+leading L axis, matrices [in, out]).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class ScoringSequence:
 class HostBatch:
     """A packed batch in host memory and where each sequence's answers land.
 
-    rows[i]: first row in the [P, C] output of sequence ``keys[i]``; its
+    rows[i]: first row in the [P, C] output of ``sequences[i]``; its
     ``len(score_positions)`` rows follow, each with ``len(score_token_ids[j])`` valid columns.
     """
 

@@ -61,9 +61,9 @@ class Engine:
     def _dispatch(self, host: HostBatch):
         batch = jax.device_put(host.batch, self.device)
         key = host.shape_key
-        if key not in self.stats.shapes:
-            start = time.perf_counter()
-            out = self._forward(self.params, batch, cfg=self.cfg, opts=host.options)
+        start = time.perf_counter()
+        out = self._forward(self.params, batch, cfg=self.cfg, opts=host.options)
+        if key not in self.stats.shapes:   # first use of this shape: it was compiled just now
             jax.block_until_ready(out)
             elapsed = time.perf_counter() - start
             self.stats.shapes.add(key)
@@ -71,8 +71,7 @@ class Engine:
             self.stats.compile_seconds += elapsed
             log.info("compiled forward #%d for T=%d block=%d positions=%d columns=%d "
                      "full_vocab=%s (%.1fs, includes first run)", self.stats.compiles, *key, elapsed)
-            return out
-        return self._forward(self.params, batch, cfg=self.cfg, opts=host.options)
+        return out
 
     def run(self, sequences: Sequence[ScoringSequence],
             on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
