@@ -151,8 +151,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=_positive_int, default=None,
                    help="tokens per packed batch (default: configs/scoring.yaml)")
     p.add_argument("--expert-impl", default=None,
-                   choices=["auto", "fused_tiles", "gmm", "ragged_dot", "dense"],
-                   help="expert computation path (default: auto)")
+                   help="expert computation path: auto (default: chosen per platform and "
+                        "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
 
 
 def build_parser() -> argparse.ArgumentParser:

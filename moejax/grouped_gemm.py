@@ -7,8 +7,8 @@ belongs to one expert (so a tile that would straddle two groups is cut at the
 group end by a row mask, and empty groups produce no tile). XLA's
 ``jax.lax.ragged_dot`` is kept as an option, not the default, because on CPU
 (and in released GPU wheels) it lowers to a masked dense product that does E×
-the routed work. The Pallas kernel (``kernels_pallas.gmm``) plugs in behind
-the same signatures.
+the routed work. The Pallas kernels (``kernels_pallas.gmm``) share the
+signatures; :func:`choose_expert_impl` picks among the paths.
 """
 
 from __future__ import annotations
@@ -47,9 +47,29 @@ def resolve_tile_rows(tile_rows: int | tuple[int, int] | None, hidden: int) -> t
     return int(full), int(rest)
 
 
-def default_expert_impl(platform: str | None = None) -> str:
-    """The expert path used when a config says ``auto``: the fused tiled loop on every
-    platform until a faster kernel is measured (see docs/PERF.md)."""
+# Smallest d and f the Pallas kernel takes on a GPU: Triton's dot needs blocks of at
+# least 16 along every dimension, and the blocks must divide d and f.
+PALLAS_MIN_DIM_MULTIPLE = 16
+
+
+def choose_expert_impl(hidden: int, intermediate: int, platform: str | None = None) -> str:
+    """The expert path ``expert_impl: auto`` resolves to, per platform and shape.
+
+    * GPU, d and f multiples of 16: ``pallas`` (kernels_pallas.gmm: fused gate/up kernel,
+      then the grouped GEMM for the down projection) — routed work only, and unlike
+      ``ragged_dot`` in the released wheels it never materializes the dense product.
+    * GPU, other shapes: ``fused_tiles`` (the Pallas blocks cannot divide d or f).
+    * CPU (and anything else): ``fused_tiles``. Pallas runs there only interpreted
+      (a test tool, orders of magnitude slower) and ``ragged_dot`` lowers to a masked
+      dense product that does E× the routed work (docs/PERF.md).
+
+    ``ragged_dot``, ``gmm`` and ``dense`` are never chosen automatically; any path can
+    be forced with the ``expert_impl`` option.
+    """
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        if hidden % PALLAS_MIN_DIM_MULTIPLE == 0 and intermediate % PALLAS_MIN_DIM_MULTIPLE == 0:
+            return "pallas"
     return "fused_tiles"
 
 

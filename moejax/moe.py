@@ -14,10 +14,11 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import gmm as pallas_gmm
 from moejax import grouped_gemm as gmm_lib
 
-ExpertImpl = Literal["auto", "fused_tiles", "gmm", "ragged_dot", "dense"]
-EXPERT_IMPLS = ("auto", "fused_tiles", "gmm", "ragged_dot", "dense")
+ExpertImpl = Literal["auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense"]
+EXPERT_IMPLS = ("auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense")
 
 
 @jax.tree_util.register_dataclass
@@ -89,7 +90,10 @@ def expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_down
     """
     x, sizes = perm.x_sorted, perm.group_sizes
     if impl == "auto":
-        impl = gmm_lib.default_expert_impl()
+        impl = gmm_lib.choose_expert_impl(x.shape[1], w_gate.shape[2])
+    if impl == "pallas":
+        hidden = pallas_gmm.gmm_swiglu(x, w_gate, w_up, sizes)
+        return pallas_gmm.gmm(hidden, w_down, sizes)
     if impl == "fused_tiles":
         return gmm_lib.grouped_swiglu_tiles(x, w_gate, w_up, w_down, sizes, tile_rows=tile_rows)
     if impl == "dense":

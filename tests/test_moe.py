@@ -270,7 +270,7 @@ def _moe_block(x, router, wg, wu, wd, valid, impl, norm_topk_prob, with_valid=Tr
                          valid=valid if with_valid else None, impl=impl, tile_rows=4)
 
 
-@pytest.mark.parametrize("impl", ["fused_tiles", "gmm", "dense", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["fused_tiles", "pallas", "gmm", "dense", "ragged_dot"])
 def test_moe_block_padding(impl):
     router, wg, wu, wd = _moe_weights(1)
     rng = np.random.default_rng(7)

@@ -256,7 +256,7 @@ def test_forward_scoring_positions_match_torch(variant, full_vocab):
     assert checked == sum(len(s.score_positions) for s in host.sequences) == 6
 
 
-IMPLS = ("fused_tiles", "gmm", "dense", "ragged_dot")
+IMPLS = ("fused_tiles", "pallas", "gmm", "dense", "ragged_dot")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,304 @@
+"""Grouped GEMM over rows sorted by expert, as a Pallas kernel.
+
+``lhs [T, d]`` holds rows grouped by expert (group g is the next
+``group_sizes[g]`` rows, rows past ``sum(group_sizes)`` belong to no group);
+``rhs [E, d, f]`` holds one matrix per expert. The grid runs over
+(row tiles, column tiles). Each program finds, from the group offsets, the
+non-empty groups its row tile meets (usually one; two or more where the tile
+straddles a group boundary) and accumulates ``x_rows_of_g · rhs[g]`` for each,
+with the other rows masked to zero, so every output element is written exactly
+once and empty groups cost nothing. Rows in no group come back as zeros.
+
+Two kernels share that structure:
+
+* :func:`gmm` — ``[T, d] × [E, d, f] -> [T, f]``.
+* :func:`gmm_swiglu` — the expert MLP's first half, ``silu(x·W_gate) * (x·W_up)``,
+  both products accumulated in one program so the ``[T, f]`` intermediate is
+  written once (gate and up never reach memory).
+  :func:`gmm_swiglu_stacked` takes the two stacked as ``[E, d, 2f]``.
+
+Inputs may be f32 or bf16; accumulation is f32 (f32 products at full precision,
+not TF32). On NVIDIA GPUs the kernels lower through the Triton backend of
+Pallas; elsewhere they run under ``interpret=True`` (slow: for tests).
+Tile sizes come from :data:`GMM_TILES`, keyed by device and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTiles:
+    """Block sizes (powers of two, as Triton needs) and Triton launch settings.
+
+    block_m rows × block_n columns per program; block_k is the reduction step.
+    """
+
+    block_m: int
+    block_k: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k", "block_n"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GmmTiles.{name} must be a power of two, got {value}")
+
+
+# Keyed by (platform, dtype name). The GPU entries follow the usual Hopper/Ampere
+# Triton matmul shapes (128×128 output tile, 64-deep K steps for bf16); they have
+# not been swept on a GPU yet (docs/PERF.md says which were measured). The CPU
+# entries only matter for interpret-mode tests: large blocks keep the number of
+# interpreted programs small.
+GMM_TILES: dict[tuple[str, str], GmmTiles] = {
+    ("gpu", "bfloat16"): GmmTiles(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=3),
+    ("gpu", "float16"): GmmTiles(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=3),
+    ("gpu", "float32"): GmmTiles(block_m=64, block_k=32, block_n=64, num_warps=4, num_stages=3),
+    ("cpu", "bfloat16"): GmmTiles(block_m=64, block_k=64, block_n=128),
+    ("cpu", "float16"): GmmTiles(block_m=64, block_k=64, block_n=128),
+    ("cpu", "float32"): GmmTiles(block_m=64, block_k=64, block_n=128),
+}
+
+
+def _platform() -> str:
+    return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+
+
+def tiles_for(dtype, platform: str | None = None) -> GmmTiles:
+    """The tuned tiles for a dtype on a platform (``gpu`` / ``cpu``; default: this one)."""
+    key = (platform or _platform(), jnp.dtype(dtype).name)
+    if key not in GMM_TILES:
+        raise ValueError(f"no grouped-GEMM tiles for {key}; known: {sorted(GMM_TILES)}")
+    return GMM_TILES[key]
+
+
+def _fit_block(block: int, dim: int) -> int:
+    """The largest power of two ≤ ``block`` dividing ``dim`` (≥ 1)."""
+    while block > 1 and dim % block:
+        block //= 2
+    return block
+
+
+def _pad_to(dim: int, multiple: int) -> int:
+    return -(-dim // multiple) * multiple
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupTileMap:
+    """Which groups each row tile meets, in the compact form the kernels read.
+
+    visit_lo, visit_hi: [num_row_tiles] int32 — the tile meets the non-empty groups
+    ``visit_group[visit_lo:visit_hi]``; visit_group: [E] int32, the non-empty groups
+    in order (padded with 0); group_start, group_end: [E] int32 row range of each group.
+    """
+
+    visit_lo: jax.Array
+    visit_hi: jax.Array
+    visit_group: jax.Array
+    group_start: jax.Array
+    group_end: jax.Array
+
+
+def group_tile_map(group_sizes: jax.Array, num_row_tiles: int, block_m: int) -> GroupTileMap:
+    """Map row tiles to the non-empty groups they intersect (all static shapes)."""
+    sizes = group_sizes.astype(jnp.int32)
+    num_groups = sizes.shape[0]
+    group_end = jnp.cumsum(sizes)
+    group_start = group_end - sizes
+    nonempty = sizes > 0
+    tile_first = jnp.arange(num_row_tiles, dtype=jnp.int32)[:, None] * block_m
+    # Non-empty groups are contiguous and ordered, so those ending at or before a tile's
+    # first row precede its visits, and those starting before its end row bound them.
+    visit_lo = jnp.sum(nonempty & (group_end <= tile_first), axis=1, dtype=jnp.int32)
+    visit_hi = jnp.sum(nonempty & (group_start < tile_first + block_m), axis=1, dtype=jnp.int32)
+    (visit_group,) = jnp.nonzero(nonempty, size=num_groups, fill_value=0)
+    return GroupTileMap(visit_lo=visit_lo, visit_hi=visit_hi,
+                        visit_group=visit_group.astype(jnp.int32),
+                        group_start=group_start, group_end=group_end)
+
+
+def _group_products(tile_map_refs, lhs_ref, rhs_refs, rhs_col_offsets, *, block_m: int,
+                    block_k: int, block_n: int, depth: int, precision) -> list[jax.Array]:
+    """In one program: Σ over the groups meeting this row tile of masked x · rhs[g] for each
+    rhs, on columns [n·block_n + offset, +block_n). Returns one [block_m, block_n] f32 each."""
+    lo_ref, hi_ref, visit_ref, start_ref, end_ref = tile_map_refs
+    m, n = pl.program_id(0), pl.program_id(1)
+    first_row = m * block_m
+    rows = first_row + jnp.arange(block_m, dtype=jnp.int32)
+
+    def visit(v, accs):
+        group = visit_ref[v]
+        in_group = ((rows >= start_ref[group]) & (rows < end_ref[group]))[:, None]
+
+        def k_step(kk, accs):
+            x = lhs_ref[pl.ds(first_row, block_m), pl.ds(kk * block_k, block_k)]
+            x = jnp.where(in_group, x, jnp.zeros_like(x))
+            out = []
+            for acc, w_ref, offset in zip(accs, rhs_refs, rhs_col_offsets):
+                w = w_ref[group, pl.ds(kk * block_k, block_k), pl.ds(n * block_n + offset, block_n)]
+                out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32,
+                                         precision=precision))
+            return tuple(out)
+
+        return jax.lax.fori_loop(0, depth // block_k, k_step, accs)
+
+    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in rhs_refs)
+    return list(jax.lax.fori_loop(lo_ref[m], hi_ref[m], visit, zeros))
+
+
+def _gmm_kernel(lo_ref, hi_ref, visit_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref,
+                **dims):
+    (acc,) = _group_products((lo_ref, hi_ref, visit_ref, start_ref, end_ref), lhs_ref,
+                             (rhs_ref,), (0,), **dims)
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _swiglu_kernel(lo_ref, hi_ref, visit_ref, start_ref, end_ref, lhs_ref, gate_ref, up_ref,
+                   out_ref, *, up_col_offset: int, **dims):
+    gate, up = _group_products((lo_ref, hi_ref, visit_ref, start_ref, end_ref), lhs_ref,
+                               (gate_ref, up_ref), (0, up_col_offset), **dims)
+    out_ref[...] = (jax.nn.silu(gate) * up).astype(out_ref.dtype)
+
+
+def _check_operands(name: str, lhs: jax.Array, group_sizes: jax.Array, *weights: jax.Array):
+    if lhs.ndim != 2:
+        raise ValueError(f"{name}: lhs must be [T, d], got shape {lhs.shape}")
+    for w in weights:
+        if w.ndim != 3 or w.shape[1] != lhs.shape[1]:
+            raise ValueError(f"{name}: weights must be [E, d={lhs.shape[1]}, f], got {w.shape}")
+        if w.shape[0] != group_sizes.shape[0]:
+            raise ValueError(f"{name}: {w.shape[0]} expert matrices but group_sizes has "
+                             f"{group_sizes.shape[0]} entries")
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{name}: group_sizes must be a 1-D integer array, got "
+                         f"{group_sizes.dtype}{list(group_sizes.shape)}")
+
+
+def _resolve(lhs: jax.Array, out_cols: int, tiles: GmmTiles | None,
+             interpret: bool | None) -> tuple[GmmTiles, bool]:
+    tiles = tiles or tiles_for(lhs.dtype)
+    if interpret is None:
+        interpret = _platform() != "gpu"
+    depth = lhs.shape[1]
+    tiles = dataclasses.replace(tiles, block_k=_fit_block(tiles.block_k, depth),
+                                block_n=_fit_block(tiles.block_n, out_cols))
+    # Triton's dot needs at least 16 along each dimension.
+    if not interpret and min(tiles.block_k, tiles.block_n) < 16:
+        raise ValueError(f"grouped GEMM on GPU needs d and f divisible by 16, got d={depth}, "
+                         f"f={out_cols}; use the pure-JAX path (expert_impl='fused_tiles')")
+    return tiles, interpret
+
+
+def _drop_initial_output(kernel, *refs, **kwargs):
+    """Kernel adapter when the output aliases a caller's buffer: that buffer arrives as one
+    more input ref, which the kernel never reads (it overwrites every element)."""
+    kernel(*refs[:-2], refs[-1], **kwargs)
+
+
+def _launch(kernel, lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array,
+            out_cols: int, tiles: GmmTiles, interpret: bool, out: jax.Array | None,
+            **kernel_kwargs) -> jax.Array:
+    """Pad the rows to whole tiles, build the tile map and run ``kernel`` over the grid."""
+    num_rows, depth = lhs.shape
+    padded_rows = _pad_to(max(num_rows, 1), tiles.block_m)
+    if out is not None and (out.shape != (num_rows, out_cols) or out.dtype != lhs.dtype):
+        raise ValueError(f"out must be {lhs.dtype}[{num_rows}, {out_cols}], got "
+                         f"{out.dtype}{list(out.shape)}")
+    lhs_padded = jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0)))
+    num_row_tiles = padded_rows // tiles.block_m
+    tile_map = group_tile_map(group_sizes, num_row_tiles, tiles.block_m)
+    weights = tuple(w.astype(lhs.dtype) for w in weights)
+    precision = (jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32
+                 else jax.lax.Precision.DEFAULT)
+    body = functools.partial(kernel, block_m=tiles.block_m, block_k=tiles.block_k,
+                             block_n=tiles.block_n, depth=depth, precision=precision,
+                             **kernel_kwargs)
+
+    def whole(array):   # the program indexes these itself (data-dependent expert)
+        return pl.BlockSpec(array.shape, lambda m, n, _nd=array.ndim: (0,) * _nd)
+
+    operands = (tile_map.visit_lo, tile_map.visit_hi, tile_map.visit_group,
+                tile_map.group_start, tile_map.group_end, lhs_padded, *weights)
+    in_specs = [whole(a) for a in operands]
+    out_spec = pl.BlockSpec((tiles.block_m, tiles.block_n), lambda m, n: (m, n))
+    aliases = {}
+    if out is not None:
+        body = functools.partial(_drop_initial_output, body)
+        aliases = {len(operands): 0}
+        operands += (jnp.pad(out, ((0, padded_rows - num_rows), (0, 0)),
+                             constant_values=jnp.nan if jnp.issubdtype(out.dtype, jnp.floating)
+                             else 0),)
+        in_specs.append(out_spec)
+    compiler_params = None if interpret else pl_triton.CompilerParams(
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    out = pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((padded_rows, out_cols), lhs.dtype),
+        grid=(num_row_tiles, out_cols // tiles.block_n),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name=getattr(kernel, "__name__", "gmm").strip("_"),
+    )(*operands)
+    return out[:num_rows]
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+        interpret: bool | None = None, tiles: GmmTiles | None = None,
+        out: jax.Array | None = None) -> jax.Array:
+    """Grouped matmul: lhs [T, d] (rows sorted by group) × rhs [E, d, f] -> [T, f].
+
+    group_sizes [E] int: rows of each group, in order; rows past their sum are zero in
+    the output. f32 accumulation; output in lhs's dtype (rhs is cast to it).
+    interpret: None = interpret everywhere but on a GPU. tiles: override the table.
+    out: optional [T, f] buffer the kernel writes into (donated; every element is
+    overwritten, which the tests check by passing NaNs).
+    """
+    _check_operands("gmm", lhs, group_sizes, rhs)
+    out_cols = rhs.shape[2]
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret)
+    return _launch(_gmm_kernel, lhs, (rhs,), group_sizes, out_cols, tiles, interpret, out)
+
+
+def gmm_swiglu(lhs: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
+               interpret: bool | None = None, tiles: GmmTiles | None = None,
+               out: jax.Array | None = None) -> jax.Array:
+    """silu(lhs · w_gate[g]) * (lhs · w_up[g]) per group in one kernel.
+
+    lhs [T, d]; w_gate, w_up [E, d, f] -> [T, f] in lhs's dtype; rows past
+    sum(group_sizes) are zero. interpret, tiles, out: as in :func:`gmm`.
+    """
+    _check_operands("gmm_swiglu", lhs, group_sizes, w_gate, w_up)
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"gmm_swiglu: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
+    out_cols = w_gate.shape[2]
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret)
+    return _launch(_swiglu_kernel, lhs, (w_gate, w_up), group_sizes, out_cols, tiles,
+                   interpret, out, up_col_offset=0)
+
+
+def gmm_swiglu_stacked(lhs: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
+                       interpret: bool | None = None, tiles: GmmTiles | None = None,
+                       out: jax.Array | None = None) -> jax.Array:
+    """:func:`gmm_swiglu` over stacked weights w_gate_up [E, d, 2f] (gate columns first,
+    then up), read in place: the kernel takes up's columns at an offset of f."""
+    _check_operands("gmm_swiglu_stacked", lhs, group_sizes, w_gate_up)
+    if w_gate_up.shape[2] % 2:
+        raise ValueError(f"gmm_swiglu_stacked: w_gate_up's last dim must be 2f, got "
+                         f"{w_gate_up.shape[2]}")
+    out_cols = w_gate_up.shape[2] // 2
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret)
+    return _launch(_swiglu_kernel, lhs, (w_gate_up, w_gate_up), group_sizes, out_cols, tiles,
+                   interpret, out, up_col_offset=out_cols)
