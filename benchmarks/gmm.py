@@ -1,0 +1,234 @@
+"""Grouped GEMM for MoE experts: the Pallas kernel against its peers, side by side.
+
+Times ``lhs [T·k, d] × rhs [E, d, f]`` with rows sorted by expert (group sizes from a
+random top-k routing of T tokens) on the expert shapes of Qwen3-30B-A3B (d=2048,
+f=768, E=128, k=8) and Mixtral-8x7B (d=4096, f=14336, E=8, k=2) at 4K–64K tokens:
+
+* ``pallas``       kernels_pallas.gmm.gmm (interpreted off GPU)
+* ``ragged_dot``   jax.lax.ragged_dot (XLA's own; the reference the ratios divide by)
+* ``tokamax``      tokamax.ragged_dot, where the package is installed (skipped otherwise)
+* ``jax_tiles``    moejax.grouped_gemm.gmm, the pure-JAX tiled loop (the CPU default)
+* ``dense_onehot`` every row through every expert, masked (E× the work; skipped past
+                   ``DENSE_MAX_BYTES`` of intermediate)
+
+plus the fused gate/up kernel against two grouped GEMMs and a SiLU, and a plain dense
+matmul of the same dtype as the device's measured matmul rate. Prints TFLOP/s (routed
+FLOPs 2·T·k·d·f over median time) and each path's ratio to ``ragged_dot``.
+
+On a GPU the targets are pallas ≥ 1.0× ragged_dot at ≥ 16K tokens and ≥ 50% of the
+measured matmul rate. Off GPU the defaults shrink to CPU-sized shapes: the run only
+shows the paths work (Pallas is interpreted there).
+
+    python benchmarks/gmm.py [--quick] [--json PATH] [--models qwen3,mixtral] [--tokens 4096,16384]
+
+JSON keys (flat): ``matmul_tflops``; per model M and token count N:
+``{M}_{N}_{path}_tflops``, ``{M}_{N}_{path}_over_ragged_dot``,
+``{M}_{N}_pallas_fraction_of_matmul``, ``{M}_{N}_swiglu_fused_over_separate``;
+and ``platform``, ``dtype``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kernels_pallas import gmm as pallas_gmm  # noqa: E402
+from moejax import grouped_gemm  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShape:
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+
+
+MODELS = {
+    "qwen3": ExpertShape(hidden=2048, intermediate=768, experts=128, top_k=8),
+    "mixtral": ExpertShape(hidden=4096, intermediate=14336, experts=8, top_k=2),
+    # CPU stand-ins: same E and k, narrower matrices.
+    "qwen3_cpu": ExpertShape(hidden=256, intermediate=128, experts=128, top_k=8),
+    "mixtral_cpu": ExpertShape(hidden=512, intermediate=1024, experts=8, top_k=2),
+    "tiny": ExpertShape(hidden=128, intermediate=64, experts=16, top_k=4),
+}
+GPU_DEFAULT = (("qwen3", "mixtral"), (4096, 16384, 65536))
+CPU_DEFAULT = (("qwen3_cpu", "mixtral_cpu"), (512, 2048))
+QUICK = (("tiny",), (256,))
+DENSE_MAX_BYTES = 4 << 30      # the one-hot path materializes [E, T·k, f] in f32
+INPUT_SETS = 2                 # rotate inputs so repeated runs do not just hit the cache
+
+
+def is_gpu() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def routed_group_sizes(tokens: int, shape: ExpertShape, seed: int) -> np.ndarray:
+    """Rows per expert after a random top-k routing of ``tokens`` tokens."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((tokens, shape.experts)).astype(np.float32)
+    topk = np.argpartition(-logits, shape.top_k - 1, axis=1)[:, :shape.top_k]
+    return np.bincount(topk.reshape(-1), minlength=shape.experts).astype(np.int32)
+
+
+def median_seconds(fn, input_sets, repeats: int) -> float:
+    """Median wall time of ``fn(*inputs)`` (synchronized), after one warm-up per input set."""
+    for inputs in input_sets:
+        jax.block_until_ready(fn(*inputs))
+    times = []
+    for i in range(repeats):
+        inputs = input_sets[i % len(input_sets)]
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def grouped_paths(shape: ExpertShape, rows: int):
+    """name -> jitted fn(lhs, rhs, group_sizes), or name -> reason it is skipped."""
+    paths = {
+        "pallas": jax.jit(lambda x, w, s: pallas_gmm.gmm(x, w, s)),
+        "ragged_dot": jax.jit(lambda x, w, s: jax.lax.ragged_dot(
+            x, w, s, preferred_element_type=jnp.float32).astype(x.dtype)),
+        "jax_tiles": jax.jit(lambda x, w, s: grouped_gemm.gmm(x, w, s)),
+    }
+    try:
+        import tokamax
+        from absl import flags
+        # tokamax reads absl flags, which would otherwise parse this script's own argv.
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS([sys.argv[0]])
+        paths["tokamax"] = jax.jit(lambda x, w, s: tokamax.ragged_dot(
+            x, w, s, preferred_element_type=jnp.float32).astype(x.dtype))
+    except ImportError as exc:
+        paths["tokamax"] = f"tokamax not importable ({exc}; pip install tokamax)"
+    dense_bytes = shape.experts * rows * shape.intermediate * 4
+    if dense_bytes <= DENSE_MAX_BYTES:
+        paths["dense_onehot"] = jax.jit(dense_onehot)
+    else:
+        paths["dense_onehot"] = (f"needs {dense_bytes / 2**30:.0f} GiB for [E, T·k, f] "
+                                 f"(> {DENSE_MAX_BYTES >> 30} GiB)")
+    return paths
+
+
+def dense_onehot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    one_hot = jax.nn.one_hot(grouped_gemm.group_ids(sizes, x.shape[0]), w.shape[0],
+                             dtype=jnp.float32)
+    per_expert = jnp.einsum("md,edf->emf", x, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("emf,me->mf", per_expert, one_hot).astype(x.dtype)
+
+
+def separate_swiglu(x, w_gate, w_up, sizes):
+    gate = pallas_gmm.gmm(x, w_gate, sizes).astype(jnp.float32)
+    up = pallas_gmm.gmm(x, w_up, sizes).astype(jnp.float32)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+
+def matmul_tflops(dtype, size: int, repeats: int) -> float:
+    """The device's dense matmul rate at [size, size] × [size, size] in ``dtype``."""
+    rng = np.random.default_rng(0)
+    sets = [tuple(jnp.asarray(rng.standard_normal((size, size)), dtype) for _ in range(2))
+            for _ in range(INPUT_SETS)]
+    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+    return 2 * size ** 3 / median_seconds(fn, sets, repeats) / 1e12
+
+
+def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
+                matmul_rate: float) -> dict:
+    rows = tokens * shape.top_k
+    sizes = jnp.asarray(routed_group_sizes(tokens, shape, seed=tokens))
+    rng = np.random.default_rng(1)
+
+    def inputs():
+        x = jnp.asarray(rng.standard_normal((rows, shape.hidden)), dtype)
+        w = jnp.asarray(rng.standard_normal((shape.experts, shape.hidden, shape.intermediate))
+                        / np.sqrt(shape.hidden), dtype)
+        return x, w, sizes
+
+    sets = [inputs() for _ in range(INPUT_SETS)]
+    flops = 2 * rows * shape.hidden * shape.intermediate
+    prefix = f"{name}_{tokens}"
+    figures, seconds = {}, {}
+    print(f"\n{name} d={shape.hidden} f={shape.intermediate} E={shape.experts} "
+          f"k={shape.top_k}, {tokens} tokens ({rows} rows, {flops / 1e9:.2f} GFLOP routed)")
+    for path, fn in grouped_paths(shape, rows).items():
+        if isinstance(fn, str):
+            print(f"  {path:<13} skipped: {fn}")
+            continue
+        seconds[path] = median_seconds(fn, sets, repeats)
+        figures[f"{prefix}_{path}_tflops"] = flops / seconds[path] / 1e12
+    for path, t in seconds.items():
+        ratio = seconds["ragged_dot"] / t
+        figures[f"{prefix}_{path}_over_ragged_dot"] = ratio
+        print(f"  {path:<13} {t * 1e3:10.3f} ms  {flops / t / 1e12:8.3f} TFLOP/s  "
+              f"{ratio:6.2f}× ragged_dot")
+    figures[f"{prefix}_pallas_fraction_of_matmul"] = (
+        figures[f"{prefix}_pallas_tflops"] / matmul_rate)
+    print(f"  pallas at {figures[f'{prefix}_pallas_fraction_of_matmul']:.0%} of the dense "
+          f"matmul rate ({matmul_rate:.3f} TFLOP/s)")
+
+    swiglu_sets = [(x, w, w[:, :, ::-1], s) for x, w, s in sets]
+    fused = median_seconds(jax.jit(pallas_gmm.gmm_swiglu), swiglu_sets, repeats)
+    separate = median_seconds(jax.jit(separate_swiglu), swiglu_sets, repeats)
+    figures[f"{prefix}_swiglu_fused_over_separate"] = separate / fused
+    print(f"  gate/up+SiLU: fused kernel {fused * 1e3:.3f} ms, two GEMMs + SiLU "
+          f"{separate * 1e3:.3f} ms ({separate / fused:.2f}×)")
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one tiny shape (under a minute)")
+    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+    parser.add_argument("--models", help=f"comma-separated, from {sorted(MODELS)}")
+    parser.add_argument("--tokens", help="comma-separated token counts")
+    parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 "
+                                                      "(CPU default)")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    gpu = is_gpu()
+    models, token_counts = QUICK if args.quick else (GPU_DEFAULT if gpu else CPU_DEFAULT)
+    if args.models:
+        models = tuple(args.models.split(","))
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    if args.tokens:
+        token_counts = tuple(int(t) for t in args.tokens.split(","))
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
+    repeats = args.repeats or (20 if gpu else 3)
+    print(f"platform {jax.default_backend()} ({jax.devices()[0].device_kind}), dtype "
+          f"{dtype.name}, median of {repeats} runs")
+    if not gpu:
+        print("note: no GPU; Pallas runs interpreted, so its times here only show it works")
+
+    matmul_rate = matmul_tflops(dtype, 8192 if gpu else 1024, repeats)
+    print(f"dense matmul rate: {matmul_rate:.3f} TFLOP/s")
+    figures: dict = {"platform": jax.default_backend(), "dtype": dtype.name,
+                     "matmul_tflops": matmul_rate}
+    for model in models:
+        for tokens in token_counts:
+            figures.update(bench_shape(model, MODELS[model], tokens, dtype, repeats,
+                                       matmul_rate))
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as fh:
+            json.dump(figures, fh, indent=2)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
