@@ -162,23 +162,42 @@ def forward(params: Params, batch: PackedBatch, cfg: ModelConfig,
     The last layer runs only at the scoring positions when they are few (P <= T/4):
     nothing after it reads the other rows.
     """
+    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
+    last = cfg.num_layers - 1
+    x = decoder_stack(params["layers"], embed_tokens(params, batch), batch, cfg, opts,
+                      num_layers=last, bias=bias)
+    return finish_scoring(params, layer_slice(params["layers"], last), x, batch, bias, cfg, opts)
+
+
+def embed_tokens(params: Params, batch: PackedBatch) -> jax.Array:
+    """Token embeddings [T, d]."""
+    return jnp.take(params["embed"], batch.tokens, axis=0)
+
+
+def last_layer_at_rows_only(batch: PackedBatch) -> bool:
+    """Run the last layer at the scoring rows alone? Yes when they are few (P <= T/4)."""
+    return 4 * batch.score_positions.shape[0] <= batch.tokens.shape[0]
+
+
+def finish_scoring(params: Params, last_layer: Mapping[str, jax.Array], x: jax.Array,
+                   batch: PackedBatch, bias: jax.Array | None, cfg: ModelConfig,
+                   opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
+    """The last decoder layer (``last_layer``: its params, experts included) on the output
+    x [T, d] of the layers before it, then the final norm and the LM head at the scoring
+    positions. Every backend ends its forward here, so all share one definition."""
     rows = batch.score_positions
-    if 4 * rows.shape[0] <= batch.tokens.shape[0]:
-        x = jnp.take(params["embed"], batch.tokens, axis=0)
-        last = cfg.num_layers - 1
-        x = decoder_stack(params["layers"], x, batch, cfg, opts, num_layers=last)
-        x = decoder_layer_at_rows(layer_slice(params["layers"], last), x, batch, rows, cfg, opts)
+    if last_layer_at_rows_only(batch):
+        x_rows = decoder_layer_at_rows(last_layer, x, batch, rows, cfg, opts)
     else:
-        x = jnp.take(hidden_states(params, batch, cfg, opts), rows, axis=0)
-    final = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        x_rows = jnp.take(decoder_layer(last_layer, x, batch, bias, cfg, opts), rows, axis=0)
+    final = rms_norm(x_rows, params["final_norm"], cfg.rms_norm_eps)
     return lm_head_scores(params, final, batch.score_token_ids, cfg, opts.full_vocab)
 
 
 def hidden_states(params: Params, batch: PackedBatch, cfg: ModelConfig,
                   opts: ForwardOptions) -> jax.Array:
     """Embedding and every decoder layer (a loop over the stacked layers) -> [T, d]."""
-    x = jnp.take(params["embed"], batch.tokens, axis=0)
-    return decoder_stack(params["layers"], x, batch, cfg, opts)
+    return decoder_stack(params["layers"], embed_tokens(params, batch), batch, cfg, opts)
 
 
 def layer_slice(layer_params: Mapping[str, jax.Array], index) -> dict[str, jax.Array]:
@@ -188,11 +207,13 @@ def layer_slice(layer_params: Mapping[str, jax.Array], index) -> dict[str, jax.A
 
 
 def decoder_stack(layer_params: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                  cfg: ModelConfig, opts: ForwardOptions, num_layers: int | None = None
-                  ) -> jax.Array:
+                  cfg: ModelConfig, opts: ForwardOptions, num_layers: int | None = None,
+                  bias: jax.Array | None = None) -> jax.Array:
     """Decoder layers [0, num_layers) (default: all) on x [T, d]: a loop over the stacked
-    layer params that indexes them in place (slicing the stack first would copy it)."""
-    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)  # shared by all layers
+    layer params that indexes them in place (slicing the stack first would copy it).
+    ``bias``: the attention bias of ``batch`` if the caller already built it."""
+    if bias is None:   # shared by all layers
+        bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
     count = cfg.num_layers if num_layers is None else num_layers
 
     def body(i, x):

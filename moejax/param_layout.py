@@ -21,6 +21,17 @@ from moejax.config import ModelConfig
 
 Params = dict[str, Any]
 
+# The per-layer expert weights: what the backends place, shard and stream apart from
+# the rest (attention, norms, router), which every device keeps whole.
+EXPERT_KEYS = ("w_gate", "w_up", "w_down")
+
+
+def split_experts(layers: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stacked layer params -> (everything but the experts, the expert weights)."""
+    dense = {k: v for k, v in layers.items() if k not in EXPERT_KEYS}
+    experts = {k: layers[k] for k in EXPERT_KEYS}
+    return dense, experts
+
 
 def param_shapes(cfg: ModelConfig) -> Params:
     """The params pytree of ``cfg`` with shape tuples as leaves."""

@@ -1,0 +1,174 @@
+"""What every execution backend shares: the interface, batch stacking for
+data-parallel ranks, and the memory report.
+
+A backend owns the placement of the params (device, mesh shards, host memory) and
+runs the packed forward of ``moejax.model``. A *step* takes ``num_ranks`` packed
+batches of one shape (one per data-parallel rank; the engine pads a short step with
+empty batches) and returns each batch's scoring-position logits, as device arrays so
+that the caller can keep packing while the device computes.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import ModelConfig
+from moejax.model import ForwardOptions, PackedBatch, check_params
+from moejax.param_layout import EXPERT_KEYS, Params
+
+StepOutput = tuple[jax.Array, "jax.Array | None"]   # ([P, C] logits f32, [P] log-sum-exp)
+
+
+class BackendError(ValueError):
+    """A backend cannot run as asked (devices, divisibility, memory kinds)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Device memory one backend uses for weights, per device, in bytes.
+
+    dense_weight_bytes: embeddings, attention, norms, routers, LM head.
+    expert_weight_bytes: expert weights on the device at their peak (resident experts,
+    the window of streamed layers, the local shards, the gathered layers in flight).
+    expert_bytes_all_layers: the whole model's expert weights (what ``resident`` holds),
+    so ``expert_bytes_all_layers / expert_weight_bytes`` is the saving.
+    host_weight_bytes: weights kept in host memory.
+    detail: named parts of expert_weight_bytes (e.g. ``window``, ``shards``, ``gathered``).
+    """
+
+    dense_weight_bytes: int
+    expert_weight_bytes: int
+    expert_bytes_all_layers: int
+    host_weight_bytes: int = 0
+    detail: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def expert_saving(self) -> float:
+        return self.expert_bytes_all_layers / max(self.expert_weight_bytes, 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["detail"] = dict(self.detail)
+        out["expert_saving"] = self.expert_saving
+        return out
+
+
+class Backend(abc.ABC):
+    """One way to run the packed forward. Subclasses set ``name`` and implement
+    :meth:`step` and :meth:`memory_report`."""
+
+    name: str = ""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: Any = jnp.float32):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+
+    @property
+    def num_ranks(self) -> int:
+        """Packed batches per step (data-parallel ranks)."""
+        return 1
+
+    @property
+    @abc.abstractmethod
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices this backend computes on."""
+
+    @abc.abstractmethod
+    def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
+        """Run ``num_ranks`` host batches of one shape; outputs in the same order."""
+
+    @abc.abstractmethod
+    def memory_report(self) -> MemoryReport:
+        """Bytes of weights per device (see :class:`MemoryReport`)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "devices": len(self.devices), "ranks": self.num_ranks}
+
+    def _check_step(self, batches: Sequence[PackedBatch]) -> None:
+        if len(batches) != self.num_ranks:
+            raise ValueError(f"backend {self.name!r} takes {self.num_ranks} batch(es) per "
+                             f"step, got {len(batches)}")
+        shapes = {tuple(np.shape(b.tokens)) + tuple(np.shape(b.score_token_ids)) for b in batches}
+        if len(shapes) != 1:
+            raise ValueError(f"batches of one step must share a shape, got {sorted(shapes)}")
+
+
+# ------------------------------------------------------------------ helpers
+def cast_params(params: Params, dtype) -> Params:
+    """Every leaf as a NumPy array of ``dtype`` (host side; placement is the backend's)."""
+    return jax.tree.map(lambda a: np.asarray(a).astype(dtype), params)
+
+
+def validated(params: Params, cfg: ModelConfig, dtype) -> Params:
+    check_params(params, cfg)
+    return cast_params(params, jnp.dtype(dtype))
+
+
+def nbytes(tree: Any) -> int:
+    return int(sum(np.prod(np.shape(a)) * np.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(tree)))
+
+
+def expert_bytes_per_layer(params: Params) -> int:
+    layers = params["layers"]
+    return nbytes({k: layers[k] for k in EXPERT_KEYS}) // int(np.shape(layers["w_gate"])[0])
+
+
+def dense_bytes(params: Params) -> int:
+    dense = {k: v for k, v in params.items() if k != "layers"}
+    dense["layers"] = {k: v for k, v in params["layers"].items() if k not in EXPERT_KEYS}
+    return nbytes(dense)
+
+
+def empty_batch_like(batch: PackedBatch) -> PackedBatch:
+    """A batch of the same shape holding no tokens (pads a short data-parallel step)."""
+    return PackedBatch(tokens=np.zeros_like(batch.tokens), positions=np.zeros_like(batch.positions),
+                       segment_ids=np.full_like(batch.segment_ids, -1),
+                       score_positions=np.zeros_like(batch.score_positions),
+                       score_token_ids=np.zeros_like(batch.score_token_ids))
+
+
+def stack_batches(batches: Sequence[PackedBatch]) -> PackedBatch:
+    """G batches of one shape -> one batch with a leading [G] axis on every field."""
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+
+
+def unstack_outputs(logits: jax.Array, lse: jax.Array | None, count: int) -> list[StepOutput]:
+    """[G, P, C] logits (and [G, P] lse) -> G per-rank outputs."""
+    return [(logits[g], None if lse is None else lse[g]) for g in range(count)]
+
+
+def require_devices(name: str, count: int, platform_devices: Sequence[jax.Device] | None = None
+                    ) -> tuple[jax.Device, ...]:
+    """The first ``count`` devices of the default platform, or a BackendError saying why not."""
+    available = list(platform_devices if platform_devices is not None else jax.devices())
+    if not isinstance(count, int) or count < 1:
+        raise BackendError(f"backend {name!r}: devices must be a positive integer, got {count!r}")
+    if count > len(available):
+        hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX "
+                "starts)" if available and available[0].platform == "cpu" else "")
+        raise BackendError(f"backend {name!r} asks for {count} devices but only "
+                           f"{len(available)} {available[0].platform if available else ''} "
+                           f"device(s) exist{hint}")
+    return tuple(available[:count])
+
+
+def plan_steps(shape_keys: Sequence[Any], num_ranks: int) -> list[list[int]]:
+    """Group batch indices into steps of up to ``num_ranks`` batches of one shape, in
+    first-seen order of the shapes (short steps are padded by the caller)."""
+    by_shape: dict[Any, list[int]] = {}
+    for index, key in enumerate(shape_keys):
+        by_shape.setdefault(key, []).append(index)
+    return [group[i:i + num_ranks] for group in by_shape.values()
+            for i in range(0, len(group), num_ranks)]
+
+
+def padded_step(batches: Sequence[PackedBatch], num_ranks: int) -> list[PackedBatch]:
+    """``batches`` plus empty batches of the same shape up to ``num_ranks``."""
+    return list(batches) + [empty_batch_like(batches[0])] * (num_ranks - len(batches))

@@ -1,0 +1,48 @@
+"""``resident``: every weight on one device; the reference the other backends are held to."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from moejax import model as model_lib
+from moejax.backends.base import (Backend, MemoryReport, StepOutput, dense_bytes,
+                                  expert_bytes_per_layer, require_devices, validated)
+from moejax.config import ModelConfig
+from moejax.model import ForwardOptions, PackedBatch
+from moejax.param_layout import Params
+
+
+class ResidentBackend(Backend):
+    """All params on one device; one jitted forward per batch shape."""
+
+    name = "resident"
+
+    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
+                 devices: int = 1, device: jax.Device | None = None):
+        super().__init__(cfg, dtype=dtype)
+        if devices != 1:
+            raise ValueError(f"backend 'resident' runs on one device, got devices={devices}; "
+                             f"use async_ep, sync_ep or tp for several")
+        self.device = device or require_devices(self.name, 1)[0]
+        host = validated(params, cfg, self.dtype)
+        self._memory = MemoryReport(
+            dense_weight_bytes=dense_bytes(host),
+            expert_weight_bytes=expert_bytes_per_layer(host) * cfg.num_layers,
+            expert_bytes_all_layers=expert_bytes_per_layer(host) * cfg.num_layers)
+        self.params = jax.device_put(host, self.device)
+        self._forward = jax.jit(model_lib.forward, static_argnames=("cfg", "opts"))
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return (self.device,)
+
+    def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
+        self._check_step(batches)
+        batch = jax.device_put(batches[0], self.device)
+        return [self._forward(self.params, batch, cfg=self.cfg, opts=opts)]
+
+    def memory_report(self) -> MemoryReport:
+        return self._memory
