@@ -181,15 +181,21 @@ def last_layer_at_rows_only(batch: PackedBatch) -> bool:
 
 def finish_scoring(params: Params, last_layer: Mapping[str, jax.Array], x: jax.Array,
                    batch: PackedBatch, bias: jax.Array | None, cfg: ModelConfig,
-                   opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
+                   opts: ForwardOptions, layer_fn=None, layer_at_rows_fn=None
+                   ) -> tuple[jax.Array, jax.Array | None]:
     """The last decoder layer (``last_layer``: its params, experts included) on the output
     x [T, d] of the layers before it, then the final norm and the LM head at the scoring
-    positions. Every backend ends its forward here, so all share one definition."""
+    positions. Every backend ends its forward here, so all share one definition; a
+    backend whose layers differ (tensor parallel) passes its own ``layer_fn`` /
+    ``layer_at_rows_fn`` with the signatures of :func:`decoder_layer` /
+    :func:`decoder_layer_at_rows`."""
+    layer_fn = layer_fn or decoder_layer
+    layer_at_rows_fn = layer_at_rows_fn or decoder_layer_at_rows
     rows = batch.score_positions
     if last_layer_at_rows_only(batch):
-        x_rows = decoder_layer_at_rows(last_layer, x, batch, rows, cfg, opts)
+        x_rows = layer_at_rows_fn(last_layer, x, batch, rows, cfg, opts)
     else:
-        x_rows = jnp.take(decoder_layer(last_layer, x, batch, bias, cfg, opts), rows, axis=0)
+        x_rows = jnp.take(layer_fn(last_layer, x, batch, bias, cfg, opts), rows, axis=0)
     final = rms_norm(x_rows, params["final_norm"], cfg.rms_norm_eps)
     return lm_head_scores(params, final, batch.score_token_ids, cfg, opts.full_vocab)
 

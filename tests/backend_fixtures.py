@@ -94,3 +94,24 @@ def workload(cfg: ModelConfig = CFG, seed: int = 0) -> Workload:
     params = make_params(cfg, seed)
     hosts = make_host_batches(cfg, seed + 1)
     return Workload(cfg, params, hosts, reference_outputs(cfg, params, hosts))
+
+
+def two_shape_hosts(hosts: list[HostBatch], shapes: int = 2) -> list[HostBatch]:
+    """The batches of two shapes only (each compile costs seconds on CPU): the commonest
+    shape whose last layer runs at the scoring rows alone, and (``shapes=2``) the
+    commonest whose last layer runs on every row with the vocabulary log-sum-exp."""
+    def commonest(pred):
+        keys = [h.shape_key for h in hosts if pred(h)]
+        return max(set(keys), key=keys.count)
+
+    rows_only = commonest(lambda h: model.last_layer_at_rows_only(h.batch))
+    full = commonest(lambda h: not model.last_layer_at_rows_only(h.batch) and h.options.full_vocab)
+    keep = (rows_only, full)[:shapes]
+    return [h for h in hosts if h.shape_key in keep]
+
+
+def small_workload(cfg: ModelConfig = CFG, seed: int = 0, shapes: int = 2) -> Workload:
+    """:func:`workload` restricted to :func:`two_shape_hosts` (for multi-device backends)."""
+    params = make_params(cfg, seed)
+    hosts = two_shape_hosts(make_host_batches(cfg, seed + 1), shapes)
+    return Workload(cfg, params, hosts, reference_outputs(cfg, params, hosts))

@@ -1,0 +1,162 @@
+"""``async_ep``: data-parallel attention with expert weights all-gathered a layer ahead.
+
+G devices on a 1-D mesh ``('dp',)``; each device runs its own packed batch. The
+expert weights ``[L, E, d, f]`` are sharded on E (each device holds E/G experts of
+every layer), the first layer's experts are kept whole on every device, and the
+layer loop is a ``lax.scan`` whose body first issues the all-gather of layer l+1's
+shards and then computes layer l with the experts gathered one iteration earlier
+(carried: a double buffer). No token ever leaves its device: no all-to-all, no
+per-layer activation exchange; only weights move, and on a GPU the gather of l+1
+runs under the compute of l (``all-gather-start`` … compute … ``all-gather-done``).
+
+Experts not divisible by G are padded with zero experts that the router can
+never pick (its E columns are unchanged); the gathered stack is cut back to E.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from moejax import attention
+from moejax import model as model_lib
+from moejax.backends import xla_flags
+from moejax.backends.base import (Backend, MemoryReport, StepOutput, dense_bytes,
+                                  expert_bytes_per_layer, require_devices, stack_batches,
+                                  unstack_outputs, validated)
+from moejax.config import ModelConfig
+from moejax.model import ForwardOptions, PackedBatch
+from moejax.param_layout import Params, split_experts
+
+AXIS = "dp"
+
+
+def pad_experts(experts: Mapping[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """Zero experts appended on the E axis (axis 1 of [L, E, ...]) up to a multiple."""
+    num_experts = next(iter(experts.values())).shape[1]
+    extra = -num_experts % multiple
+    if not extra:
+        return dict(experts)
+    return {k: np.concatenate([v, np.zeros((v.shape[0], extra) + v.shape[2:], v.dtype)], axis=1)
+            for k, v in experts.items()}
+
+
+def gather_layer(shards: Mapping[str, jax.Array], layer, num_experts: int) -> dict[str, jax.Array]:
+    """Inside the shard_map: all-gather layer ``layer`` of the local expert shards
+    [L, E/G, ...] into the whole layer [E, ...] (padding experts cut off)."""
+    out = {}
+    for name, local in shards.items():
+        piece = jax.lax.dynamic_index_in_dim(local, layer, axis=0, keepdims=False)
+        out[name] = jax.lax.all_gather(piece, AXIS, axis=0, tiled=True)[:num_experts]
+    return out
+
+
+def with_experts(dense_layers: Mapping[str, jax.Array], layer, experts: Mapping[str, jax.Array]
+                 ) -> dict[str, jax.Array]:
+    """One layer's full params: its dense slice plus the given [E, ...] expert weights."""
+    return {**model_lib.layer_slice(dense_layers, layer), **experts}
+
+
+def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
+                     first_experts: Mapping[str, jax.Array], batch: PackedBatch,
+                     cfg: ModelConfig, opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
+    """Per-device body (inside shard_map). params: replicated, ``layers`` without experts;
+    shards: local [L, E/G, ...]; first_experts: layer 0's [E, ...]; batch: this rank's
+    (leading axis 1). Returns [1, P, C] logits and [1, P] log-sum-exp (or None)."""
+    batch = jax.tree.map(lambda a: a[0], batch)
+    dense = params["layers"]
+    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
+    x = model_lib.embed_tokens(params, batch)
+
+    def layer_step(carry, layer):
+        x, experts = carry
+        # Issued before layer l's compute so the scheduler can overlap the two.
+        next_experts = gather_layer(shards, layer + 1, cfg.num_experts)
+        x = model_lib.decoder_layer(with_experts(dense, layer, experts), x, batch, bias, cfg, opts)
+        return (x, next_experts), None
+
+    layers = jnp.arange(cfg.num_layers - 1, dtype=jnp.int32)
+    (x, last_experts), _ = jax.lax.scan(layer_step, (x, dict(first_experts)), layers)
+    last = with_experts(dense, cfg.num_layers - 1, last_experts)
+    logits, lse = model_lib.finish_scoring(params, last, x, batch, bias, cfg, opts)
+    return logits[None], None if lse is None else lse[None]
+
+
+class AsyncEPBackend(Backend):
+    """Expert weights sharded on E over G devices, gathered a layer ahead."""
+
+    name = "async_ep"
+
+    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
+                 devices: int = 1):
+        super().__init__(cfg, dtype=dtype)
+        xla_flags.warn_if_overlap_flags_missing(self.name)
+        self._devices = require_devices(self.name, devices)
+        self.mesh = Mesh(np.array(self._devices), (AXIS,))
+        host = validated(params, cfg, self.dtype)
+        dense_layers, experts = split_experts(host["layers"])
+        num_devices = len(self._devices)
+        sharded = pad_experts(experts, num_devices)
+        replicated = NamedSharding(self.mesh, P())
+        on_experts = NamedSharding(self.mesh, P(None, AXIS))
+        self.params = jax.device_put({**{k: v for k, v in host.items() if k != "layers"},
+                                      "layers": dense_layers}, replicated)
+        self.shards = jax.device_put(sharded, on_experts)
+        self.first_experts = jax.device_put({k: v[0] for k, v in experts.items()}, replicated)
+        self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
+        self._compiled: dict[ForwardOptions, Any] = {}
+
+        per_layer = expert_bytes_per_layer(host)
+        padded_layer = per_layer * sharded["w_gate"].shape[1] // cfg.num_experts
+        shard_bytes = padded_layer * cfg.num_layers // num_devices
+        self._memory = MemoryReport(
+            dense_weight_bytes=dense_bytes(host),
+            expert_weight_bytes=shard_bytes + 3 * per_layer,
+            expert_bytes_all_layers=per_layer * cfg.num_layers,
+            detail={"shards": shard_bytes, "first_layer": per_layer,
+                    "gathered_current": per_layer, "gathered_next": per_layer})
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return self._devices
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._devices)
+
+    def forward_fn(self, opts: ForwardOptions, full_vocab: bool):
+        """The jitted shard_map'd forward for one set of static options."""
+        key = (opts, full_vocab)
+        if key not in self._compiled:
+            out_specs = (P(AXIS), P(AXIS) if full_vocab else None)
+            body = jax.shard_map(
+                lambda params, shards, first, batch: async_ep_forward(
+                    params, shards, first, batch, self.cfg, opts),
+                mesh=self.mesh,
+                in_specs=(P(), P(None, AXIS), P(), P(AXIS)),
+                out_specs=out_specs, check_vma=False)
+            self._compiled[key] = jax.jit(body)
+        return self._compiled[key]
+
+    def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
+        self._check_step(batches)
+        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        logits, lse = self.forward_fn(opts, opts.full_vocab)(
+            self.params, self.shards, self.first_experts, batch)
+        return unstack_outputs(logits, lse, self.num_ranks)
+
+    def lowered(self, batches: Sequence[PackedBatch], opts: ForwardOptions):
+        """The lowered step (tests read its compiled HLO for the all-gather overlap)."""
+        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        return self.forward_fn(opts, opts.full_vocab).lower(
+            self.params, self.shards, self.first_experts, batch)
+
+    def memory_report(self) -> MemoryReport:
+        return self._memory
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "mesh": dict(self.mesh.shape)}
