@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any, Iterator, Sequence
@@ -47,8 +48,21 @@ def read_jsonl_chunks(stream, chunk_size: int) -> Iterator[list[tuple[Any, str |
 
 
 def _scorer_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"dtype": args.dtype, "max_batch_tokens": args.max_batch_tokens,
-            "expert_impl": args.expert_impl}
+    options = {"dtype": args.dtype, "max_batch_tokens": args.max_batch_tokens,
+               "expert_impl": args.expert_impl, "backend": args.backend,
+               "devices": args.devices, "theta": args.theta, "deployment": args.deployment}
+    if args.window is not None:
+        options["backend_options"] = {"window": args.window}
+    return options
+
+
+def ensure_host_devices(count: int | None, environ=os.environ) -> None:
+    """Ask for ``count`` CPU host devices before JAX starts (CPU runs of multi-device
+    backends; GPUs ignore the flag). An explicit user setting wins."""
+    flag = "--xla_force_host_platform_device_count"
+    current = environ.get("XLA_FLAGS", "")
+    if count and count > 1 and flag not in current:
+        environ["XLA_FLAGS"] = f"{current} {flag}={count}".strip()
 
 
 def _count_lines(path: str) -> int | None:
@@ -150,6 +164,17 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-batch-tokens", type=_positive_int, default=None,
                    help="tokens per packed batch (default: configs/scoring.yaml)")
+    p.add_argument("--backend", default=None,
+                   help="execution backend: resident (default), offload, async_ep, hybrid, "
+                        "sync_ep or tp")
+    p.add_argument("--devices", type=_positive_int, default=None,
+                   help="devices for the backend (default 1; on CPU, host devices are created)")
+    p.add_argument("--window", type=_positive_int, default=None,
+                   help="layers of experts kept on the device (offload, hybrid)")
+    p.add_argument("--deployment", default=None,
+                   help="YAML deployment config (e.g. configs/deployments/async_ep.yaml)")
+    p.add_argument("--theta", type=float, default=None,
+                   help="pin the saturation threshold Θ (FLOPs) instead of calibrating")
     p.add_argument("--expert-impl", default=None,
                    help="expert computation path: auto (default: chosen per platform and "
                         "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
@@ -185,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    ensure_host_devices(getattr(args, "devices", None))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

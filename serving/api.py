@@ -19,6 +19,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from moejax import checkpoint
+from moejax.backends import make_backend
+from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,
+                              calibrate, uncalibrated)
 from moejax.packing import BucketPolicy, ScoringSequence
 from serving.engine import Engine
 from serving.options import ScorerOptions, load_options
@@ -64,17 +67,22 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 class Scorer:
-    """Scores requests with one model on one device.
+    """Scores requests with one model on an execution backend.
 
     Options (keyword arguments; defaults in ``configs/scoring.yaml``): ``dtype``
     ("float32" | "bfloat16" | "auto"), ``max_batch_tokens``, ``min_block``,
-    ``expert_impl``, ``tile_rows``, ``progress_min_requests``, ``compilation_cache``; plus
+    ``expert_impl``, ``tile_rows``, ``progress_min_requests``, ``compilation_cache``,
+    ``backend`` (resident | offload | async_ep | hybrid | sync_ep | tp), ``devices``,
+    ``backend_options`` (the backend's own keywords), ``calibrate``, ``calibration_eps``,
+    ``theta``; plus ``deployment`` (a YAML file of options, e.g.
+    ``configs/deployments/async_ep.yaml``, applied before the keyword arguments) and
     ``normalize_options`` (prompt templates of "choice" and "multi").
     """
 
     def __init__(self, model: str | os.PathLike = "demo", *,
-                 normalize_options: NormalizeOptions | None = None, **options: Any):
-        self.options: ScorerOptions = load_options(options)
+                 normalize_options: NormalizeOptions | None = None,
+                 deployment: str | os.PathLike | None = None, **options: Any):
+        self.options: ScorerOptions = load_options(options, deployment=deployment)
         enable_compilation_cache(self.options.resolved_compilation_cache())
         self.model_dir, self.is_demo = resolve_model_dir(model)
         if self.is_demo:
@@ -87,21 +95,39 @@ class Scorer:
         self.normalize_options = normalize_options or NormalizeOptions()
         policy = BucketPolicy(max_batch_tokens=self.options.resolved_batch_tokens(),
                               min_block=self.options.min_block)
-        self.engine = Engine(self.config, params, dtype=dtype, policy=policy,
+        backend = make_backend(self.options.backend, self.config, params,
+                               devices=self.options.devices, dtype=dtype,
+                               **dict(self.options.backend_options))
+        del params  # the backend holds the placed copy
+        self.engine = Engine(self.config, backend, policy=policy,
                              expert_impl=self.options.expert_impl,
                              tile_rows=self.options.tile_rows)
-        del params  # the engine holds the device copy
+        self.calibration = self._calibrate(backend, policy.max_batch_tokens)
+
+    def _calibrate(self, backend, max_batch_tokens: int) -> Calibration:
+        opts = self.options
+        if opts.theta is not None or opts.calibrate:
+            return calibrate(backend, eps=opts.calibration_eps, theta=opts.theta,
+                             max_batch_tokens=max_batch_tokens,
+                             reference_tokens=min(DEFAULT_REFERENCE_TOKENS, max_batch_tokens),
+                             reference_sequence=min(DEFAULT_REFERENCE_SEQUENCE, max_batch_tokens),
+                             expert_impl=opts.expert_impl)
+        return uncalibrated(backend, max_batch_tokens, opts.calibration_eps)
 
     @property
     def info(self) -> dict[str, Any]:
-        """What is being served: architecture, sizes, dtype, batching."""
+        """What is being served: architecture, sizes, dtype, batching, backend, Θ."""
         cfg = self.config
+        backend = self.engine.backend
         return {"model_dir": self.model_dir, "demo": self.is_demo, "model_type": cfg.model_type,
                 "vocab_size": cfg.vocab_size, "max_context": cfg.max_context,
                 "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
                 "experts_per_token": cfg.num_experts_per_tok,
                 "dtype": self.engine.dtype.name, "device": str(self.engine.device),
-                "max_batch_tokens": self.engine.policy.max_batch_tokens}
+                "max_batch_tokens": self.engine.policy.max_batch_tokens,
+                **backend.describe(), "theta_flops": self.calibration.theta,
+                "theta_source": self.calibration.source,
+                "memory": backend.memory_report().as_dict()}
 
     def score(self, requests: Sequence[RequestLike], *, progress: bool | None = None
               ) -> list[ScoreResult]:

@@ -1,10 +1,10 @@
-"""Executes packed scoring batches on one device.
+"""Executes packed scoring batches on an execution backend.
 
-The engine owns the device copy of the params and one jitted forward. It packs
-sequences into bucketed batches (``moejax.packing``), dispatches each batch
-before fetching the previous one's results (JAX dispatch is asynchronous, so the
-host packs and unpacks while the device computes), and logs every new program
-shape it compiles so that an operator can see the bucket count stay bounded.
+The engine packs sequences into bucketed batches (``moejax.packing``), hands them
+to its backend (``moejax.backends``) a step at a time, dispatches each step before
+fetching the previous one's results (JAX dispatch is asynchronous, so the host
+packs and unpacks while the devices compute), and logs every new program shape it
+compiles so that an operator can see the bucket count stay bounded.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import time
 from typing import Any, Callable, Hashable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from moejax import model as model_lib
+from moejax.backends.base import Backend, padded_step, plan_steps
 from moejax.config import ModelConfig
 from moejax.packing import BucketPolicy, HostBatch, ScoringSequence, pack, unpack
 
@@ -41,37 +41,45 @@ class EngineStats:
 
 
 class Engine:
-    """Runs :class:`ScoringSequence` s through the model on one device."""
+    """Runs :class:`ScoringSequence` s through the model on one execution backend.
 
-    def __init__(self, cfg: ModelConfig, params: model_lib.Params, *, dtype: Any = jnp.float32,
+    The backend (``moejax.backends``: resident, offload, async_ep, hybrid, sync_ep, tp)
+    owns the weights and their placement; the engine packs, groups batches of one shape
+    into steps of the backend's data-parallel rank count (padding a short step with
+    empty batches), dispatches each step before collecting the previous one, and
+    unpacks the results.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, *,
                  policy: BucketPolicy | None = None, expert_impl: str = "auto",
-                 tile_rows: int | None = None, device: jax.Device | None = None):
-        model_lib.check_params(params, cfg)
+                 tile_rows: int | None = None):
         self.cfg = cfg
-        self.dtype = jnp.dtype(dtype)
+        self.backend = backend
+        self.dtype = backend.dtype
         self.policy = policy or BucketPolicy()
         self.options = model_lib.ForwardOptions(attn_block=self.policy.min_block,
                                                 expert_impl=expert_impl, tile_rows=tile_rows)
-        self.device = device or jax.devices()[0]
-        self.params = jax.device_put(
-            jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device)
         self.stats = EngineStats()
-        self._forward = jax.jit(model_lib.forward, static_argnames=("cfg", "opts"))
 
-    def _dispatch(self, host: HostBatch):
-        batch = jax.device_put(host.batch, self.device)
-        key = host.shape_key
+    @property
+    def device(self) -> jax.Device:
+        return self.backend.devices[0]
+
+    def _dispatch(self, hosts: Sequence[HostBatch]):
+        batches = padded_step([h.batch for h in hosts], self.backend.num_ranks)
+        key = hosts[0].shape_key
         start = time.perf_counter()
-        out = self._forward(self.params, batch, cfg=self.cfg, opts=host.options)
+        outs = self.backend.step(batches, hosts[0].options)
         if key not in self.stats.shapes:   # first use of this shape: it was compiled just now
-            jax.block_until_ready(out)
+            jax.block_until_ready(outs)
             elapsed = time.perf_counter() - start
             self.stats.shapes.add(key)
             self.stats.compiles += 1
             self.stats.compile_seconds += elapsed
             log.info("compiled forward #%d for T=%d block=%d positions=%d columns=%d "
-                     "full_vocab=%s (%.1fs, includes first run)", self.stats.compiles, *key, elapsed)
-        return out
+                     "full_vocab=%s on %s (%.1fs, includes first run)", self.stats.compiles,
+                     *key, self.backend.name, elapsed)
+        return outs
 
     def run(self, sequences: Sequence[ScoringSequence],
             on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
@@ -82,24 +90,25 @@ class Engine:
         batches = pack(sequences, self.policy, self.options)
         results: dict[Hashable, SequenceOutput] = {}
         start = time.perf_counter()
-        pending: tuple[HostBatch, Any] | None = None
-        for host in batches:
-            out = self._dispatch(host)
+        pending: tuple[list[HostBatch], Any] | None = None
+        for step in plan_steps([h.shape_key for h in batches], self.backend.num_ranks):
+            hosts = [batches[i] for i in step]
+            outs = self._dispatch(hosts)
             if pending is not None:
                 self._collect(*pending, results, on_batch_done)
-            pending = (host, out)
+            pending = (hosts, outs)
         if pending is not None:
             self._collect(*pending, results, on_batch_done)
         self.stats.run_seconds += time.perf_counter() - start
         return results
 
-    def _collect(self, host: HostBatch, out: Any, results: dict[Hashable, SequenceOutput],
+    def _collect(self, hosts: list[HostBatch], outs: Any, results: dict[Hashable, SequenceOutput],
                  on_batch_done: Callable[[int], None] | None) -> None:
-        logits, lse = jax.device_get(out)
-        for key, per_position, seq_lse in unpack(host, logits, lse):
-            results[key] = (per_position, seq_lse)
-        self.stats.batches += 1
-        self.stats.real_tokens += host.real_tokens
-        self.stats.padded_tokens += int(host.batch.tokens.shape[0]) - host.real_tokens
-        if on_batch_done is not None:
-            on_batch_done(len(host.sequences))
+        for host, (logits, lse) in zip(hosts, jax.device_get(outs[:len(hosts)])):
+            for key, per_position, seq_lse in unpack(host, logits, lse):
+                results[key] = (per_position, seq_lse)
+            self.stats.batches += 1
+            self.stats.real_tokens += host.real_tokens
+            self.stats.padded_tokens += int(host.batch.tokens.shape[0]) - host.real_tokens
+            if on_batch_done is not None:
+                on_batch_done(len(host.sequences))

@@ -26,6 +26,12 @@ class ScorerOptions:
     tile_rows: int | None = None
     progress_min_requests: int = 64
     compilation_cache: str = "auto"
+    backend: str = "resident"
+    devices: int = 1
+    backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    calibrate: bool = True
+    calibration_eps: float = 0.1
+    theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -38,6 +44,21 @@ class ScorerOptions:
                              f"got {self.max_batch_tokens!r}")
         if self.tile_rows is not None and (not isinstance(self.tile_rows, int) or self.tile_rows <= 0):
             raise ValueError(f"tile_rows must be a positive integer or None, got {self.tile_rows!r}")
+        from moejax.backends import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.devices, int) or isinstance(self.devices, bool) or self.devices < 1:
+            raise ValueError(f"devices must be a positive integer, got {self.devices!r}")
+        if not isinstance(self.backend_options, Mapping):
+            raise ValueError(f"backend_options must be a mapping of keyword arguments, got "
+                             f"{self.backend_options!r}")
+        if not isinstance(self.calibrate, bool):
+            raise ValueError(f"calibrate must be true or false, got {self.calibrate!r}")
+        if not isinstance(self.calibration_eps, (int, float)) or self.calibration_eps < 0:
+            raise ValueError(f"calibration_eps must be >= 0, got {self.calibration_eps!r}")
+        if self.theta is not None and (not isinstance(self.theta, (int, float)) or self.theta < 0):
+            raise ValueError(f"theta must be None or >= 0 FLOPs, got {self.theta!r}")
 
     @property
     def platform(self) -> str:
@@ -65,16 +86,34 @@ class ScorerOptions:
         return int(self.max_batch_tokens)
 
 
-def load_options(overrides: Mapping[str, Any] | None = None,
-                 path: str | Path = DEFAULTS_PATH) -> ScorerOptions:
-    """Defaults from the YAML file, then ``overrides`` (None values are ignored)."""
+def read_yaml(path: str | Path) -> dict[str, Any]:
     import yaml
 
+    with open(path, encoding="utf-8") as fh:
+        values = yaml.safe_load(fh) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of option names to values")
+    return values
+
+
+def load_options(overrides: Mapping[str, Any] | None = None,
+                 path: str | Path = DEFAULTS_PATH,
+                 deployment: str | Path | None = None) -> ScorerOptions:
+    """Defaults from the YAML file, then a deployment YAML (``configs/deployments/``: the
+    same keys, typically backend, devices and backend_options), then ``overrides``
+    (None values are ignored)."""
     values: dict[str, Any] = {}
     if Path(path).is_file():
-        with open(path, encoding="utf-8") as fh:
-            values.update(yaml.safe_load(fh) or {})
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        values.update(read_yaml(path))
+    if deployment is not None:
+        if not Path(deployment).is_file():
+            raise FileNotFoundError(f"deployment config {str(deployment)!r} does not exist")
+        values.update(read_yaml(deployment))
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "backend_options" in overrides and isinstance(values.get("backend_options"), Mapping):
+        # merged, so that e.g. --window keeps the deployment's other backend keywords
+        overrides["backend_options"] = {**values["backend_options"], **overrides["backend_options"]}
+    values.update(overrides)
     known = {f.name for f in dataclasses.fields(ScorerOptions)}
     unknown = sorted(set(values) - known)
     if unknown:

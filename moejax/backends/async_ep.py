@@ -158,5 +158,16 @@ class AsyncEPBackend(Backend):
     def memory_report(self) -> MemoryReport:
         return self._memory
 
+    def time_expert_transfer(self, repeats: int) -> tuple[str, float]:
+        """The all-gather of one layer's shards, alone."""
+        from moejax.calibrate import median_seconds
+
+        layer = min(1, self.cfg.num_layers - 1)
+        gather = jax.jit(jax.shard_map(
+            lambda shards: gather_layer(shards, layer, self.cfg.num_experts),
+            mesh=self.mesh, in_specs=(P(None, AXIS),), out_specs=P(), check_vma=False))
+        return "all_gather", median_seconds(
+            lambda: jax.block_until_ready(gather(self.shards)), repeats)
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "mesh": dict(self.mesh.shape)}

@@ -90,6 +90,12 @@ class Backend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "devices": len(self.devices), "ranks": self.num_ranks}
 
+    def time_expert_transfer(self, repeats: int) -> tuple[str, float] | None:
+        """(channel, median seconds) of moving one layer's experts over this backend's
+        slowest channel, timed in isolation; None when the backend moves no weights
+        (its per-layer traffic is activations, which calibration does not model)."""
+        return None
+
     def _check_step(self, batches: Sequence[PackedBatch]) -> None:
         if len(batches) != self.num_ranks:
             raise ValueError(f"backend {self.name!r} takes {self.num_ranks} batch(es) per "
@@ -102,7 +108,7 @@ class Backend(abc.ABC):
 # ------------------------------------------------------------------ helpers
 def cast_params(params: Params, dtype) -> Params:
     """Every leaf as a NumPy array of ``dtype`` (host side; placement is the backend's)."""
-    return jax.tree.map(lambda a: np.asarray(a).astype(dtype), params)
+    return jax.tree.map(lambda a: np.asarray(a).astype(dtype, copy=False), params)
 
 
 def validated(params: Params, cfg: ModelConfig, dtype) -> Params:

@@ -46,3 +46,6 @@ class ResidentBackend(Backend):
 
     def memory_report(self) -> MemoryReport:
         return self._memory
+
+    def time_expert_transfer(self, repeats: int) -> tuple[str, float]:
+        return "none", 0.0    # every expert is already on the device

@@ -265,6 +265,25 @@ class StreamedBackend(Backend):
     def memory_report(self) -> MemoryReport:
         return self._memory
 
+    def time_expert_transfer(self, repeats: int) -> tuple[str, float]:
+        """Host-to-device copy of one layer's experts (its shards, with several devices),
+        and with several devices also their all-gather: the slower of the two."""
+        from moejax.calibrate import median_seconds
+
+        layer = self.host_experts[min(1, self.cfg.num_layers - 1)]
+
+        def copy_in():
+            free(jax.block_until_ready(jax.device_put(layer, self._device_layer)))
+
+        timings = {"host_to_device": median_seconds(copy_in, repeats)}
+        if self.gather:
+            shards = jax.device_put(layer, self._device_layer)
+            timings["all_gather"] = median_seconds(
+                lambda: free(jax.block_until_ready(self._gather_first(shards))), repeats)
+            free(shards)
+        channel = max(timings, key=timings.get)
+        return channel, timings[channel]
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "window": self.window, "host_memory": self.host_kind or "numpy"}
 
