@@ -110,10 +110,29 @@ def moe_residual(p: Mapping[str, jax.Array], x: jax.Array, valid: jax.Array | No
                              valid=valid, impl=opts.expert_impl, tile_rows=opts.tile_rows)
 
 
+def attention_residual(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
+                       bias: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
+    """x [T, d] + attention(RMSNorm(x)): the first half of a decoder layer."""
+    return x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, bias,
+                               cfg, opts)
+
+
+def attention_residual_at_rows(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
+                               rows: jax.Array, cfg: ModelConfig, opts: ForwardOptions
+                               ) -> jax.Array:
+    """The first half of a decoder layer at ``rows`` [P] only: x [T, d] -> [P, d] (keys and
+    values from every token, queries, attention output and projection at the rows)."""
+    h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    k, v = project_kv(p, h_in, batch.positions, cfg)
+    q = project_q(p, jnp.take(h_in, rows, axis=0), jnp.take(batch.positions, rows), cfg)
+    out = attention.attention_at_rows(q, k, v, batch.segment_ids, rows, opts.attn_block)
+    return jnp.take(x, rows, axis=0) + out.reshape(rows.shape[0], -1) @ p["wo"].astype(x.dtype)
+
+
 def decoder_layer(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
                   bias: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """One pre-norm decoder layer: x + attn(norm(x)), then + moe(norm(x))."""
-    x = x + attention_block(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), batch, bias, cfg, opts)
+    x = attention_residual(p, x, batch, bias, cfg, opts)
     return moe_residual(p, x, batch.segment_ids >= 0, cfg, opts)
 
 
@@ -125,12 +144,8 @@ def decoder_layer_at_rows(p: Mapping[str, jax.Array], x: jax.Array, batch: Packe
     queries, the attention output, the output projection and the MoE run on the
     scoring positions alone.
     """
-    h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    k, v = project_kv(p, h_in, batch.positions, cfg)
-    q = project_q(p, jnp.take(h_in, rows, axis=0), jnp.take(batch.positions, rows), cfg)
-    out = attention.attention_at_rows(q, k, v, batch.segment_ids, rows, opts.attn_block)
-    x_rows = jnp.take(x, rows, axis=0) + out.reshape(rows.shape[0], -1) @ p["wo"].astype(x.dtype)
-    return moe_residual(p, x_rows, None, cfg, opts)
+    return moe_residual(p, attention_residual_at_rows(p, x, batch, rows, cfg, opts), None,
+                        cfg, opts)
 
 
 def lm_head_scores(params: Params, hidden: jax.Array, token_ids: jax.Array, cfg: ModelConfig,

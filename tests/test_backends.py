@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 from backend_fixtures import CFG, F32_TOL, max_rel_err, run_backend, small_workload
 from moejax.backends import BACKENDS, BackendError, make_backend
-from moejax.backends.base import plan_steps
+from moejax.backends.base import padded_step, plan_steps
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +121,34 @@ def test_step_rejects_the_wrong_number_of_batches(work):
 def test_plan_steps_groups_by_shape_in_order():
     assert plan_steps(["a", "b", "a", "a", "b", "c"], 2) == [[0, 2], [3], [1, 4], [5]]
     assert plan_steps(["a", "a"], 1) == [[0], [1]]
+
+
+MIXTRAL = dataclasses.replace(CFG, model_type="mixtral", qk_norm=False, tie_word_embeddings=True,
+                              num_layers=2)
+ALL_BACKENDS = [("resident", 1), ("offload", 1), ("async_ep", 4), ("hybrid", 2),
+                ("sync_ep", 4), ("tp", 2)]
+
+
+@pytest.fixture(scope="module")
+def mixtral_work():
+    return small_workload(MIXTRAL, seed=5, shapes=1)
+
+
+@pytest.mark.parametrize("name,devices", ALL_BACKENDS)
+def test_every_backend_equals_resident_on_mixtral_with_an_empty_rank(mixtral_work, name,
+                                                                      devices):
+    """Ranks get batches of different real lengths, and the last rank of the first step
+    gets no tokens at all (a padded, empty batch)."""
+    work = mixtral_work
+    backend = make_backend(name, work.cfg, work.params, devices=devices)
+    ranks = backend.num_ranks
+    hosts = work.hosts
+    first = hosts[:max(1, min(len(hosts), ranks - 1))]
+    outputs = backend.step(padded_step([h.batch for h in first], ranks), first[0].options)
+    assert len(outputs) == ranks
+    got = [jax.device_get(o) for o in outputs[:len(first)]]
+    assert max_rel_err(got, work.reference[:len(first)], first) <= F32_TOL
+    if ranks > 1:
+        empty_logits = np.asarray(outputs[-1][0])
+        assert np.all(np.isfinite(empty_logits)), "an empty rank must not produce NaNs"
+    check(backend, work)
