@@ -70,6 +70,8 @@ class Engine:
         key = hosts[0].shape_key
         start = time.perf_counter()
         outs = self.backend.step(batches, hosts[0].options)
+        if self.backend.serialize_steps:
+            jax.block_until_ready(outs)
         if key not in self.stats.shapes:   # first use of this shape: it was compiled just now
             jax.block_until_ready(outs)
             elapsed = time.perf_counter() - start

@@ -152,3 +152,5 @@ def test_every_backend_equals_resident_on_mixtral_with_an_empty_rank(mixtral_wor
         empty_logits = np.asarray(outputs[-1][0])
         assert np.all(np.isfinite(empty_logits)), "an empty rank must not produce NaNs"
     check(backend, work)
+    lowered = backend.lowered_steps(padded_step([first[0].batch], ranks), first[0].options)
+    assert lowered and all("func.func public @main" in low.as_text() for low in lowered)

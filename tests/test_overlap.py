@@ -25,7 +25,9 @@ def lowered():
     devices = min(2, len(jax.devices()))
     backend = make_backend("async_ep", work.cfg, work.params, devices=devices)
     host = work.hosts[0]
-    return backend.lowered(padded_step([host.batch], backend.num_ranks), host.options)
+    (lowered,) = backend.lowered_steps(padded_step([host.batch], backend.num_ranks),
+                                       host.options)
+    return lowered
 
 
 def functions(stablehlo: str) -> list[str]:

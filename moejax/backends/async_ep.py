@@ -149,11 +149,11 @@ class AsyncEPBackend(Backend):
             self.params, self.shards, self.first_experts, batch)
         return unstack_outputs(logits, lse, self.num_ranks)
 
-    def lowered(self, batches: Sequence[PackedBatch], opts: ForwardOptions):
+    def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """The lowered step (tests read its compiled HLO for the all-gather overlap)."""
         batch = jax.device_put(stack_batches(batches), self._batch_sharding)
-        return self.forward_fn(opts, opts.full_vocab).lower(
-            self.params, self.shards, self.first_experts, batch)
+        return [self.forward_fn(opts, opts.full_vocab).lower(
+            self.params, self.shards, self.first_experts, batch)]
 
     def memory_report(self) -> MemoryReport:
         return self._memory

@@ -84,8 +84,22 @@ class Backend(abc.ABC):
         """Run ``num_ranks`` host batches of one shape; outputs in the same order."""
 
     @abc.abstractmethod
+    def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
+        """The lowered program(s) one step runs (``jax.stages.Lowered``), for inspecting the
+        compiled HLO or its ``memory_analysis()``; nothing is executed."""
+
+    @abc.abstractmethod
     def memory_report(self) -> MemoryReport:
         """Bytes of weights per device (see :class:`MemoryReport`)."""
+
+    @property
+    def serialize_steps(self) -> bool:
+        """Must a caller wait for each step before dispatching the next? Yes for several
+        CPU devices: XLA:CPU runs collectives as host-thread rendezvous, and two
+        multi-device programs in flight at once can deadlock there (seen with async_ep
+        on 8 host devices). GPUs queue programs per device stream and need no wait."""
+        devices = self.devices
+        return len(devices) > 1 and devices[0].platform == "cpu"
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "devices": len(self.devices), "ranks": self.num_ranks}

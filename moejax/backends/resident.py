@@ -44,6 +44,10 @@ class ResidentBackend(Backend):
         batch = jax.device_put(batches[0], self.device)
         return [self._forward(self.params, batch, cfg=self.cfg, opts=opts)]
 
+    def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
+        batch = jax.device_put(batches[0], self.device)
+        return [self._forward.lower(self.params, batch, cfg=self.cfg, opts=opts)]
+
     def memory_report(self) -> MemoryReport:
         return self._memory
 

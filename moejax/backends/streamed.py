@@ -221,6 +221,22 @@ class StreamedBackend(Backend):
                 mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(), check_vma=False))
         return self._programs[key](shards)
 
+    def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
+        """The layer program (one for every layer but the last) and the last layer's."""
+        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        host_layer = self.host_experts[0]
+        held = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=self._device_layer)
+                for k, v in host_layer.items()}
+        whole = {k: jax.ShapeDtypeStruct((self.cfg.num_experts,) + tuple(np.shape(v)[1:]),
+                                         v.dtype) for k, v in host_layer.items()}
+        current = whole if self.gather else held
+        x = jax.eval_shape(self._program("embed", opts), self.params, batch)
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding)
+        layer = np.int32(0)
+        return [self._program("layer", opts).lower(self.params["layers"], layer, current,
+                                                   held if self.gather else {}, x, batch),
+                self._program("last", opts).lower(self.params, layer, current, x, batch)]
+
     def _measure(self) -> None:
         if self.track_memory:
             self.peak_window_bytes = max(self.peak_window_bytes, self.live_window_bytes())
@@ -233,6 +249,8 @@ class StreamedBackend(Backend):
         layer_fn = self._program("layer", opts)
         held = self._take(0)                 # what the window gave for the current layer
         current = self._gather_first(held) if self.gather else held
+        if self.serialize_steps:    # one collective program in flight at a time on CPU
+            jax.block_until_ready(current)
         for layer in range(last):
             self._measure()
             # hybrid: the next layer's shards are gathered inside this layer's program

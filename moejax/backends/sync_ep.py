@@ -534,14 +534,24 @@ class SyncEPBackend(Backend):
                 check_vma=False))
         return self._programs[key]
 
+    def _capacity(self, first: PackedBatch, opts: ForwardOptions) -> tuple[tuple, int]:
+        """(shape key, rows per device pair): the capacity reached for this shape, or the
+        one capacity_factor gives."""
+        rows = self.rows_per_device(first)
+        shape_key = (np.shape(first.tokens), np.shape(first.score_token_ids), opts)
+        return shape_key, self._capacity_for_shape.get(
+            shape_key, capacity_rows(rows, self.capacity_factor, self.num_ranks))
+
+    def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
+        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        _, capacity = self._capacity(batches[0], opts)
+        return [self.program(opts, capacity).lower(self.params, self.expert_slots, batch)]
+
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
         batch = jax.device_put(stack_batches(batches), self._batch_sharding)
-        first = batches[0]
-        rows = self.rows_per_device(first)
-        shape_key = (np.shape(first.tokens), np.shape(first.score_token_ids), opts)
-        capacity = self._capacity_for_shape.get(
-            shape_key, capacity_rows(rows, self.capacity_factor, self.num_ranks))
+        shape_key, capacity = self._capacity(batches[0], opts)
+        rows = self.rows_per_device(batches[0])
         retried = False
         while True:
             logits, lse, stats = self.program(opts, capacity)(self.params, self.expert_slots,

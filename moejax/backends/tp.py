@@ -255,6 +255,10 @@ class TPBackend(Backend):
         batch = jax.device_put(batches[0], self._batch_sharding)   # every device: the whole batch
         return [self._forward(self.params, batch, opts=opts)]
 
+    def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
+        batch = jax.device_put(batches[0], self._batch_sharding)
+        return [self._forward.lower(self.params, batch, opts=opts)]
+
     def memory_report(self) -> MemoryReport:
         return self._memory
 
