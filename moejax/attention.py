@@ -183,3 +183,59 @@ def attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("pkgs,pskh->pkgh", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(p, n_q, h).astype(q.dtype)
+
+
+# ------------------------------------------------------------- attention with a KV context
+def context_visible(ctx_seg: jax.Array, query_seg: jax.Array) -> jax.Array:
+    """[..., q] query segments × [..., c] context segments -> [..., q, c] bool: a context
+    entry is seen by the queries of the segment it belongs to (never by padding)."""
+    return (ctx_seg[..., None, :] == query_seg[..., :, None]) & (query_seg[..., :, None] >= 0)
+
+
+def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                      attn_block: int, ctx_k: jax.Array, ctx_v: jax.Array,
+                      ctx_seg: jax.Array) -> jax.Array:
+    """:func:`packed_attention` where each block also sees a context of cached keys.
+
+    q [T, n_q, h], k/v [T, n_kv, h]; ctx_k/ctx_v [nb, Cp, n_kv, h]: the context keys and
+    values of each attention block (a segment's cached prefix, gathered from the prefix
+    pool), ctx_seg [nb, Cp]: the segment each context entry belongs to (-1: unused).
+    A query sees its segment's context entries (all precede it) and, causally, its own
+    segment's rows. Dense per block ([B, Cp + B] scores): used only for batches that
+    continue cached prefixes. -> [T, n_q, h].
+    """
+    queries, keys, values = _split_heads(q, k, v, attn_block)
+    keys = jnp.concatenate([ctx_k.transpose(0, 2, 1, 3), keys], axis=2)
+    values = jnp.concatenate([ctx_v.transpose(0, 2, 1, 3), values], axis=2)
+    seg = segment_ids.reshape(-1, attn_block)
+    ctx_bias = jnp.where(context_visible(ctx_seg, seg), 0.0, MASK_VALUE).astype(jnp.float32)
+    bias = jnp.concatenate([ctx_bias, segment_bias(segment_ids, attn_block)], axis=-1)
+    return _merge_heads(_attend(queries, keys, values, bias), q.dtype)
+
+
+def context_attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                              rows: jax.Array, attn_block: int, ctx_k: jax.Array,
+                              ctx_v: jax.Array, ctx_seg: jax.Array) -> jax.Array:
+    """:func:`attention_at_rows` with each block's context (as in
+    :func:`context_attention`): q [P, n_q, h] at flat ``rows`` [P] -> [P, n_q, h]."""
+    p, n_q, h = q.shape
+    n_kv = k.shape[1]
+    block_of_row = rows // attn_block
+    keys = jnp.concatenate([ctx_k[block_of_row],
+                            k.reshape(-1, attn_block, n_kv, h)[block_of_row]], axis=1)
+    values = jnp.concatenate([ctx_v[block_of_row],
+                              v.reshape(-1, attn_block, n_kv, h)[block_of_row]], axis=1)
+    row_seg = segment_ids[rows]
+    key_seg = segment_ids.reshape(-1, attn_block)[block_of_row]       # [P, B]
+    local = rows % attn_block
+    own = (key_seg == row_seg[:, None]) & (
+        jnp.arange(attn_block, dtype=rows.dtype)[None, :] <= local[:, None])
+    ctx = context_visible(ctx_seg[block_of_row], row_seg[:, None])[:, 0, :]    # [P, Cp]
+    visible = jnp.concatenate([ctx, own], axis=1)                       # [P, Cp + B]
+    queries = q.reshape(p, n_kv, n_q // n_kv, h)
+    scores = jnp.einsum("pkgh,pskh->pkgs", queries, keys,
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("pkgs,pskh->pkgh", probs, values, preferred_element_type=jnp.float32)
+    return out.reshape(p, n_q, h).astype(q.dtype)

@@ -29,6 +29,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from moejax.prefix_forward import PrefixContext
 from moejax.model import ForwardOptions, PackedBatch
 
 
@@ -78,6 +79,11 @@ class ScoringSequence:
     token_ids: [n] ints; score_positions: indices in [0, n) whose next-token logits
     are read; score_token_ids: per score position, the vocabulary ids wanted;
     full_vocab: whether the log-sum-exp over the vocabulary is needed.
+
+    Continuing a cached prefix (``moejax.prefix_forward``): position_offset is the
+    position of token 0 (the prefix length); context_slots [c] the prefix-pool token
+    slots of the prefix, in order; store_slots [≤ n] the pool slot to keep token j's
+    keys and values in (-1: not kept).
     """
 
     key: Hashable
@@ -85,6 +91,14 @@ class ScoringSequence:
     score_positions: tuple[int, ...]
     score_token_ids: tuple[tuple[int, ...], ...]
     full_vocab: bool = False
+    position_offset: int = 0
+    context_slots: np.ndarray | None = None
+    store_slots: np.ndarray | None = None
+
+    @property
+    def uses_pool(self) -> bool:
+        return ((self.context_slots is not None and len(self.context_slots) > 0)
+                or (self.store_slots is not None and bool(np.any(self.store_slots >= 0))))
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -111,11 +125,15 @@ class HostBatch:
     sequences: tuple[ScoringSequence, ...]
     rows: tuple[int, ...]
     real_tokens: int
+    context: "PrefixContext | None" = None
 
     @property
-    def shape_key(self) -> tuple[int, int, int, int, bool]:
+    def shape_key(self) -> tuple:
         p, c = self.batch.score_token_ids.shape
-        return (self.batch.tokens.shape[0], self.options.attn_block, p, c, self.options.full_vocab)
+        key = (self.batch.tokens.shape[0], self.options.attn_block, p, c, self.options.full_vocab)
+        if self.context is not None:
+            key += (self.context.ctx_slot.shape[1], self.context.store_row.shape[0])
+        return key
 
 
 @dataclasses.dataclass
@@ -165,9 +183,11 @@ def batch_block_counts(num_blocks: int, cap: int) -> list[int]:
 
 
 def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
-         options: ForwardOptions | None = None) -> list[HostBatch]:
+         options: ForwardOptions | None = None, pool_slots: int = 0) -> list[HostBatch]:
     """Pack ``sequences`` into batches (largest attention blocks first). ``options``
-    supplies the non-shape forward options (expert implementation, tile rows)."""
+    supplies the non-shape forward options (expert implementation, tile rows).
+    Batches holding a sequence that uses the prefix pool (of ``pool_slots`` token
+    slots) get a :class:`PrefixContext`."""
     blocks = assign_blocks([len(s.token_ids) for s in sequences], policy)
     by_size: dict[int, list[_Block]] = {}
     for block in blocks:
@@ -178,13 +198,15 @@ def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
         cap = prev_power_of_two(max(1, policy.max_batch_tokens // size))
         start = 0
         for count in batch_block_counts(len(group), cap):
-            batches.append(_build(sequences, group[start:start + count], size, policy, options))
+            batches.append(_build(sequences, group[start:start + count], size, policy, options,
+                                  pool_slots))
             start += min(count, len(group) - start)
     return batches
 
 
 def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: int,
-           policy: BucketPolicy, options: ForwardOptions | None) -> HostBatch:
+           policy: BucketPolicy, options: ForwardOptions | None, pool_slots: int = 0
+           ) -> HostBatch:
     members = [(i, slot, offset) for slot, b in enumerate(blocks) for i, offset in b.members]
     total = next_power_of_two(len(blocks)) * block
     tokens = np.zeros(total, np.int32)
@@ -202,7 +224,7 @@ def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: in
         start = slot * block + offset
         n = len(seq.token_ids)
         tokens[start:start + n] = seq.token_ids
-        positions[start:start + n] = np.arange(n, dtype=np.int32)
+        positions[start:start + n] = seq.position_offset + np.arange(n, dtype=np.int32)
         segment_ids[start:start + n] = segment
         rows.append(row)
         for pos, ids in zip(seq.score_positions, seq.score_token_ids):
@@ -215,8 +237,42 @@ def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: in
                                full_vocab=any(s.full_vocab for s in chosen))
     batch = PackedBatch(tokens=tokens, positions=positions, segment_ids=segment_ids,
                         score_positions=score_positions, score_token_ids=score_token_ids)
+    context = None
+    if any(s.uses_pool for s in chosen):
+        starts = [slot * block + offset for _, slot, offset in members]
+        context = build_context(chosen, starts, total // block, block, pool_slots)
     return HostBatch(batch=batch, options=opts, sequences=tuple(chosen), rows=tuple(rows),
-                     real_tokens=real)
+                     real_tokens=real, context=context)
+
+
+# Smallest context width per attention block (pool slots; powers of two above it).
+MIN_CONTEXT = 16
+
+
+def build_context(chosen: Sequence[ScoringSequence], starts: Sequence[int], num_blocks: int,
+                  block: int, pool_slots: int) -> PrefixContext:
+    """The prefix context of a batch: per attention block the pool slots its segments
+    continue from (segment = index in ``chosen``), and the rows to store."""
+    per_block: list[list[tuple[int, int]]] = [[] for _ in range(num_blocks)]
+    store_rows, store_slots = [], []
+    for segment, (seq, start) in enumerate(zip(chosen, starts)):
+        if seq.context_slots is not None:
+            per_block[start // block].extend((int(s), segment) for s in seq.context_slots)
+        if seq.store_slots is not None:
+            keep = np.flatnonzero(np.asarray(seq.store_slots) >= 0)
+            store_rows.extend((start + keep).tolist())
+            store_slots.extend(np.asarray(seq.store_slots)[keep].tolist())
+    width = max(MIN_CONTEXT, next_power_of_two(max(len(b) for b in per_block)))
+    ctx_slot = np.zeros((num_blocks, width), np.int32)
+    ctx_seg = np.full((num_blocks, width), -1, np.int32)
+    for b, entries in enumerate(per_block):
+        for j, (slot, segment) in enumerate(entries):
+            ctx_slot[b, j], ctx_seg[b, j] = slot, segment
+    count = max(MIN_CONTEXT, next_power_of_two(max(len(store_rows), 1)))
+    rows = np.zeros(count, np.int32)
+    slots = np.full(count, pool_slots, np.int32)        # pool_slots = out of range: dropped
+    rows[:len(store_rows)], slots[:len(store_slots)] = store_rows, store_slots
+    return PrefixContext(ctx_slot=ctx_slot, ctx_seg=ctx_seg, store_row=rows, store_slot=slots)
 
 
 def unpack(host: HostBatch, logits: np.ndarray, logsumexp: np.ndarray | None

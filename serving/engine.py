@@ -21,6 +21,8 @@ from moejax import model as model_lib
 from moejax.backends.base import Backend, padded_step, plan_steps
 from moejax.config import ModelConfig
 from moejax.packing import BucketPolicy, HostBatch, ScoringSequence, pack, unpack
+from moejax.prefix_forward import empty_pool, prefix_forward
+from serving.prefix_cache import PrefixCache, plan_run
 
 log = logging.getLogger("moejax.engine")
 
@@ -37,6 +39,8 @@ class EngineStats:
     compiles: int = 0
     compile_seconds: float = 0.0
     run_seconds: float = 0.0
+    prefix_tokens_computed: int = 0
+    prefix_tokens_cached: int = 0
     shapes: set = dataclasses.field(default_factory=set)
 
 
@@ -52,7 +56,8 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, backend: Backend, *,
                  policy: BucketPolicy | None = None, expert_impl: str = "auto",
-                 tile_rows: int | None = None):
+                 tile_rows: int | None = None, prefix_cache_blocks: int = 0,
+                 kv_cache_free: bool = False):
         self.cfg = cfg
         self.backend = backend
         self.dtype = backend.dtype
@@ -60,16 +65,38 @@ class Engine:
         self.options = model_lib.ForwardOptions(attn_block=self.policy.min_block,
                                                 expert_impl=expert_impl, tile_rows=tile_rows)
         self.stats = EngineStats()
+        self.kv_cache_free = kv_cache_free
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_blocks:
+            if backend.name != "resident":
+                raise ValueError(f"the prefix cache runs on the 'resident' backend, not "
+                                 f"{backend.name!r}; set prefix_cache_blocks=0 for it")
+            self.prefix_cache = PrefixCache(prefix_cache_blocks)
+            self.pool_k, self.pool_v = jax.device_put(
+                empty_pool(cfg, prefix_cache_blocks, self.prefix_cache.block_size, self.dtype),
+                self.device)
+            self._prefix_forward = jax.jit(prefix_forward, static_argnames=("cfg", "opts"),
+                                           donate_argnames=("pool_k", "pool_v"))
 
     @property
     def device(self) -> jax.Device:
         return self.backend.devices[0]
 
-    def _dispatch(self, hosts: Sequence[HostBatch]):
+    def _step(self, hosts: Sequence[HostBatch]):
+        if hosts[0].context is not None:        # continues or stores prefix KV: the pool path
+            host = hosts[0]
+            batch, ctx = jax.device_put((host.batch, host.context), self.device)
+            logits, lse, self.pool_k, self.pool_v = self._prefix_forward(
+                self.backend.params, batch, ctx, self.pool_k, self.pool_v, cfg=self.cfg,
+                opts=host.options)
+            return [(logits, lse)]
         batches = padded_step([h.batch for h in hosts], self.backend.num_ranks)
+        return self.backend.step(batches, hosts[0].options)
+
+    def _dispatch(self, hosts: Sequence[HostBatch]):
         key = hosts[0].shape_key
         start = time.perf_counter()
-        outs = self.backend.step(batches, hosts[0].options)
+        outs = self._step(hosts)
         if self.backend.serialize_steps:
             jax.block_until_ready(outs)
         if key not in self.stats.shapes:   # first use of this shape: it was compiled just now
@@ -84,14 +111,50 @@ class Engine:
         return outs
 
     def run(self, sequences: Sequence[ScoringSequence],
-            on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
+            on_batch_done: Callable[[int], None] | None = None,
+            prefix_lens: dict[Hashable, int] | None = None) -> dict[Hashable, SequenceOutput]:
         """Score every sequence; returns key -> (logits per score position, log-sum-exp or None).
 
         ``on_batch_done(n)`` is called with the number of sequences of each finished batch.
+        ``prefix_lens``: per key, the tokens it shares with sibling sequences (used by the
+        prefix cache to compute them once).
         """
-        batches = pack(sequences, self.policy, self.options)
-        results: dict[Hashable, SequenceOutput] = {}
         start = time.perf_counter()
+        if self.prefix_cache is None:
+            results = self._run_batches(pack(sequences, self.policy, self.options),
+                                        on_batch_done)
+        else:
+            results = self._run_with_prefix_cache(sequences, prefix_lens or {}, on_batch_done)
+        self.stats.run_seconds += time.perf_counter() - start
+        return results
+
+    def _run_with_prefix_cache(self, sequences: Sequence[ScoringSequence],
+                               prefix_lens: dict[Hashable, int],
+                               on_batch_done: Callable[[int], None] | None
+                               ) -> dict[Hashable, SequenceOutput]:
+        """Two phases (serving/prefix_cache.py): distinct prefixes once, storing their
+        blocks; then the siblings' suffixes against them."""
+        cache = self.prefix_cache
+        plan = plan_run(sequences, prefix_lens, cache, self.kv_cache_free)
+        slots = cache.num_slots
+        try:
+            outputs = self._run_batches(pack(plan.phase1, self.policy, self.options, slots), None)
+            for block, digest in plan.to_commit:
+                cache.commit(block, digest)
+            outputs.update(self._run_batches(pack(plan.phase2, self.policy, self.options, slots),
+                                             None))
+        finally:
+            cache.release(plan.pinned)
+        self.stats.prefix_tokens_computed += plan.prefix_tokens
+        self.stats.prefix_tokens_cached += plan.cached_tokens
+        if on_batch_done is not None:
+            on_batch_done(len(sequences))
+        return plan.assemble(outputs)
+
+    def _run_batches(self, batches: Sequence[HostBatch],
+                     on_batch_done: Callable[[int], None] | None
+                     ) -> dict[Hashable, SequenceOutput]:
+        results: dict[Hashable, SequenceOutput] = {}
         pending: tuple[list[HostBatch], Any] | None = None
         for step in plan_steps([h.shape_key for h in batches], self.backend.num_ranks):
             hosts = [batches[i] for i in step]
@@ -101,7 +164,6 @@ class Engine:
             pending = (hosts, outs)
         if pending is not None:
             self._collect(*pending, results, on_batch_done)
-        self.stats.run_seconds += time.perf_counter() - start
         return results
 
     def _collect(self, hosts: list[HostBatch], outs: Any, results: dict[Hashable, SequenceOutput],
