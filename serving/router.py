@@ -1,0 +1,616 @@
+"""Request router: which data-parallel engine runs each prefill request.
+
+:class:`PrefixAwareRouter` is seed Algorithm 1 (§7, App. A/B; DESIGN.md "One request, end to
+end", step 3). Per engine g it keeps a shadow of the engine's prefix cache — the *committed*
+blocks (KV resident on g) and the *pending* blocks (promised by requests routed to g but not yet
+run) — and a work counter W_g in FLOPs. Each request, in FIFO order:
+
+1. **F3 saturation** — candidates are the engines with W_g < Θ;
+2. **F1 prefix match** — the longest block-level prefix match over committed ∪ pending, ties to
+   the smallest W_g, then the lowest engine index; no match → smallest W_g;
+3. **F2 true cost** — ``ΔW = cfg.request_flops(p, s, cached=c, ...)`` (seed Eq. (2)) where c is
+   the matched blocks × block size, so an engine that already holds (or will hold) the prefix is
+   charged only for the rest; W_g += ΔW and the request's uncached prefix blocks become pending
+   on g.
+
+A popular prefix keeps landing on its engine until that engine saturates; after that the same
+rule sends it to the next-best match, whose pending table then attracts the rest (spill, with no
+replication policy).
+
+Engines talk back through ONE in-order channel, :attr:`Router.channel` (a
+``queue.SimpleQueue``; engines ``put`` events from any thread). ``route`` drains it before it
+routes, in arrival order; :meth:`Router.drain` / :meth:`Router.on_event` apply events now.
+Events: :class:`BlocksStored` (pending → committed), :class:`BlocksEvicted` (forget the blocks,
+committed or pending — an engine in KV-cache-free mode reports its batch's blocks as evicted
+after running it), :class:`FlopsExecuted` (W_g decays by the FLOPs run, never below 0).
+
+Rounds (where the seed is silent on the API). The seed's round ends when every engine is
+saturated or the queue is empty. ``route`` never refuses a request: each call starts a round
+(the saturation test is exactly W_g < Θ), and when every engine is saturated mid-call a new
+round begins in which every engine gets a fresh Θ of budget on top of its outstanding work
+(W_g − base_g < Θ, base_g = W_g at the round start). So within any round an engine receives
+at most Θ + (the largest single request) of work, and the next round queues behind it — the
+engine's next batch. Executed FLOPs drain the oldest rounds first (base_g decays too). If every
+engine is already saturated when a call starts (its earlier work not yet executed), the call's
+first request opens round 1 at once. An engine with no work in the current round always accepts
+one request, so Θ = 0 still routes (one request per engine per round).
+
+Matching is block aligned and never credits the block that holds the last token: the engine
+must run at least that token to produce logits (vLLM caps prefix hits the same way), so
+c ≤ ⌊min(p, n−1)/b⌋·b. Since hashes are chained, an engine's match is found by walking the
+request's hashes until the first miss; engines that lack the first block (or the block that
+would beat the best match so far) are rejected with one set lookup, and a run already known to
+be whole (see :class:`Router`) is recognised with one lookup.
+
+Accounting: ``route`` returns the engine per request; :meth:`Router.assign` (which ``route``
+calls) returns a :class:`RoutingReport` — per request the engine, ΔW charged, prefix tokens
+credited and round; per engine the ΔW assigned — kept as :attr:`Router.last_report`.
+``request_cost(cfg, request)`` is the cost with no credit, for executed-vs-ideal comparisons.
+
+Baselines with the same interface (decisions only; they keep the same shadow tables so their
+reports show the prefix credit the engines' caches would give them): :class:`RoundRobinRouter`,
+:class:`LeastTokensRouter` (fewest outstanding prompt tokens, vLLM-style), :class:`RandomRouter`.
+Decisions are deterministic for a fixed input (RandomRouter: for a fixed seed).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import operator
+import queue
+import random
+from itertools import compress, repeat
+from typing import Any, ClassVar, Hashable, Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from moejax.config import ModelConfig
+from serving.prefix_hash import BLOCK_SIZE, block_hashes
+
+ROUTER_NAMES = ("prefix", "round_robin", "least_tokens", "random")
+
+
+# ---------------------------------------------------------------------------- requests
+@dataclasses.dataclass(frozen=True)
+class RouteRequest:
+    """One prefill request as the router sees it.
+
+    ``block_hashes``: chained digests (:func:`serving.prefix_hash.block_hashes`) of at least the
+    full blocks of the prefix; extra trailing hashes are ignored. ``prefix_len``: tokens that
+    form the shareable prefix (the prompt of sibling requests); None = all ``num_tokens``.
+    ``scoring_positions`` / ``num_candidates``: LM-head work (None = full vocabulary).
+    """
+
+    request_id: Hashable
+    num_tokens: int
+    block_hashes: tuple[bytes, ...] = ()
+    prefix_len: int | None = None
+    scoring_positions: int = 1
+    num_candidates: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_tokens, (int, np.integer)) or self.num_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: num_tokens must be >= 1, "
+                             f"got {self.num_tokens!r}")
+        prefix = self.num_tokens if self.prefix_len is None else self.prefix_len
+        if not 0 <= prefix <= self.num_tokens:
+            raise ValueError(f"request {self.request_id!r}: prefix_len ({prefix}) must lie in "
+                             f"[0, num_tokens={self.num_tokens}]")
+        if self.scoring_positions < 0:
+            raise ValueError(f"request {self.request_id!r}: scoring_positions must be >= 0")
+        if self.num_candidates is not None and self.num_candidates < 1:
+            raise ValueError(f"request {self.request_id!r}: num_candidates must be >= 1 or None")
+        # Frozen: normalise in place once so the router's hot loop reads plain ints/tuples.
+        object.__setattr__(self, "num_tokens", int(self.num_tokens))
+        object.__setattr__(self, "prefix_len", int(prefix))
+        object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
+
+    @property
+    def suffix_len(self) -> int:
+        return self.num_tokens - self.prefix_len
+
+    @classmethod
+    def from_tokens(cls, request_id: Hashable, token_ids: Sequence[int] | np.ndarray,
+                    prefix_len: int | None = None, scoring_positions: int = 1,
+                    num_candidates: int | None = None,
+                    block_size: int = BLOCK_SIZE) -> "RouteRequest":
+        """Hash the prefix of ``token_ids`` (only the prefix blocks are ever matched)."""
+        num_tokens = len(token_ids)
+        prefix = num_tokens if prefix_len is None else prefix_len
+        if not 0 <= prefix <= num_tokens:
+            raise ValueError(f"request {request_id!r}: prefix_len ({prefix}) must lie in "
+                             f"[0, num_tokens={num_tokens}]")
+        hashes = block_hashes(token_ids[:prefix], block_size)
+        return cls(request_id, num_tokens, tuple(hashes), prefix, scoring_positions,
+                   num_candidates)
+
+    @classmethod
+    def from_op(cls, op: Any, request_id: Hashable | None = None,
+                block_size: int = BLOCK_SIZE) -> "RouteRequest":
+        """From a ``serving.requests.PrefillOp`` (duck-typed: token_ids, prefix_len,
+        score_positions, score_token_ids, need_vocab_logsumexp). The head is charged for the
+        full vocabulary when the op needs a vocabulary log-sum-exp, else for its widest
+        candidate set. Default id: ``(op.request_index, op.candidate_index)``."""
+        if request_id is None:
+            request_id = (op.request_index, op.candidate_index)
+        candidates = None
+        if not op.need_vocab_logsumexp:
+            candidates = max((len(ids) for ids in op.score_token_ids), default=1)
+        return cls.from_tokens(request_id, op.token_ids, op.prefix_len,
+                               len(op.score_positions), candidates, block_size)
+
+
+def request_cost(cfg: ModelConfig, request: RouteRequest, cached: int = 0) -> int:
+    """ΔW of ``request`` on an engine holding ``cached`` of its prefix tokens (seed Eq. (2)).
+    With ``cached=0`` this is the cost without any prefix credit."""
+    return cfg.request_flops(prefix=request.prefix_len, suffix=request.suffix_len,
+                             cached=cached, scoring_positions=request.scoring_positions,
+                             num_candidates=request.num_candidates)
+
+
+# ---------------------------------------------------------------------------- events
+@dataclasses.dataclass(frozen=True)
+class BlocksStored:
+    """Engine ``engine`` now holds these blocks' KV (its cache stored them)."""
+
+    engine: int
+    hashes: Sequence[bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlocksEvicted:
+    """Engine ``engine`` no longer holds these blocks (evicted, or never stored)."""
+
+    engine: int
+    hashes: Sequence[bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopsExecuted:
+    """Engine ``engine`` ran ``flops`` useful FLOPs (the FLOP model of ``moejax.config``).
+
+    ``tokens``: prompt tokens those FLOPs covered; only :class:`LeastTokensRouter` reads it
+    (0 = not reported: it then decays its token count in proportion to the FLOPs)."""
+
+    engine: int
+    flops: float
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.flops >= 0:
+            raise ValueError(f"FlopsExecuted.flops must be >= 0, got {self.flops!r}")
+        if self.tokens < 0:
+            raise ValueError(f"FlopsExecuted.tokens must be >= 0, got {self.tokens!r}")
+
+
+Event = BlocksStored | BlocksEvicted | FlopsExecuted
+
+
+# ---------------------------------------------------------------------------- reports
+class Assignment(NamedTuple):
+    """Where one request went and what it was charged.
+
+    ``cost``: ΔW in FLOPs after the prefix credit. ``cached_tokens``: the credit c (block
+    aligned). ``round``: the round of this ``route`` call it belongs to (0-based)."""
+
+    request_id: Hashable
+    engine: int
+    cost: int
+    cached_tokens: int
+    round: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingReport:
+    """Accounting of one ``route`` call (also kept as :attr:`Router.last_report`)."""
+
+    assignments: tuple[Assignment, ...]
+    engine_flops: tuple[int, ...]     # ΔW assigned to each engine by this call
+    num_rounds: int
+
+    @property
+    def engines(self) -> list[int]:
+        return [a.engine for a in self.assignments]
+
+    @property
+    def total_flops(self) -> int:
+        """FLOPs the engines will execute for this call (after prefix credits)."""
+        return sum(self.engine_flops)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(a.cached_tokens for a in self.assignments)
+
+    def round_flops(self, round_index: int) -> tuple[int, ...]:
+        """ΔW assigned to each engine within one round."""
+        totals = [0] * len(self.engine_flops)
+        for a in self.assignments:
+            if a.round == round_index:
+                totals[a.engine] += a.cost
+        return tuple(totals)
+
+
+# ---------------------------------------------------------------------------- routers
+class Router(abc.ABC):
+    """Common state: shadow block tables, FLOP work counters, the event channel.
+
+    Per engine, one set ``held`` = committed ∪ pending (what matching reads) and one set
+    ``pending`` (committed = held − pending), so every table update is a C-level set
+    operation over a whole event or request rather than a Python loop per block. A third set,
+    ``runs``, remembers hashes known to end a contiguous run from the root; tables only grow
+    between evictions, so it stays exact until the engine's next ``BlocksEvicted`` clears it,
+    and a sibling whose prefix is already known costs one lookup instead of a walk.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, cfg: ModelConfig, num_engines: int, block_size: int = BLOCK_SIZE) -> None:
+        if not isinstance(num_engines, int) or num_engines < 1:
+            raise ValueError(f"num_engines must be a positive integer, got {num_engines!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.cfg = cfg
+        self.num_engines = num_engines
+        self.block_size = block_size
+        self.channel: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_report: RoutingReport | None = None
+        self._work: list[int | float] = [0] * num_engines        # W_g
+        self._held: list[set[bytes]] = [set() for _ in range(num_engines)]
+        self._pending: list[set[bytes]] = [set() for _ in range(num_engines)]
+        self._runs: list[set[bytes]] = [set() for _ in range(num_engines)]
+        self._round = 0
+
+    # ------------------------------------------------------------------ public
+    def route(self, requests: Sequence[RouteRequest]) -> list[int]:
+        """Engine index per request, in order (details in :attr:`last_report`)."""
+        return self.assign(requests).engines
+
+    def assign(self, requests: Sequence[RouteRequest]) -> RoutingReport:
+        """Drain the event channel, then route ``requests`` in FIFO order."""
+        self._validate(requests)
+        self.drain()
+        self._begin_call()
+        assignments = [self._route_one(request) for request in requests]
+        engine_flops = [0] * self.num_engines
+        for a in assignments:          # summed from the costs: exact even when W_g is a float
+            engine_flops[a.engine] += a.cost
+        report = RoutingReport(assignments=tuple(assignments), engine_flops=tuple(engine_flops),
+                               num_rounds=self._round + 1 if assignments else 0)
+        self.last_report = report
+        return report
+
+    def drain(self) -> int:
+        """Apply every event waiting in :attr:`channel`, in order; returns how many."""
+        count = 0
+        while True:
+            try:
+                event = self.channel.get_nowait()
+            except queue.Empty:
+                return count
+            self.on_event(event)
+            count += 1
+
+    def drain_events(self, events: Iterable[Event]) -> None:
+        """Apply ``events`` now, in order (for callers that batch events themselves)."""
+        for event in events:
+            self.on_event(event)
+
+    def on_event(self, event: Event) -> None:
+        """Apply one engine event to the shadow state."""
+        engine = self._check_engine(event.engine)
+        if isinstance(event, (BlocksStored, BlocksEvicted)):
+            hashes = event.hashes
+            if not isinstance(hashes, (tuple, list, set, frozenset)):
+                hashes = tuple(hashes)         # read twice below
+            if isinstance(event, BlocksStored):
+                self._store(engine, hashes)
+            else:
+                self._evict(engine, hashes)
+        elif isinstance(event, FlopsExecuted):
+            before = self._work[engine]
+            self._work[engine] = max(0, before - event.flops)
+            self._on_executed(engine, event, before)
+        else:
+            raise TypeError(f"unknown router event {event!r}")
+
+    def load(self, engine: int) -> int | float:
+        """W_g: outstanding work of ``engine`` in FLOPs (assigned minus executed)."""
+        return self._work[self._check_engine(engine)]
+
+    def loads(self) -> list[int | float]:
+        return list(self._work)
+
+    def committed_blocks(self, engine: int) -> frozenset[bytes]:
+        """Blocks ``engine`` reported stored and not evicted."""
+        engine = self._check_engine(engine)
+        return frozenset(self._held[engine] - self._pending[engine])
+
+    def pending_blocks(self, engine: int) -> frozenset[bytes]:
+        """Blocks promised to ``engine`` by routed requests, not yet reported stored."""
+        return frozenset(self._pending[self._check_engine(engine)])
+
+    def num_blocks(self, engine: int) -> int:
+        """|committed ∪ pending| of ``engine``."""
+        return len(self._held[self._check_engine(engine)])
+
+    # ------------------------------------------------------------------ subclass hooks
+    @abc.abstractmethod
+    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+                limit: int) -> tuple[int, int]:
+        """(engine, matched blocks on it) for ``request``; ``limit`` caps the match."""
+
+    def _begin_call(self) -> None:
+        self._round = 0
+
+    def _on_executed(self, engine: int, event: FlopsExecuted, work_before: int | float) -> None:
+        """Extra decay after W_g went down (subclasses with more counters)."""
+
+    def _on_assigned(self, engine: int, request: RouteRequest) -> None:
+        """Extra bookkeeping after ``request`` went to ``engine``."""
+
+    # ------------------------------------------------------------------ internals
+    def _route_one(self, request: RouteRequest) -> Assignment:
+        hashes = request.block_hashes
+        prefix = request.prefix_len
+        # The block holding the last token is never credited (it must run for the logits).
+        limit = min(prefix, request.num_tokens - 1) // self.block_size
+        engine, matched = self._choose(request, hashes, limit)
+        cached = matched * self.block_size
+        cost = self.cfg.request_flops(prefix, request.num_tokens - prefix, cached,
+                                      request.scoring_positions, request.num_candidates)
+        self._work[engine] += cost
+        self._promise(engine, hashes, matched, prefix // self.block_size)
+        self._on_assigned(engine, request)
+        return Assignment(request.request_id, engine, cost, cached, self._round)
+
+    def _match(self, engine: int, hashes: tuple[bytes, ...], limit: int) -> int:
+        """Contiguous blocks of ``hashes[:limit]`` that ``engine`` holds, from the start."""
+        if not limit:
+            return 0
+        last, runs = hashes[limit - 1], self._runs[engine]
+        if last in runs:
+            return limit
+        table = self._held[engine]
+        # Full hits (siblings, repeated prompts) are the common case: test them in one C-level
+        # pass. Lookups in a big table miss the CPU cache, so bytecode is what we can save.
+        if last in table and table.issuperset(hashes[:limit]):
+            runs.add(last)
+            return limit
+        matched = 0
+        for h in hashes[:limit]:
+            if h not in table:
+                break
+            matched += 1
+        if matched:
+            runs.add(hashes[matched - 1])
+        return matched
+
+    def _promise(self, engine: int, hashes: tuple[bytes, ...], start: int, stop: int) -> None:
+        """Add the request's uncached prefix blocks to ``engine``'s pending table."""
+        if start >= stop:
+            return
+        fresh = set(hashes[start:stop])
+        held = self._held[engine]
+        fresh -= held              # a block past the first miss may already be held
+        held |= fresh
+        self._pending[engine] |= fresh
+        self._runs[engine].add(hashes[stop - 1])   # blocks [0, start) matched: a full run now
+
+    def _store(self, engine: int, hashes: Iterable[bytes]) -> None:
+        # Blocks stored without being promised (warm-up, another router) become committed too.
+        self._pending[engine].difference_update(hashes)
+        self._held[engine].update(hashes)
+
+    def _evict(self, engine: int, hashes: Iterable[bytes]) -> None:
+        self._held[engine].difference_update(hashes)
+        self._pending[engine].difference_update(hashes)
+        self._runs[engine].clear()     # a removed block may break any known run
+
+    def _least_loaded(self, engines: Sequence[int]) -> int:
+        """Engine with the smallest W_g among ``engines`` (ascending; ties: lowest index)."""
+        return min(engines, key=self._work.__getitem__)
+
+    def _check_engine(self, engine: int) -> int:
+        if not isinstance(engine, (int, np.integer)) or not 0 <= engine < self.num_engines:
+            raise ValueError(f"engine index {engine!r} out of range [0, {self.num_engines})")
+        return int(engine)
+
+    def _validate(self, requests: Sequence[RouteRequest]) -> None:
+        """Refuse the whole call before touching any state."""
+        block_size = self.block_size
+        for request in requests:
+            if not isinstance(request, RouteRequest):
+                raise TypeError(f"route() takes RouteRequest objects, got {type(request).__name__}")
+            if len(request.block_hashes) < request.prefix_len // block_size:
+                raise ValueError(
+                    f"request {request.request_id!r}: {len(request.block_hashes)} block hashes "
+                    f"for a {request.prefix_len}-token prefix (needs "
+                    f"{request.prefix_len // block_size} at block size {block_size})")
+
+
+class PrefixAwareRouter(Router):
+    """Seed Algorithm 1: saturation (F3) → longest prefix match (F1) → true-FLOP cost (F2).
+
+    ``theta``: Θ in FLOPs (``moejax.calibrate.Calibration.theta``; ``math.inf`` = never
+    saturate). See the module docstring for rounds and the match cap.
+    """
+
+    name = "prefix"
+
+    def __init__(self, cfg: ModelConfig, num_engines: int, theta: float,
+                 block_size: int = BLOCK_SIZE) -> None:
+        super().__init__(cfg, num_engines, block_size)
+        self.theta = _check_theta(theta)
+        self._base: list[int | float] = [0] * num_engines     # W_g at the current round start
+        self._open: list[int] = []                  # unsaturated engines, ascending
+        self._open_tables: list[set[bytes]] = []    # their held tables, in the same order
+        self._set_open(range(num_engines))
+
+    @classmethod
+    def from_calibration(cls, cfg: ModelConfig, num_engines: int, calibration: Any,
+                         block_size: int = BLOCK_SIZE) -> "PrefixAwareRouter":
+        """Θ from a ``moejax.calibrate.Calibration`` (anything with a ``theta``)."""
+        return cls(cfg, num_engines, calibration.theta, block_size)
+
+    def set_theta(self, theta: float) -> None:
+        """Install a new Θ (e.g. delivered after the engines' calibration run)."""
+        self.theta = _check_theta(theta)
+        self._refresh_open()
+
+    def saturated(self, engine: int) -> bool:
+        """Whether ``engine`` takes no more work in the current round."""
+        return self._check_engine(engine) not in self._open
+
+    # ------------------------------------------------------------------ hooks
+    def _begin_call(self) -> None:
+        super()._begin_call()
+        self._base = [0] * self.num_engines    # each call starts a round: the test is W_g < Θ
+        self._refresh_open()
+
+    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+                limit: int) -> tuple[int, int]:
+        if not self._open:
+            self._new_round()
+        candidates = self._open
+        if not limit:
+            return self._least_loaded(candidates), 0
+        # Engines holding the first block, found in C (most engines miss it; 64 probes in
+        # bytecode would cost more than the rest of the decision).
+        holders = compress(candidates, map(operator.contains, self._open_tables,
+                                           repeat(hashes[0])))
+        held, work = self._held, self._work
+        best, best_len = -1, 0
+        for g in holders:
+            table = held[g]
+            if best_len:
+                # g wins only with a longer match, or an equal one and less work. Chained
+                # hashes: matching block i requires every block before it, so one lookup of
+                # the block g would need rejects it without a walk.
+                needed = best_len if work[g] >= work[best] else best_len - 1
+                if needed >= limit or hashes[needed] not in table:
+                    continue
+            length = self._match(g, hashes, limit)
+            # Ascending engine order: a later engine wins a tie only with strictly less W_g.
+            if length > best_len or (length == best_len and work[g] < work[best]):
+                best, best_len = g, length
+        if best < 0:
+            return self._least_loaded(candidates), 0
+        return best, best_len
+
+    def _on_assigned(self, engine: int, request: RouteRequest) -> None:
+        if not self._is_open(engine):
+            self._set_open(g for g in self._open if g != engine)
+
+    def _on_executed(self, engine: int, event: FlopsExecuted, work_before: int | float) -> None:
+        # Executed work comes off the oldest rounds first.
+        self._base[engine] = max(0, self._base[engine] - event.flops)
+        if self._is_open(engine) != (engine in self._open):
+            self._refresh_open()
+
+    # ------------------------------------------------------------------ rounds
+    def _is_open(self, engine: int) -> bool:
+        round_work = self._work[engine] - self._base[engine]
+        return round_work < self.theta or round_work <= 0
+
+    def _refresh_open(self) -> None:
+        self._set_open(g for g in range(self.num_engines) if self._is_open(g))
+
+    def _set_open(self, engines: Iterable[int]) -> None:
+        self._open = list(engines)
+        self._open_tables = [self._held[g] for g in self._open]
+
+    def _new_round(self) -> None:
+        """Every engine is saturated: open the next round with a fresh Θ for each."""
+        self._round += 1
+        self._base = list(self._work)
+        self._set_open(range(self.num_engines))
+
+
+class RoundRobinRouter(Router):
+    """Engine i mod G for the i-th request routed (the counter persists across calls)."""
+
+    name = "round_robin"
+
+    def __init__(self, cfg: ModelConfig, num_engines: int, block_size: int = BLOCK_SIZE) -> None:
+        super().__init__(cfg, num_engines, block_size)
+        self._next = 0
+
+    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+                limit: int) -> tuple[int, int]:
+        engine = self._next
+        self._next = (engine + 1) % self.num_engines
+        return engine, self._match(engine, hashes, limit)
+
+
+class LeastTokensRouter(Router):
+    """Fewest outstanding prompt tokens (all ``num_tokens``, no prefix credit), ties to the
+    lowest index. Outstanding tokens decay on :class:`FlopsExecuted`: by ``tokens`` when the
+    engine reports it, else by the executed share of W_g."""
+
+    name = "least_tokens"
+
+    def __init__(self, cfg: ModelConfig, num_engines: int, block_size: int = BLOCK_SIZE) -> None:
+        super().__init__(cfg, num_engines, block_size)
+        self._tokens: list[int | float] = [0] * num_engines
+
+    def outstanding_tokens(self, engine: int) -> int | float:
+        return self._tokens[self._check_engine(engine)]
+
+    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+                limit: int) -> tuple[int, int]:
+        tokens = self._tokens
+        engine = min(range(self.num_engines), key=tokens.__getitem__)
+        return engine, self._match(engine, hashes, limit)
+
+    def _on_assigned(self, engine: int, request: RouteRequest) -> None:
+        self._tokens[engine] += request.num_tokens
+
+    def _on_executed(self, engine: int, event: FlopsExecuted, work_before: int | float) -> None:
+        if event.tokens:
+            self._tokens[engine] = max(0, self._tokens[engine] - event.tokens)
+        elif work_before > 0:
+            share = min(1.0, event.flops / work_before)
+            self._tokens[engine] -= self._tokens[engine] * share
+
+
+class RandomRouter(Router):
+    """Uniformly random engine from a seeded generator (reproducible for a fixed seed)."""
+
+    name = "random"
+
+    def __init__(self, cfg: ModelConfig, num_engines: int, seed: int = 0,
+                 block_size: int = BLOCK_SIZE) -> None:
+        super().__init__(cfg, num_engines, block_size)
+        self._rng = random.Random(seed)
+
+    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+                limit: int) -> tuple[int, int]:
+        engine = self._rng.randrange(self.num_engines)
+        return engine, self._match(engine, hashes, limit)
+
+
+def make_router(name: str, cfg: ModelConfig, num_engines: int, theta: float = math.inf,
+                seed: int = 0, block_size: int = BLOCK_SIZE) -> Router:
+    """Router by name: "prefix" | "round_robin" | "least_tokens" | "random".
+
+    ``theta`` is validated for every name but only "prefix" uses it; ``seed`` only "random".
+    """
+    _check_theta(theta)
+    if name == "prefix":
+        return PrefixAwareRouter(cfg, num_engines, theta, block_size)
+    if name == "round_robin":
+        return RoundRobinRouter(cfg, num_engines, block_size)
+    if name == "least_tokens":
+        return LeastTokensRouter(cfg, num_engines, block_size)
+    if name == "random":
+        return RandomRouter(cfg, num_engines, seed, block_size)
+    raise ValueError(f"unknown router {name!r}: choose one of {', '.join(ROUTER_NAMES)}")
+
+
+def _check_theta(theta: float) -> float:
+    if not isinstance(theta, (int, float, np.integer, np.floating)) or math.isnan(theta) \
+            or theta < 0:
+        raise ValueError(f"theta must be a number >= 0 (FLOPs), got {theta!r}")
+    return float(theta)
