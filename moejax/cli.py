@@ -53,6 +53,8 @@ def _scorer_options(args: argparse.Namespace) -> dict[str, Any]:
                "devices": args.devices, "theta": args.theta, "deployment": args.deployment}
     if args.window is not None:
         options["backend_options"] = {"window": args.window}
+    options.update(engines=args.engines, routing=args.routing, kv_cache_free=args.kv_cache_free,
+                   prefix_cache_blocks=args.prefix_cache_blocks)
     return options
 
 
@@ -98,6 +100,7 @@ def cmd_score(args: argparse.Namespace) -> int:
                                                       errors="surrogateescape")
     sink = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
     count = errors = 0
+    interrupted = False
     start = time.perf_counter()
     try:
         # Chunks bound memory on files of millions of requests; results are written as
@@ -110,6 +113,9 @@ def cmd_score(args: argparse.Namespace) -> int:
             sink.flush()
             if bar is not None:
                 bar.update(len(chunk))
+    except KeyboardInterrupt:
+        # Ctrl-C: the chunks already scored are written and flushed; stop cleanly.
+        interrupted = True
     finally:
         if bar is not None:
             bar.close()
@@ -120,12 +126,15 @@ def cmd_score(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     stats = scorer.engine.stats
     rate = stats.real_tokens / elapsed if elapsed > 0 else 0.0
+    if interrupted:
+        print(f"interrupted: the first {count} requests' results are written; the rest were "
+              f"not scored", file=sys.stderr)
     print(f"scored {count - errors} of {count} requests ({errors} with errors) in "
           f"{elapsed:.2f}s: {stats.real_tokens} tokens, {rate:.0f} tokens/s, "
           f"{stats.batches} batches, {stats.compiles} compiled shapes"
           + (f", results in {args.output}" if args.output not in (None, "-") else ""),
           file=sys.stderr)
-    return 0
+    return 130 if interrupted else 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -156,6 +165,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _cache_blocks(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of blocks or 'auto', got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo",
                    help="local Hugging Face model directory, converted moejax directory, or "
@@ -175,6 +196,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="YAML deployment config (e.g. configs/deployments/async_ep.yaml)")
     p.add_argument("--theta", type=float, default=None,
                    help="pin the saturation threshold Θ (FLOPs) instead of calibrating")
+    p.add_argument("--engines", type=_positive_int, default=None,
+                   help="data-parallel engines, one per device (resident backend)")
+    p.add_argument("--routing", default=None,
+                   help="request routing over engines: prefix (default), round_robin, "
+                        "least_tokens or random")
+    p.add_argument("--prefix-cache-blocks", default=None, type=_cache_blocks,
+                   help="prefix KV cache size in 16-token blocks (0 = off, 'auto')")
+    p.add_argument("--kv-cache-free", action="store_true", default=None,
+                   help="share prefixes within a chunk only; keep no KV cache after it")
     p.add_argument("--expert-impl", default=None,
                    help="expert computation path: auto (default: chosen per platform and "
                         "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
@@ -210,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    ensure_host_devices(getattr(args, "devices", None))
+    ensure_host_devices(max(getattr(args, "devices", None) or 1,
+                            getattr(args, "engines", None) or 1))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -14,17 +14,22 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from moejax import checkpoint
 from moejax.backends import make_backend
+from moejax.backends.base import require_devices
 from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,
-                              calibrate, uncalibrated)
+                              calibrate, fallback_theta, uncalibrated)
 from moejax.packing import BucketPolicy, ScoringSequence
 from serving.engine import Engine
+from serving.dispatch import EnginePool, OpTiming
 from serving.options import ScorerOptions, load_options
+from serving.router import make_router
+from serving.prefix_cache import blocks_for_budget
 from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, ScoreRequest, ScoreResult,
                               TokenizerAdapter, normalize_requests)
 from serving.results import combine_results
@@ -54,6 +59,20 @@ def _sequence(index: int, op: PrefillOp) -> ScoringSequence:
                            score_positions=op.score_positions,
                            score_token_ids=op.score_token_ids,
                            full_vocab=op.need_vocab_logsumexp)
+
+
+def attach_timings(results: list[ScoreResult], ops: Sequence[PrefillOp],
+                   timings: Mapping[int, OpTiming]) -> list[ScoreResult]:
+    """Per request: the engine(s) and router round(s) of its ops, and the seconds from the
+    start of the call until its last op was done."""
+    by_request: dict[int, list[OpTiming]] = {}
+    for i, op in enumerate(ops):
+        by_request.setdefault(op.request_index, []).append(timings[i])
+    for index, parts in by_request.items():
+        results[index].timings = {"engines": sorted({t.engine for t in parts}),
+                                  "rounds": sorted({t.round for t in parts}),
+                                  "seconds": round(max(t.seconds for t in parts), 6)}
+    return results
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -95,14 +114,40 @@ class Scorer:
         self.normalize_options = normalize_options or NormalizeOptions()
         policy = BucketPolicy(max_batch_tokens=self.options.resolved_batch_tokens(),
                               min_block=self.options.min_block)
-        backend = make_backend(self.options.backend, self.config, params,
-                               devices=self.options.devices, dtype=dtype,
-                               **dict(self.options.backend_options))
-        del params  # the backend holds the placed copy
-        self.engine = Engine(self.config, backend, policy=policy,
-                             expert_impl=self.options.expert_impl,
-                             tile_rows=self.options.tile_rows)
-        self.calibration = self._calibrate(backend, policy.max_batch_tokens)
+        self.engines = [self._engine(params, dtype, policy, g)
+                        for g in range(self.options.engines)]
+        del params  # the backends hold the placed copies
+        self.engine = self.engines[0]
+        self.calibration = self._calibrate(self.engine.backend, policy.max_batch_tokens)
+        self.pool = None
+        if len(self.engines) > 1:
+            theta = self.calibration.theta or fallback_theta(self.config, policy.max_batch_tokens)
+            router = make_router(self.options.routing, self.config, len(self.engines),
+                                 theta=theta, seed=self.options.routing_seed)
+            self.pool = EnginePool(self.engines, router)
+
+    def _engine(self, params, dtype, policy: BucketPolicy, index: int) -> Engine:
+        """Engine ``index``: with several engines, a resident backend on device ``index``."""
+        opts = self.options
+        if opts.engines > 1:
+            devices = require_devices("resident (engines)", opts.engines)
+            backend = make_backend("resident", self.config, params, dtype=dtype,
+                                   device=devices[index])
+        else:
+            backend = make_backend(opts.backend, self.config, params, devices=opts.devices,
+                                   dtype=dtype, **dict(opts.backend_options))
+        return Engine(self.config, backend, policy=policy, expert_impl=opts.expert_impl,
+                      tile_rows=opts.tile_rows, prefix_cache_blocks=self._prefix_blocks(dtype),
+                      kv_cache_free=opts.kv_cache_free)
+
+    def _prefix_blocks(self, dtype) -> int:
+        """Pool blocks of the prefix cache: the option, or ``auto`` = ``prefix_cache_mib``
+        worth; KV-cache-free mode needs a pool too (for in-run sharing)."""
+        blocks = self.options.prefix_cache_blocks
+        if blocks == "auto" or (blocks == 0 and self.options.kv_cache_free):
+            blocks = blocks_for_budget(self.config, self.options.prefix_cache_mib << 20,
+                                       np.dtype(dtype).itemsize)
+        return int(blocks)
 
     def _calibrate(self, backend, max_batch_tokens: int) -> Calibration:
         opts = self.options
@@ -127,7 +172,12 @@ class Scorer:
                 "max_batch_tokens": self.engine.policy.max_batch_tokens,
                 **backend.describe(), "theta_flops": self.calibration.theta,
                 "theta_source": self.calibration.source,
-                "memory": backend.memory_report().as_dict()}
+                "memory": backend.memory_report().as_dict(),
+                "engines": len(self.engines),
+                "routing": self.options.routing if self.pool is not None else None,
+                "prefix_cache_blocks": (self.engine.prefix_cache.num_blocks
+                                        if self.engine.prefix_cache else 0),
+                "kv_cache_free": self.options.kv_cache_free}
 
     def score(self, requests: Sequence[RequestLike], *, progress: bool | None = None
               ) -> list[ScoreResult]:
@@ -151,10 +201,18 @@ class Scorer:
             from tqdm import tqdm
 
             bar = tqdm(total=len(sequences), unit="seq", desc="scoring", file=sys.stderr)
+        start = time.perf_counter()
         try:
-            raw = self.engine.run(sequences, on_batch_done=bar.update if bar else None)
+            if self.pool is not None:
+                raw, timings = self.pool.run(ops, sequences, bar.update if bar else None)
+            else:
+                raw = self.engine.run(sequences, on_batch_done=bar.update if bar else None,
+                                      prefix_lens={i: op.prefix_len for i, op in enumerate(ops)})
+                done = time.perf_counter() - start
+                timings = {i: OpTiming(engine=0, round=0, seconds=done) for i in range(len(ops))}
         finally:
             if bar is not None:
                 bar.close()
         outputs = [OpOutput(logits=raw[i][0], logsumexp=raw[i][1]) for i in range(len(ops))]
-        return combine_results(requests, ops, outputs, errors, prompt_tokens)
+        results = combine_results(requests, ops, outputs, errors, prompt_tokens)
+        return attach_timings(results, ops, timings)

@@ -15,6 +15,7 @@ from moejax.moe import EXPERT_IMPLS
 DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "configs" / "scoring.yaml"
 DTYPES = ("float32", "bfloat16")
 AUTO_BATCH_TOKENS = {"cpu": 4096, "gpu": 16384}
+ROUTINGS = ("prefix", "round_robin", "least_tokens", "random")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,12 @@ class ScorerOptions:
     calibrate: bool = True
     calibration_eps: float = 0.1
     theta: float | None = None
+    prefix_cache_blocks: int | str = 0
+    prefix_cache_mib: int = 256
+    kv_cache_free: bool = False
+    engines: int = 1
+    routing: str = "prefix"
+    routing_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -59,6 +66,24 @@ class ScorerOptions:
             raise ValueError(f"calibration_eps must be >= 0, got {self.calibration_eps!r}")
         if self.theta is not None and (not isinstance(self.theta, (int, float)) or self.theta < 0):
             raise ValueError(f"theta must be None or >= 0 FLOPs, got {self.theta!r}")
+        blocks = self.prefix_cache_blocks
+        if blocks != "auto" and (not isinstance(blocks, int) or isinstance(blocks, bool)
+                                 or blocks < 0):
+            raise ValueError(f"prefix_cache_blocks must be 0 (off), a positive number of "
+                             f"blocks or 'auto', got {blocks!r}")
+        if not isinstance(self.prefix_cache_mib, int) or self.prefix_cache_mib <= 0:
+            raise ValueError(f"prefix_cache_mib must be a positive integer, got "
+                             f"{self.prefix_cache_mib!r}")
+        if not isinstance(self.engines, int) or isinstance(self.engines, bool) or self.engines < 1:
+            raise ValueError(f"engines must be a positive integer, got {self.engines!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.engines > 1 and (self.backend != "resident" or self.devices != 1):
+            raise ValueError(f"engines={self.engines} runs one resident engine per device; "
+                             f"got backend={self.backend!r}, devices={self.devices} (use "
+                             f"engines=1 with a multi-device backend instead)")
+        if not isinstance(self.kv_cache_free, bool):
+            raise ValueError(f"kv_cache_free must be true or false, got {self.kv_cache_free!r}")
 
     @property
     def platform(self) -> str:

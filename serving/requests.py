@@ -136,13 +136,16 @@ class ScoreResult:
     prompt_tokens: int = 0
     error: str | None = None
     selected: list[int] | None = None
+    timings: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; ``selected`` appears only when set (kind "multi")."""
+        """JSON-ready dict; ``selected`` (kind "multi") and ``timings`` appear only when set."""
         d: dict[str, Any] = {"id": self.id, "logprobs": self.logprobs, "label": self.label,
                              "prompt_tokens": self.prompt_tokens, "error": self.error}
         if self.selected is not None:
             d["selected"] = self.selected
+        if self.timings is not None:
+            d["timings"] = self.timings
         return d
 
 

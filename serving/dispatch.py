@@ -1,0 +1,104 @@
+"""Data-parallel engines behind one router (DESIGN.md "One request, end to end", step 3–4).
+
+Each engine (one per device) runs the resident backend with its own prefix cache. For a
+call, every prefill op becomes a :class:`~serving.router.RouteRequest` (its prompt is
+the shareable prefix, so siblings follow their prefix's pending blocks to one engine);
+the router assigns ops to engines in FIFO order; then every engine runs all of its ops
+at once (one packed run: the best batching), the engines in parallel threads (JAX
+releases the GIL while devices compute). Afterwards each engine reports to the router
+through its event channel: the blocks its cache stored and evicted, and the FLOPs it
+executed (the router's estimate of its ops), so the next call routes against what is
+really resident.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+from moejax.packing import ScoringSequence
+from serving.engine import Engine, SequenceOutput
+from serving.requests import PrefillOp
+from serving.router import (BlocksEvicted, BlocksStored, FlopsExecuted, RouteRequest, Router,
+                            RoutingReport)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTiming:
+    """Where and when one op ran: engine, router round, seconds from the call's start
+    until its engine finished."""
+
+    engine: int
+    round: int
+    seconds: float
+
+
+class EnginePool:
+    """Routes ops over engines and runs them; results identical to one engine."""
+
+    def __init__(self, engines: Sequence[Engine], router: Router):
+        if len(engines) != router.num_engines:
+            raise ValueError(f"{len(engines)} engines but the router expects "
+                             f"{router.num_engines}")
+        self.engines = list(engines)
+        self.router = router
+        self.last_report: RoutingReport | None = None
+
+    def route(self, ops: Sequence[PrefillOp]) -> RoutingReport:
+        requests = [RouteRequest.from_op(op, request_id=i) for i, op in enumerate(ops)]
+        return self.router.assign(requests)
+
+    def run(self, ops: Sequence[PrefillOp], sequences: Sequence[ScoringSequence],
+            on_batch_done: Callable[[int], None] | None = None
+            ) -> tuple[dict[Hashable, SequenceOutput], dict[int, OpTiming]]:
+        """Score ``sequences`` (``sequences[i]`` is ``ops[i]``, key i) -> (outputs by key,
+        timing by op index)."""
+        start = time.perf_counter()
+        report = self.route(ops)
+        self.last_report = report
+        work: list[list[int]] = [[] for _ in self.engines]
+        for i, assignment in enumerate(report.assignments):
+            work[assignment.engine].append(i)
+        outputs: dict[Hashable, SequenceOutput] = {}
+        timings: dict[int, OpTiming] = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            futures = {pool.submit(self._run_engine, g, ops, sequences, indices, on_batch_done): g
+                       for g, indices in enumerate(work) if indices}
+            for future in concurrent.futures.as_completed(futures):
+                g = futures[future]
+                outputs.update(future.result())
+                done = time.perf_counter() - start
+                for i in work[g]:
+                    timings[i] = OpTiming(engine=g, round=report.assignments[i].round,
+                                          seconds=done)
+                self._report(g, [report.assignments[i].cost for i in work[g]],
+                             [ops[i] for i in work[g]])
+        return outputs, timings
+
+    def _run_engine(self, g: int, ops: Sequence[PrefillOp], sequences: Sequence[ScoringSequence],
+                    indices: list[int], on_batch_done) -> dict[Hashable, SequenceOutput]:
+        return self.engines[g].run([sequences[i] for i in indices], on_batch_done=on_batch_done,
+                                   prefix_lens={i: ops[i].prefix_len for i in indices})
+
+    def _report(self, g: int, costs: list[int], ops: list[PrefillOp]) -> None:
+        """Events of engine g after its run, in order: blocks stored / evicted, FLOPs."""
+        channel = self.router.channel
+        cache = self.engines[g].prefix_cache
+        if cache is not None:
+            stored, evicted = cache.drain_events()
+            if evicted:
+                channel.put(BlocksEvicted(engine=g, hashes=evicted))
+            if stored:
+                channel.put(BlocksStored(engine=g, hashes=stored))
+        if cache is None or self.engines[g].kv_cache_free:
+            # Nothing was kept: the blocks the router expects from these ops never arrive.
+            promised = [h for op in ops for h in RouteRequest.from_op(op).block_hashes]
+            if promised:
+                channel.put(BlocksEvicted(engine=g, hashes=promised))
+        tokens = sum(len(op.token_ids) for op in ops)
+        channel.put(FlopsExecuted(engine=g, flops=sum(costs), tokens=tokens))
+
+    def describe(self) -> dict[str, Any]:
+        return {"engines": len(self.engines), "routing": type(self.router).__name__}
