@@ -125,6 +125,7 @@ class Scorer:
             router = make_router(self.options.routing, self.config, len(self.engines),
                                  theta=theta, seed=self.options.routing_seed)
             self.pool = EnginePool(self.engines, router)
+            self.pool.router_theta = theta
 
     def _engine(self, params, dtype, policy: BucketPolicy, index: int) -> Engine:
         """Engine ``index``: with several engines, a resident backend on device ``index``."""
@@ -158,6 +159,15 @@ class Scorer:
                              reference_sequence=min(DEFAULT_REFERENCE_SEQUENCE, max_batch_tokens),
                              expert_impl=opts.expert_impl)
         return uncalibrated(backend, max_batch_tokens, opts.calibration_eps)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every engine's cached prefixes and the router's view of them."""
+        for engine in self.engines:
+            engine.reset_prefix_cache()
+        if self.pool is not None:
+            self.pool.router = make_router(self.options.routing, self.config, len(self.engines),
+                                           theta=self.pool.router_theta,
+                                           seed=self.options.routing_seed)
 
     @property
     def info(self) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class EnginePool:
         self.engines = list(engines)
         self.router = router
         self.last_report: RoutingReport | None = None
+        self.router_theta: float | None = None     # the Θ the router was built with
 
     def route(self, ops: Sequence[PrefillOp]) -> RoutingReport:
         requests = [RouteRequest.from_op(op, request_id=i) for i, op in enumerate(ops)]

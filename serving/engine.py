@@ -41,7 +41,17 @@ class EngineStats:
     run_seconds: float = 0.0
     prefix_tokens_computed: int = 0
     prefix_tokens_cached: int = 0
+    executed_flops: int = 0      # model FLOPs of the real tokens run (DESIGN.md formulas)
     shapes: set = dataclasses.field(default_factory=set)
+
+
+def sequence_flops(cfg: ModelConfig, seq: ScoringSequence) -> int:
+    """FLOPs of running ``seq``: its tokens at positions offset… (attending over the cached
+    prefix and themselves) and the LM head at its score positions."""
+    n = len(seq.token_ids)
+    head = sum(cfg.head_flops(None if seq.full_vocab else len(ids)) for ids in seq.score_token_ids)
+    return (n * cfg.linear_flops_per_token
+            + cfg.attention_flops_range(seq.position_offset + 1, seq.position_offset + n) + head)
 
 
 class Engine:
@@ -110,6 +120,12 @@ class Engine:
                      *key, self.backend.name, elapsed)
         return outs
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the pool's contents become unreachable)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache(self.prefix_cache.num_blocks,
+                                            self.prefix_cache.block_size)
+
     def run(self, sequences: Sequence[ScoringSequence],
             on_batch_done: Callable[[int], None] | None = None,
             prefix_lens: dict[Hashable, int] | None = None) -> dict[Hashable, SequenceOutput]:
@@ -173,6 +189,7 @@ class Engine:
                 results[key] = (per_position, seq_lse)
             self.stats.batches += 1
             self.stats.real_tokens += host.real_tokens
+            self.stats.executed_flops += sum(sequence_flops(self.cfg, s) for s in host.sequences)
             self.stats.padded_tokens += int(host.batch.tokens.shape[0]) - host.real_tokens
             if on_batch_done is not None:
                 on_batch_done(len(host.sequences))

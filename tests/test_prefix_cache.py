@@ -153,3 +153,24 @@ def test_prefix_cache_needs_the_resident_backend(setup):
     tp = make_backend("tp", CFG, params, devices=2)
     with pytest.raises(ValueError, match="prefix cache runs on the 'resident' backend"):
         Engine(CFG, tp, policy=policy, prefix_cache_blocks=8)
+
+
+def test_executed_flops_follow_the_cost_formula_and_credit_the_cache(setup):
+    from serving.engine import sequence_flops
+
+    seq = ScoringSequence(key=0, token_ids=np.arange(2, 42, dtype=np.int32),
+                          score_positions=(39,), score_token_ids=((3, 4, 5),))
+    assert sequence_flops(CFG, seq) == CFG.request_flops(prefix=40, scoring_positions=1,
+                                                         num_candidates=3)
+    params, resident, policy = setup
+    engine = Engine(CFG, resident, policy=policy, prefix_cache_blocks=16)
+    engine.run([seq], prefix_lens={0: 40})
+    first = engine.stats.executed_flops
+    engine.run([seq], prefix_lens={0: 40})         # 2 whole blocks now come from the cache
+    second = engine.stats.executed_flops - first
+    assert first == sequence_flops(CFG, seq)
+    assert second == CFG.request_flops(prefix=40, cached=32, scoring_positions=1,
+                                       num_candidates=3)
+    engine.reset_prefix_cache()
+    engine.run([seq], prefix_lens={0: 40})
+    assert engine.stats.executed_flops - first - second == first
