@@ -176,11 +176,19 @@ def attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     local = rows % attn_block
     visible = ((key_seg == segment_ids[rows][:, None])
                & (jnp.arange(attn_block, dtype=rows.dtype)[None, :] <= local[:, None]))
+    return _attend_rows(q, keys, values, visible)
+
+
+def _attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array
+                 ) -> jax.Array:
+    """q [P, n_q, h] over per-row keys/values [P, S, n_kv, h] where ``visible`` [P, S]."""
+    p, n_q, h = q.shape
+    n_kv = keys.shape[2]
     queries = q.reshape(p, n_kv, n_q // n_kv, h)
     scores = jnp.einsum("pkgh,pskh->pkgs", queries, keys,
                         preferred_element_type=jnp.float32) / math.sqrt(h)
     scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     out = jnp.einsum("pkgs,pskh->pkgh", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(p, n_q, h).astype(q.dtype)
 
@@ -232,10 +240,4 @@ def context_attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_
         jnp.arange(attn_block, dtype=rows.dtype)[None, :] <= local[:, None])
     ctx = context_visible(ctx_seg[block_of_row], row_seg[:, None])[:, 0, :]    # [P, Cp]
     visible = jnp.concatenate([ctx, own], axis=1)                       # [P, Cp + B]
-    queries = q.reshape(p, n_kv, n_q // n_kv, h)
-    scores = jnp.einsum("pkgh,pskh->pkgs", queries, keys,
-                        preferred_element_type=jnp.float32) / math.sqrt(h)
-    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("pkgs,pskh->pkgh", probs, values, preferred_element_type=jnp.float32)
-    return out.reshape(p, n_q, h).astype(q.dtype)
+    return _attend_rows(q, keys, values, visible)

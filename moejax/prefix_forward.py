@@ -91,7 +91,8 @@ def context_layer_at_rows(p: Mapping[str, jax.Array], layer, x: jax.Array, batch
 
 def prefix_forward(params, batch: PackedBatch, ctx: PrefixContext, pool_k: jax.Array,
                    pool_v: jax.Array, cfg: ModelConfig, opts: ForwardOptions):
-    """``model.forward`` with a prefix context -> (logits [P, C], lse [P] | None, pool_k, pool_v)."""
+    """``model.forward`` with a prefix context
+    -> (logits [P, C], lse [P] | None, pool_k, pool_v)."""
     layers = params["layers"]
     last = cfg.num_layers - 1
 
@@ -115,7 +116,8 @@ def prefix_forward(params, batch: PackedBatch, ctx: PrefixContext, pool_k: jax.A
     return logits, lse, pool_k, pool_v
 
 
-def empty_pool(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> tuple[jax.Array, jax.Array]:
+def empty_pool(cfg: ModelConfig, num_blocks: int, block_size: int,
+               dtype) -> tuple[jax.Array, jax.Array]:
     """Zeroed pool_k, pool_v [L, num_blocks · block_size, n_kv, h]."""
     shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from moejax import attention
 from moejax import model as model_lib
 from moejax.backends import xla_flags
-from moejax.backends.base import (Backend, MemoryReport, StepOutput, dense_bytes,
+from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
@@ -86,7 +86,7 @@ def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
     return logits[None], None if lse is None else lse[None]
 
 
-class AsyncEPBackend(Backend):
+class AsyncEPBackend(MeshBackend):
     """Expert weights sharded on E over G devices, gathered a layer ahead."""
 
     name = "async_ep"
@@ -119,14 +119,6 @@ class AsyncEPBackend(Backend):
             expert_bytes_all_layers=per_layer * cfg.num_layers,
             detail={"shards": shard_bytes, "first_layer": per_layer,
                     "gathered_current": per_layer, "gathered_next": per_layer})
-
-    @property
-    def devices(self) -> tuple[jax.Device, ...]:
-        return self._devices
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self._devices)
 
     def forward_fn(self, opts: ForwardOptions, full_vocab: bool):
         """The jitted shard_map'd forward for one set of static options."""

@@ -119,6 +119,21 @@ class Backend(abc.ABC):
             raise ValueError(f"batches of one step must share a shape, got {sorted(shapes)}")
 
 
+class MeshBackend(Backend):
+    """A backend over ``self._devices`` (set by the subclass) with one data-parallel rank
+    per device."""
+
+    _devices: tuple[jax.Device, ...] = ()
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return self._devices
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._devices)
+
+
 # ------------------------------------------------------------------ helpers
 def cast_params(params: Params, dtype) -> Params:
     """Every leaf as a NumPy array of ``dtype`` (host side; placement is the backend's)."""

@@ -34,7 +34,7 @@ from moejax import attention
 from moejax import model as model_lib
 from moejax.backends import xla_flags
 from moejax.backends.async_ep import AXIS, gather_layer, pad_experts, with_experts
-from moejax.backends.base import (Backend, BackendError, MemoryReport, StepOutput, dense_bytes,
+from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
@@ -87,7 +87,7 @@ def last_layer_program(params, layer, experts, x, batch, *, cfg: ModelConfig,
     return logits[None], None if lse is None else lse[None]
 
 
-class StreamedBackend(Backend):
+class StreamedBackend(MeshBackend):
     """Experts in host memory, a cyclic window of W layers on the device(s)."""
 
     name = "streamed"
@@ -123,7 +123,8 @@ class StreamedBackend(Backend):
                       if self.host_kind else None)
         # One host copy per layer (pinned where possible), copied in as a unit.
         self.host_experts = [
-            {k: (jax.device_put(v[layer], host_layer) if host_layer else np.ascontiguousarray(v[layer]))
+            {k: (jax.device_put(v[layer], host_layer) if host_layer
+                 else np.ascontiguousarray(v[layer]))
              for k, v in experts.items()}
             for layer in range(cfg.num_layers)]
         self._window: collections.deque = collections.deque()
@@ -272,14 +273,6 @@ class StreamedBackend(Backend):
             free(current)
         return unstack_outputs(logits, lse, self.num_ranks)
 
-    @property
-    def devices(self) -> tuple[jax.Device, ...]:
-        return self._devices
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self._devices)
-
     def memory_report(self) -> MemoryReport:
         return self._memory
 
@@ -303,7 +296,8 @@ class StreamedBackend(Backend):
         return channel, timings[channel]
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "window": self.window, "host_memory": self.host_kind or "numpy"}
+        return {**super().describe(), "window": self.window,
+                "host_memory": self.host_kind or "numpy"}
 
 
 class OffloadBackend(StreamedBackend):

@@ -88,7 +88,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kernels_pallas import metro
 from moejax import attention, moe
 from moejax import model as model_lib
-from moejax.backends.base import (Backend, BackendError, MemoryReport, StepOutput, dense_bytes,
+from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
@@ -452,7 +452,7 @@ def build_layout(num_experts: int, num_devices: int, replicas: float | None,
     return layout_from_placement(placement)
 
 
-class SyncEPBackend(Backend):
+class SyncEPBackend(MeshBackend):
     """DP attention + expert parallelism with two all-to-alls per MoE layer (module docstring).
 
     capacity_factor: dispatch buffer rows per device pair over the balanced share T·k/G
@@ -509,14 +509,6 @@ class SyncEPBackend(Backend):
         self._capacity_for_shape: dict[Any, int] = {}
         self._programs: dict[tuple[ForwardOptions, int], Any] = {}
         self._warned = False
-
-    @property
-    def devices(self) -> tuple[jax.Device, ...]:
-        return self._devices
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self._devices)
 
     def rows_per_device(self, batch: PackedBatch) -> int:
         """T·k: the routed rows of one rank's batch in the T-token layers."""
