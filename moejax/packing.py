@@ -262,7 +262,9 @@ def build_context(chosen: Sequence[ScoringSequence], starts: Sequence[int], num_
             keep = np.flatnonzero(np.asarray(seq.store_slots) >= 0)
             store_rows.extend((start + keep).tolist())
             store_slots.extend(np.asarray(seq.store_slots)[keep].tolist())
-    width = max(MIN_CONTEXT, next_power_of_two(max(len(b) for b in per_block)))
+    widest = max(len(b) for b in per_block)
+    # No reads at all: width 0, so the forward keeps the tiled attention of model.forward.
+    width = max(MIN_CONTEXT, next_power_of_two(widest)) if widest else 0
     ctx_slot = np.zeros((num_blocks, width), np.int32)
     ctx_seg = np.full((num_blocks, width), -1, np.int32)
     for b, entries in enumerate(per_block):

@@ -59,15 +59,24 @@ def _store(pool: jax.Array, layer, rows_kv: jax.Array, ctx: PrefixContext) -> ja
     return jax.lax.dynamic_update_index_in_dim(pool, layer_pool, layer, axis=0)
 
 
+def has_context(ctx: PrefixContext) -> bool:
+    """Does any block read the pool? (Static: a batch that only stores has width 0 and
+    keeps the model's own tiled attention.)"""
+    return ctx.ctx_slot.shape[1] > 0
+
+
 def context_layer(p: Mapping[str, jax.Array], layer, x: jax.Array, batch: PackedBatch,
                   ctx: PrefixContext, pool_k: jax.Array, pool_v: jax.Array, cfg: ModelConfig,
-                  opts: ForwardOptions):
+                  opts: ForwardOptions, bias: jax.Array | None = None):
     """One decoder layer over the whole batch with its prefix context -> (x, pool_k, pool_v)."""
     h_in, k, v = _layer_kv(p, x, batch, cfg)
     q = model_lib.project_q(p, h_in, batch.positions, cfg)
-    out = attention.context_attention(q, k, v, batch.segment_ids, opts.attn_block,
-                                      _context(pool_k, layer, ctx), _context(pool_v, layer, ctx),
-                                      ctx.ctx_seg)
+    if has_context(ctx):
+        out = attention.context_attention(q, k, v, batch.segment_ids, opts.attn_block,
+                                          _context(pool_k, layer, ctx),
+                                          _context(pool_v, layer, ctx), ctx.ctx_seg)
+    else:
+        out = attention.packed_attention(q, k, v, batch.segment_ids, opts.attn_block, bias)
     x = x + out.reshape(x.shape[0], -1) @ p["wo"].astype(x.dtype)
     x = model_lib.moe_residual(p, x, batch.segment_ids >= 0, cfg, opts)
     return x, _store(pool_k, layer, k, ctx), _store(pool_v, layer, v, ctx)
@@ -81,9 +90,12 @@ def context_layer_at_rows(p: Mapping[str, jax.Array], layer, x: jax.Array, batch
     rows = batch.score_positions
     h_in, k, v = _layer_kv(p, x, batch, cfg)
     q = model_lib.project_q(p, jnp.take(h_in, rows, axis=0), jnp.take(batch.positions, rows), cfg)
-    out = attention.context_attention_at_rows(q, k, v, batch.segment_ids, rows, opts.attn_block,
-                                              _context(pool_k, layer, ctx),
-                                              _context(pool_v, layer, ctx), ctx.ctx_seg)
+    if has_context(ctx):
+        out = attention.context_attention_at_rows(q, k, v, batch.segment_ids, rows,
+                                                  opts.attn_block, _context(pool_k, layer, ctx),
+                                                  _context(pool_v, layer, ctx), ctx.ctx_seg)
+    else:
+        out = attention.attention_at_rows(q, k, v, batch.segment_ids, rows, opts.attn_block)
     x_rows = jnp.take(x, rows, axis=0) + out.reshape(rows.shape[0], -1) @ p["wo"].astype(x.dtype)
     x_rows = model_lib.moe_residual(p, x_rows, None, cfg, opts)
     return x_rows, _store(pool_k, layer, k, ctx), _store(pool_v, layer, v, ctx)
@@ -95,11 +107,13 @@ def prefix_forward(params, batch: PackedBatch, ctx: PrefixContext, pool_k: jax.A
     -> (logits [P, C], lse [P] | None, pool_k, pool_v)."""
     layers = params["layers"]
     last = cfg.num_layers - 1
+    bias = None if has_context(ctx) else attention.attention_bias(batch.segment_ids,
+                                                                   opts.attn_block)
 
     def body(i, carry):
         x, pk, pv = carry
         return context_layer(model_lib.layer_slice(layers, i), i, x, batch, ctx, pk, pv, cfg,
-                             opts)
+                             opts, bias)
 
     x = model_lib.embed_tokens(params, batch)
     x, pool_k, pool_v = jax.lax.fori_loop(0, last, body, (x, pool_k, pool_v))
@@ -108,7 +122,8 @@ def prefix_forward(params, batch: PackedBatch, ctx: PrefixContext, pool_k: jax.A
         x_rows, pool_k, pool_v = context_layer_at_rows(p_last, last, x, batch, ctx, pool_k,
                                                        pool_v, cfg, opts)
     else:
-        x, pool_k, pool_v = context_layer(p_last, last, x, batch, ctx, pool_k, pool_v, cfg, opts)
+        x, pool_k, pool_v = context_layer(p_last, last, x, batch, ctx, pool_k, pool_v, cfg, opts,
+                                          bias)
         x_rows = jnp.take(x, batch.score_positions, axis=0)
     final = model_lib.rms_norm(x_rows, params["final_norm"], cfg.rms_norm_eps)
     logits, lse = model_lib.lm_head_scores(params, final, batch.score_token_ids, cfg,

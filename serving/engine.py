@@ -148,17 +148,19 @@ class Engine:
                                prefix_lens: dict[Hashable, int],
                                on_batch_done: Callable[[int], None] | None
                                ) -> dict[Hashable, SequenceOutput]:
-        """Two phases (serving/prefix_cache.py): distinct prefixes once, storing their
-        blocks; then the siblings' suffixes against them."""
+        """Three phases (serving/prefix_cache.py): leading blocks shared by several prefixes,
+        then distinct prefixes once, storing their blocks; then the siblings' suffixes."""
         cache = self.prefix_cache
         plan = plan_run(sequences, prefix_lens, cache, self.kv_cache_free)
         slots = cache.num_slots
         try:
-            outputs = self._run_batches(pack(plan.phase1, self.policy, self.options, slots), None)
-            for block, digest in plan.to_commit:
+            outputs: dict[Hashable, SequenceOutput] = {}
+            # Each phase reads what the earlier ones stored.
+            for phase in (plan.phase0, plan.phase1, plan.phase2):
+                outputs.update(self._run_batches(pack(phase, self.policy, self.options, slots),
+                                                 None))
+            for block, digest in plan.to_commit:     # written: later runs may find them
                 cache.commit(block, digest)
-            outputs.update(self._run_batches(pack(plan.phase2, self.policy, self.options, slots),
-                                             None))
         finally:
             cache.release(plan.pinned)
         self.stats.prefix_tokens_computed += plan.prefix_tokens

@@ -8,8 +8,11 @@ blocks, counts references (blocks a running plan reads or writes are pinned), ke
 unreferenced blocks in LRU order and evicts the oldest when it needs room, and
 records ``stored`` / ``evicted`` hashes for the router.
 
-:func:`plan_run` turns a run's sequences into two phases:
+:func:`plan_run` turns a run's sequences into three phases:
 
+* phase 0 — leading whole blocks that several distinct prefixes have in common (a
+  system prompt under different questions) and no cache holds yet, once per longest
+  shared run, stored;
 * phase 1 — every distinct prefix (the ``prefix_len`` tokens sibling sequences share,
   e.g. the prompt of a multi-selection request) is computed once, after its longest
   cached run of blocks (cross-batch reuse), and its new whole blocks are written to
@@ -149,12 +152,13 @@ class PrefixCache:
 class PrefixPlan:
     """Two phases of derived sequences, and where each score entry came from."""
 
+    phase0: list[ScoringSequence]
     phase1: list[ScoringSequence]
     phase2: list[ScoringSequence]
     owners: dict[Hashable, list[tuple[Hashable, int]]]   # derived key -> (original key, entry)
     entries: dict[Hashable, int]                           # original key -> number of entries
     pinned: list[int]                                      # blocks to release after the run
-    to_commit: list[tuple[int, bytes]]                     # new blocks, named after phase 1
+    to_commit: list[tuple[int, bytes]]                     # new blocks, named after the run
     prefix_tokens: int = 0                                 # tokens computed for shared prefixes
     cached_tokens: int = 0                                 # prefix tokens read from the cache
 
@@ -215,37 +219,105 @@ def _store_slots(cache: PrefixCache, length: int, first_new: int, new_blocks: Se
     return slots
 
 
+@dataclasses.dataclass
+class _Group:
+    """Sequences sharing one exact prefix of ``p`` tokens, and its blocks."""
+
+    members: list[ScoringSequence]
+    p: int
+    tokens: np.ndarray
+    full: int                    # whole blocks in the prefix
+    usable: int                  # blocks that may be read from the pool (scores stay computed)
+    hashes: list[bytes]
+    cached: list[int]            # its leading blocks already in the pool
+
+
 def plan_run(sequences: Sequence[ScoringSequence], prefix_lens: dict[Hashable, int],
              cache: PrefixCache, kv_cache_free: bool = False) -> PrefixPlan:
     """Plan a scoring run over the prefix cache (see the module docstring).
 
     prefix_lens: key -> tokens shared with siblings (0 or absent: the whole sequence is
-    its own prefix, cached for later runs but not shared in this one).
+    its own prefix, cached for later runs and shared in this one only through leading
+    whole blocks it has in common with other prefixes).
     """
     by_key = {s.key: s for s in sequences}
-    plan = PrefixPlan(phase1=[], phase2=[], owners={},
+    plan = PrefixPlan(phase0=[], phase1=[], phase2=[], owners={},
                       entries={s.key: len(s.score_positions) for s in sequences},
                       pinned=[], to_commit=[])
     build = _Builder(cache, by_key, plan)
-    groups: dict[tuple, list[ScoringSequence]] = {}
+    by_prefix: dict[tuple, list[ScoringSequence]] = {}
     for seq in sequences:
         p = prefix_lens.get(seq.key) or len(seq.token_ids)
-        groups.setdefault((p, tuple(np.asarray(seq.token_ids[:p]).tolist())), []).append(seq)
-    for (p, _), members in groups.items():
-        _plan_group(build, members, p, kv_cache_free)
+        by_prefix.setdefault((p, tuple(np.asarray(seq.token_ids[:p]).tolist())), []).append(seq)
+    groups = [_group(cache, members, p, kv_cache_free) for (p, _), members in by_prefix.items()]
+    for group in groups:
+        plan.pinned += group.cached
+    planned = _plan_shared_leading_blocks(build, groups, kv_cache_free)
+    for group in groups:
+        _plan_group(build, group, planned, kv_cache_free)
     return plan
 
 
-def _plan_group(build: _Builder, members: list[ScoringSequence], p: int,
-                kv_cache_free: bool) -> None:
-    cache, plan, bs = build.cache, build.plan, build.cache.block_size
+def _group(cache: PrefixCache, members: list[ScoringSequence], p: int,
+           kv_cache_free: bool) -> _Group:
+    bs = cache.block_size
     tokens = np.asarray(members[0].token_ids)
     full = p // bs
     first_score = min(min(s.score_positions) for s in members)
-    usable = min(full, first_score // bs)        # every score row stays computed
+    usable = min(full, first_score // bs)
     hashes = block_hashes(tokens[:full * bs], bs)
     cached = [] if kv_cache_free else cache.match(hashes[:usable])
-    plan.pinned += cached
+    return _Group(members, p, tokens, full, usable, hashes, cached)
+
+
+def _plan_shared_leading_blocks(build: _Builder, groups: list[_Group],
+                                kv_cache_free: bool) -> dict[bytes, int]:
+    """Phase 0: leading whole blocks that two or more distinct prefixes have in common
+    (e.g. a system prompt under different questions), not yet cached, computed once per
+    longest shared run and stored. Returns hash -> pool block of what it stores."""
+    cache, plan, bs = build.cache, build.plan, build.cache.block_size
+    count: collections.Counter = collections.Counter()
+    for g in groups:
+        count.update(g.hashes[len(g.cached):g.usable])
+    depth = {}
+    for i, g in enumerate(groups):
+        d = len(g.cached)
+        while d < g.usable and count[g.hashes[d]] >= 2:
+            d += 1
+        if d > len(g.cached):
+            depth[i] = d
+    inner = {groups[i].hashes[j]                  # hashes inside someone's longer run
+             for i, d in depth.items() for j in range(len(groups[i].cached), d - 1)}
+    planned: dict[bytes, int] = {}
+    for i, d in depth.items():
+        g = groups[i]
+        end = g.hashes[d - 1]
+        if end in inner or end in planned:        # covered by a longer (or the same) run
+            continue
+        c = len(g.cached)
+        todo = [j for j in range(c, d) if g.hashes[j] not in planned]
+        new = cache.allocate(len(todo))
+        if new is None:                            # no room: the groups compute their own
+            continue
+        plan.pinned += new
+        store = np.full((d - c) * bs, -1, np.int32)
+        for j, block in zip(todo, new):
+            planned[g.hashes[j]] = block
+            store[(j - c) * bs:(j - c + 1) * bs] = cache.slots([block])
+            if not kv_cache_free:
+                plan.to_commit.append((block, g.hashes[j]))
+        build.add(plan.phase0, g.tokens[c * bs:d * bs], c * bs, [], cache.slots(g.cached), store)
+        plan.prefix_tokens += (d - c) * bs
+    return planned
+
+
+def _plan_group(build: _Builder, group: _Group, planned: dict[bytes, int],
+                kv_cache_free: bool) -> None:
+    cache, plan, bs = build.cache, build.plan, build.cache.block_size
+    members, tokens, full, hashes = group.members, group.tokens, group.full, group.hashes
+    cached = list(group.cached)
+    while len(cached) < group.usable and hashes[len(cached)] in planned:   # from phase 0
+        cached.append(planned[hashes[len(cached)]])
     c = len(cached)
     shared = len(members) > 1
     keep = shared or not kv_cache_free           # singles store blocks only for later runs

@@ -114,8 +114,9 @@ def test_scores_equal_with_cache_on_off_and_kv_cache_free(setup):
         assert_equal(run(cached, seqs, prefix_lens), want)
         assert_equal(run(free, seqs, prefix_lens), want)
     assert cached.stats.prefix_tokens_cached > 0 and cached.prefix_cache.hits > 0
-    assert free.prefix_cache.resident == 0 and free.stats.prefix_tokens_cached == 0
-    assert free.stats.prefix_tokens_computed > 0         # in-run sharing still happened
+    # KV-cache-free: nothing kept, nothing looked up; in-run sharing still happened.
+    assert free.prefix_cache.resident == 0 and free.prefix_cache.lookups == 0
+    assert free.stats.prefix_tokens_computed > 0
 
 
 def test_small_cache_evicts_and_stays_exact(setup):
@@ -129,19 +130,40 @@ def test_small_cache_evicts_and_stays_exact(setup):
     assert tiny.prefix_cache.resident <= 4
 
 
+def test_leading_blocks_shared_by_different_prompts_run_once():
+    """Four prompts over one 40-token system prompt (2 whole blocks) with different
+    questions and no siblings: the 2 blocks run once (phase 0), each prompt continues."""
+    rng = np.random.default_rng(11)
+    system = rng.integers(2, CFG.vocab_size, 40)
+    seqs = []
+    for i in range(4):
+        tokens = np.concatenate([system, rng.integers(2, CFG.vocab_size, 10 + i)]).astype(np.int32)
+        seqs.append(ScoringSequence(key=i, token_ids=tokens, score_positions=(len(tokens) - 1,),
+                                    score_token_ids=((1, 2),)))
+    cache = PrefixCache(32)
+    plan = plan_run(seqs, {}, cache)
+    assert [len(s.token_ids) for s in plan.phase0] == [32]
+    assert all(s.position_offset == 32 and len(s.context_slots) == 32 for s in plan.phase1)
+    cache.release(plan.pinned)
+
+
 def test_plan_computes_each_shared_prefix_once():
     seqs, prefix_lens = sequences(7)
     cache = PrefixCache(64)
     plan = plan_run(seqs, prefix_lens, cache)
-    # prompt 0 (46 tokens) and prompt 1 (32) have 3 siblings each: their 2 whole blocks run
-    # once in phase 1; siblings with a score position from token 32 on run their tails in
-    # phase 2 (a score at position 31 is read from the shared prefix's own row).
+    # Prompt 0 (46 tokens, 3 siblings) and prompt 2 (67 tokens) share the system prompt's
+    # 2 whole blocks: they run once in phase 0; prompt 0's siblings then continue from
+    # token 32 in phase 1 (nothing more of their prompt to share). Prompt 1 (32 tokens,
+    # 3 siblings) runs its 2 blocks once in phase 1; its siblings with a score position
+    # from token 32 on run their tails in phase 2 (a score at position 31 is read from
+    # the shared prefix's own row).
+    assert [len(s.token_ids) for s in plan.phase0] == [32]
     assert plan.prefix_tokens == 32 + 32
-    siblings = [s for s in seqs[:6] if max(s.score_positions) >= 32]
-    assert len(plan.phase2) == len(siblings) >= 3
+    continued = [s for s in plan.phase1 if s.position_offset == 32]
+    assert len(continued) >= 4                       # prompt 0's siblings and prompt 2
+    siblings = [s for s in seqs[3:6] if max(s.score_positions) >= 32]
+    assert len(plan.phase2) == len(siblings)
     assert all(s.position_offset == 32 for s in plan.phase2)
-    assert sorted(len(s.token_ids) for s in plan.phase2) == sorted(
-        len(s.token_ids) - 32 for s in siblings)
     # every score entry has exactly one owner
     owned = sorted(o for owners in plan.owners.values() for o in owners)
     assert owned == sorted((s.key, i) for s in seqs for i in range(len(s.score_positions)))
