@@ -48,15 +48,15 @@ def _layer_kv(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch, cfg:
 
 
 def _context(pool: jax.Array, layer, ctx: PrefixContext) -> jax.Array:
-    """[nb, Cp, n_kv, h] context entries of one layer, gathered from the pool."""
-    return jax.lax.dynamic_index_in_dim(pool, layer, axis=0, keepdims=False)[ctx.ctx_slot]
+    """[nb, Cp, n_kv, h] context entries of one layer, gathered from the pool directly
+    (slicing the layer out first would copy the whole layer's pool)."""
+    return pool[layer, ctx.ctx_slot]
 
 
 def _store(pool: jax.Array, layer, rows_kv: jax.Array, ctx: PrefixContext) -> jax.Array:
-    """Write the stored rows' [W, n_kv, h] into the pool's layer ``layer``."""
-    layer_pool = jax.lax.dynamic_index_in_dim(pool, layer, axis=0, keepdims=False)
-    layer_pool = layer_pool.at[ctx.store_slot].set(rows_kv[ctx.store_row], mode="drop")
-    return jax.lax.dynamic_update_index_in_dim(pool, layer_pool, layer, axis=0)
+    """Scatter the stored rows' [W, n_kv, h] into the pool's layer ``layer`` (in place:
+    the pool is donated), O(W) rather than O(pool)."""
+    return pool.at[layer, ctx.store_slot].set(rows_kv[ctx.store_row], mode="drop")
 
 
 def has_context(ctx: PrefixContext) -> bool:
