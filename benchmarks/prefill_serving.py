@@ -70,6 +70,7 @@ max_abs_logprob_diff}``, and the run's settings.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -104,9 +105,9 @@ BASELINES = ("round_robin", "least_tokens", "no_cache")
 HIGH_SHARE_SPEC = "quality"
 
 FULL = dict(engines=8, requests=128, scale=0.1, sweep_lengths=(128, 256, 512, 1024),
-            sweep_requests=16, chunk=16, repeats=3)
+            sweep_requests=16, chunk=0, repeats=3)
 QUICK = dict(engines=2, requests=32, scale=0.05, sweep_lengths=(128, 256), sweep_requests=8,
-             chunk=16, repeats=1)
+             chunk=0, repeats=1)
 
 TARGETS = {"flops_over_ideal_high_share": ("<=", 1.1),
            "throughput_vs_round_robin_high_share": (">=", 2.0),
@@ -165,67 +166,102 @@ def no_reuse_flops(cfg: ModelConfig, ops: Sequence[Any]) -> int:
     return sum(_span_flops(cfg, 0, len(op.token_ids)) + _op_head_flops(cfg, op) for op in ops)
 
 
+class _Group:
+    """Ops with one exact prefix (``prefix_len`` tokens; an op without siblings is its own
+    group), grouped as ``serving.prefix_cache.plan_run`` groups them."""
+
+    def __init__(self, members: list[Any], p: int, block_size: int):
+        self.members = members
+        self.full = p // block_size                      # whole blocks in the prefix
+        first_score = min(min(op.score_positions) for op in members)
+        self.usable = min(self.full, first_score // block_size)   # readable from the pool
+        self.hashes = block_hashes(np.asarray(members[0].token_ids[:self.full * block_size],
+                                              np.int32), block_size)
+
+    def run(self, blocks: set[bytes] | dict[bytes, Any], start: int = 0) -> int:
+        """Leading blocks (from ``start``, at most ``usable``) found in ``blocks``."""
+        c = start
+        while c < self.usable and self.hashes[c] in blocks:
+            c += 1
+        return c
+
+
+def _groups(ops: Sequence[Any], block_size: int = BLOCK_SIZE) -> list[_Group]:
+    by_prefix: dict[tuple, list[Any]] = {}
+    for op in ops:
+        p = op.prefix_len or len(op.token_ids)
+        by_prefix.setdefault((p, tuple(op.token_ids[:p])), []).append(op)
+    return [_Group(members, p, block_size) for (p, _), members in by_prefix.items()]
+
+
+def _shared_runs(groups: Sequence[_Group], cached: Sequence[int]) -> list[int]:
+    """Per group, the end of its leading run of uncached blocks that another group of the
+    same run also starts with (what the planner's phase 0 computes once)."""
+    count: collections.Counter = collections.Counter()
+    for g, c in zip(groups, cached):
+        count.update(g.hashes[c:g.usable])
+    ends = []
+    for g, c in zip(groups, cached):
+        while c < g.usable and count[g.hashes[c]] >= 2:
+            c += 1
+        ends.append(c)
+    return ends
+
+
 def block_floor_flops(cfg: ModelConfig, ops: Sequence[Any],
                       block_size: int = BLOCK_SIZE) -> dict[str, int]:
     """The engine's executed FLOPs with a perfect block cache: ``serving.prefix_cache``'s
-    plan, run with every block of every earlier op resident (as if one engine ran the
-    ops in order, one group at a time, with room for everything).
+    plan with every whole block of every other op available (as if one engine ran the
+    whole workload), so each distinct whole block is computed once.
 
-    Per group (ops with the same ``prefix_len`` tokens: sibling ops, or one op on its own):
-    the cached run is the longest run of its prefix's whole blocks already stored, never
-    the block holding the first score position; siblings compute their new whole blocks
-    once and then each runs from the last whole block of the prompt; an op on its own runs
-    from its cached run to its end. Returns ``flops`` and ``cached_tokens`` (op tokens read
-    from the cache, as ``EngineStats.prefix_tokens_cached`` counts them).
+    Per group: its cached run is the longest run of its prefix's whole blocks computed
+    before, never the block holding its first score position; siblings compute their new
+    whole blocks once and then each runs from the last whole block of the prompt; an op
+    on its own runs from its cached run to its end. Returns ``flops`` and
+    ``cached_tokens``: op tokens read from the pool as ``EngineStats.prefix_tokens_cached``
+    counts them when one engine runs the whole workload in one call (a leading block that
+    several groups share is computed once and read by all of them), the most it can show.
     """
-    groups: dict[tuple, list[Any]] = {}
-    for op in ops:
-        p = op.prefix_len or len(op.token_ids)
-        groups.setdefault((p, tuple(op.token_ids[:p])), []).append(op)
+    groups = _groups(ops, block_size)
+    shared = _shared_runs(groups, [0] * len(groups))
     stored: set[bytes] = set()
     flops = cached_tokens = 0
-    for (p, _), members in groups.items():
-        full = p // block_size
-        first_score = min(min(op.score_positions) for op in members)
-        usable = min(full, first_score // block_size)
-        hashes = block_hashes(np.asarray(members[0].token_ids[:full * block_size], np.int32),
-                              block_size)
-        c = 0
-        while c < usable and hashes[c] in stored:
-            c += 1
-        stored.update(hashes)
-        cached_tokens += c * block_size * len(members)
-        if len(members) > 1 and full > c:
-            flops += _span_flops(cfg, c * block_size, full * block_size)
-            start = full * block_size
+    for g, end in zip(groups, shared):
+        c = g.run(stored)
+        stored.update(g.hashes)
+        cached_tokens += end * block_size * len(g.members)
+        if len(g.members) > 1 and g.full > c:
+            flops += _span_flops(cfg, c * block_size, g.full * block_size)
+            start = g.full * block_size
         else:
             start = c * block_size
-        for op in members:
+        for op in g.members:
             flops += _span_flops(cfg, start, len(op.token_ids)) + _op_head_flops(cfg, op)
     return {"flops": flops, "cached_tokens": cached_tokens}
 
 
-def cache_blocks_needed(ops: Sequence[Any], calls: Sequence[Sequence[int]],
-                        block_size: int = BLOCK_SIZE) -> tuple[int, int]:
-    """(distinct, in_flight): the distinct whole blocks the ops store, and the most blocks
-    one call allocates at once (ops of one call that share a prefix but not a group each
-    allocate their own copy before any is committed), both as if one engine ran every op.
-    A pool of distinct + in_flight blocks holds a whole pass on any engine without
-    evicting; one of in_flight blocks never refuses an allocation. ``calls``: op indices
-    per ``score`` call."""
-    distinct: set[bytes] = set()
-    per_op = []
-    for op in ops:
-        p = op.prefix_len or len(op.token_ids)
-        hashes = block_hashes(np.asarray(op.token_ids[:(p // block_size) * block_size],
-                                         np.int32), block_size)
-        distinct.update(hashes)
-        per_op.append((p, tuple(op.token_ids[:p]), len(hashes)))
-    in_flight = 0
+def pool_blocks_needed(ops: Sequence[Any], calls: Sequence[Sequence[int]], keep: bool = True,
+                       block_size: int = BLOCK_SIZE) -> int:
+    """Prefix-pool blocks one engine needs to run a whole pass (every op, in ``calls``: op
+    indices per ``score`` call) without evicting a block it stored, following the
+    planner's allocations: per call, one block per uncached shared leading block and each
+    group's own new whole blocks, on top of what earlier calls left resident. A subset of
+    the ops (one engine's share) needs no more. ``keep=False``: resident blocks may be
+    evicted (a workload that never reuses them), so only the largest call counts."""
+    resident: set[bytes] = set()
+    need = 0
     for indices in calls:
-        groups = {per_op[i][:2]: per_op[i][2] for i in indices}
-        in_flight = max(in_flight, sum(groups.values()))
-    return len(distinct), in_flight
+        groups = _groups([ops[i] for i in indices], block_size)
+        cached = [g.run(resident) for g in groups]
+        ends = _shared_runs(groups, cached)
+        planned = {g.hashes[j] for g, c, e in zip(groups, cached, ends) for j in range(c, e)}
+        allocated = len(planned)
+        for g, c in zip(groups, cached):
+            allocated += g.full - g.run(planned | resident, c)
+        need = max(need, (len(resident) if keep else 0) + allocated)
+        for g in groups:
+            resident.update(g.hashes)
+    return need
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -358,7 +394,7 @@ def print_workload(name: str, info: Mapping[str, Any], stats: Mapping[str, Mappi
     print(f"  ideal (each distinct prefix once): {info['ideal_tokens']} tokens, "
           f"{_g(ideal)} GFLOP; block floor (16-token blocks, partial blocks recomputed): "
           f"{_g(info['floor_flops'])} GFLOP = {info['floor_flops'] / ideal:.3f}x ideal "
-          f"(hit rate {info['floor_hit_rate']:.3f}); no reuse: {_g(info['no_reuse_flops'])} "
+          f"(max hit rate {info['max_hit_rate']:.3f}); no reuse: {_g(info['no_reuse_flops'])} "
           f"GFLOP = {info['no_reuse_flops'] / ideal:.2f}x ideal")
     print(f"  {'config':<13}{'seconds':>8}{'tokens/s':>10}{'GFLOP':>9}{'x ideal':>9}"
           f"{'hit rate':>9}{'router':>8}{'spread':>8}{'compiles':>9}{'evict':>7}  passes (s)")
@@ -410,7 +446,7 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
     info = {"description": description, "requests": len(requests), "ops": len(ops),
             "prompt_tokens": prompt_tokens, "calls": len(calls), "chunk": chunk,
             "ideal_tokens": ideal["tokens"], "ideal_flops": ideal["flops"],
-            "floor_flops": floor["flops"], "floor_hit_rate": floor["cached_tokens"] / prompt_tokens,
+            "floor_flops": floor["flops"], "max_hit_rate": floor["cached_tokens"] / prompt_tokens,
             "no_reuse_flops": no_reuse_flops(cfg, ops),
             "max_abs_logprob_diff": max_logprob_diff(logprobs, next(iter(logprobs))),
             "warmup": warmup, "warmup_shapes": shapes}
@@ -419,9 +455,9 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
 
 def pool_blocks(workloads: Mapping[str, Sequence[Mapping[str, Any]]], chunk: int, cfg) -> int:
     """Prefix-pool blocks per engine, one size for every cached configuration and workload:
-    the high-share pass fits on any one engine without evicting (distinct + in flight), and
-    no call of any workload is refused an allocation (in flight). The no-sharing sweep may
-    evict: its blocks are never read again."""
+    the high-share pass fits on any one engine without evicting, and no call of either
+    workload is refused an allocation. The no-sharing sweep may evict: its blocks are never
+    read again."""
     from moejax.demo import ensure_demo_model
     from serving.requests import NormalizeOptions, TokenizerAdapter, normalize_requests
 
@@ -430,9 +466,8 @@ def pool_blocks(workloads: Mapping[str, Sequence[Mapping[str, Any]]], chunk: int
     for name, requests in workloads.items():
         ops, _, _ = normalize_requests(requests, tokenizer, vocab_size=cfg.vocab_size,
                                        max_context=cfg.max_context, options=NormalizeOptions())
-        distinct, in_flight = cache_blocks_needed(ops, op_calls(ops, chunks(len(requests),
-                                                                            chunk)))
-        blocks = max(blocks, in_flight + (distinct if name == "high_share" else 0))
+        calls = op_calls(ops, chunks(len(requests), chunk))
+        blocks = max(blocks, pool_blocks_needed(ops, calls, keep=name == "high_share"))
     return blocks
 
 
@@ -446,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests", type=int, help="requests of the high-share workload "
                                                      "(default 128; quick 32)")
     parser.add_argument("--chunk", type=int, help="requests per score() call (0 = the whole "
-                                                  "workload in one call; default 16)")
+                                                  "workload in one call, the default)")
     parser.add_argument("--scale", type=float, help="length scale of the high-share workload "
                                                     "(default 0.1; quick 0.05)")
     parser.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)}")
@@ -504,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[name] = (info, stats)
         print_workload(name, info, stats)
         for key in ("requests", "ops", "prompt_tokens", "ideal_tokens", "ideal_flops",
-                    "floor_flops", "floor_hit_rate", "no_reuse_flops", "max_abs_logprob_diff"):
+                    "floor_flops", "max_hit_rate", "no_reuse_flops", "max_abs_logprob_diff"):
             figures[f"{name}_{key}"] = info[key]
         for config, s in stats.items():
             for key in ("tokens_per_s", "executed_flops", "hit_rate", "router_credit",
