@@ -17,8 +17,9 @@ Two workloads (``benchmarks/workloads.py``, token-id requests over the demo's 10
   the demo's 2048-token context;
 * ``no_sharing`` -- ``no_sharing_sweep``: pairwise unshared prompts of several lengths.
 
-A *pass* streams the workload, in arrival order, through ``Scorer.score`` in calls of
-``--chunk`` requests (0 = the whole workload in one call). Per (workload, configuration):
+A *pass* scores the whole workload in one ``Scorer.score`` call (an offline batch; with
+``--chunk N``, in calls of N requests in arrival order, as a stream). Per (workload,
+configuration):
 one warm-up pass compiles every program shape; then ``--repeats`` timed passes, each
 preceded by ``scorer.reset_prefix_cache()`` (engine caches and router forgotten) so every
 timed pass starts cold and plans -- hence shapes -- exactly as the warm-up did. The median
@@ -26,11 +27,15 @@ pass is reported.
 
 Compiled programs. Every engine compiles each program shape for its own device, and
 XLA:CPU maps ~460 memory regions per compiled program: the programs of four
-configurations x 8 engines exceed Linux's default limit of 65,530 maps per process
+configurations x 8 engines can exceed Linux's limit of 65,530 maps per process
 (``vm.max_map_count``), and XLA then crashes ("LLVM compilation error: Cannot allocate
-memory"). So the configurations run one after the other, each with only its own programs
-loaded (``jax.clear_caches()`` between them; JAX's persistent compilation cache reloads
-them on a rerun), rather than interleaved pass by pass; noise is handled by the median.
+memory"). So configurations are warmed up one after another while the maps allow (the
+next one is admitted if the current count plus 1.5x the largest growth of a warm-up so
+far stays under 80% of the limit); the timed passes of the configurations loaded together
+are interleaved (A B C A B C ...); then their programs are dropped (``jax.clear_caches()``)
+and the next group is loaded. The groups are printed; a comparison between configurations
+of different groups is between passes run minutes apart. JAX's persistent compilation
+cache (``~/.cache/moejax/jax-cache``) makes a rerun load rather than compile.
 
 Figures per (workload, configuration):
 
@@ -104,7 +109,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 BASELINES = ("round_robin", "least_tokens", "no_cache")
 HIGH_SHARE_SPEC = "quality"
 
-FULL = dict(engines=8, requests=128, scale=0.1, sweep_lengths=(128, 256, 512, 1024),
+FULL = dict(engines=8, requests=64, scale=0.1, sweep_lengths=(128, 256, 512, 1024),
             sweep_requests=16, chunk=0, repeats=3)
 QUICK = dict(engines=2, requests=32, scale=0.05, sweep_lengths=(128, 256), sweep_requests=8,
              chunk=0, repeats=1)
@@ -307,6 +312,23 @@ def _snapshot(scorer) -> list[dict[str, int]]:
     return out
 
 
+def map_count() -> int | None:
+    """Memory maps of this process (Linux), or None where that cannot be read."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as fh:
+            return sum(1 for _ in fh)
+    except OSError:
+        return None
+
+
+def map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return 65530
+
+
 def release_programs() -> None:
     """Drop every compiled program (they are reloaded from JAX's persistent compilation
     cache, or recompiled, on next use)."""
@@ -409,6 +431,8 @@ def print_workload(name: str, info: Mapping[str, Any], stats: Mapping[str, Mappi
         cells = " ".join(f"{_g(f)}({t})" for f, t in zip(s["engine_flops"], s["engine_tokens"]))
         print(f"    {config:<13}{cells}")
     print(f"  max |Δ logprob| between configurations: {info['max_abs_logprob_diff']:.2e}")
+    print("  timed passes interleaved within: " + " ".join(
+        "[" + ", ".join(g) + "]" for g in info["groups"]))
     print("  warm-up pass (compiles or loads every shape): " + ", ".join(
         f"{k} {v:.1f} s / {info['warmup_shapes'][k]} new engine shapes"
         for k, v in info["warmup"].items()))
@@ -431,16 +455,33 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
     prompt_tokens = sum(len(op.token_ids) for op in ops)
     ideal = ideal_flops(cfg, ops)
     floor = block_floor_flops(cfg, ops)
-    warmup, shapes = {}, {}
+    warmup, shapes, groups = {}, {}, [[]]
     passes: dict[str, list] = {config: [] for config in scorers}
+
+    def timed(group: list[str]) -> None:            # interleaved: A B C A B C ...
+        for _ in range(repeats):
+            for config in group:
+                passes[config].append(run_pass(scorers[config], requests, calls))
+
+    release_programs()
+    budget, growth = 0.8 * map_limit(), 0
     for config, scorer in scorers.items():
-        # One configuration's programs at a time (see "Compiled programs" in the docstring).
-        release_programs()
+        # Keep the programs of several configurations loaded while the process's memory
+        # maps allow (see "Compiled programs" in the module docstring).
+        now = map_count()
+        if groups[-1] and now is not None and now + 1.5 * growth > budget:
+            timed(groups[-1])
+            release_programs()
+            groups.append([])
+            now = map_count()
         before = sum(e.stats.compiles for e in scorer.engines)
         warmup[config] = run_pass(scorer, requests, calls)["seconds"]   # compiles every shape
         shapes[config] = sum(e.stats.compiles for e in scorer.engines) - before
-        for _ in range(repeats):
-            passes[config].append(run_pass(scorer, requests, calls))
+        if now is not None:
+            growth = max(growth, map_count() - now)
+        groups[-1].append(config)
+    timed(groups[-1])
+    release_programs()
     stats = {config: summarize(p, prompt_tokens) for config, p in passes.items()}
     logprobs = {config: p[-1]["logprobs"] for config, p in passes.items()}
     info = {"description": description, "requests": len(requests), "ops": len(ops),
@@ -449,7 +490,7 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
             "floor_flops": floor["flops"], "max_hit_rate": floor["cached_tokens"] / prompt_tokens,
             "no_reuse_flops": no_reuse_flops(cfg, ops),
             "max_abs_logprob_diff": max_logprob_diff(logprobs, next(iter(logprobs))),
-            "warmup": warmup, "warmup_shapes": shapes}
+            "warmup": warmup, "warmup_shapes": shapes, "groups": groups}
     return info, stats
 
 
@@ -479,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, help="timed passes per configuration "
                                                     "(median kept; default 3, quick 1)")
     parser.add_argument("--requests", type=int, help="requests of the high-share workload "
-                                                     "(default 128; quick 32)")
+                                                     "(default 64; quick 32)")
     parser.add_argument("--chunk", type=int, help="requests per score() call (0 = the whole "
                                                   "workload in one call, the default)")
     parser.add_argument("--scale", type=float, help="length scale of the high-share workload "
