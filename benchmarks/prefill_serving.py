@@ -10,8 +10,9 @@ device, the built-in demo model in float32), each its own ``serving.Scorer`` bui
 
 Two workloads (``benchmarks/workloads.py``, token-id requests over the demo's 1024 ids):
 
-* ``high_share`` -- ``generate("quality", ...)``: long documents, ~20 questions each, four
-  options scored as letters or as multi-token option texts. QuALITY is the Table 2 data set
+* ``high_share`` -- ``generate("quality", ...)``: long documents with many questions each
+  (by default 64 requests at scale 0.1: 4 documents of 380-1150 tokens, 16 questions each),
+  four options scored as letters or as multi-token option texts. QuALITY is the Table 2 set
   with the highest prefix share (0.9+ against MoralStories' 0.64, whose 4 short system
   prompts give a cache almost nothing to save) and, scaled by ``--scale``, its prompts fit
   the demo's 2048-token context;
@@ -43,9 +44,14 @@ Figures per (workload, configuration):
   same numerator for every configuration) / wall seconds of the pass;
 * ``executed_flops`` -- sum over engines of ``EngineStats.executed_flops`` during the pass
   (DESIGN.md formulas over the tokens really run, ``serving.engine.sequence_flops``);
-* ``hit_rate``       -- prompt tokens the engines read from their prefix caches
-  (``EngineStats.prefix_tokens_cached``) / prompt tokens of all ops; ``router_credit`` is
-  the same fraction as the router credited it (``RoutingReport.cached_tokens``);
+* ``hit_rate``       -- share of the ops' prompt tokens that were not computed but read as
+  prefix KV (from the cache, or from this call's one computation of a shared prefix):
+  1 - tokens run (``EngineStats.real_tokens``) / prompt tokens of all ops; the block
+  floor's value is printed as ``max hit rate``. ``pool_read_rate``: the engines' own
+  counter (``EngineStats.prefix_tokens_cached``, which counts a block every op of a group
+  reads, the first computation of a shared prefix included) / prompt tokens;
+  ``router_credit``: the prefix tokens the router credited (``RoutingReport.cached_tokens``)
+  / prompt tokens;
 * ``load_spread``    -- max / mean over engines of the executed FLOPs of the pass;
 * compiles during timed passes (should be 0), prefix-cache evictions.
 
@@ -67,7 +73,8 @@ JSON keys: ``flops_over_ideal_high_share``, ``throughput_vs_round_robin_high_sha
 ``throughput_vs_best_baseline_no_sharing``, ``floor_over_ideal_high_share``,
 ``flops_over_floor_high_share``, ``throughput_vs_{baseline}_{workload}``, and per
 workload / configuration ``{workload}_{config}_{tokens_per_s | executed_flops | hit_rate |
-router_credit | load_spread | seconds | compiles_timed | evictions}``, per workload
+pool_read_rate | router_credit | load_spread | seconds | compiles_timed | evictions |
+real_tokens | warmup_seconds | engine_flops}``, per workload
 ``{workload}_{ideal_flops | floor_flops | no_reuse_flops | prompt_tokens | ops | requests |
 max_abs_logprob_diff}``, and the run's settings.
 """
@@ -86,11 +93,24 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 HOST_DEVICES = 8
+DEVICE_FLAG = "--xla_force_host_platform_device_count"
 # The CLI and tests run several engines on forced CPU host devices; set it before JAX starts
 # (a user's own device-count flag is kept).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+if DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
-                               f"--xla_force_host_platform_device_count={HOST_DEVICES}").strip()
+                               f"{DEVICE_FLAG}={HOST_DEVICES}").strip()
+
+
+def _more_host_devices(count: int) -> None:
+    """Raise the forced device count set above to ``count`` (only while JAX's backends
+    have not started; a user's own flag is left alone)."""
+    ours = f"{DEVICE_FLAG}={HOST_DEVICES}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count > HOST_DEVICES and ours in flags.split():
+        from moejax.backends import xla_flags
+
+        if not xla_flags.backends_started():
+            os.environ["XLA_FLAGS"] = flags.replace(ours, f"{DEVICE_FLAG}={count}")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -222,27 +242,24 @@ def block_floor_flops(cfg: ModelConfig, ops: Sequence[Any],
     Per group: its cached run is the longest run of its prefix's whole blocks computed
     before, never the block holding its first score position; siblings compute their new
     whole blocks once and then each runs from the last whole block of the prompt; an op
-    on its own runs from its cached run to its end. Returns ``flops`` and
-    ``cached_tokens``: op tokens read from the pool as ``EngineStats.prefix_tokens_cached``
-    counts them when one engine runs the whole workload in one call (a leading block that
-    several groups share is computed once and read by all of them), the most it can show.
+    on its own runs from its cached run to its end. Returns ``flops`` and ``tokens`` (the
+    tokens computed).
     """
-    groups = _groups(ops, block_size)
-    shared = _shared_runs(groups, [0] * len(groups))
     stored: set[bytes] = set()
-    flops = cached_tokens = 0
-    for g, end in zip(groups, shared):
+    flops = tokens = 0
+    for g in _groups(ops, block_size):
         c = g.run(stored)
         stored.update(g.hashes)
-        cached_tokens += end * block_size * len(g.members)
         if len(g.members) > 1 and g.full > c:
             flops += _span_flops(cfg, c * block_size, g.full * block_size)
+            tokens += (g.full - c) * block_size
             start = g.full * block_size
         else:
             start = c * block_size
         for op in g.members:
             flops += _span_flops(cfg, start, len(op.token_ids)) + _op_head_flops(cfg, op)
-    return {"flops": flops, "cached_tokens": cached_tokens}
+            tokens += len(op.token_ids) - start
+    return {"flops": flops, "tokens": tokens}
 
 
 def pool_blocks_needed(ops: Sequence[Any], calls: Sequence[Sequence[int]], keep: bool = True,
@@ -377,7 +394,8 @@ def summarize(passes: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str,
         "engine_tokens": [e["tokens"] for e in per_engine],
         "real_tokens": sum(e["tokens"] for e in per_engine),
         "padded_tokens": sum(e["padded"] for e in per_engine),
-        "hit_rate": sum(e["cached"] for e in per_engine) / prompt_tokens,
+        "hit_rate": 1 - sum(e["tokens"] for e in per_engine) / prompt_tokens,
+        "pool_read_rate": sum(e["cached"] for e in per_engine) / prompt_tokens,
         "router_credit": last["router_cached"] / prompt_tokens,
         "load_spread": max(flops) / mean if mean else 1.0,
         "compiles_timed": sum(e["compiles"] for p in passes for e in p["per_engine"]),
@@ -419,13 +437,18 @@ def print_workload(name: str, info: Mapping[str, Any], stats: Mapping[str, Mappi
           f"(max hit rate {info['max_hit_rate']:.3f}); no reuse: {_g(info['no_reuse_flops'])} "
           f"GFLOP = {info['no_reuse_flops'] / ideal:.2f}x ideal")
     print(f"  {'config':<13}{'seconds':>8}{'tokens/s':>10}{'GFLOP':>9}{'x ideal':>9}"
-          f"{'hit rate':>9}{'router':>8}{'spread':>8}{'compiles':>9}{'evict':>7}  passes (s)")
+          f"{'hit rate':>9}{'pool rd':>8}{'router':>8}{'spread':>8}{'compiles':>9}{'evict':>7}"
+          f"  passes (s)")
     for config, s in stats.items():
         runs = " ".join(f"{x:.2f}" for x in s["all_seconds"])
         print(f"  {config:<13}{s['seconds']:>8.2f}{s['tokens_per_s']:>10.0f}"
               f"{_g(s['executed_flops']):>9}{s['executed_flops'] / ideal:>9.2f}"
-              f"{s['hit_rate']:>9.3f}{s['router_credit']:>8.3f}{s['load_spread']:>8.2f}"
+              f"{s['hit_rate']:>9.3f}{s['pool_read_rate']:>8.3f}{s['router_credit']:>8.3f}"
+              f"{s['load_spread']:>8.2f}"
               f"{s['compiles_timed']:>9}{s['evictions']:>7}  {runs}")
+    unstable = [config for config, s in stats.items() if not s["flops_stable"]]
+    if unstable:
+        print(f"  NOTE: executed FLOPs differ between passes of {unstable} (plans not identical)")
     print("  per-engine executed GFLOP (real tokens):")
     for config, s in stats.items():
         cells = " ".join(f"{_g(f)}({t})" for f, t in zip(s["engine_flops"], s["engine_tokens"]))
@@ -487,7 +510,7 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
     info = {"description": description, "requests": len(requests), "ops": len(ops),
             "prompt_tokens": prompt_tokens, "calls": len(calls), "chunk": chunk,
             "ideal_tokens": ideal["tokens"], "ideal_flops": ideal["flops"],
-            "floor_flops": floor["flops"], "max_hit_rate": floor["cached_tokens"] / prompt_tokens,
+            "floor_flops": floor["flops"], "max_hit_rate": 1 - floor["tokens"] / prompt_tokens,
             "no_reuse_flops": no_reuse_flops(cfg, ops),
             "max_abs_logprob_diff": max_logprob_diff(logprobs, next(iter(logprobs))),
             "warmup": warmup, "warmup_shapes": shapes, "groups": groups}
@@ -539,6 +562,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
 
+    _more_host_devices(shape["engines"])
     run_start = time.perf_counter()
     from moejax.demo import demo_config
     from serving import Scorer
@@ -583,7 +607,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "floor_flops", "max_hit_rate", "no_reuse_flops", "max_abs_logprob_diff"):
             figures[f"{name}_{key}"] = info[key]
         for config, s in stats.items():
-            for key in ("tokens_per_s", "executed_flops", "hit_rate", "router_credit",
+            for key in ("tokens_per_s", "executed_flops", "hit_rate", "pool_read_rate",
+                        "router_credit",
                         "load_spread", "seconds", "compiles_timed", "evictions", "real_tokens"):
                 figures[f"{name}_{config}_{key}"] = s[key]
             figures[f"{name}_{config}_warmup_seconds"] = info["warmup"][config]
