@@ -47,8 +47,7 @@ class EnginePool:
         self.last_report: RoutingReport | None = None
         self.router_theta: float | None = None     # the Θ the router was built with
 
-    def route(self, ops: Sequence[PrefillOp]) -> RoutingReport:
-        requests = [RouteRequest.from_op(op, request_id=i) for i, op in enumerate(ops)]
+    def route(self, requests: Sequence[RouteRequest]) -> RoutingReport:
         return self.router.assign(requests)
 
     def run(self, ops: Sequence[PrefillOp], sequences: Sequence[ScoringSequence],
@@ -57,7 +56,10 @@ class EnginePool:
         """Score ``sequences`` (``sequences[i]`` is ``ops[i]``, key i) -> (outputs by key,
         timing by op index)."""
         start = time.perf_counter()
-        report = self.route(ops)
+        # Hashed once: the router matches them now, and a KV-cache-free engine reports
+        # them as evicted after its run.
+        requests = [RouteRequest.from_op(op, request_id=i) for i, op in enumerate(ops)]
+        report = self.route(requests)
         self.last_report = report
         work: list[list[int]] = [[] for _ in self.engines]
         for i, assignment in enumerate(report.assignments):
@@ -75,7 +77,7 @@ class EnginePool:
                     timings[i] = OpTiming(engine=g, round=report.assignments[i].round,
                                           seconds=done)
                 self._report(g, [report.assignments[i].cost for i in work[g]],
-                             [ops[i] for i in work[g]])
+                             [ops[i] for i in work[g]], [requests[i] for i in work[g]])
         return outputs, timings
 
     def _run_engine(self, g: int, ops: Sequence[PrefillOp], sequences: Sequence[ScoringSequence],
@@ -83,19 +85,20 @@ class EnginePool:
         return self.engines[g].run([sequences[i] for i in indices], on_batch_done=on_batch_done,
                                    prefix_lens={i: ops[i].prefix_len for i in indices})
 
-    def _report(self, g: int, costs: list[int], ops: list[PrefillOp]) -> None:
+    def _report(self, g: int, costs: list[int], ops: list[PrefillOp],
+                requests: list[RouteRequest]) -> None:
         """Events of engine g after its run, in order: blocks stored / evicted, FLOPs."""
         channel = self.router.channel
         cache = self.engines[g].prefix_cache
         if cache is not None:
-            stored, evicted = cache.drain_events()
+            stored, evicted = self.engines[g].last_cache_events
             if evicted:
                 channel.put(BlocksEvicted(engine=g, hashes=evicted))
             if stored:
                 channel.put(BlocksStored(engine=g, hashes=stored))
         if cache is None or self.engines[g].kv_cache_free:
             # Nothing was kept: the blocks the router expects from these ops never arrive.
-            promised = [h for op in ops for h in RouteRequest.from_op(op).block_hashes]
+            promised = [h for r in requests for h in r.block_hashes]
             if promised:
                 channel.put(BlocksEvicted(engine=g, hashes=promised))
         tokens = sum(len(op.token_ids) for op in ops)

@@ -76,6 +76,7 @@ class Engine:
                                                 expert_impl=expert_impl, tile_rows=tile_rows)
         self.stats = EngineStats()
         self.kv_cache_free = kv_cache_free
+        self.last_cache_events: tuple[list[bytes], list[bytes]] = ([], [])
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_blocks:
             if backend.name != "resident":
@@ -163,6 +164,9 @@ class Engine:
                 cache.commit(block, digest)
         finally:
             cache.release(plan.pinned)
+        # The cache's stored/evicted hashes of this run only (a router reads them; without
+        # one they must not pile up over a long job).
+        self.last_cache_events = cache.drain_events()
         self.stats.prefix_tokens_computed += plan.prefix_tokens
         self.stats.prefix_tokens_cached += plan.cached_tokens
         if on_batch_done is not None:
