@@ -46,10 +46,10 @@ Figures per (workload, configuration):
   (DESIGN.md formulas over the tokens really run, ``serving.engine.sequence_flops``);
 * ``hit_rate``       -- share of the ops' prompt tokens that were not computed but read as
   prefix KV (from the cache, or from this call's one computation of a shared prefix):
-  1 - tokens run (``EngineStats.real_tokens``) / prompt tokens of all ops; the block
+  1 - tokens run (``EngineStats.real_tokens``) / prompt tokens of all ops; the plan
   floor's value is printed as ``max hit rate``. ``pool_read_rate``: the engines' own
-  counter (``EngineStats.prefix_tokens_cached``, which counts a block every op of a group
-  reads, the first computation of a shared prefix included) / prompt tokens;
+  counters (``EngineStats.prefix_tokens_cached`` + ``prefix_tokens_shared``: tokens read
+  from earlier calls' blocks and from this call's sequences) / prompt tokens;
   ``router_credit``: the prefix tokens the router credited (``RoutingReport.cached_tokens``)
   / prompt tokens;
 * ``load_spread``    -- max / mean over engines of the executed FLOPs of the pass;
@@ -59,11 +59,11 @@ Ideal FLOPs (:func:`ideal_flops`): every distinct prefix once. Over the token se
 all prefill ops (prompt, plus ``candidate[:-1]`` for a multi-token candidate), each node of
 their token trie at depth i costs ``F_lin + F_att(i)`` once, plus the LM head at every op's
 score positions (``cfg.head_flops``: the candidate columns, or the vocabulary when the op
-needs a log-sum-exp). The engine caches whole 16-token blocks, and an op never takes the
-block holding a score position from the cache; so even with every earlier block resident it
-recomputes the partial last block of each shared prefix for every op that continues it.
-:func:`block_floor_flops` computes that floor exactly (the engine's own plan, with a
-perfect cache); it is printed beside the ideal.
+needs a log-sum-exp). The engine's planner shares tokens within a call token by token, but
+an op never reads the token at its first score position (its logits are computed in its
+own pass), so siblings each recompute the prompt's last token; across calls only whole
+16-token blocks are cached. :func:`plan_floor_flops` is the engine's own plan of the whole
+workload as one call on one engine; it is printed beside the ideal.
 
     python benchmarks/prefill_serving.py [--quick] [--json PATH] [--engines N] [--repeats N]
                                          [--requests N] [--chunk N] [--scale X] [--seed N]
@@ -82,7 +82,6 @@ max_abs_logprob_diff}``, and the run's settings.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import os
@@ -118,7 +117,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from moejax.config import ModelConfig  # noqa: E402
-from serving.prefix_hash import BLOCK_SIZE, block_hashes  # noqa: E402
+from serving.engine import sequence_flops  # noqa: E402
+from serving.prefix_cache import PrefixCache, plan_run  # noqa: E402
+from serving.prefix_hash import BLOCK_SIZE  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "prefix": dict(routing="prefix"),
@@ -191,98 +192,49 @@ def no_reuse_flops(cfg: ModelConfig, ops: Sequence[Any]) -> int:
     return sum(_span_flops(cfg, 0, len(op.token_ids)) + _op_head_flops(cfg, op) for op in ops)
 
 
-class _Group:
-    """Ops with one exact prefix (``prefix_len`` tokens; an op without siblings is its own
-    group), grouped as ``serving.prefix_cache.plan_run`` groups them."""
+def _plan(ops: Sequence[Any], cache: PrefixCache):
+    """``serving.prefix_cache.plan_run`` over ``ops`` (one score call on one engine)."""
+    from serving.api import op_sequence
 
-    def __init__(self, members: list[Any], p: int, block_size: int):
-        self.members = members
-        self.full = p // block_size                      # whole blocks in the prefix
-        first_score = min(min(op.score_positions) for op in members)
-        self.usable = min(self.full, first_score // block_size)   # readable from the pool
-        self.hashes = block_hashes(np.asarray(members[0].token_ids[:self.full * block_size],
-                                              np.int32), block_size)
-
-    def run(self, blocks: set[bytes] | dict[bytes, Any], start: int = 0) -> int:
-        """Leading blocks (from ``start``, at most ``usable``) found in ``blocks``."""
-        c = start
-        while c < self.usable and self.hashes[c] in blocks:
-            c += 1
-        return c
+    sequences = [op_sequence(i, op) for i, op in enumerate(ops)]
+    return plan_run(sequences, {i: op.prefix_len for i, op in enumerate(ops)}, cache)
 
 
-def _groups(ops: Sequence[Any], block_size: int = BLOCK_SIZE) -> list[_Group]:
-    by_prefix: dict[tuple, list[Any]] = {}
-    for op in ops:
-        p = op.prefix_len or len(op.token_ids)
-        by_prefix.setdefault((p, tuple(op.token_ids[:p])), []).append(op)
-    return [_Group(members, p, block_size) for (p, _), members in by_prefix.items()]
+def _roomy_cache(ops: Sequence[Any], block_size: int = BLOCK_SIZE) -> PrefixCache:
+    """A cache that never runs out of blocks for ``ops``."""
+    return PrefixCache(sum(len(op.token_ids) // block_size + 2 for op in ops) + 1, block_size)
 
 
-def _shared_runs(groups: Sequence[_Group], cached: Sequence[int]) -> list[int]:
-    """Per group, the end of its leading run of uncached blocks that another group of the
-    same run also starts with (what the planner's phase 0 computes once)."""
-    count: collections.Counter = collections.Counter()
-    for g, c in zip(groups, cached):
-        count.update(g.hashes[c:g.usable])
-    ends = []
-    for g, c in zip(groups, cached):
-        while c < g.usable and count[g.hashes[c]] >= 2:
-            c += 1
-        ends.append(c)
-    return ends
-
-
-def block_floor_flops(cfg: ModelConfig, ops: Sequence[Any],
+def plan_floor_flops(cfg: ModelConfig, ops: Sequence[Any],
                       block_size: int = BLOCK_SIZE) -> dict[str, int]:
-    """The engine's executed FLOPs with a perfect block cache: ``serving.prefix_cache``'s
-    plan with every whole block of every other op available (as if one engine ran the
-    whole workload), so each distinct whole block is computed once.
-
-    Per group: its cached run is the longest run of its prefix's whole blocks computed
-    before, never the block holding its first score position; siblings compute their new
-    whole blocks once and then each runs from the last whole block of the prompt; an op
-    on its own runs from its cached run to its end. Returns ``flops`` and ``tokens`` (the
-    tokens computed).
-    """
-    stored: set[bytes] = set()
-    flops = tokens = 0
-    for g in _groups(ops, block_size):
-        c = g.run(stored)
-        stored.update(g.hashes)
-        if len(g.members) > 1 and g.full > c:
-            flops += _span_flops(cfg, c * block_size, g.full * block_size)
-            tokens += (g.full - c) * block_size
-            start = g.full * block_size
-        else:
-            start = c * block_size
-        for op in g.members:
-            flops += _span_flops(cfg, start, len(op.token_ids)) + _op_head_flops(cfg, op)
-            tokens += len(op.token_ids) - start
-    return {"flops": flops, "tokens": tokens}
+    """What the engine executes for the whole workload planned as one call on one engine
+    with room to spare: the engine's own planner (``plan_run``), which reads every shared
+    token once but recomputes, per op, the tokens from its first score position on (the
+    logits there are its own). Returns ``flops`` and ``tokens`` (the tokens computed)."""
+    plan = _plan(ops, _roomy_cache(ops, block_size))
+    derived = [s for level in plan.levels for s in level]
+    return {"flops": sum(sequence_flops(cfg, s) for s in derived),
+            "tokens": sum(len(s.token_ids) for s in derived)}
 
 
 def pool_blocks_needed(ops: Sequence[Any], calls: Sequence[Sequence[int]], keep: bool = True,
                        block_size: int = BLOCK_SIZE) -> int:
     """Prefix-pool blocks one engine needs to run a whole pass (every op, in ``calls``: op
-    indices per ``score`` call) without evicting a block it stored, following the
-    planner's allocations: per call, one block per uncached shared leading block and each
-    group's own new whole blocks, on top of what earlier calls left resident. A subset of
-    the ops (one engine's share) needs no more. ``keep=False``: resident blocks may be
-    evicted (a workload that never reuses them), so only the largest call counts."""
-    resident: set[bytes] = set()
+    indices per ``score`` call) without evicting a block it named, by running the
+    engine's planner over a cache with room to spare: per call, the blocks its plan pins
+    on top of what earlier calls left resident. A subset of the ops (one engine's share)
+    needs no more. ``keep=False``: resident blocks may be evicted (a workload that never
+    reuses them), so only the largest call counts."""
+    cache = _roomy_cache(ops, block_size)
     need = 0
     for indices in calls:
-        groups = _groups([ops[i] for i in indices], block_size)
-        cached = [g.run(resident) for g in groups]
-        ends = _shared_runs(groups, cached)
-        planned = {g.hashes[j] for g, c, e in zip(groups, cached, ends) for j in range(c, e)}
-        allocated = len(planned)
-        for g, c in zip(groups, cached):
-            allocated += g.full - g.run(planned | resident, c)
-        need = max(need, (len(resident) if keep else 0) + allocated)
-        for g in groups:
-            resident.update(g.hashes)
+        if not keep:
+            cache = _roomy_cache(ops, block_size)
+        plan = _plan([ops[i] for i in indices], cache)
+        need = max(need, cache.blocks_in_use)
+        for block, digest in plan.to_commit:
+            cache.commit(block, digest)
+        cache.release(plan.pinned)
     return need
 
 
@@ -323,7 +275,7 @@ def _snapshot(scorer) -> list[dict[str, int]]:
     for engine in scorer.engines:
         s, cache = engine.stats, engine.prefix_cache
         out.append({"flops": s.executed_flops, "tokens": s.real_tokens,
-                    "cached": s.prefix_tokens_cached, "computed": s.prefix_tokens_computed,
+                    "cached": s.prefix_tokens_cached, "shared": s.prefix_tokens_shared,
                     "compiles": s.compiles, "batches": s.batches, "padded": s.padded_tokens,
                     "evictions": cache.evictions if cache is not None else 0})
     return out
@@ -395,7 +347,7 @@ def summarize(passes: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str,
         "real_tokens": sum(e["tokens"] for e in per_engine),
         "padded_tokens": sum(e["padded"] for e in per_engine),
         "hit_rate": 1 - sum(e["tokens"] for e in per_engine) / prompt_tokens,
-        "pool_read_rate": sum(e["cached"] for e in per_engine) / prompt_tokens,
+        "pool_read_rate": sum(e["cached"] + e["shared"] for e in per_engine) / prompt_tokens,
         "router_credit": last["router_cached"] / prompt_tokens,
         "load_spread": max(flops) / mean if mean else 1.0,
         "compiles_timed": sum(e["compiles"] for p in passes for e in p["per_engine"]),
@@ -404,10 +356,11 @@ def summarize(passes: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str,
     }
 
 
-def log_demo_notice() -> None:
-    from moejax.demo import DEMO_NOTICE
+def log_demo_notice(model: str) -> None:
+    if model == "demo":
+        from moejax.demo import DEMO_NOTICE
 
-    print(f"note: {DEMO_NOTICE}")
+        print(f"note: {DEMO_NOTICE}")
 
 
 def max_logprob_diff(logprobs: Mapping[str, Sequence[np.ndarray]], reference: str) -> float:
@@ -432,7 +385,7 @@ def print_workload(name: str, info: Mapping[str, Any], stats: Mapping[str, Mappi
           f"{info['prompt_tokens']} prompt tokens (every op in full), {info['calls']} score() "
           f"calls of <= {info['chunk'] or info['requests']} requests")
     print(f"  ideal (each distinct prefix once): {info['ideal_tokens']} tokens, "
-          f"{_g(ideal)} GFLOP; block floor (16-token blocks, partial blocks recomputed): "
+          f"{_g(ideal)} GFLOP; plan floor (one call, one engine): "
           f"{_g(info['floor_flops'])} GFLOP = {info['floor_flops'] / ideal:.3f}x ideal "
           f"(max hit rate {info['max_hit_rate']:.3f}); no reuse: {_g(info['no_reuse_flops'])} "
           f"GFLOP = {info['no_reuse_flops'] / ideal:.2f}x ideal")
@@ -477,7 +430,7 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
     calls = chunks(len(requests), chunk)
     prompt_tokens = sum(len(op.token_ids) for op in ops)
     ideal = ideal_flops(cfg, ops)
-    floor = block_floor_flops(cfg, ops)
+    floor = plan_floor_flops(cfg, ops)
     warmup, shapes, groups = {}, {}, [[]]
     passes: dict[str, list] = {config: [] for config in scorers}
 
@@ -517,15 +470,15 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
     return info, stats
 
 
-def pool_blocks(workloads: Mapping[str, Sequence[Mapping[str, Any]]], chunk: int, cfg) -> int:
+def pool_blocks(workloads: Mapping[str, Sequence[Mapping[str, Any]]], chunk: int, cfg,
+                model_dir: str) -> int:
     """Prefix-pool blocks per engine, one size for every cached configuration and workload:
     the high-share pass fits on any one engine without evicting, and no call of either
     workload is refused an allocation. The no-sharing sweep may evict: its blocks are never
     read again."""
-    from moejax.demo import ensure_demo_model
     from serving.requests import NormalizeOptions, TokenizerAdapter, normalize_requests
 
-    tokenizer = TokenizerAdapter.from_file(os.path.join(ensure_demo_model(), "tokenizer.json"))
+    tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
     blocks = 1
     for name, requests in workloads.items():
         ops, _, _ = normalize_requests(requests, tokenizer, vocab_size=cfg.vocab_size,
@@ -550,6 +503,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                     "(default 0.1; quick 0.05)")
     parser.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="demo",
+                        help="model directory, or 'demo' (the built-in model; default)")
     args = parser.parse_args(argv)
     shape = dict(QUICK if args.quick else FULL)
     for key in ("engines", "repeats", "requests", "chunk", "scale"):
@@ -564,25 +519,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     _more_host_devices(shape["engines"])
     run_start = time.perf_counter()
-    from moejax.demo import demo_config
+    from moejax.config import load_config
     from serving import Scorer
+    from serving.api import resolve_model_dir
 
-    demo = demo_config()
+    model_dir, _ = resolve_model_dir(args.model)
+    demo = load_config(model_dir)
     workloads = build_workloads(shape, args.seed, demo.vocab_size, demo.max_context)
     descriptions = {
         "high_share": f"{HIGH_SHARE_SPEC} (high share), scale {shape['scale']}",
         "no_sharing": f"no-sharing sweep, lengths {list(shape['sweep_lengths'])} x "
                       f"{shape['sweep_requests']} requests",
     }
-    blocks = pool_blocks(workloads, shape["chunk"], demo)
+    blocks = pool_blocks(workloads, shape["chunk"], demo, model_dir)
     logging.getLogger("moejax.scorer").setLevel(logging.ERROR)   # the demo notice: once
-    log_demo_notice()
+    log_demo_notice(args.model)
     scorers = {}
     for config in configs:
         kwargs = {"prefix_cache_blocks": blocks, **CONFIGS[config]}
-        scorers[config] = Scorer("demo", dtype="float32", engines=shape["engines"], **kwargs)
+        scorers[config] = Scorer(args.model, dtype="float32", engines=shape["engines"], **kwargs)
     theta = next(iter(scorers.values())).pool.router_theta
-    print(f"prefill serving: demo model ({demo.model_type}, {demo.num_layers} layers, "
+    print(f"prefill serving: {args.model} ({demo.model_type}, {demo.num_layers} layers, "
           f"d={demo.hidden_size}, {demo.num_experts} experts top-{demo.num_experts_per_tok}, "
           f"vocab {demo.vocab_size}), float32, {shape['engines']} engines on "
           f"{os.cpu_count()} CPUs, prefix pool {blocks} blocks/engine, Θ = {theta:.3g} FLOPs; "
@@ -593,6 +550,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "chunk": shape["chunk"], "requests": shape["requests"],
                                "scale": shape["scale"], "seed": args.seed, "configs": configs,
                                "prefix_cache_blocks": blocks, "theta_flops": theta,
+                               "model": args.model,
                                "high_share_spec": HIGH_SHARE_SPEC,
                                "sweep_lengths": list(shape["sweep_lengths"]),
                                "sweep_requests": shape["sweep_requests"],
@@ -625,7 +583,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         met = value <= target if op == "<=" else value >= target
         note = ""
         if key == "flops_over_ideal_high_share":
-            note = f" (block floor {figures['floor_over_ideal_high_share']:.3f}x ideal)"
+            note = f" (plan floor {figures['floor_over_ideal_high_share']:.3f}x ideal)"
         if key == "throughput_vs_best_baseline_no_sharing":
             note = f" (best baseline: {figures['best_baseline_no_sharing']})"
         print(f"  {key} = {value:.3f}  target {op} {target}: {'met' if met else 'MISSED'}{note}")

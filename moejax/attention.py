@@ -194,36 +194,42 @@ def _attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.
 
 
 # ------------------------------------------------------------- attention with a KV context
-def context_visible(ctx_seg: jax.Array, query_seg: jax.Array) -> jax.Array:
-    """[..., q] query segments × [..., c] context segments -> [..., q, c] bool: a context
-    entry is seen by the queries of the segment it belongs to (never by padding)."""
-    return (ctx_seg[..., None, :] == query_seg[..., :, None]) & (query_seg[..., :, None] >= 0)
+def context_visible(ctx_lo: jax.Array, ctx_hi: jax.Array, query_seg: jax.Array) -> jax.Array:
+    """[..., c] context segment ranges × [..., q] query segments -> [..., q, c] bool.
+
+    A context entry (one cached token's keys and values) is read by the segments
+    ``ctx_lo ≤ s ≤ ctx_hi``: one pool slot serves every sibling of a shared prefix in a
+    block once (an unused entry has lo > hi; padding rows, segment -1, see nothing)."""
+    q = query_seg[..., :, None]
+    return (ctx_lo[..., None, :] <= q) & (q <= ctx_hi[..., None, :]) & (q >= 0)
 
 
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                       attn_block: int, ctx_k: jax.Array, ctx_v: jax.Array,
-                      ctx_seg: jax.Array) -> jax.Array:
+                      ctx_lo: jax.Array, ctx_hi: jax.Array) -> jax.Array:
     """:func:`packed_attention` where each block also sees a context of cached keys.
 
     q [T, n_q, h], k/v [T, n_kv, h]; ctx_k/ctx_v [nb, Cp, n_kv, h]: the context keys and
-    values of each attention block (a segment's cached prefix, gathered from the prefix
-    pool), ctx_seg [nb, Cp]: the segment each context entry belongs to (-1: unused).
-    A query sees its segment's context entries (all precede it) and, causally, its own
-    segment's rows. Dense per block ([B, Cp + B] scores): used only for batches that
-    continue cached prefixes. -> [T, n_q, h].
+    values of each attention block (its segments' cached prefixes, gathered from the
+    prefix pool, each slot once per block), ctx_lo/ctx_hi [nb, Cp]: the range of segments
+    that read each entry. A query sees its segment's context entries (all precede it)
+    and, causally, its own segment's rows. Dense per block ([B, Cp + B] scores): used
+    only for batches that continue cached prefixes. -> [T, n_q, h].
     """
     queries, keys, values = _split_heads(q, k, v, attn_block)
     keys = jnp.concatenate([ctx_k.transpose(0, 2, 1, 3), keys], axis=2)
     values = jnp.concatenate([ctx_v.transpose(0, 2, 1, 3), values], axis=2)
     seg = segment_ids.reshape(-1, attn_block)
-    ctx_bias = jnp.where(context_visible(ctx_seg, seg), 0.0, MASK_VALUE).astype(jnp.float32)
+    ctx_bias = jnp.where(context_visible(ctx_lo, ctx_hi, seg), 0.0,
+                         MASK_VALUE).astype(jnp.float32)
     bias = jnp.concatenate([ctx_bias, segment_bias(segment_ids, attn_block)], axis=-1)
     return _merge_heads(_attend(queries, keys, values, bias), q.dtype)
 
 
 def context_attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                               rows: jax.Array, attn_block: int, ctx_k: jax.Array,
-                              ctx_v: jax.Array, ctx_seg: jax.Array) -> jax.Array:
+                              ctx_v: jax.Array, ctx_lo: jax.Array, ctx_hi: jax.Array
+                              ) -> jax.Array:
     """:func:`attention_at_rows` with each block's context (as in
     :func:`context_attention`): q [P, n_q, h] at flat ``rows`` [P] -> [P, n_q, h]."""
     p, n_q, h = q.shape
@@ -238,6 +244,7 @@ def context_attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_
     local = rows % attn_block
     own = (key_seg == row_seg[:, None]) & (
         jnp.arange(attn_block, dtype=rows.dtype)[None, :] <= local[:, None])
-    ctx = context_visible(ctx_seg[block_of_row], row_seg[:, None])[:, 0, :]    # [P, Cp]
+    ctx = context_visible(ctx_lo[block_of_row], ctx_hi[block_of_row],
+                          row_seg[:, None])[:, 0, :]                    # [P, Cp]
     visible = jnp.concatenate([ctx, own], axis=1)                       # [P, Cp + B]
     return _attend_rows(q, keys, values, visible)

@@ -204,10 +204,22 @@ def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
     return batches
 
 
+def _context_order(sequences: Sequence[ScoringSequence], block: _Block) -> list[tuple[int, int]]:
+    """A block's members ordered by their context slots, so that siblings reading the same
+    cached prefix get consecutive segment ids (each shared slot then needs one context
+    entry: ``build_context``)."""
+    def key(member: tuple[int, int]) -> bytes:
+        slots = sequences[member[0]].context_slots
+        return b"" if slots is None else np.asarray(slots, np.int32).tobytes()
+
+    return sorted(block.members, key=key)
+
+
 def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: int,
            policy: BucketPolicy, options: ForwardOptions | None, pool_slots: int = 0
            ) -> HostBatch:
-    members = [(i, slot, offset) for slot, b in enumerate(blocks) for i, offset in b.members]
+    members = [(i, slot, offset) for slot, b in enumerate(blocks)
+               for i, offset in _context_order(sequences, b)]
     total = next_power_of_two(len(blocks)) * block
     tokens = np.zeros(total, np.int32)
     positions = np.zeros(total, np.int32)
@@ -249,32 +261,55 @@ def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: in
 MIN_CONTEXT = 16
 
 
+def context_entries(slots: np.ndarray, segments: np.ndarray) -> tuple[np.ndarray, ...]:
+    """One block's context reads — segment ``segments[j]`` reads pool slot ``slots[j]`` —
+    as entries (slot, lo, hi): each slot once per run of consecutive segments reading it.
+    Siblings of one prefix (consecutive segments, see ``_context_order``) thus share one
+    entry per prefix token instead of one each."""
+    if len(slots) == 0:
+        empty = np.zeros(0, np.int32)
+        return empty, empty, empty
+    order = np.lexsort((segments, slots))
+    slots, segments = slots[order], segments[order]
+    new_run = np.ones(len(slots), bool)
+    new_run[1:] = (slots[1:] != slots[:-1]) | (segments[1:] != segments[:-1] + 1)
+    starts = np.flatnonzero(new_run)
+    ends = np.append(starts[1:], len(slots)) - 1
+    return slots[starts], segments[starts], segments[ends]
+
+
 def build_context(chosen: Sequence[ScoringSequence], starts: Sequence[int], num_blocks: int,
                   block: int, pool_slots: int) -> PrefixContext:
     """The prefix context of a batch: per attention block the pool slots its segments
-    continue from (segment = index in ``chosen``), and the rows to store."""
-    per_block: list[list[tuple[int, int]]] = [[] for _ in range(num_blocks)]
+    continue from (segment = index in ``chosen``; each slot once per run of segments that
+    read it), and the rows to store."""
+    reads: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_blocks)]
     store_rows, store_slots = [], []
     for segment, (seq, start) in enumerate(zip(chosen, starts)):
-        if seq.context_slots is not None:
-            per_block[start // block].extend((int(s), segment) for s in seq.context_slots)
+        if seq.context_slots is not None and len(seq.context_slots):
+            slots = np.asarray(seq.context_slots, np.int32)
+            reads[start // block].append((slots, np.full(len(slots), segment, np.int32)))
         if seq.store_slots is not None:
             keep = np.flatnonzero(np.asarray(seq.store_slots) >= 0)
             store_rows.extend((start + keep).tolist())
             store_slots.extend(np.asarray(seq.store_slots)[keep].tolist())
-    widest = max(len(b) for b in per_block)
+    entries = [context_entries(np.concatenate([s for s, _ in r]), np.concatenate([g for _, g in r]))
+               if r else context_entries(np.zeros(0, np.int32), np.zeros(0, np.int32))
+               for r in reads]
+    widest = max(len(slots) for slots, _, _ in entries)
     # No reads at all: width 0, so the forward keeps the tiled attention of model.forward.
     width = max(MIN_CONTEXT, next_power_of_two(widest)) if widest else 0
     ctx_slot = np.zeros((num_blocks, width), np.int32)
-    ctx_seg = np.full((num_blocks, width), -1, np.int32)
-    for b, entries in enumerate(per_block):
-        for j, (slot, segment) in enumerate(entries):
-            ctx_slot[b, j], ctx_seg[b, j] = slot, segment
+    ctx_lo = np.ones((num_blocks, width), np.int32)         # lo > hi: an unused entry
+    ctx_hi = np.zeros((num_blocks, width), np.int32)
+    for b, (slots, lo, hi) in enumerate(entries):
+        ctx_slot[b, :len(slots)], ctx_lo[b, :len(slots)], ctx_hi[b, :len(slots)] = slots, lo, hi
     count = max(MIN_CONTEXT, next_power_of_two(max(len(store_rows), 1)))
     rows = np.zeros(count, np.int32)
     slots = np.full(count, pool_slots, np.int32)        # pool_slots = out of range: dropped
     rows[:len(store_rows)], slots[:len(store_slots)] = store_rows, store_slots
-    return PrefixContext(ctx_slot=ctx_slot, ctx_seg=ctx_seg, store_row=rows, store_slot=slots)
+    return PrefixContext(ctx_slot=ctx_slot, ctx_lo=ctx_lo, ctx_hi=ctx_hi, store_row=rows,
+                         store_slot=slots)
 
 
 def unpack(host: HostBatch, logits: np.ndarray, logsumexp: np.ndarray | None

@@ -5,9 +5,11 @@ per layer: ``pool_k``, ``pool_v`` [L, S, n_kv, h] with S = blocks · block_size 
 slots. A batch that uses it carries a :class:`PrefixContext`:
 
 * every attention block lists the pool slots its segments continue from
-  (``ctx_slot`` [nb, Cp]) and which segment each belongs to (``ctx_seg``; -1 unused);
-  a query attends to its own segment's context entries, then causally to its own rows
-  (``attention.context_attention``); positions continue after the prefix;
+  (``ctx_slot`` [nb, Cp]), each slot once, and the range of the block's segments that
+  read it (``ctx_lo`` ≤ segment ≤ ``ctx_hi``; lo > hi: unused), so siblings of one
+  prefix share its entries; a query attends to its own segment's context entries, then
+  causally to its own rows (``attention.context_attention``); positions continue after
+  the prefix;
 * rows whose keys and values are to be kept (``store_row`` [W]) are written, layer by
   layer, to their pool slots (``store_slot`` [W]; slot S = nothing, dropped).
 
@@ -33,10 +35,11 @@ from moejax.model import ForwardOptions, PackedBatch
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefixContext:
-    """ctx_slot, ctx_seg: [nb, Cp] int32; store_row, store_slot: [W] int32."""
+    """ctx_slot, ctx_lo, ctx_hi: [nb, Cp] int32; store_row, store_slot: [W] int32."""
 
     ctx_slot: jax.Array
-    ctx_seg: jax.Array
+    ctx_lo: jax.Array
+    ctx_hi: jax.Array
     store_row: jax.Array
     store_slot: jax.Array
 
@@ -74,7 +77,8 @@ def context_layer(p: Mapping[str, jax.Array], layer, x: jax.Array, batch: Packed
     if has_context(ctx):
         out = attention.context_attention(q, k, v, batch.segment_ids, opts.attn_block,
                                           _context(pool_k, layer, ctx),
-                                          _context(pool_v, layer, ctx), ctx.ctx_seg)
+                                          _context(pool_v, layer, ctx), ctx.ctx_lo,
+                                          ctx.ctx_hi)
     else:
         out = attention.packed_attention(q, k, v, batch.segment_ids, opts.attn_block, bias)
     x = x + out.reshape(x.shape[0], -1) @ p["wo"].astype(x.dtype)
@@ -93,7 +97,8 @@ def context_layer_at_rows(p: Mapping[str, jax.Array], layer, x: jax.Array, batch
     if has_context(ctx):
         out = attention.context_attention_at_rows(q, k, v, batch.segment_ids, rows,
                                                   opts.attn_block, _context(pool_k, layer, ctx),
-                                                  _context(pool_v, layer, ctx), ctx.ctx_seg)
+                                                  _context(pool_v, layer, ctx), ctx.ctx_lo,
+                                                  ctx.ctx_hi)
     else:
         out = attention.attention_at_rows(q, k, v, batch.segment_ids, rows, opts.attn_block)
     x_rows = jnp.take(x, rows, axis=0) + out.reshape(rows.shape[0], -1) @ p["wo"].astype(x.dtype)

@@ -54,7 +54,8 @@ def resolve_model_dir(model: str | os.PathLike) -> tuple[str, bool]:
     return path, False
 
 
-def _sequence(index: int, op: PrefillOp) -> ScoringSequence:
+def op_sequence(index: int, op: PrefillOp) -> ScoringSequence:
+    """The packer's view of prefill op ``index``."""
     return ScoringSequence(key=index, token_ids=np.asarray(op.token_ids, np.int32),
                            score_positions=op.score_positions,
                            score_token_ids=op.score_token_ids,
@@ -202,7 +203,7 @@ class Scorer:
         ops, errors, prompt_tokens = normalize_requests(
             requests, self.tokenizer, vocab_size=self.config.vocab_size,
             max_context=self.config.max_context, options=self.normalize_options)
-        sequences = [_sequence(i, op) for i, op in enumerate(ops)]
+        sequences = [op_sequence(i, op) for i, op in enumerate(ops)]
         if progress is None:
             progress = (len(requests) >= self.options.progress_min_requests
                         and sys.stderr.isatty())

@@ -39,8 +39,8 @@ class EngineStats:
     compiles: int = 0
     compile_seconds: float = 0.0
     run_seconds: float = 0.0
-    prefix_tokens_computed: int = 0
-    prefix_tokens_cached: int = 0
+    prefix_tokens_cached: int = 0     # prompt tokens read from blocks of earlier runs
+    prefix_tokens_shared: int = 0     # prompt tokens read from sequences of the same run
     executed_flops: int = 0      # model FLOPs of the real tokens run (DESIGN.md formulas)
     shapes: set = dataclasses.field(default_factory=set)
 
@@ -149,16 +149,15 @@ class Engine:
                                prefix_lens: dict[Hashable, int],
                                on_batch_done: Callable[[int], None] | None
                                ) -> dict[Hashable, SequenceOutput]:
-        """Three phases (serving/prefix_cache.py): leading blocks shared by several prefixes,
-        then distinct prefixes once, storing their blocks; then the siblings' suffixes."""
+        """Run the levels of the prefix plan (serving/prefix_cache.py): each sequence
+        continues the cached blocks and the shared tokens earlier levels stored."""
         cache = self.prefix_cache
         plan = plan_run(sequences, prefix_lens, cache, self.kv_cache_free)
         slots = cache.num_slots
         try:
             outputs: dict[Hashable, SequenceOutput] = {}
-            # Each phase reads what the earlier ones stored.
-            for phase in (plan.phase0, plan.phase1, plan.phase2):
-                outputs.update(self._run_batches(pack(phase, self.policy, self.options, slots),
+            for level in plan.levels:                # each reads what earlier ones stored
+                outputs.update(self._run_batches(pack(level, self.policy, self.options, slots),
                                                  None))
             for block, digest in plan.to_commit:     # written: later runs may find them
                 cache.commit(block, digest)
@@ -167,11 +166,11 @@ class Engine:
         # The cache's stored/evicted hashes of this run only (a router reads them; without
         # one they must not pile up over a long job).
         self.last_cache_events = cache.drain_events()
-        self.stats.prefix_tokens_computed += plan.prefix_tokens
         self.stats.prefix_tokens_cached += plan.cached_tokens
+        self.stats.prefix_tokens_shared += plan.shared_tokens
         if on_batch_done is not None:
             on_batch_done(len(sequences))
-        return plan.assemble(outputs)
+        return outputs
 
     def _run_batches(self, batches: Sequence[HostBatch],
                      on_batch_done: Callable[[int], None] | None

@@ -8,29 +8,31 @@ blocks, counts references (blocks a running plan reads or writes are pinned), ke
 unreferenced blocks in LRU order and evicts the oldest when it needs room, and
 records ``stored`` / ``evicted`` hashes for the router.
 
-:func:`plan_run` turns a run's sequences into three phases:
+:func:`plan_run` decides, per sequence of a run, which leading tokens it reads from the
+pool instead of computing:
 
-* phase 0 — leading whole blocks that several distinct prefixes have in common (a
-  system prompt under different questions) and no cache holds yet, once per longest
-  shared run, stored;
-* phase 1 — every distinct prefix (the ``prefix_len`` tokens sibling sequences share,
-  e.g. the prompt of a multi-selection request) is computed once, after its longest
-  cached run of blocks (cross-batch reuse), and its new whole blocks are written to
-  the pool; a sequence without siblings runs whole here (continuing its cached
-  blocks and storing its new ones);
-* phase 2 — each sibling runs only its suffix (from its prefix's last whole block)
-  against the pooled prefix (in-batch sharing).
+* **across runs** — the longest run of its whole 16-token blocks the cache holds;
+* **within the run, token by token** — sequences are taken in sorted token order, so
+  each shares its longest common prefix with any earlier one with its predecessor;
+  that predecessor stores the KV of those tokens (whole and partial blocks) and the
+  sequence continues after them. Siblings (a prompt under several candidates), several
+  questions over one document, a system prompt under many prompts: every distinct
+  prefix token is computed once per run.
 
-Score entries keep their owner: :meth:`PrefixPlan.assemble` gives each original
-sequence its logits in its own order. With ``kv_cache_free`` nothing is looked up or
-kept after the run; in-run sharing still applies.
+A sequence never reads the token at its first score position (its logits are computed
+in its own pass). Sequences land in *levels*: a sequence's level is one more than the
+highest level of a sequence whose stored tokens it reads, so each level runs after the
+ones it reads (in practice 1–3 levels). Whole blocks of a sequence's prefix
+(``prefix_lens``: the tokens it shares with its siblings; the whole sequence for a
+request on its own) that it computes are named by their hash after the run, for later
+runs; other stored blocks are anonymous and freed after the run. With
+``kv_cache_free`` nothing is looked up or kept; in-run sharing still applies.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -73,6 +75,11 @@ class PrefixCache:
     @property
     def resident(self) -> int:
         return len(self._block_of)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks pinned or holding a named prefix (not free)."""
+        return self.num_blocks - len(self._free)
 
     def slots(self, blocks: Sequence[int]) -> np.ndarray:
         """Pool token slots of ``blocks``, in order."""
@@ -150,202 +157,123 @@ class PrefixCache:
 
 @dataclasses.dataclass
 class PrefixPlan:
-    """Two phases of derived sequences, and where each score entry came from."""
+    """The derived sequences of a run by level, and the cache bookkeeping.
 
-    phase0: list[ScoringSequence]
-    phase1: list[ScoringSequence]
-    phase2: list[ScoringSequence]
-    owners: dict[Hashable, list[tuple[Hashable, int]]]   # derived key -> (original key, entry)
-    entries: dict[Hashable, int]                           # original key -> number of entries
-    pinned: list[int]                                      # blocks to release after the run
-    to_commit: list[tuple[int, bytes]]                     # new blocks, named after the run
-    prefix_tokens: int = 0                                 # tokens computed for shared prefixes
-    cached_tokens: int = 0                                 # prefix tokens read from the cache
+    A derived sequence keeps its original's key and score entries (positions shifted by
+    its ``position_offset``), so the outputs of the levels are the run's outputs."""
 
-    def assemble(self, outputs: dict[Hashable, SequenceOutput]) -> dict[Hashable, SequenceOutput]:
-        """Per original key: (logits per score entry, log-sum-exp per entry or None)."""
-        logits: dict[Hashable, list] = {k: [None] * n for k, n in self.entries.items()}
-        lse: dict[Hashable, list] = {k: [None] * n for k, n in self.entries.items()}
-        for derived, owners in self.owners.items():
-            per_position, seq_lse = outputs[derived]
-            for j, (key, entry) in enumerate(owners):
-                logits[key][entry] = per_position[j]
-                lse[key][entry] = None if seq_lse is None else seq_lse[j]
-        out = {}
-        for key in self.entries:
-            values = lse[key]
-            out[key] = (logits[key], None if any(v is None for v in values)
-                        else np.asarray(values, np.float32))
-        return out
+    levels: list[list[ScoringSequence]]   # level k reads only what levels < k store
+    pinned: list[int]                     # blocks to release after the run
+    to_commit: list[tuple[int, bytes]]    # computed whole prefix blocks, named after the run
+    cached_tokens: int = 0                # tokens read from blocks of earlier runs
+    shared_tokens: int = 0                # tokens read from sequences of this run
 
 
 @dataclasses.dataclass
-class _Builder:
-    """Accumulates derived sequences (phase, tokens, entries) while planning."""
+class _Reach:
+    """What a planned sequence leaves readable: the pool slot of each of its first
+    ``len(slots)`` tokens, and the level of the sequence that computed it (-1: a block
+    of an earlier run)."""
 
-    cache: PrefixCache
-    by_key: dict[Hashable, ScoringSequence]
-    plan: PrefixPlan
-    counter: itertools.count = dataclasses.field(default_factory=itertools.count)
-
-    def add(self, phase: list, tokens: np.ndarray, offset: int, entries, context: np.ndarray,
-            store: np.ndarray | None) -> None:
-        """A derived sequence: ``tokens`` at positions offset…, score ``entries``
-        [(original key, entry index, position, ids)], continuing the pool ``context``."""
-        key = ("derived", next(self.counter))
-        self.plan.owners[key] = [(k, e) for k, e, _, _ in entries]
-        phase.append(ScoringSequence(
-            key=key, token_ids=tokens, score_positions=tuple(p - offset for _, _, p, _ in entries),
-            score_token_ids=tuple(ids for _, _, _, ids in entries),
-            full_vocab=any(self.by_key[k].full_vocab for k, _, _, _ in entries),
-            position_offset=offset, context_slots=context if len(context) else None,
-            store_slots=store))
-
-
-def _entries(seq: ScoringSequence) -> list[tuple[Hashable, int, int, tuple[int, ...]]]:
-    return [(seq.key, i, p, ids)
-            for i, (p, ids) in enumerate(zip(seq.score_positions, seq.score_token_ids))]
-
-
-def _store_slots(cache: PrefixCache, length: int, first_new: int, new_blocks: Sequence[int]
-                 ) -> np.ndarray | None:
-    """Pool slots for tokens [0, length) of a segment starting at block ``first_new``:
-    the tokens of the new whole blocks, -1 after them."""
-    if not new_blocks:
-        return None
-    slots = np.full(length, -1, np.int32)
-    new = cache.slots(new_blocks)
-    slots[:min(length, len(new))] = new[:length]
-    return slots
-
-
-@dataclasses.dataclass
-class _Group:
-    """Sequences sharing one exact prefix of ``p`` tokens, and its blocks."""
-
-    members: list[ScoringSequence]
-    p: int
     tokens: np.ndarray
-    full: int                    # whole blocks in the prefix
-    usable: int                  # blocks that may be read from the pool (scores stay computed)
-    hashes: list[bytes]
-    cached: list[int]            # its leading blocks already in the pool
+    slots: np.ndarray
+    writer_level: np.ndarray
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+def _first_score(seq: ScoringSequence) -> int:
+    """Tokens before the first score position: the most a sequence may read."""
+    return min(seq.score_positions) if seq.score_positions else len(seq.token_ids) - 1
+
+
+def sharing_order(sequences: Sequence[ScoringSequence]) -> list[int]:
+    """Indices of ``sequences`` in sorted token order: a sequence's longest common prefix
+    with any sequence before it is the one with its predecessor."""
+    return sorted(range(len(sequences)),
+                  key=lambda i: np.asarray(sequences[i].token_ids, ">i4").tobytes())
 
 
 def plan_run(sequences: Sequence[ScoringSequence], prefix_lens: dict[Hashable, int],
              cache: PrefixCache, kv_cache_free: bool = False) -> PrefixPlan:
     """Plan a scoring run over the prefix cache (see the module docstring).
 
-    prefix_lens: key -> tokens shared with siblings (0 or absent: the whole sequence is
-    its own prefix, cached for later runs and shared in this one only through leading
-    whole blocks it has in common with other prefixes).
+    prefix_lens: key -> tokens shared with siblings (0 or absent: the whole sequence);
+    its whole blocks are the ones kept for later runs.
     """
-    by_key = {s.key: s for s in sequences}
-    plan = PrefixPlan(phase0=[], phase1=[], phase2=[], owners={},
-                      entries={s.key: len(s.score_positions) for s in sequences},
-                      pinned=[], to_commit=[])
-    build = _Builder(cache, by_key, plan)
-    by_prefix: dict[tuple, list[ScoringSequence]] = {}
-    for seq in sequences:
+    plan = PrefixPlan(levels=[], pinned=[], to_commit=[])
+    order = sharing_order(sequences)
+    tokens = [np.asarray(sequences[i].token_ids, np.int32) for i in order]
+    # Tokens the next sequence in order may read from this one.
+    wanted = [min(_common_prefix(tokens[j], tokens[j + 1]), _first_score(sequences[order[j + 1]]))
+              for j in range(len(order) - 1)] + [0]
+    naming: set[bytes] = set()
+    previous: _Reach | None = None
+    for j, index in enumerate(order):
+        seq = sequences[index]
         p = prefix_lens.get(seq.key) or len(seq.token_ids)
-        by_prefix.setdefault((p, tuple(np.asarray(seq.token_ids[:p]).tolist())), []).append(seq)
-    groups = [_group(cache, members, p, kv_cache_free) for (p, _), members in by_prefix.items()]
-    for group in groups:
-        plan.pinned += group.cached
-    planned = _plan_shared_leading_blocks(build, groups, kv_cache_free)
-    for group in groups:
-        _plan_group(build, group, planned, kv_cache_free)
+        readable = 0 if previous is None else min(
+            _common_prefix(previous.tokens, tokens[j]), len(previous.slots), _first_score(seq))
+        derived, previous = _plan_sequence(plan, cache, seq, tokens[j], p, previous, readable,
+                                           wanted[j], naming, kv_cache_free)
+        level = derived[1]
+        while len(plan.levels) <= level:
+            plan.levels.append([])
+        plan.levels[level].append(derived[0])
     return plan
 
 
-def _group(cache: PrefixCache, members: list[ScoringSequence], p: int,
-           kv_cache_free: bool) -> _Group:
-    bs = cache.block_size
-    tokens = np.asarray(members[0].token_ids)
-    full = p // bs
-    first_score = min(min(s.score_positions) for s in members)
-    usable = min(full, first_score // bs)
-    hashes = block_hashes(tokens[:full * bs], bs)
-    cached = [] if kv_cache_free else cache.match(hashes[:usable])
-    return _Group(members, p, tokens, full, usable, hashes, cached)
-
-
-def _plan_shared_leading_blocks(build: _Builder, groups: list[_Group],
-                                kv_cache_free: bool) -> dict[bytes, int]:
-    """Phase 0: leading whole blocks that two or more distinct prefixes have in common
-    (e.g. a system prompt under different questions), not yet cached, computed once per
-    longest shared run and stored. Returns hash -> pool block of what it stores."""
-    cache, plan, bs = build.cache, build.plan, build.cache.block_size
-    count: collections.Counter = collections.Counter()
-    for g in groups:
-        count.update(g.hashes[len(g.cached):g.usable])
-    depth = {}
-    for i, g in enumerate(groups):
-        d = len(g.cached)
-        while d < g.usable and count[g.hashes[d]] >= 2:
-            d += 1
-        if d > len(g.cached):
-            depth[i] = d
-    inner = {groups[i].hashes[j]                  # hashes inside someone's longer run
-             for i, d in depth.items() for j in range(len(groups[i].cached), d - 1)}
-    planned: dict[bytes, int] = {}
-    for i, d in depth.items():
-        g = groups[i]
-        end = g.hashes[d - 1]
-        if end in inner or end in planned:        # covered by a longer (or the same) run
-            continue
-        c = len(g.cached)
-        todo = [j for j in range(c, d) if g.hashes[j] not in planned]
-        new = cache.allocate(len(todo))
-        if new is None:                            # no room: the groups compute their own
-            continue
-        plan.pinned += new
-        store = np.full((d - c) * bs, -1, np.int32)
-        for j, block in zip(todo, new):
-            planned[g.hashes[j]] = block
-            store[(j - c) * bs:(j - c + 1) * bs] = cache.slots([block])
-            if not kv_cache_free:
-                plan.to_commit.append((block, g.hashes[j]))
-        build.add(plan.phase0, g.tokens[c * bs:d * bs], c * bs, [], cache.slots(g.cached), store)
-        plan.prefix_tokens += (d - c) * bs
-    return planned
-
-
-def _plan_group(build: _Builder, group: _Group, planned: dict[bytes, int],
-                kv_cache_free: bool) -> None:
-    cache, plan, bs = build.cache, build.plan, build.cache.block_size
-    members, tokens, full, hashes = group.members, group.tokens, group.full, group.hashes
-    cached = list(group.cached)
-    while len(cached) < group.usable and hashes[len(cached)] in planned:   # from phase 0
-        cached.append(planned[hashes[len(cached)]])
-    c = len(cached)
-    shared = len(members) > 1
-    keep = shared or not kv_cache_free           # singles store blocks only for later runs
-    new = cache.allocate(full - c) if keep and full > c else []
-    if new is None:                              # no room: run without storing
-        new = []
-    plan.pinned += new
-    if not kv_cache_free:
-        plan.to_commit += list(zip(new, hashes[c:c + len(new)]))
-    stored_until = (c + len(new)) * bs          # tokens in the pool after phase 1
-    context = cache.slots(cached)
-    plan.cached_tokens += c * bs * len(members)
-    if not shared or not new:
-        # A single sequence, or a shared prefix with nothing new to store: each runs whole
-        # after the cached blocks.
-        for seq in members:
-            seq_tokens = np.asarray(seq.token_ids)
-            build.add(plan.phase1, seq_tokens[c * bs:], c * bs, _entries(seq), context,
-                      _store_slots(cache, len(seq_tokens) - c * bs, c, new) if not shared else None)
-        return
-    # Shared: the new whole blocks once (phase 1), then each suffix from stored_until.
-    head_entries = [e for s in members for e in _entries(s) if e[2] < stored_until]
-    build.add(plan.phase1, tokens[c * bs:stored_until], c * bs, head_entries, context,
-              cache.slots(new))
-    plan.prefix_tokens += stored_until - c * bs
-    full_context = cache.slots(cached + new)
-    for seq in members:
-        tail = [e for e in _entries(seq) if e[2] >= stored_until]
-        if tail:
-            build.add(plan.phase2, np.asarray(seq.token_ids)[stored_until:], stored_until, tail,
-                      full_context, None)
+def _plan_sequence(plan: PrefixPlan, cache: PrefixCache, seq: ScoringSequence, tokens: np.ndarray,
+                   p: int, previous: _Reach | None, readable: int, wanted: int,
+                   naming: set[bytes], kv_cache_free: bool
+                   ) -> tuple[tuple[ScoringSequence, int], _Reach]:
+    """One sequence: its cached blocks, what it reads from its predecessor, what it stores.
+    Returns ((derived sequence, level), what it leaves readable)."""
+    bs, n = cache.block_size, len(tokens)
+    hashes = block_hashes(tokens[:(max(p, _first_score(seq)) // bs) * bs], bs)
+    cached = [] if kv_cache_free else cache.match(hashes[:_first_score(seq) // bs])
+    plan.pinned += cached
+    cached_end = len(cached) * bs
+    start = max(cached_end, readable)
+    context = np.concatenate([cache.slots(cached), previous.slots[cached_end:start]]
+                             if start > cached_end else [cache.slots(cached)]).astype(np.int32)
+    writers = np.concatenate([np.full(cached_end, -1, np.int32),
+                              previous.writer_level[cached_end:start]]
+                             if start > cached_end else [np.full(cached_end, -1, np.int32)])
+    level = int(writers.max()) + 1 if len(writers) else 0
+    plan.cached_tokens += cached_end
+    plan.shared_tokens += start - cached_end
+    # Store what the next sequence reads and, for later runs, the prefix's whole blocks.
+    keep_until = 0 if kv_cache_free else (p // bs) * bs
+    if keep_until <= -(-start // bs) * bs:          # no whole block of its own to name
+        keep_until = 0
+    end = min(n, max(wanted, keep_until))
+    stored = np.zeros(0, np.int32)
+    store_slots = None
+    if end > start:
+        first_block, last_block = start // bs, (end - 1) // bs
+        blocks = cache.allocate(last_block - first_block + 1)
+        if blocks is not None:                     # no room: nothing stored, nothing shared
+            plan.pinned += blocks
+            offsets = np.arange(start, end)
+            stored = (np.asarray(blocks, np.int32)[offsets // bs - first_block] * bs
+                      + offsets % bs).astype(np.int32)
+            store_slots = np.full(n - start, -1, np.int32)
+            store_slots[:end - start] = stored
+            for b, block in zip(range(first_block, last_block + 1), blocks):
+                whole_here = b * bs >= start and (b + 1) * bs <= keep_until
+                if whole_here and hashes[b] not in naming:
+                    naming.add(hashes[b])
+                    plan.to_commit.append((block, hashes[b]))
+    reach = _Reach(tokens=tokens, slots=np.concatenate([context, stored]),
+                   writer_level=np.concatenate([writers, np.full(len(stored), level, np.int32)]))
+    derived = ScoringSequence(
+        key=seq.key, token_ids=tokens[start:], position_offset=start,
+        score_positions=tuple(q - start for q in seq.score_positions),
+        score_token_ids=seq.score_token_ids, full_vocab=seq.full_vocab,
+        context_slots=context if start else None, store_slots=store_slots)
+    return (derived, level), reach

@@ -52,3 +52,16 @@ def test_ideal_flops_ignores_op_order():
     # A prompt that is a prefix of another adds only its own head.
     assert ideal_flops(TINY, [op(0, (1, 2), (1,), ((3,),)), op(1, (1, 2, 3), (2,), ((4,),))]) \
         == {"tokens": 3, "head_flops": 8, "flops": 3 * 52 + 8 * 6 + 8}
+
+
+def test_plan_floor_is_the_engine_plan_of_the_whole_workload():
+    from benchmarks.prefill_serving import plan_floor_flops, pool_blocks_needed
+
+    # Sorted: (1 2 3)op0 computes 3 tokens; (1 2 3)op2 reads 2 (never its score position 2)
+    # and computes 1; (1 2 4 5) reads "1 2", computes 2; (7 8) computes 2: 8 tokens.
+    # FLOPs: 3·52 + 8·(1+2+3) + 8 = 212; 52 + 8·3 + 8 = 84; 2·52 + 8·(3+4) + 8 = 168;
+    # 2·52 + 8·(1+2) + 80 = 208.
+    assert plan_floor_flops(TINY, OPS) == {"tokens": 8, "flops": 212 + 84 + 168 + 208}
+    # Only op 0 stores (the 2 tokens the next two read): one block. Prompts this short
+    # have no whole block to keep for later calls.
+    assert pool_blocks_needed(OPS, [list(range(len(OPS)))]) == 1
