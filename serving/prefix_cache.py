@@ -15,7 +15,7 @@ pool instead of computing:
 * **within the run, token by token** — sequences are taken in sorted token order, so
   each shares its longest common prefix with any earlier one with its predecessor;
   that predecessor stores the KV of those tokens (whole and partial blocks) and the
-  sequence continues after them. Siblings (a prompt under several candidates), several
+  sequence continues after them (when they are at least a block's worth). Siblings (a prompt under several candidates), several
   questions over one document, a system prompt under many prompts: every distinct
   prefix token is computed once per run.
 
@@ -191,6 +191,13 @@ def _first_score(seq: ScoringSequence) -> int:
     return min(seq.score_positions) if seq.score_positions else len(seq.token_ids) - 1
 
 
+def _worth_sharing(tokens: int, block_size: int) -> int:
+    """Shared tokens worth reading in-run: at least a block's worth. Reading fewer saves
+    little compute but costs a level (one more pass over the engine) and, often, a new
+    program shape — two prompts opening with the same word are not worth it."""
+    return tokens if tokens >= block_size else 0
+
+
 def sharing_order(sequences: Sequence[ScoringSequence]) -> list[int]:
     """Indices of ``sequences`` in sorted token order: a sequence's longest common prefix
     with any sequence before it is the one with its predecessor."""
@@ -209,15 +216,17 @@ def plan_run(sequences: Sequence[ScoringSequence], prefix_lens: dict[Hashable, i
     order = sharing_order(sequences)
     tokens = [np.asarray(sequences[i].token_ids, np.int32) for i in order]
     # Tokens the next sequence in order may read from this one.
-    wanted = [min(_common_prefix(tokens[j], tokens[j + 1]), _first_score(sequences[order[j + 1]]))
+    wanted = [_worth_sharing(min(_common_prefix(tokens[j], tokens[j + 1]),
+                                 _first_score(sequences[order[j + 1]])), cache.block_size)
               for j in range(len(order) - 1)] + [0]
     naming: set[bytes] = set()
     previous: _Reach | None = None
     for j, index in enumerate(order):
         seq = sequences[index]
         p = prefix_lens.get(seq.key) or len(seq.token_ids)
-        readable = 0 if previous is None else min(
-            _common_prefix(previous.tokens, tokens[j]), len(previous.slots), _first_score(seq))
+        readable = 0 if previous is None else _worth_sharing(min(
+            _common_prefix(previous.tokens, tokens[j]), len(previous.slots), _first_score(seq)),
+            cache.block_size)
         derived, previous = _plan_sequence(plan, cache, seq, tokens[j], p, previous, readable,
                                            wanted[j], naming, kv_cache_free)
         level = derived[1]

@@ -57,11 +57,15 @@ def test_ideal_flops_ignores_op_order():
 def test_plan_floor_is_the_engine_plan_of_the_whole_workload():
     from benchmarks.prefill_serving import plan_floor_flops, pool_blocks_needed
 
-    # Sorted: (1 2 3)op0 computes 3 tokens; (1 2 3)op2 reads 2 (never its score position 2)
-    # and computes 1; (1 2 4 5) reads "1 2", computes 2; (7 8) computes 2: 8 tokens.
+    # With 2-token blocks (the planner shares a block's worth or more), sorted:
+    # (1 2 3)op0 computes 3 tokens; (1 2 3)op2 reads 2 (never its score position 2) and
+    # computes 1; (1 2 4 5) reads "1 2", computes 2; (7 8) computes 2: 8 tokens.
     # FLOPs: 3·52 + 8·(1+2+3) + 8 = 212; 52 + 8·3 + 8 = 84; 2·52 + 8·(3+4) + 8 = 168;
     # 2·52 + 8·(1+2) + 80 = 208.
-    assert plan_floor_flops(TINY, OPS) == {"tokens": 8, "flops": 212 + 84 + 168 + 208}
-    # Only op 0 stores (the 2 tokens the next two read): one block. Prompts this short
-    # have no whole block to keep for later calls.
-    assert pool_blocks_needed(OPS, [list(range(len(OPS)))]) == 1
+    assert plan_floor_flops(TINY, OPS, block_size=2) == {"tokens": 8,
+                                                         "flops": 212 + 84 + 168 + 208}
+    # Blocks: op 0 keeps "1 2" (read by the next two, and its whole block), op 1 keeps
+    # "4 5", op 3 keeps "7 8"; op 2 has no whole block of its own.
+    assert pool_blocks_needed(OPS, [list(range(len(OPS)))], block_size=2) == 3
+    # With 16-token blocks nothing this short is worth sharing: every op runs whole.
+    assert plan_floor_flops(TINY, OPS)["tokens"] == sum(len(o.token_ids) for o in OPS)

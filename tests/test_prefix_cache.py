@@ -166,7 +166,8 @@ def test_shared_tokens_run_once_across_prompts_and_mid_block():
 
 def brute_force_computed(seqs) -> int:
     """Tokens the run must compute if every sequence reads its longest common prefix with
-    any earlier sequence of the sorted order (never its first score position)."""
+    any earlier sequence of the sorted order (never its first score position), when that
+    is at least a block (16 tokens)."""
     order = sorted(seqs, key=lambda s: tuple(s.token_ids.tolist()))
     total = 0
     for i, seq in enumerate(order):
@@ -175,7 +176,8 @@ def brute_force_computed(seqs) -> int:
             a, b = seq.token_ids, other.token_ids
             m = min(len(a), len(b))
             shared = max(shared, next((t for t in range(m) if a[t] != b[t]), m))
-        total += len(seq.token_ids) - min(shared, min(seq.score_positions))
+        readable = min(shared, min(seq.score_positions))
+        total += len(seq.token_ids) - (readable if readable >= 16 else 0)   # a block's worth
     return total
 
 
@@ -244,3 +246,16 @@ def test_executed_flops_follow_the_cost_formula_and_credit_the_cache(setup):
     engine.reset_prefix_cache()
     engine.run([seq], prefix_lens={0: 40})
     assert engine.stats.executed_flops - first - second == first
+
+
+def test_a_few_shared_tokens_are_not_worth_a_level():
+    """Prompts opening with the same few tokens run in one pass, each whole."""
+    rng = np.random.default_rng(12)
+    opening = rng.integers(2, CFG.vocab_size, 5)
+    seqs = [ScoringSequence(key=i, token_ids=np.concatenate(
+                [opening, rng.integers(2, CFG.vocab_size, 30)]).astype(np.int32),
+                score_positions=(34,), score_token_ids=((1,),)) for i in range(3)]
+    cache = PrefixCache(32)
+    plan = plan_run(seqs, {}, cache)
+    assert len(plan.levels) == 1 and planned_tokens(plan) == 3 * 35 and plan.shared_tokens == 0
+    cache.release(plan.pinned)
