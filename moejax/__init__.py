@@ -1,6 +1,7 @@
 """moejax: prefill-only Mixture-of-Experts serving in JAX.
 
-``moejax.Scorer`` is ``serving.Scorer`` (imported lazily, so ``import moejax`` stays cheap).
+``moejax.Scorer`` is ``serving.Scorer`` and ``moejax.Generator`` is ``serving.Generator``
+(imported lazily, so ``import moejax`` stays cheap).
 """
 
 __version__ = "0.1.0"
@@ -20,7 +21,7 @@ _set_xla_flags()
 
 
 def __getattr__(name: str):
-    if name in ("Scorer", "ScoreRequest", "ScoreResult"):
+    if name in ("Scorer", "ScoreRequest", "ScoreResult", "Generator", "GenerationResult"):
         import serving
 
         return getattr(serving, name)

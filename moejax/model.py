@@ -104,10 +104,20 @@ def attention_block(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch
 def moe_residual(p: Mapping[str, jax.Array], x: jax.Array, valid: jax.Array | None,
                  cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
     """x [n, d] + MoE(RMSNorm(x)); ``valid`` [n] marks real tokens (None: all)."""
+    return moe_residual_with_routing(p, x, valid, cfg, opts)[0]
+
+
+def moe_residual_with_routing(p: Mapping[str, jax.Array], x: jax.Array,
+                              valid: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions
+                              ) -> tuple[jax.Array, moe.Routing]:
+    """:func:`moe_residual` plus the layer's routing (top-k expert ids [n, k]): the
+    generation loop traces expert activations from it."""
     moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    return x + moe.moe_block(moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"],
-                             k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                             valid=valid, impl=opts.expert_impl, tile_rows=opts.tile_rows)
+    out, routing = moe.moe_block_with_routing(
+        moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"], k=cfg.num_experts_per_tok,
+        norm_topk_prob=cfg.norm_topk_prob, valid=valid, impl=opts.expert_impl,
+        tile_rows=opts.tile_rows)
+    return x + out, routing
 
 
 def attention_residual(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
@@ -247,8 +257,13 @@ def full_logits(params: Params, batch: PackedBatch, cfg: ModelConfig,
                 opts: ForwardOptions) -> jax.Array:
     """Logits over the vocabulary at every position [T, V] (tests and debugging)."""
     x = rms_norm(hidden_states(params, batch, cfg, opts), params["final_norm"], cfg.rms_norm_eps)
+    return vocab_logits(params, x, cfg)
+
+
+def vocab_logits(params: Params, normed: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """LM head over the whole vocabulary: final-normed hidden states [n, d] -> [n, V] f32."""
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.dot(normed, head.astype(normed.dtype), preferred_element_type=jnp.float32)
 
 
 # ------------------------------------------------------------------ NNX model

@@ -1,10 +1,13 @@
-"""Serving layer of moejax: request handling, batching and scoring.
+"""Serving layer of moejax: request handling, batching, scoring and generation.
 
 Public API: :class:`Scorer` (``Scorer(model="demo" | dir, **options).score(requests)``),
-:class:`ScoreRequest`, :class:`ScoreResult`.
+:class:`ScoreRequest`, :class:`ScoreResult`; :class:`Generator`
+(``Generator(model="demo" | dir, **options).generate(requests)``), :class:`GenerationResult`.
 """
 
 from serving.api import Scorer
+from serving.generate import GenerationRequest, GenerationResult, Generator
 from serving.requests import RequestError, ScoreRequest, ScoreResult
 
-__all__ = ["Scorer", "ScoreRequest", "ScoreResult", "RequestError"]
+__all__ = ["Scorer", "ScoreRequest", "ScoreResult", "RequestError", "Generator",
+           "GenerationRequest", "GenerationResult"]

@@ -1,0 +1,92 @@
+"""The KV cache of the generation loop, its shape buckets, and attention over it.
+
+One cache holds the keys and values of every layer, stacked on a leading layer axis:
+``keys``, ``values`` [L, B, S, n_kv, h] (layer l's cache is ``keys[l]``, the per-layer
+``[batch, max_len, kv_heads, head_dim]`` layout). Row b holds request b's tokens at
+their positions 0, 1, ...: prompts are right-padded, so a token's cache slot is its
+position and no per-row offset exists. Slots past a row's current length may hold junk
+(prefill writes the padding's keys too); attention masks them, and decoding overwrites
+them in order.
+
+S (the cache length) and B (the batch) come from :func:`bucket`: powers of two, so a
+handful of compiled programs serve every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from moejax.attention import MASK_VALUE
+from moejax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """keys, values: [L, B, S, n_kv, h] in the compute dtype."""
+
+    keys: jax.Array
+    values: jax.Array
+
+    @property
+    def length(self) -> int:
+        """S, the number of slots per row."""
+        return self.keys.shape[2]
+
+
+def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
+    """The power of two >= max(n, minimum), capped at ``maximum`` (but never below n):
+    every shape the compiled programs see is one of few sizes."""
+    size = 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
+    if maximum is not None:
+        size = max(min(size, maximum), n)
+    return size
+
+
+def empty_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
+    """Zeroed cache [L, batch, length, n_kv, h]."""
+    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype))
+
+
+def write_prompt(cache: KVCache, layer: jax.Array, keys: jax.Array, values: jax.Array
+                 ) -> KVCache:
+    """Store layer ``layer``'s prompt keys/values [B, P, n_kv, h] in slots [0, P)."""
+    start = (layer, 0, 0, 0, 0)
+    return KVCache(
+        keys=jax.lax.dynamic_update_slice(cache.keys, keys[None].astype(cache.keys.dtype), start),
+        values=jax.lax.dynamic_update_slice(cache.values, values[None].astype(cache.values.dtype),
+                                            start))
+
+
+def write_token(cache: KVCache, layer: jax.Array, positions: jax.Array, keys: jax.Array,
+                values: jax.Array) -> KVCache:
+    """Store one new token per row: keys/values [B, n_kv, h] at slot ``positions[b]`` [B]."""
+    rows = jnp.arange(positions.shape[0])
+    return KVCache(keys=cache.keys.at[layer, rows, positions].set(keys.astype(cache.keys.dtype)),
+                   values=cache.values.at[layer, rows, positions].set(
+                       values.astype(cache.values.dtype)))
+
+
+def attend_cache(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array
+                 ) -> jax.Array:
+    """One query per row over its cached keys: q [B, n_q, h], keys/values [B, S, n_kv, h]
+    (one layer), ``lengths`` [B] = valid slots (the query's position + 1) -> [B, n_q, h].
+
+    Grouped-query attention as in :mod:`moejax.attention`: f32 scores, softmax, then the
+    weighted sum of values in f32.
+    """
+    b, n_q, h = q.shape
+    s, n_kv = keys.shape[1], keys.shape[2]
+    queries = q.reshape(b, n_kv, n_q // n_kv, h)
+    scores = jnp.einsum("bkgh,bskh->bkgs", queries, keys,
+                        preferred_element_type=jnp.float32) / math.sqrt(h)
+    visible = jnp.arange(s, dtype=lengths.dtype)[None, :] < lengths[:, None]       # [B, S]
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgs,bskh->bkgh", probs, values, preferred_element_type=jnp.float32)
+    return out.reshape(b, n_q, h).astype(q.dtype)

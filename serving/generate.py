@@ -1,0 +1,311 @@
+"""``Generator``: the Python entry point for text generation (prefill + KV-cache decode).
+
+    from serving import Generator
+    gen = Generator("demo")                        # or a local Hugging Face / converted dir
+    [result] = gen.generate([{"prompt": "2+2=", "max_new_tokens": 8}])
+    result.token_ids, result.text, result.finish_reason
+
+Requests (dicts or :class:`GenerationRequest`), fields:
+
+* ``id`` (optional): a string or an integer, echoed in the result;
+* ``prompt`` (text, encoded WITHOUT special tokens, as in scoring) or
+  ``prompt_token_ids`` (a non-empty list of vocabulary ids) — exactly one;
+* ``max_new_tokens`` (default 16, >= 1; prompt + max_new_tokens <= the model's context);
+* ``temperature`` (default 0 = greedy; > 0 samples from softmax(logits / temperature));
+* ``top_p`` (default 1; in (0, 1]: sample among the most likely tokens holding top_p of
+  the probability);
+* ``seed`` (default 0; an integer in [0, 2**64)): the same seed gives the same tokens,
+  whatever else is in the batch;
+* ``stop_token_ids`` (default: the model's ``eos_token_id`` from generation_config.json or
+  config.json, as Hugging Face ``generate`` stops on EOS; ``[]`` disables stopping).
+
+Results come back in request order (:class:`GenerationResult`): ``token_ids`` are the
+generated ids only, the stop token that ended generation INCLUDED (as Hugging Face
+includes its EOS); ``text`` decodes them WITHOUT that stop token and without special
+tokens; ``finish_reason`` is ``"stop"`` or ``"length"``. A bad request becomes a result
+whose ``error`` reads ``"request 'ID': FIELD: problem"`` and the others still run.
+
+With ``trace_experts=True`` each result carries ``experts = {"prefill": [L, n_prompt, k],
+"decode": [L, n_generated - 1, k]}`` int32 arrays: the top-k expert ids (descending
+router probability) of every prompt token and of every generated token that was fed back
+(the last generated token never runs through the model). They come from the same compiled
+programs as untraced runs, so tracing never changes the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from moejax import checkpoint
+from moejax.generate import DecodeEngine, SequenceOutput, SequenceSpec
+from moejax.sampling import MAX_SEED
+from serving.api import enable_compilation_cache, resolve_model_dir
+from serving.options import ScorerOptions
+from serving.requests import RequestError, TokenizerAdapter, request_label
+
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One generation request, as the user wrote it (see the module docstring)."""
+
+    id: str | int | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """The answer to one request. ``experts`` is set only with ``trace_experts``."""
+
+    id: str | int | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    experts: dict[str, np.ndarray] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; ``experts`` (nested lists [L][n][k]) appears only when set."""
+        d: dict[str, Any] = {"id": self.id, "token_ids": self.token_ids, "text": self.text,
+                             "finish_reason": self.finish_reason, "error": self.error,
+                             "prompt_tokens": self.prompt_tokens}
+        if self.experts is not None:
+            d["experts"] = {name: np.asarray(ids).tolist() for name, ids in self.experts.items()}
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorOptions:
+    """``dtype`` ("float32" | "bfloat16" | "auto": bfloat16 on GPU, float32 on CPU),
+    ``trace_experts``, ``max_batch_size`` (rows decoded together), ``expert_impl`` and
+    ``tile_rows`` (as for the Scorer), ``compilation_cache`` (as for the Scorer)."""
+
+    dtype: str = "auto"
+    trace_experts: bool = False
+    max_batch_size: int = 8
+    expert_impl: str = "auto"
+    tile_rows: int | None = None
+    compilation_cache: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trace_experts, bool):
+            raise ValueError(f"trace_experts must be true or false, got {self.trace_experts!r}")
+        if (not isinstance(self.max_batch_size, int) or isinstance(self.max_batch_size, bool)
+                or self.max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be a positive integer, "
+                             f"got {self.max_batch_size!r}")
+        self.scorer_view()   # validates dtype, expert_impl, tile_rows as the Scorer does
+
+    def scorer_view(self) -> ScorerOptions:
+        """The options shared with the Scorer, resolved by the same code."""
+        return ScorerOptions(dtype=self.dtype, expert_impl=self.expert_impl,
+                             tile_rows=self.tile_rows, compilation_cache=self.compilation_cache)
+
+
+def make_options(options: Mapping[str, Any]) -> GeneratorOptions:
+    """Keyword options -> :class:`GeneratorOptions` (None values mean the default)."""
+    known = {f.name for f in dataclasses.fields(GeneratorOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown Generator option(s) {unknown}; known: {sorted(known)}")
+    return GeneratorOptions(**{k: v for k, v in options.items() if v is not None})
+
+
+def model_eos_ids(model_dir: str, vocab_size: int) -> frozenset[int]:
+    """The model's EOS id(s): generation_config.json wins over config.json (as in
+    transformers); ids outside the vocabulary are dropped (they cannot be generated)."""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            eos = json.load(fh).get("eos_token_id")
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        return frozenset(int(t) for t in ids if isinstance(t, int) and 0 <= t < vocab_size)
+    return frozenset()
+
+
+# ----------------------------------------------------------------------------- parsing
+class _Fields:
+    """Checks the fields of one request; failures are :class:`RequestError` s that name
+    the request and the field."""
+
+    def __init__(self, request_id: Any, index: int):
+        self.index = index
+        self.label = request_label(request_id, index)
+
+    def fail(self, field: str, problem: str) -> RequestError:
+        return RequestError(f"{self.label}: {field}: {problem}", index=self.index, field=field)
+
+    def integer(self, value: Any, field: str, low: int, high: int | None = None) -> int:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise self.fail(field, f"must be an integer, got {type(value).__name__}")
+        if value < low or (high is not None and value >= high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high})"
+            raise self.fail(field, f"must be {bound}, got {value}")
+        return int(value)
+
+    def number(self, value: Any, field: str) -> float:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+            raise self.fail(field, f"must be a number, got {type(value).__name__}")
+        if not math.isfinite(float(value)):
+            raise self.fail(field, f"must be finite, got {value}")
+        return float(value)
+
+    def token_ids(self, value: Any, field: str, vocab_size: int, allow_empty: bool) -> list[int]:
+        if not isinstance(value, (list, tuple)):
+            raise self.fail(field, f"must be a list of integers, got {type(value).__name__}")
+        if not value and not allow_empty:
+            raise self.fail(field, "is empty")
+        return [self.integer(v, f"{field}[{i}]", 0, vocab_size) for i, v in enumerate(value)]
+
+
+def _as_request(obj: Any, index: int) -> GenerationRequest:
+    """A dict (JSON object) or a GenerationRequest -> GenerationRequest; unknown keys are
+    an error (they are usually typos)."""
+    if isinstance(obj, GenerationRequest):
+        return obj
+    if not isinstance(obj, Mapping):
+        raise RequestError(f"{request_label(None, index)}: expected an object (dict), "
+                           f"got {type(obj).__name__}", index=index)
+    unknown = sorted(str(k) for k in obj if k not in _FIELDS)
+    if unknown:
+        raise RequestError(f"{request_label(obj.get('id'), index)}: unknown field(s) "
+                           f"{', '.join(repr(k) for k in unknown)} (accepted: "
+                           f"{', '.join(_FIELDS)})", index=index, field=unknown[0])
+    return GenerationRequest(**obj)
+
+
+def _prompt_ids(check: _Fields, req: GenerationRequest, tokenizer: TokenizerAdapter,
+                vocab_size: int) -> list[int]:
+    """Exactly one of prompt / prompt_token_ids, as non-empty vocabulary ids."""
+    if (req.prompt is None) == (req.prompt_token_ids is None):
+        raise check.fail("prompt", "give exactly one of prompt or prompt_token_ids (got "
+                                   f"{'neither' if req.prompt is None else 'both'})")
+    if req.prompt_token_ids is not None:
+        return check.token_ids(req.prompt_token_ids, "prompt_token_ids", vocab_size, False)
+    if not isinstance(req.prompt, str):
+        raise check.fail("prompt", f"must be a str, got {type(req.prompt).__name__}")
+    if not req.prompt:
+        raise check.fail("prompt", "is empty")
+    try:
+        ids = tokenizer.encode(req.prompt)
+    except (TypeError, ValueError) as exc:
+        raise check.fail("prompt", str(exc)) from exc
+    if not ids:
+        raise check.fail("prompt", f"{req.prompt!r} tokenizes to no tokens")
+    return check.token_ids(ids, "prompt (tokenized)", vocab_size, False)
+
+
+def parse_generation_request(obj: Any, index: int, tokenizer: TokenizerAdapter, *,
+                             vocab_size: int, max_context: int,
+                             default_stop: frozenset[int]) -> SequenceSpec:
+    """Validate and tokenize one request -> :class:`SequenceSpec`; raises RequestError."""
+    req = _as_request(obj, index)
+    check = _Fields(req.id, index)
+    if req.id is not None and request_label(req.id, None) == "request":
+        raise check.fail("id", f"must be a string, an integer or null, got "
+                               f"{type(req.id).__name__}")
+    prompt = _prompt_ids(check, req, tokenizer, vocab_size)
+    max_new = DEFAULT_MAX_NEW_TOKENS if req.max_new_tokens is None else check.integer(
+        req.max_new_tokens, "max_new_tokens", 1)
+    if len(prompt) + max_new > max_context:
+        raise check.fail("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens "
+                                           f"({max_new}) = {len(prompt) + max_new}, more than "
+                                           f"the model's context ({max_context})")
+    temperature = 0.0 if req.temperature is None else check.number(req.temperature,
+                                                                    "temperature")
+    if temperature < 0:
+        raise check.fail("temperature", f"must be >= 0 (0 = greedy), got {temperature}")
+    top_p = 1.0 if req.top_p is None else check.number(req.top_p, "top_p")
+    if not 0 < top_p <= 1:
+        raise check.fail("top_p", f"must lie in (0, 1], got {top_p}")
+    seed = 0 if req.seed is None else check.integer(req.seed, "seed", 0, MAX_SEED)
+    stop = default_stop if req.stop_token_ids is None else frozenset(
+        check.token_ids(req.stop_token_ids, "stop_token_ids", vocab_size, True))
+    return SequenceSpec(prompt=tuple(prompt), max_new_tokens=max_new, temperature=temperature,
+                        top_p=top_p, seed=seed, stop_token_ids=stop)
+
+
+def _error_id(obj: Any) -> str | int | None:
+    """Best-effort id of a request that failed validation."""
+    request_id = obj.id if isinstance(obj, GenerationRequest) else (
+        obj.get("id") if isinstance(obj, Mapping) else None)
+    return request_id if request_label(request_id, None) != "request" else None
+
+
+# ----------------------------------------------------------------------------- generator
+class Generator:
+    """Generates text with one model: ``Generator(model, **options).generate(requests)``.
+
+    ``model``: ``"demo"`` or a local Hugging Face / converted moejax directory (with
+    ``tokenizer.json``). Options: see :class:`GeneratorOptions`.
+    """
+
+    def __init__(self, model: str | os.PathLike = "demo", **options: Any):
+        self.options = make_options(options)
+        shared = self.options.scorer_view()
+        enable_compilation_cache(shared.resolved_compilation_cache())
+        self.model_dir, self.is_demo = resolve_model_dir(model)
+        dtype = shared.resolved_dtype()
+        self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
+        self.tokenizer = TokenizerAdapter(tokenizer)
+        self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
+        self.engine = DecodeEngine(params, self.config, expert_impl=self.options.expert_impl,
+                                   tile_rows=self.options.tile_rows,
+                                   max_batch_size=self.options.max_batch_size)
+        del params  # the engine holds the device copy
+
+    def generate(self, requests: Sequence[GenerationRequest | Mapping[str, Any]]
+                 ) -> list[GenerationResult]:
+        """One result per request, in request order; bad requests get ``error`` set."""
+        if isinstance(requests, (str, bytes, Mapping, GenerationRequest)):
+            raise TypeError("generate() takes a list of requests; wrap a single request in "
+                            "a list")
+        requests = list(requests)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        specs: dict[int, SequenceSpec] = {}
+        for index, obj in enumerate(requests):
+            try:
+                specs[index] = parse_generation_request(
+                    obj, index, self.tokenizer, vocab_size=self.config.vocab_size,
+                    max_context=self.config.max_context, default_stop=self.eos_token_ids)
+            except RequestError as exc:
+                results[index] = GenerationResult(id=_error_id(obj), error=str(exc))
+        indices = list(specs)
+        outputs = self.engine.generate([specs[i] for i in indices],
+                                       trace=self.options.trace_experts)
+        for index, out in zip(indices, outputs):
+            results[index] = self._result(_as_request(requests[index], index), specs[index], out)
+        return results
+
+    def _result(self, req: GenerationRequest, spec: SequenceSpec, out: SequenceOutput
+                ) -> GenerationResult:
+        shown = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+        experts = None
+        if self.options.trace_experts:
+            experts = {"prefill": out.prefill_experts, "decode": out.decode_experts}
+        return GenerationResult(id=req.id, token_ids=list(out.token_ids),
+                                text=self.tokenizer.tokenizer.decode(shown,
+                                                                     skip_special_tokens=True),
+                                finish_reason=out.finish_reason, prompt_tokens=len(spec.prompt),
+                                experts=experts)

@@ -1,0 +1,101 @@
+"""``moejax generate IN.jsonl [-o OUT.jsonl]``: JSONL generation requests in, results out.
+
+One JSON request per line (fields of :mod:`serving.generate`: id, prompt |
+prompt_token_ids, max_new_tokens, temperature, top_p, seed, stop_token_ids); one JSON
+result per non-blank input line, in input order (fields of ``GenerationResult.to_dict``).
+A line that is not valid JSON, or an invalid request, gets a result with ``error`` set;
+the other lines still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable
+
+# Options of the shared model-option block that only the scoring engines implement.
+_SCORING_ONLY = ("max_batch_tokens", "backend", "devices", "window", "deployment", "theta",
+                 "engines", "routing", "prefix_cache_blocks", "kv_cache_free")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_generate_command(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
+                         ) -> argparse.ArgumentParser:
+    """Register ``generate`` on the ``moejax`` subparsers ``sub``; ``add_model_options``
+    adds the shared --model / --dtype / --expert-impl ... block."""
+    p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
+                       description=__doc__.split("\n\n")[1],
+                       epilog="Of the model options, generate uses --model, --dtype and "
+                              "--expert-impl; the scoring-engine ones are refused.")
+    p.add_argument("input", help="JSONL requests ('-' for stdin)")
+    p.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
+    p.add_argument("--trace-experts", action="store_true", default=None,
+                   help="add each request's top-k expert ids per layer (prefill and decode)")
+    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help="requests decoded together (default 8)")
+    p.add_argument("--chunk-size", type=_positive_int, default=256,
+                   help="requests read per chunk; results are written after each chunk")
+    add_model_options(p)
+    p.set_defaults(func=cmd_generate)
+    return p
+
+
+def _scoring_only_given(args: argparse.Namespace) -> list[str]:
+    return ["--" + name.replace("_", "-") for name in _SCORING_ONLY
+            if getattr(args, name, None) is not None]
+
+
+def generate_chunk(generator: Any, chunk: list[tuple[Any, str | None]]) -> list[Any]:
+    """Results of one chunk in order: parse errors as error results, the rest generated."""
+    from serving.generate import GenerationResult
+
+    good = [obj for obj, error in chunk if error is None]
+    done = iter(generator.generate(good))
+    return [GenerationResult(error=error) if error is not None else next(done)
+            for _, error in chunk]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Run the ``generate`` subcommand; returns the exit status."""
+    from moejax.cli import read_jsonl_chunks
+    from serving.generate import Generator
+
+    refused = _scoring_only_given(args)
+    if refused:
+        raise ValueError(f"generate does not take {', '.join(refused)} (scoring-engine "
+                         f"options)")
+    generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
+                          trace_experts=args.trace_experts, max_batch_size=args.max_batch_size)
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8",
+                                                      errors="surrogateescape")
+    sink = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
+    count = errors = tokens = 0
+    start = time.perf_counter()
+    try:
+        for chunk in read_jsonl_chunks(source, args.chunk_size):
+            for result in generate_chunk(generator, chunk):
+                sink.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                errors += result.error is not None
+                tokens += len(result.token_ids)
+            count += len(chunk)
+            sink.flush()
+    finally:
+        if source is not sys.stdin:
+            source.close()
+        if sink is not sys.stdout:
+            sink.close()
+    elapsed = time.perf_counter() - start
+    rate = tokens / elapsed if elapsed > 0 else 0.0
+    print(f"generated {tokens} tokens for {count - errors} of {count} requests ({errors} with "
+          f"errors) in {elapsed:.2f}s ({rate:.1f} tokens/s)"
+          + (f", results in {args.output}" if args.output not in (None, "-") else ""),
+          file=sys.stderr)
+    return 0
