@@ -3,6 +3,9 @@
     moejax score IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--dtype float32|bfloat16]
     moejax convert HF_DIR OUT_DIR [--dtype bfloat16]
     moejax info [--model DIR|demo]
+    moejax generate IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--trace-experts]
+    moejax serve [--model DIR|demo] [--host 127.0.0.1] [--port 50051] [--token T] [--tls-cert F]
+    moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl]   (also: client info, health)
 
 ``score`` reads one JSON request per line (fields of ``serving.ScoreRequest``:
 id, prompt | prompt_token_ids, candidates | candidate_token_ids, kind, normalize)
@@ -235,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print what a model directory holds and how it is served")
     _add_model_options(info)
     info.set_defaults(func=cmd_info)
+    from serving.generate_cli import add_generate_command
+    add_generate_command(sub, _add_model_options)
+    from serving.grpc.cli import add_commands as add_grpc_commands
+    add_grpc_commands(sub, _add_model_options)
     return parser
 
 

@@ -1,0 +1,260 @@
+"""``moejax serve`` and ``moejax client``: the gRPC subcommands of the ``moejax`` CLI.
+
+    moejax serve --model DIR|demo [--host 127.0.0.1] [--port 50051] [model options of score]
+                 [--max-queued-tokens N] [--grace-seconds S] [--token T] [--tls-cert F --tls-key F]
+    moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl] [--token T] [--tls-ca F]
+    moejax client info --target HOST:PORT
+    moejax client health --target HOST:PORT        # exit 0 when SERVING
+
+``serve`` prints the bound port alone on one line of stdout (``--port 0`` picks a free
+one), logs to stderr (one line per scored batch), turns health SERVING once the model is
+loaded and calibrated, and on SIGTERM/SIGINT turns health NOT_SERVING, refuses new calls,
+lets in-flight calls finish within ``--grace-seconds`` and exits 0. The token may come from
+the environment variable ``MOEJAX_TOKEN`` instead of ``--token`` (which shows in ``ps``).
+
+``client score`` streams a JSONL file (the format of ``moejax score``) through
+``ScoreStream`` and writes one JSON result per non-blank input line, in input order; a line
+that is not JSON gets an error result. Id-less requests are named by their line's ordinal
+(0-based, blank lines skipped) in error messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+TOKEN_ENV = "MOEJAX_TOKEN"
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    return args.token or os.environ.get(TOKEN_ENV) or None
+
+
+class _Interrupted(Exception):
+    """A stop signal while the model was loading."""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT (see the module docstring)."""
+    from moejax.cli import _scorer_options
+    from serving import Scorer
+    from serving.grpc.server import ScoringServer, ServerOptions
+
+    logging.getLogger("moejax.grpc").setLevel(logging.INFO)
+    server = ScoringServer(ServerOptions(
+        host=args.host, port=args.port, max_queued_tokens=args.max_queued_tokens,
+        batch_tokens=args.batch_tokens, grace_seconds=args.grace_seconds,
+        drain_seconds=args.drain_seconds, token=_token(args), tls_cert=args.tls_cert,
+        tls_key=args.tls_key, max_message_mib=args.max_message_mib, workers=args.workers,
+        max_concurrent_rpcs=args.max_concurrent_rpcs))
+    stop = threading.Event()
+    loading = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+        if loading.is_set():
+            loading.clear()
+            raise _Interrupted()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        port = server.start()
+    except OSError as exc:  # the address is taken or cannot be bound
+        print(f"moejax serve: error: {exc}", file=sys.stderr)
+        return 2
+    print(port, flush=True)
+    try:
+        loading.set()
+        scorer = None if stop.is_set() else Scorer(args.model, **_scorer_options(args))
+        loading.clear()
+    except _Interrupted:
+        scorer = None
+    except BaseException:
+        loading.clear()
+        server.stop(0)
+        raise
+    if scorer is not None and not stop.is_set():
+        server.attach(scorer)
+    while not stop.wait(1.0):
+        pass
+    server.stop(args.grace_seconds)
+    return 0
+
+
+def _items(source: Any) -> Iterator[tuple[int, Any]]:
+    """(ordinal, request dict or error ScoreResult) for each non-blank JSONL line."""
+    from moejax.cli import read_jsonl_chunks
+    from serving.requests import ScoreResult
+
+    ordinal = 0
+    for chunk in read_jsonl_chunks(source, 256):
+        for obj, error in chunk:
+            yield ordinal, (ScoreResult(error=error) if error is not None else obj)
+            ordinal += 1
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from serving.grpc.client import Client
+
+    return Client(args.target, token=_token(args), tls=args.tls, tls_ca=args.tls_ca,
+                  tls_server_name=args.tls_server_name)
+
+
+def _rpc_failed(exc: Exception) -> int:
+    import grpc
+
+    if isinstance(exc, grpc.RpcError):
+        print(f"moejax client: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    raise exc
+
+
+def cmd_client_score(args: argparse.Namespace) -> int:
+    """Stream a JSONL file through ScoreStream; results in input order."""
+    import grpc
+
+    from moejax.cli import _count_lines
+
+    total = _count_lines(args.input)
+    show_bar = args.progress if args.progress is not None else sys.stderr.isatty()
+    bar = None
+    if show_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", desc=f"scoring via {args.target}", file=sys.stderr)
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8",
+                                                      errors="surrogateescape")
+    sink = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
+    pending: dict[int, Any] = {}
+    written = errors = 0
+    start = time.perf_counter()
+    status = 0
+    try:
+        with _client(args) as client:
+            for index, result in client.stream(_items(source), timeout=args.timeout):
+                pending[index] = result
+                while written in pending:  # write in input order as results complete
+                    done = pending.pop(written)
+                    sink.write(json.dumps(done.to_dict(), ensure_ascii=False) + "\n")
+                    errors += done.error is not None
+                    written += 1
+                    if bar is not None:
+                        bar.update(1)
+        if pending:
+            raise RuntimeError(f"no result for line ordinal {written}")
+    except grpc.RpcError as exc:
+        status = _rpc_failed(exc)
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        if bar is not None:
+            bar.close()
+        if source is not sys.stdin:
+            source.close()
+        if sink is not sys.stdout:
+            sink.close()
+        else:
+            sink.flush()
+    print(f"{written} results written ({errors} with errors) in "
+          f"{time.perf_counter() - start:.2f}s via {args.target}"
+          + ("" if status == 0 else "; stopped early, the results of the lines before are "
+                                    "written")
+          + (f", results in {args.output}" if args.output not in (None, "-") else ""),
+          file=sys.stderr)
+    return status
+
+
+def cmd_client_info(args: argparse.Namespace) -> int:
+    """Print the server's ModelInfo as JSON."""
+    try:
+        with _client(args) as client:
+            print(json.dumps(client.info(timeout=args.timeout), indent=2))
+    except Exception as exc:
+        return _rpc_failed(exc)
+    return 0
+
+
+def cmd_client_health(args: argparse.Namespace) -> int:
+    """Print the health status; exit 0 when SERVING, 1 otherwise."""
+    try:
+        with _client(args) as client:
+            status = client.health(args.service, timeout=args.timeout)
+    except Exception as exc:
+        return _rpc_failed(exc)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _add_connection_options(p: argparse.ArgumentParser, timeout: float | None) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+    p.add_argument("--token", default=None,
+                   help=f"bearer token (default: ${TOKEN_ENV}, if set)")
+    p.add_argument("--tls", action="store_true", help="use TLS with the system's root CAs")
+    p.add_argument("--tls-ca", default=None,
+                   help="use TLS, trusting this PEM CA / self-signed server certificate")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name to check the server's certificate against (default: the host)")
+    p.add_argument("--timeout", type=float, default=timeout,
+                   help="seconds for the whole call" + (f" (default {timeout})" if timeout
+                                                        else " (default: none)"))
+
+
+def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
+                 ) -> None:
+    """Register ``serve`` and ``client`` on the ``moejax`` subparsers."""
+    serve = sub.add_parser("serve", help="serve the scoring API over gRPC "
+                                         "(with grpc.health.v1 health and reflection)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1; 0.0.0.0 or :: for all)")
+    serve.add_argument("--port", type=int, default=50051,
+                       help="port (default 50051; 0 = a free one); printed on stdout")
+    serve.add_argument("--max-queued-tokens", type=int, default=262_144,
+                       help="admission bound: estimated tokens queued or being scored; over "
+                            "it, calls get RESOURCE_EXHAUSTED with a retry hint (default 262144)")
+    serve.add_argument("--batch-tokens", type=int, default=None,
+                       help="estimated tokens gathered per scoring batch "
+                            "(default 4 x --max-batch-tokens)")
+    serve.add_argument("--grace-seconds", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, time for in-flight calls (default 30)")
+    serve.add_argument("--drain-seconds", type=float, default=0.0,
+                       help="on SIGTERM/SIGINT, keep serving this long after health turns "
+                            "NOT_SERVING, for load balancers to notice (default 0)")
+    serve.add_argument("--token", default=None,
+                       help=f"require 'authorization: Bearer TOKEN' on scoring calls "
+                            f"(default: ${TOKEN_ENV}, if set; health stays open)")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument("--max-message-mib", type=float, default=16.0,
+                       help="largest request message accepted (default 16 MiB)")
+    serve.add_argument("--workers", type=int, default=64,
+                       help="gRPC handler threads (default 64)")
+    serve.add_argument("--max-concurrent-rpcs", type=int, default=256,
+                       help="calls in progress at once; more get RESOURCE_EXHAUSTED (default 256)")
+    add_model_options(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    client = sub.add_parser("client", help="call a moejax gRPC server")
+    calls = client.add_subparsers(dest="client_command", required=True)
+    score = calls.add_parser("score", help="stream a JSONL file of requests through the server")
+    score.add_argument("input", help="JSONL requests ('-' for stdin)")
+    score.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
+    score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bar (default: on when stderr is a terminal)")
+    _add_connection_options(score, None)
+    score.set_defaults(func=cmd_client_score)
+    info = calls.add_parser("info", help="print what the server serves (ModelInfo) as JSON")
+    _add_connection_options(info, 10.0)
+    info.set_defaults(func=cmd_client_info)
+    health = calls.add_parser("health", help="print the health status; exit 0 when SERVING")
+    health.add_argument("--service", default="",
+                        help="service to check (default: the whole server)")
+    _add_connection_options(health, 10.0)
+    health.set_defaults(func=cmd_client_health)

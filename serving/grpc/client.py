@@ -1,0 +1,160 @@
+"""``Client``: score over gRPC with the same requests and results as ``Scorer.score``.
+
+    from serving.grpc import Client
+    with Client("127.0.0.1:50051", token=None) as client:
+        results = client.score([{"id": "r1", "prompt": "...", "candidates": [" yes", " no"]}])
+
+Requests are validated on the client first (``serving.requests.parse_request``, no
+tokenizer needed), so an invalid request gets the same error result as in process without
+a round trip; the rest stream through ``ScoreStream``. Invalid requests are results, not
+exceptions; what does raise is the transport: a ``grpc.RpcError`` for an unreachable
+server, a wrong token (UNAUTHENTICATED), a deadline (DEADLINE_EXCEEDED), a server shutting
+down (UNAVAILABLE). Results carry the server's ``timings`` plus ``queue_seconds``.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.grpc import convert, scoring_pb2 as pb, scoring_pb2_grpc
+from serving.requests import RequestError, ScoreRequest, ScoreResult, parse_request
+
+PROGRESS_MIN_REQUESTS = 64  # as the Scorer's default progress_min_requests
+
+
+def _raw_id(obj: Any) -> Any:
+    if isinstance(obj, ScoreRequest):
+        return obj.id
+    return obj.get("id") if isinstance(obj, Mapping) else None
+
+
+def _read(value: str | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as fh:
+        return fh.read()
+
+
+class Client:
+    """A connection to a ``moejax serve`` server.
+
+    ``target``: "host:port". ``token``: bearer token (sent as ``authorization`` metadata).
+    TLS: ``tls=True`` (system roots) or ``tls_ca`` (PEM path or bytes of the CA / the
+    server's self-signed certificate); ``tls_server_name`` overrides the name checked
+    against the certificate. ``max_message_mib`` bounds a received message.
+    """
+
+    def __init__(self, target: str, token: str | None = None, *, tls: bool = False,
+                 tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
+                 max_message_mib: float = 256.0, options: Sequence[tuple[str, Any]] = ()):
+        channel_options = [("grpc.max_receive_message_length", int(max_message_mib * (1 << 20))),
+                           *options]
+        if tls_server_name:
+            channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if tls or tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca))
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
+        self.target = target
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._stub = scoring_pb2_grpc.ScoringStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, requests: Sequence[Any], *, progress: bool | None = None,
+              timeout: float | None = None) -> list[ScoreResult]:
+        """One result per request, in order, as :meth:`serving.Scorer.score` returns them.
+
+        ``progress``: a progress bar on stderr (default: for 64 requests or more, when
+        stderr is a terminal). ``timeout``: seconds for the whole call (DEADLINE_EXCEEDED
+        after it)."""
+        if isinstance(requests, (str, bytes, Mapping, ScoreRequest)):
+            raise TypeError("score() takes a list of requests; wrap a single request in a list")
+        requests = list(requests)
+        if progress is None:
+            progress = len(requests) >= PROGRESS_MIN_REQUESTS and sys.stderr.isatty()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), unit="req", desc="scoring", file=sys.stderr)
+        results: list[ScoreResult | None] = [None] * len(requests)
+        try:
+            for index, result in self.stream(enumerate(requests), timeout=timeout):
+                results[index] = result
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"the server sent no result for requests {missing[:10]}")
+        return results  # type: ignore[return-value]
+
+    def stream(self, items: Iterable[tuple[int, Any]], *, timeout: float | None = None
+               ) -> Iterator[tuple[int, ScoreResult]]:
+        """(index, result) pairs as results arrive (not in order) for (index, request)
+        pairs; the index names an id-less request in error messages. A ScoreResult given
+        in place of a request is passed through as its own answer (e.g. a line of a file
+        that was not JSON). Requests are read lazily, as the server admits them."""
+        local: collections.deque[tuple[int, ScoreResult]] = collections.deque()
+        reading = threading.Event()
+
+        def messages() -> Iterator[pb.StreamRequest]:
+            for index, obj in items:
+                if isinstance(obj, ScoreResult):
+                    local.append((index, obj))
+                    continue
+                try:
+                    message = convert.request_to_proto(parse_request(obj, index), index)
+                except RequestError as exc:
+                    local.append((index, convert.error_result(_raw_id(obj), str(exc))))
+                    continue
+                yield pb.StreamRequest(request=message, index=index)
+            reading.set()
+
+        responses = self._stub.ScoreStream(messages(), timeout=timeout, metadata=self._metadata)
+        try:
+            for response in responses:
+                while local:
+                    yield local.popleft()
+                yield response.index, convert.result_from_proto(response.result)
+        except BaseException:
+            responses.cancel()
+            raise
+        if not reading.wait(30):  # the server ends a stream after reading all of it
+            raise RuntimeError("the server ended the stream before reading every request")
+        while local:
+            yield local.popleft()
+
+    # ------------------------------------------------------------------ service info
+    def info(self, *, timeout: float | None = 10.0) -> dict[str, Any]:
+        """What the server serves: ``Scorer.info`` plus ``max_queued_tokens`` and
+        ``max_message_bytes``."""
+        response = self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
+                                        metadata=self._metadata)
+        return convert.info_from_proto(response)
+
+    def health(self, service: str = "", *, timeout: float | None = 10.0) -> str:
+        """The standard health status of ``service`` ("" = the server): "SERVING",
+        "NOT_SERVING", ..."""
+        response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                      timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,163 @@
+"""Mapping between the proto messages of ``scoring.proto`` and the Python API objects.
+
+Requests: :class:`serving.ScoreRequest` <-> ``moejax.v1.ScoreRequest``, field for field.
+Absent proto fields become None (empty ``kind`` / ``normalize`` mean the defaults
+"classify" / "candidates"); an empty repeated field is indistinguishable from an absent one,
+so an empty ``candidates`` list arrives as "no candidates" (the Python client validates
+requests before sending, so its errors read exactly as :meth:`serving.Scorer.score`'s).
+
+Ids: a str or an int (64-bit on the wire; a Python int beyond that range, and a token id
+beyond it, is refused with an error naming the field).
+
+Results: :class:`serving.ScoreResult` <-> ``moejax.v1.ScoreResult``; ``selected`` keeps the
+difference between None (not a "multi" request) and [] (nothing selected); ``timings``
+gains ``queue_seconds``, the time the request waited in the server's queue.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+from serving.grpc import scoring_pb2 as pb
+from serving.requests import RequestError, ScoreRequest, ScoreResult, request_label
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _fail(request_id: Any, index: int | None, field: str, problem: str) -> RequestError:
+    return RequestError(f"{request_label(request_id, index)}: {field}: {problem}",
+                        index=index, field=field)
+
+
+def _int64_ids(values: Sequence[int], field: str, request_id: Any,
+               index: int | None) -> list[int]:
+    for i, value in enumerate(values):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise _fail(request_id, index, f"{field}[{i}]",
+                        f"token id {value} does not fit in 64 bits (gRPC int64)")
+    return list(values)
+
+
+def _set_id(message: Any, request_id: str | int | None, index: int | None) -> None:
+    if isinstance(request_id, str):
+        message.string_id = request_id
+    elif isinstance(request_id, int) and not isinstance(request_id, bool):
+        if not INT64_MIN <= request_id <= INT64_MAX:
+            raise _fail(request_id, index, "id", "integer ids must fit in 64 bits (gRPC int64)")
+        message.int_id = request_id
+
+
+def _get_id(message: Any) -> str | int | None:
+    which = message.WhichOneof("id")
+    return None if which is None else getattr(message, which)
+
+
+def request_to_proto(request: ScoreRequest, index: int | None = None) -> pb.ScoreRequest:
+    """The proto of a request already checked by :func:`serving.requests.parse_request`.
+
+    Raises :class:`RequestError` for ints that do not fit in int64 (ids, token ids)."""
+    message = pb.ScoreRequest(kind=request.kind, normalize=request.normalize)
+    _set_id(message, request.id, index)
+    if request.prompt is not None:
+        message.prompt = request.prompt
+    if request.prompt_token_ids is not None:
+        message.prompt_token_ids.extend(_int64_ids(request.prompt_token_ids, "prompt_token_ids",
+                                                   request.id, index))
+    if request.candidates is not None:
+        message.candidates.extend(request.candidates)
+    if request.candidate_token_ids is not None:
+        for k, ids in enumerate(request.candidate_token_ids):
+            message.candidate_token_ids.add().ids.extend(
+                _int64_ids(ids, f"candidate_token_ids[{k}]", request.id, index))
+    return message
+
+
+def request_from_proto(message: pb.ScoreRequest) -> ScoreRequest:
+    """The Python request of a proto (not validated: pass it to ``parse_request``)."""
+    return ScoreRequest(
+        id=_get_id(message),
+        prompt=message.prompt if message.HasField("prompt") else None,
+        prompt_token_ids=list(message.prompt_token_ids) or None,
+        candidates=list(message.candidates) or None,
+        candidate_token_ids=[list(c.ids) for c in message.candidate_token_ids] or None,
+        kind=message.kind or "classify",
+        normalize=message.normalize or "candidates")
+
+
+def result_to_proto(result: ScoreResult, queue_seconds: float | None = None) -> pb.ScoreResult:
+    """The proto of a result; ``queue_seconds`` is added to its timings (when it has
+    timings: error results have none)."""
+    message = pb.ScoreResult(prompt_tokens=result.prompt_tokens)
+    _set_id(message, result.id, None)
+    if result.logprobs is not None:
+        message.logprobs.extend(result.logprobs)
+    if result.label is not None:
+        message.label = result.label
+    if result.error is not None:
+        message.error = result.error
+    if result.selected is not None:
+        message.selected.SetInParent()
+        message.selected.indices.extend(result.selected)
+    if result.timings is not None:
+        timings = dict(result.timings)
+        if queue_seconds is not None:
+            timings["queue_seconds"] = queue_seconds
+        message.timings.engines.extend(timings.get("engines", ()))
+        message.timings.rounds.extend(timings.get("rounds", ()))
+        message.timings.seconds = float(timings.get("seconds", 0.0))
+        message.timings.queue_seconds = float(timings.get("queue_seconds", 0.0))
+    return message
+
+
+def result_from_proto(message: pb.ScoreResult) -> ScoreResult:
+    """The Python result of a proto."""
+    timings = None
+    if message.HasField("timings"):
+        t = message.timings
+        timings = {"engines": list(t.engines), "rounds": list(t.rounds),
+                   "seconds": t.seconds, "queue_seconds": t.queue_seconds}
+    return ScoreResult(
+        id=_get_id(message),
+        logprobs=list(message.logprobs) if message.logprobs or not message.HasField("error")
+        else None,
+        label=message.label if message.HasField("label") else None,
+        prompt_tokens=message.prompt_tokens,
+        error=message.error if message.HasField("error") else None,
+        selected=list(message.selected.indices) if message.HasField("selected") else None,
+        timings=timings)
+
+
+def error_result(request_id: Any, error: str) -> ScoreResult:
+    """The result of a request that could not be scored (an unusable id is left out)."""
+    usable = request_label(request_id, None) != "request"
+    return ScoreResult(id=request_id if usable else None, error=error)
+
+
+def info_to_proto(info: Mapping[str, Any], *, max_queued_tokens: int,
+                  max_message_bytes: int) -> pb.ModelInfoResponse:
+    """``ModelInfo`` of a :attr:`serving.Scorer.info` dict and the server's limits."""
+    message = pb.ModelInfoResponse(
+        architecture=str(info.get("model_type", "")), vocab_size=int(info.get("vocab_size", 0)),
+        max_context=int(info.get("max_context", 0)), num_layers=int(info.get("num_layers", 0)),
+        num_experts=int(info.get("num_experts", 0)),
+        experts_per_token=int(info.get("experts_per_token", 0)),
+        dtype=str(info.get("dtype", "")), backend=str(info.get("backend", "")),
+        devices=int(info.get("devices", 1)), device=str(info.get("device", "")),
+        theta_source=str(info.get("theta_source", "")),
+        max_batch_tokens=int(info.get("max_batch_tokens", 0)),
+        engines=int(info.get("engines", 1)), demo=bool(info.get("demo", False)),
+        max_queued_tokens=max_queued_tokens, max_message_bytes=max_message_bytes,
+        info_json=json.dumps(dict(info), default=str, sort_keys=True))
+    if info.get("theta_flops") is not None:
+        message.theta_flops = float(info["theta_flops"])
+    return message
+
+
+def info_from_proto(message: pb.ModelInfoResponse) -> dict[str, Any]:
+    """The server's ``Scorer.info`` dict plus its limits (``max_queued_tokens``,
+    ``max_message_bytes``)."""
+    info = json.loads(message.info_json) if message.info_json else {}
+    info.update(max_queued_tokens=message.max_queued_tokens,
+                max_message_bytes=message.max_message_bytes)
+    return info
