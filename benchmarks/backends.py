@@ -81,6 +81,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.figures import write_json  # noqa: E402
 
 HOST_DEVICES = 8
 # Before JAX starts: the flag only changes the CPU platform's device count (a GPU
@@ -760,9 +761,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("MFU on CPU: peak = measured matmul of the whole machine; device factor 1 "
               "(the forced host devices share its cores).")
     figures = json_figures(results, rel, ctx, skipped)
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(figures, fh, indent=2)
+    write_json(args.json_path, figures)
     return figures
 
 

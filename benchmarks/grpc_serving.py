@@ -24,7 +24,6 @@ mean_prompt_tokens, max_batch_tokens, load_average_at_start, cpus.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.figures import write_json  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
 FULL = dict(requests=2000, prompt_words=48)
@@ -191,9 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures["served_over_inprocess_32"] = ratio
     verdict = "meets" if ratio >= 0.8 else "MISSES"
     print(f"served at 32 clients / in-process: {ratio:.2f} (target ≥ 0.8: {verdict})")
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(figures, fh, indent=2)
+    write_json(args.json_path, figures)
     return figures
 
 

@@ -19,7 +19,6 @@ max_abs_logprob_diff, label_agreement, tokens, requests, threads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -31,6 +30,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.figures import write_json  # noqa: E402
 
 FULL = dict(hidden=512, layers=8, experts=32, top_k=4, moe_intermediate=256, heads=8,
             kv_heads=4, head_dim=64, vocab=4096, requests=64, min_len=64, max_len=512,
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"speedup_vs_transformers = {figures['speedup_vs_transformers']:.2f}x  "
           f"(max |Δ logprob| = {figures['max_abs_logprob_diff']:.2e}, "
           f"label agreement = {figures['label_agreement']:.3f})")
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(figures, fh, indent=2)
+    write_json(args.json_path, figures)
     return figures
 
 

@@ -82,7 +82,6 @@ max_abs_logprob_diff}``, and the run's settings.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -113,6 +112,7 @@ def _more_host_devices(count: int) -> None:
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.figures import write_json  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -588,9 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             note = f" (best baseline: {figures['best_baseline_no_sharing']})"
         print(f"  {key} = {value:.3f}  target {op} {target}: {'met' if met else 'MISSED'}{note}")
     print(f"total {figures['total_seconds']:.0f} s")
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(figures, fh, indent=2)
+    write_json(args.json_path, figures)
     return figures
 
 

@@ -30,7 +30,6 @@ mean_prompt_tokens, blocks_per_engine, requests, repeats, load_average_at_start,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.figures import write_json  # noqa: E402
 
 from moejax.config import ModelConfig  # noqa: E402
 from serving.prefix_hash import BLOCK_SIZE, DIGEST_SIZE, block_hashes  # noqa: E402
@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = 20.0
     verdict = "meets" if figures["us_per_request_8_engines"] <= target else "MISSES"
     print(f"target ≤ {target:.0f} µs/request at 8 engines: {verdict}")
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(figures, fh, indent=2)
+    write_json(args.json_path, figures)
     return figures
 
 
