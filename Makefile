@@ -1,5 +1,5 @@
 # make demo: create .venv if missing, install moejax, score examples/requests.jsonl with the
-#            built-in (untrained) demo model.
+#            built-in demo model (a tiny toy trained here, shipped in moejax/demo/weights).
 # make test: the same set-up plus the dev and parity extras, then the test suite.
 PYTHON ?= python3
 VENV ?= .venv

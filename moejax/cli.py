@@ -183,7 +183,7 @@ def _cache_blocks(text: str) -> int | str:
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo",
                    help="local Hugging Face model directory, converted moejax directory, or "
-                        "'demo' (built-in untrained model; default)")
+                        "'demo' (built-in toy model trained here; default)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=None,
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-batch-tokens", type=_positive_int, default=None,

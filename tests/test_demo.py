@@ -1,8 +1,9 @@
-"""The built-in demo model: deterministic files, a usable tokenizer, loads like any model."""
+"""The built-in demo model: shipped trained files, a reproducible tokenizer, loads like any model."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -27,28 +28,36 @@ def _file_digests(path: str) -> dict[str, str]:
             for name in sorted(os.listdir(path))}
 
 
-def test_notice_says_untrained():
-    assert "untrained" in demo.DEMO_NOTICE and "meaningless" in demo.DEMO_NOTICE
-    assert "untrained" in demo.__doc__.lower() or "not trained" in demo.__doc__.lower()
+def test_notice_says_trained_toy():
+    assert "trained" in demo.DEMO_NOTICE and "toy" in demo.DEMO_NOTICE
+    assert "untrained" not in demo.DEMO_NOTICE
+    assert "toy" in demo.__doc__ and "trained here" in demo.__doc__
 
 
 def test_tokenizer_is_deterministic():
-    first = demo.build_demo_tokenizer().to_str()
-    assert demo.build_demo_tokenizer().to_str() == first
+    first = demo.build_demo_tokenizer(examples=1500).to_str()
+    assert demo.build_demo_tokenizer(examples=1500).to_str() == first
     # A fresh interpreter with another hash seed (Python and Rust hash maps differ) agrees.
     script = ("import sys; from moejax import demo; "
-              "sys.stdout.write(demo.build_demo_tokenizer().to_str())")
+              "sys.stdout.write(demo.build_demo_tokenizer(examples=1500).to_str())")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=True,
                          capture_output=True, text=True).stdout
     assert out == first
 
 
+def test_shipped_tokenizer_is_rebuilt_exactly():
+    """The tokenizer in moejax/demo/weights is what the training script builds."""
+    shipped = (demo.WEIGHTS_DIR / "tokenizer.json").read_text(encoding="utf-8")
+    rebuilt = demo.build_demo_tokenizer(demo.demo_config().vocab_size, demo.DEMO_SEED)
+    assert json.loads(rebuilt.to_str()) == json.loads(shipped)
+
+
 def test_tokenizer_vocab_and_single_token_words(demo_dir):
     tokenizer = ck.load_tokenizer(demo_dir)
     cfg = demo.demo_config()
     assert tokenizer.get_vocab_size() == cfg.vocab_size == 1024
-    for word in (" yes", " no", " A", " B", " positive", " negative") + tuple(
+    for word in (" yes", " no", " A", " B", " code", " data", " 40", " 45") + tuple(
             " " + w for w in demo.ANSWER_WORDS):
         assert len(tokenizer.encode(word).ids) == 1, word
     for i, token in enumerate(demo.SPECIAL_TOKENS):
@@ -62,12 +71,15 @@ def test_config_matches_brief():
     assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.num_experts,
             cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.max_context, cfg.rope_theta) == (
-        "qwen3_moe", 4, 256, 16, 4, 128, 4, 2, 64, 2048, 10000.0)
+        "qwen3_moe", 4, 128, 8, 2, 128, 4, 2, 32, 2048, 10000.0)
     assert cfg.norm_topk_prob and cfg.qk_norm and not cfg.tie_word_embeddings
 
 
 def test_demo_dir_loads(demo_dir):
     assert sorted(os.listdir(demo_dir)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert _file_digests(demo_dir) == {name: digest for name, digest in
+                                       _file_digests(demo.WEIGHTS_DIR).items()
+                                       if name in os.listdir(demo_dir)}
     assert not ck.is_converted_dir(demo_dir)
     cfg, params, tokenizer = ck.load_model_dir(demo_dir, "float32")
     assert cfg == demo.demo_config()
@@ -77,13 +89,27 @@ def test_demo_dir_loads(demo_dir):
         assert params[key].shape == shapes[key]
     for key, shape in shapes["layers"].items():
         assert params["layers"][key].shape == shape, key
-    assert params["layers"]["w_gate"].shape == (4, 16, 256, 128)
-    for norm in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
-        np.testing.assert_array_equal(params["layers"][norm], 1.0)
-    np.testing.assert_array_equal(params["final_norm"], 1.0)
-    for key in ("wq", "w_up", "w_down", "router"):
-        assert 0.018 < params["layers"][key].std() < 0.022, key
+    assert params["layers"]["w_gate"].shape == (4, 8, 128, 128)
+    for key, value in [("final_norm", params["final_norm"])] + list(params["layers"].items()):
+        assert np.all(np.isfinite(value)), key
+    # Trained, not the seeded init: norms moved away from 1, and the router is not N(0, 0.02²).
+    assert not np.allclose(params["layers"]["mlp_norm"], 1.0)
+    assert params["layers"]["router"].std() > 0.03
     assert tokenizer.get_vocab_size() == cfg.vocab_size
+
+
+def test_shipped_weights_are_bfloat16_and_small():
+    header = ck.read_safetensors_header(demo.WEIGHTS_DIR / "model.safetensors")
+    assert header.tensors and {info.dtype for info in header.tensors.values()} == {"BF16"}
+    assert (demo.WEIGHTS_DIR / "model.safetensors").stat().st_size < 8 << 20
+    assert "trained" in header.metadata["notice"]
+
+
+def test_missing_shipped_weights_are_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "WEIGHTS_DIR", tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="python -m moejax.demo.train"):
+        demo.ensure_demo_model(tmp_path / "cache")
+    assert os.listdir(tmp_path / "cache") == []   # the temporary copy is cleaned up
 
 
 def test_second_call_reuses_files(demo_dir):
@@ -126,12 +152,23 @@ def test_incomplete_cache_dir_is_reported(tmp_path):
         demo.ensure_demo_model(tmp_path)
 
 
-def test_transformers_loads_demo(demo_dir):
+def test_transformers_loads_demo_and_agrees(demo_dir):
+    """Hugging Face's own Qwen3-MoE reads the trained files and computes the same logits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from moejax import model as mdl
+
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        demo_dir, output_loading_info=True)
+        demo_dir, output_loading_info=True, dtype=torch.float32)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    cfg, params, tokenizer = ck.load_model_dir(demo_dir, "float32")
+    ids = tokenizer.encode("Is 3 + 4 = 7? Answer: yes").ids
     with torch.no_grad():
-        logits = model(torch.tensor([[5, 6, 7, 8]])).logits
-    assert logits.shape == (1, 4, 1024) and torch.isfinite(logits).all()
+        logits = model(torch.tensor([ids])).logits[0].numpy()
+    n = len(ids)
+    batch = mdl.PackedBatch(tokens=np.array(ids, np.int32), positions=np.arange(n, dtype=np.int32),
+                            segment_ids=np.zeros(n, np.int32), score_positions=np.zeros(1, np.int32),
+                            score_token_ids=np.zeros((1, 1), np.int32))
+    ours = np.asarray(mdl.full_logits(params, batch, cfg, mdl.ForwardOptions(attn_block=n)))
+    assert logits.shape == (n, 1024)
+    np.testing.assert_allclose(ours, logits, atol=2e-3, rtol=2e-3)

@@ -1,0 +1,460 @@
+"""Train the demo model: ``python -m moejax.demo.train --out DIR``.
+
+A small Qwen3-MoE (``configs/demo.yaml``) learns next-token prediction on the corpus of
+:mod:`moejax.demo.corpus` with optax AdamW (linear warm-up, cosine decay, global-norm
+clipping), plus the Switch/Qwen load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: the
+fraction of routed slots that chose expert ``e``, ``P_e``: its mean router probability),
+so the router spreads tokens instead of collapsing onto a few experts.
+
+The training forward (:func:`train_forward`) is the inference model's own stages (attention,
+norms, and the routed MoE of ``moejax.moe`` with the differentiable ``ragged_dot`` expert
+matmuls) over rows of packed examples, keeping the router probabilities for the balance
+loss; a test checks it equals ``moejax.model.full_logits`` on the exported model.
+
+Output: ``DIR/{config.json, tokenizer.json, model.safetensors}`` (the Hugging Face layout the
+loader reads; weights stored in bfloat16 to keep the files small) and ``DIR/train_log.json``
+(loss curve, held-out loss, per-domain expert usage). Same seed, same machine and JAX
+version -> the same weights; float reductions may differ on other CPUs or versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+
+from moejax import model as mdl
+from moejax import moe
+from moejax.checkpoint import hf_tensor_plan
+from moejax.config import ModelConfig, from_hf_dict
+from moejax.demo import corpus
+from moejax.param_layout import Params
+from moejax.safetensors_io import write_safetensors
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings of one run (recorded in the log)."""
+
+    steps: int = 950
+    batch_rows: int = 16
+    seq_len: int = 128
+    peak_lr: float = 3e-3
+    warmup_steps: int = 80
+    final_lr_fraction: float = 0.05
+    weight_decay: float = 0.05
+    clip_norm: float = 1.0
+    aux_coef: float = 0.01
+    seed: int = 0
+    log_every: int = 25
+    eval_batches: int = 8
+    # Stage 2 ("tasks"): from the stage-1 weights rounded to bfloat16 (what stage 1 exports),
+    # a fresh AdamW run on a task-heavy mixture (corpus.TASK_MIXTURE) whose answer tokens
+    # weigh ``answer_weight`` in the loss: stage 1 learns the sums but not yet to compare
+    # them with a claimed result or an option list, and answers are one token in twenty.
+    task_steps: int = 1000
+    task_peak_lr: float = 1e-3
+    answer_weight: float = 5.0
+
+
+# =========================================================================== batches
+Item = list[int] | tuple[list[int], list[float]]
+
+
+def pack_rows(token_lists: Iterator[Item], rows: int, seq_len: int, lookahead: int = 8
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pack whole examples (each at most ``seq_len`` tokens) into ``rows`` rows.
+
+    An example that does not fit the current row waits in a queue of up to ``lookahead``
+    examples while later, shorter ones fill the row (padding was a fifth of the tokens
+    without it); what is still queued when the rows are full is dropped (the training
+    streams are endless). Returns tokens, segment ids (-1 = padding; unique per example
+    across the batch, so attention never crosses examples) and positions (restarting at 0
+    per example, as a scoring request does), each ``[rows, seq_len]`` int32, and the loss
+    weight of each token as a prediction target (``[rows, seq_len]`` float32; an item is a
+    token list, weight 1, or a (tokens, weights) pair).
+    """
+    tokens = np.zeros((rows, seq_len), np.int32)
+    segs = np.full((rows, seq_len), -1, np.int32)
+    positions = np.zeros((rows, seq_len), np.int32)
+    weights = np.zeros((rows, seq_len), np.float32)
+    queue: list[tuple[list[int], list[float]]] = []
+    exhausted, seg_id = False, 0
+    for r in range(rows):
+        used = 0
+        while True:
+            fits = next((i for i, (ids, _) in enumerate(queue) if used + len(ids) <= seq_len),
+                        None)
+            if fits is not None:
+                ids, w = queue.pop(fits)
+            elif len(queue) < lookahead and not exhausted:
+                new = next(token_lists, None)
+                if new is None:
+                    exhausted = True
+                else:
+                    ids, w = new if isinstance(new, tuple) else (new, [1.0] * len(new))
+                    queue.append((ids[:seq_len], w[:seq_len]))
+                continue
+            else:
+                break
+            tokens[r, used:used + len(ids)] = ids
+            segs[r, used:used + len(ids)] = seg_id
+            positions[r, used:used + len(ids)] = np.arange(len(ids))
+            weights[r, used:used + len(ids)] = w
+            used += len(ids)
+            seg_id += 1
+    return tokens, segs, positions, weights
+
+
+def token_stream(tokenizer, examples: Iterator[corpus.Example], max_len: int = 1 << 30,
+                 answer_weight: float = 1.0) -> Iterator[tuple[list[int], list[float]]]:
+    """(token ids, loss weights) of each example's text, without special tokens (as requests
+    are encoded), then end-of-text so the model learns where an answer stops. A task
+    item's answer tokens weigh ``answer_weight``; one longer than ``max_len`` loses its
+    beginning (its question and answer are at the end)."""
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    for ex in examples:
+        ids = tokenizer.encode(ex.text, add_special_tokens=False).ids + [eos]
+        weights = [1.0] * len(ids)
+        if ex.answer:
+            n_answer = len(tokenizer.encode(ex.answer, add_special_tokens=False).ids)
+            weights[-1 - n_answer:-1] = [answer_weight] * n_answer
+            yield ids[-max_len:], weights[-max_len:]
+        else:
+            yield ids[:max_len], weights[:max_len]
+
+
+# =========================================================================== forward
+def _packed(tokens: jax.Array, segs: jax.Array, positions: jax.Array) -> mdl.PackedBatch:
+    """Flatten [B, S] rows into the inference model's packed batch (no scoring rows)."""
+    flat = lambda a: a.reshape(-1)
+    empty = jnp.zeros((1,), jnp.int32)
+    return mdl.PackedBatch(tokens=flat(tokens), positions=flat(positions),
+                           segment_ids=flat(segs), score_positions=empty,
+                           score_token_ids=empty[:, None])
+
+
+def routed_moe(p: dict[str, jax.Array], x: jax.Array, valid: jax.Array, cfg: ModelConfig
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MoE residual on x [T, d] through the inference stages (``moejax.moe``: permute,
+    grouped expert matmuls, combine), with the router probabilities kept for the loss.
+
+    ``ragged_dot`` is the expert implementation because it is differentiable (the tiled
+    kernels loop over dynamic bounds, which reverse-mode autodiff cannot do).
+    Returns (x + moe(norm(x)), load-balancing loss, top-k choice counts [E] over valid tokens).
+    """
+    h = mdl.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    probs = jax.nn.softmax(jnp.dot(h, p["router"], preferred_element_type=jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:   # as moe.route
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    routing = moe.Routing(weights=weights, experts=experts.astype(jnp.int32))
+    perm = moe.permute(h, routing, cfg.num_experts, valid)
+    y_sorted = moe.expert_compute(perm, p["w_gate"], p["w_up"], p["w_down"], impl="ragged_dot")
+    out = moe.combine(y_sorted, perm, routing, valid)
+    # Switch/Qwen balance loss over real tokens: E * sum_e f_e * P_e (1.0 when uniform);
+    # f_e (a count) carries no gradient, P_e (mean router probability) does.
+    mask = valid.astype(jnp.float32)[:, None]
+    n = jnp.maximum(mask.sum(), 1.0)
+    chosen = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum(axis=1)  # [T, E]
+    counts = jnp.sum(chosen * mask, axis=0)
+    f = counts / (n * cfg.num_experts_per_tok)
+    p_mean = jnp.sum(probs * mask, axis=0) / n
+    aux = cfg.num_experts * jnp.sum(f * p_mean)
+    return x + out, aux, counts
+
+
+def train_forward(params: Params, tokens: jax.Array, segs: jax.Array, positions: jax.Array,
+                  cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logits [B*S, V] of rows [B, S], mean balance loss over layers, counts [L, E]."""
+    batch = _packed(tokens, segs, positions)
+    opts = mdl.ForwardOptions(attn_block=tokens.shape[1])
+    bias = mdl.attention.attention_bias(batch.segment_ids, opts.attn_block)
+    valid = batch.segment_ids >= 0
+    x = mdl.embed_tokens(params, batch)
+    aux_total, all_counts = 0.0, []
+    for i in range(cfg.num_layers):
+        p = mdl.layer_slice(params["layers"], i)
+        x = mdl.attention_residual(p, x, batch, bias, cfg, opts)
+        x, aux, counts = routed_moe(p, x, valid, cfg)
+        aux_total, all_counts = aux_total + aux, all_counts + [counts]
+    x = mdl.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    return logits, aux_total / cfg.num_layers, jnp.stack(all_counts)
+
+
+def next_token_loss(logits: jax.Array, tokens: jax.Array, segs: jax.Array,
+                    weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy of each token's successor within its example, and the count
+    (both weighted by the successor's ``weights`` when given)."""
+    b, s = tokens.shape
+    logits = logits.reshape(b, s, -1)[:, :-1]
+    targets = tokens[:, 1:]
+    mask = ((segs[:, :-1] == segs[:, 1:]) & (segs[:, 1:] >= 0)).astype(jnp.float32)
+    if weights is not None:
+        mask = mask * weights[:, 1:]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def loss_fn(params: Params, tokens, segs, positions, weights, cfg: ModelConfig,
+            aux_coef: float):
+    """Weighted cross-entropy + aux_coef * balance loss; also the plain cross-entropy."""
+    logits, aux, counts = train_forward(params, tokens, segs, positions, cfg)
+    total, n = next_token_loss(logits, tokens, segs, weights)
+    plain, count = next_token_loss(logits, tokens, segs)
+    objective = total / jnp.maximum(n, 1.0) + aux_coef * aux
+    return objective, (plain / jnp.maximum(count, 1.0), aux, counts)
+
+
+# =========================================================================== optimiser
+def make_optimizer(tc: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Clip, then AdamW with warm-up + cosine decay; norms are not decayed.
+
+    A short run (a test) warms up over at most a fifth of its steps."""
+    warmup = min(tc.warmup_steps, max(1, tc.steps // 5))
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tc.peak_lr, warmup_steps=warmup,
+        decay_steps=max(tc.steps, warmup + 1), end_value=tc.peak_lr * tc.final_lr_fraction)
+
+    def decay_mask(params: Params) -> Any:
+        return {key: ({n: not n.endswith("norm") for n in value} if key == "layers"
+                      else not key.endswith("norm")) for key, value in params.items()}
+
+    opt = optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay,
+                                  mask=decay_mask))
+    return opt, schedule
+
+
+def init_params(cfg: ModelConfig, seed: int) -> Params:
+    """The model's seeded init, output projections scaled down by sqrt(2L) (GPT-2 style),
+    so the residual stream starts small and deep updates stay stable."""
+    params = mdl.init_params(cfg, seed=seed, scale=0.02)
+    shrink = 1.0 / np.sqrt(2 * cfg.num_layers)
+    for name in ("wo", "w_down"):
+        params["layers"][name] = params["layers"][name] * np.float32(shrink)
+    return jax.tree_util.tree_map(jnp.asarray, params)
+
+
+# =========================================================================== evaluation
+def held_out_loss(params: Params, cfg: ModelConfig, batches: Sequence[tuple]) -> float:
+    """Token-weighted next-token cross-entropy over fixed held-out batches."""
+    total, count = 0.0, 0.0
+    for tokens, segs, positions, _ in batches:
+        logits, _, _ = _eval_forward(params, tokens, segs, positions, cfg)
+        t, n = next_token_loss(logits, tokens, segs)
+        total, count = total + float(t), count + float(n)
+    return total / max(count, 1.0)
+
+
+_eval_forward = jax.jit(train_forward, static_argnums=(4,))
+
+
+def expert_usage(params: Params, cfg: ModelConfig, tokenizer, src: corpus.Sources,
+                 seed: int, rows: int = 16, seq_len: int = 128) -> dict[str, list[list[float]]]:
+    """Per domain, the fraction of that domain's routed slots going to each expert,
+    per layer ([L][E], rows sum to 1), over held-out plain text of the domain."""
+    usage = {}
+    for d, domain in enumerate(corpus.DOMAINS):
+        rng = np.random.default_rng(seed + d)
+        texts = (corpus.plain_example(src, domain, rng) for _ in iter(int, 1))
+        batch = pack_rows(token_stream(tokenizer, texts, seq_len), rows, seq_len)
+        _, _, counts = _eval_forward(params, *batch[:3], cfg)
+        counts = np.asarray(counts)
+        usage[domain] = (counts / counts.sum(axis=1, keepdims=True)).round(4).tolist()
+    return usage
+
+
+def usage_summary(usage: dict[str, list[list[float]]]) -> dict[str, Any]:
+    """Per layer: each domain's most used expert and its share, and the share of
+    routed slots the domain sends to experts that are its own top choice among domains."""
+    arr = np.array([usage[d] for d in corpus.DOMAINS])                       # [D, L, E]
+    layers = []
+    for layer in range(arr.shape[1]):
+        per = arr[:, layer]
+        layers.append({d: {"top_expert": int(per[i].argmax()), "share": round(float(per[i].max()), 3)}
+                       for i, d in enumerate(corpus.DOMAINS)})
+    # Mean total-variation distance between two domains' expert distributions, per layer:
+    # 0 = every domain uses the experts alike, 1 = disjoint experts.
+    tv = [round(float(np.mean([0.5 * np.abs(arr[i, l] - arr[j, l]).sum()
+                               for i in range(len(arr)) for j in range(i + 1, len(arr))])), 3)
+          for l in range(arr.shape[1])]
+    return {"top_expert_by_layer": layers, "mean_pairwise_tv_distance_by_layer": tv}
+
+
+# =========================================================================== export
+def params_to_hf(params: Params, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """HF-named tensors (per-expert spelling) of ``params``: the loader's plan run backwards."""
+    host = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), params)
+    out = {}
+    for slot in hf_tensor_plan(cfg, set()):
+        (write,) = slot.writes
+        leaf = host
+        for key in write.key:
+            leaf = leaf[key]
+        # The plan's transforms (identity, or a swap of the last two axes) are involutions,
+        # so the transform that loads a tensor also maps the param slice back. (Comparing
+        # shapes instead would miss the swap of square matrices.)
+        tensor = write.transform(leaf[write.index])
+        if tensor.shape != slot.shape:
+            raise RuntimeError(f"{slot.name}: param slice maps to {tensor.shape}, "
+                               f"expected {slot.shape}")
+        out[slot.name] = np.ascontiguousarray(tensor).astype(dtype)
+    return out
+
+
+def save_model_dir(out_dir: str, params: Params, hf_config: dict[str, Any], tokenizer,
+                   notice: str) -> None:
+    """Write config.json, tokenizer.json and model.safetensors (bfloat16) into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = from_hf_dict(hf_config)
+    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(hf_config, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    write_safetensors(os.path.join(out_dir, "model.safetensors"),
+                      params_to_hf(params, cfg, np.dtype(ml_dtypes.bfloat16)),
+                      metadata={"format": "pt", "notice": notice})
+
+
+# =========================================================================== training
+def train(hf_config: dict[str, Any], tc: TrainConfig, tokenizer, src_train: corpus.Sources,
+          src_eval: corpus.Sources, progress: bool = True, *, init: Params | None = None,
+          mixture: dict[str, float] | None = None, answer_weight: float = 1.0,
+          stream_seed: int | None = None) -> tuple[Params, dict[str, Any]]:
+    """Run ``tc.steps`` steps from ``init`` (default: the seeded init) on ``mixture``
+    (default :data:`corpus.MIXTURE`); returns the params and the log."""
+    cfg = from_hf_dict(hf_config)
+    params = init_params(cfg, tc.seed) if init is None else init
+    seed = tc.seed if stream_seed is None else stream_seed
+    opt, schedule = make_optimizer(tc)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens, segs, positions, weights):
+        grads, (ce, aux, counts) = jax.grad(loss_fn, has_aux=True)(
+            params, tokens, segs, positions, weights, cfg, tc.aux_coef)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, ce, aux, optax.tree.norm(grads), counts
+
+    train_tokens = token_stream(tokenizer, corpus.stream(src_train, seed, mixture), tc.seq_len,
+                                answer_weight)
+    eval_tokens = token_stream(tokenizer, corpus.stream(src_eval, seed + 1, mixture), tc.seq_len)
+    eval_batches = [pack_rows(eval_tokens, tc.batch_rows, tc.seq_len) for _ in range(tc.eval_batches)]
+    log: dict[str, Any] = {"curve": []}
+    start, window = time.time(), []
+    for i in range(tc.steps):
+        batch = pack_rows(train_tokens, tc.batch_rows, tc.seq_len)
+        params, opt_state, ce, aux, gnorm, counts = step(params, opt_state, *batch)
+        window.append((float(ce), float(aux)))
+        if (i + 1) % tc.log_every == 0 or i == 0 or i + 1 == tc.steps:
+            ce_m, aux_m = np.mean(window, axis=0)
+            load = np.asarray(counts, np.float64)
+            load = load / load.sum(axis=1, keepdims=True)
+            entry = {"step": i + 1, "loss": round(float(ce_m), 4), "aux": round(float(aux_m), 4),
+                     "lr": float(schedule(i)), "grad_norm": round(float(gnorm), 3),
+                     "max_expert_load": round(float(load.max()), 3),
+                     "elapsed_s": round(time.time() - start, 1)}
+            log["curve"].append(entry)
+            window = []
+            if progress:
+                print(json.dumps(entry), flush=True)
+    log["train_seconds"] = round(time.time() - start, 1)
+    log["final_train_loss"] = log["curve"][-1]["loss"]
+    log["held_out_loss"] = round(held_out_loss(params, cfg, eval_batches), 4)
+    usage = expert_usage(params, cfg, tokenizer, src_eval, tc.seed + 100)
+    log["expert_usage_by_domain"] = usage
+    log["expert_usage_summary"] = usage_summary(usage)
+    return params, log
+
+
+def _bf16_round(params: Params) -> Params:
+    """What a bfloat16 export and reload gives back (stage 2 starts from exactly that)."""
+    return jax.tree_util.tree_map(
+        lambda a: jnp.asarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16), jnp.float32),
+        params)
+
+
+def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
+        progress: bool = True, stage1_dir: str | None = None) -> dict[str, Any]:
+    """Build the tokenizer and corpus, train both stages, write the model dir and
+    ``train_log.json``. ``stage1_dir``: a previous stage-1 export (its weights and
+    ``train_log.json``) to start stage 2 from instead of training stage 1 again."""
+    from moejax import checkpoint as ck
+    from moejax import demo
+
+    hf_config = hf_config or demo.demo_config_dict()
+    tokenizer = demo.build_demo_tokenizer(hf_config["vocab_size"], tc.seed)
+    demo.check_tokenizer(tokenizer, hf_config)
+    src_train, src_eval = corpus.sources("train"), corpus.sources("eval")
+    cfg = from_hf_dict(hf_config)
+    if stage1_dir is None:
+        params, stage1 = train(hf_config, tc, tokenizer, src_train, src_eval, progress)
+        params = _bf16_round(params)
+    else:
+        if ck.load_tokenizer(stage1_dir).to_str() != tokenizer.to_str():
+            raise RuntimeError(f"{stage1_dir} was trained with another tokenizer")
+        _, loaded, _ = ck.load_model_dir(stage1_dir, "float32")
+        params = jax.tree_util.tree_map(jnp.asarray, loaded)
+        with open(os.path.join(stage1_dir, "train_log.json"), encoding="utf-8") as fh:
+            stage1 = json.load(fh)
+        stage1 = stage1.get("stage1", stage1)
+    tasks_tc = dataclasses.replace(tc, steps=tc.task_steps, peak_lr=tc.task_peak_lr)
+    params, stage2 = train(hf_config, tasks_tc, tokenizer, src_train, src_eval, progress,
+                           init=params, mixture=corpus.TASK_MIXTURE,
+                           answer_weight=tc.answer_weight, stream_seed=tc.seed + 2)
+    save_model_dir(out_dir, params, hf_config, tokenizer, demo.DEMO_NOTICE)
+    keep = ("curve", "train_seconds", "final_train_loss", "held_out_loss")
+    log = {"train_config": dataclasses.asdict(tc), "model": hf_config,
+           "parameters": int(sum(np.size(a) for a in jax.tree_util.tree_leaves(params))),
+           "routed_experts_active": f"{cfg.num_experts_per_tok} of {cfg.num_experts}",
+           "corpus": corpus.corpus_fingerprint(),
+           "mixture": {"stage1": corpus.MIXTURE, "stage2": corpus.TASK_MIXTURE},
+           "platform": {"python": platform.python_version(), "jax": jax.__version__,
+                        "machine": platform.machine()},
+           "stage1": {k: v for k, v in stage1.items() if k in keep or k.startswith("expert")},
+           "stage2": {k: v for k, v in stage2.items() if k in keep},
+           "train_seconds": round(stage1["train_seconds"] + stage2["train_seconds"], 1),
+           "final_train_loss": stage2["final_train_loss"],
+           "held_out_loss_stage1_mixture": stage1["held_out_loss"],
+           "held_out_loss": stage2["held_out_loss"],
+           "expert_usage_by_domain": stage2["expert_usage_by_domain"],
+           "expert_usage_summary": stage2["expert_usage_summary"]}
+    with open(os.path.join(out_dir, "train_log.json"), "w", encoding="utf-8") as fh:
+        json.dump(log, fh, indent=1)
+        fh.write("\n")
+    return log
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    defaults = TrainConfig()
+    ap = argparse.ArgumentParser(prog="python -m moejax.demo.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output model directory")
+    ap.add_argument("--stage1-dir", default=None,
+                    help="start stage 2 from this stage-1 export instead of training stage 1")
+    for field in dataclasses.fields(TrainConfig):
+        ap.add_argument("--" + field.name.replace("_", "-"), type=field.type if callable(field.type)
+                        else type(getattr(defaults, field.name)), default=getattr(defaults, field.name))
+    args = ap.parse_args(argv)
+    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    log = run(args.out, tc, stage1_dir=args.stage1_dir)
+    print(f"done in {log['train_seconds']} s: train loss {log['final_train_loss']}, "
+          f"held-out loss {log['held_out_loss']}; wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
