@@ -83,6 +83,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.figures import write_json  # noqa: E402
 
 FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, batches=400)
 QUICK = dict(per_domain=16, prompt_tokens=32, new_tokens=16, batches=200)
@@ -530,9 +531,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("  (ELDR: 17-21% fewer experts for task domains; correlation 0.70-0.92)")
     figures["total_seconds"] = time.perf_counter() - run_start
     print(f"total {figures['total_seconds']:.0f} s")
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(figures, fh, indent=2)
+    write_json(args.json_path, figures)
     return figures
 
 

@@ -58,7 +58,6 @@ accuracy_generate, agreement, unparsed, majority, items; and the run's settings.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -70,6 +69,7 @@ from typing import Any, Hashable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.figures import write_json  # noqa: E402
 
 from serving.requests import NormalizeOptions, PrefillOp, normalize_requests  # noqa: E402
 
@@ -350,9 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{figures['tokens_per_s_ratio']:.2f}x (the paper: 5.5x tokens/s)")
     figures["total_seconds"] = time.perf_counter() - run_start
     print(f"total {figures['total_seconds']:.0f} s")
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(figures, fh, indent=2)
+    write_json(args.json_path, figures)
     return figures
 
 
