@@ -29,7 +29,7 @@ from moejax import sampling  # noqa: E402
 from moejax.cli import main as cli_main  # noqa: E402
 from serving import GenerationResult, Generator  # noqa: E402
 
-V, D, L, HEADS, KV_HEADS, HEAD_DIM, E, K, F = 128, 32, 2, 4, 2, 8, 8, 2, 16
+from hf_tiny_models import E, K, L, V, build_torch_model as _hf_model  # noqa: E402
 LENGTHS = (5, 17, 9, 30)
 NEW = 12
 MODELS = {"qwen3": ("qwen3_moe", dict(norm_topk_prob=True, tie_word_embeddings=False), 0),
@@ -37,32 +37,6 @@ MODELS = {"qwen3": ("qwen3_moe", dict(norm_topk_prob=True, tie_word_embeddings=F
 
 
 # ----------------------------------------------------------------------------- models
-def _hf_model(kind: str, overrides: dict, seed: int):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts_per_tok=K,
-                  max_position_embeddings=128)
-    if kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(num_experts=E, moe_intermediate_size=F,
-                                          intermediate_size=2 * F, **common, **overrides)
-        hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
-    else:
-        cfg = transformers.MixtralConfig(num_local_experts=E, intermediate_size=F,
-                                         rope_theta=1e5, **common, **overrides)
-        hf = transformers.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                param.mul_(20.0)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                param.mul_(4.0)
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                param.mul_(2.0)
-    return hf
-
-
 def _word_tokenizer() -> Tokenizer:
     """"t0" .. "t127" as whole words: text prompts map to known ids and back."""
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))

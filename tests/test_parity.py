@@ -33,7 +33,7 @@ from moejax.config import load_config  # noqa: E402
 from moejax.model import ForwardOptions  # noqa: E402
 from moejax.packing import BucketPolicy, ScoringSequence, pack  # noqa: E402
 
-V, D, L, HEADS, KV_HEADS, HEAD_DIM, E, K, F = 128, 32, 2, 4, 2, 8, 8, 2, 16
+from hf_tiny_models import V, build_torch_model as _build_torch_model  # noqa: E402
 LENGTHS = (5, 17, 9, 30)
 POLICY = BucketPolicy(max_batch_tokens=64, min_block=8, min_positions=4, min_candidates=2)
 F32_TOL = 1e-4
@@ -68,39 +68,6 @@ VARIANTS = {
     "mixtral-untied": ("mixtral", dict(tie_word_embeddings=False), 4),
     "mixtral-tied": ("mixtral", dict(tie_word_embeddings=True), 5),
 }
-
-
-def _hf_config(kind: str, **overrides):
-    common = dict(vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts_per_tok=K,
-                  max_position_embeddings=128)
-    if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(num_experts=E, moe_intermediate_size=F,
-                                           intermediate_size=2 * F, **common, **overrides)
-    return transformers.MixtralConfig(num_local_experts=E, intermediate_size=F, rope_theta=1e5,
-                                      **common, **overrides)
-
-
-def _build_torch_model(kind: str, overrides: dict, seed: int):
-    torch.manual_seed(seed)
-    cls = transformers.Qwen3MoeForCausalLM if kind == "qwen3_moe" else transformers.MixtralForCausalLM
-    hf = cls(_hf_config(kind, **overrides)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                param.mul_(20.0)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                # Default init (std 0.02) gives nearly uniform attention without qk-norm;
-                # sharper scores make position/mask/rope mistakes visible for Mixtral too.
-                param.mul_(4.0)
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                # Make the MoE output a sizeable part of the residual stream (×8 overall).
-                param.mul_(2.0)
-    if overrides.get("tie_word_embeddings"):
-        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    return hf
 
 
 def _sequences(seed: int) -> list[ScoringSequence]:
