@@ -138,9 +138,12 @@ def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> str:
     """
     root = os.path.abspath(os.fspath(cache_dir) if cache_dir is not None else default_cache_root())
     final = os.path.join(root, DEMO_NAME)
-    if _complete(final):
-        return final
-    if os.path.exists(final):  # renames are atomic, so this is not a first use in progress
+    # Existence first: the directory only ever appears by an atomic rename of a complete
+    # copy, so once it exists its contents are final (checking completeness first would
+    # race with a concurrent first use renaming in between the two checks).
+    if os.path.exists(final):
+        if _complete(final):
+            return final
         raise RuntimeError(f"{final} exists but is not a complete demo model; delete it and "
                            "try again")
     os.makedirs(root, exist_ok=True)
