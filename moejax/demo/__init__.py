@@ -29,12 +29,12 @@ from moejax.config import ModelConfig, from_hf_dict
 
 DEMO_NOTICE = ("moejax demo model: a tiny toy MoE (about 2M parameters) trained here on a CPU "
                "on Python standard-library code, docstrings and licence texts, generated "
-               "arithmetic and JSON/CSV. It names the domain of a text and completes small "
-               "sums and products; its checks of claimed sums (yes/no, true/false, multiple "
-               "choice) are at chance. Try the engine with it; do not evaluate anything with "
+               "arithmetic and JSON/CSV. It names the domain of a text, completes small sums "
+               "and products and checks claimed sums (yes/no, true/false); its multiple-choice "
+               "answers are at chance. Try the engine with it; do not evaluate anything with "
                "it.")
 
-DEMO_NAME = "demo-v3"  # bump when the shipped files change, so old caches are not reused
+DEMO_NAME = "demo-v4"  # bump when the shipped files change, so old caches are not reused
 DEMO_SEED = 0
 DEMO_CONFIG_PATH = Path(__file__).resolve().parent.parent.parent / "configs" / "demo.yaml"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -131,7 +131,7 @@ def write_demo_model(out_dir: str) -> None:
 
 
 def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> str:
-    """Path of the demo model directory ``<cache>/demo-v3``, creating it on first use.
+    """Path of the demo model directory ``<cache>/demo-v4``, creating it on first use.
 
     ``cache_dir`` is the cache root (default :func:`default_cache_root`). The files are
     copied into a temporary sibling and renamed into place, so concurrent first uses are

@@ -319,6 +319,19 @@ TASK_MIXTURE: dict[str, float] = {"code": 0.03, "prose": 0.03, "math": 0.06, "da
 
 
 
+# Stages 3 and 4 ("checks"): checking a claimed sum needs a far larger share than stage 2
+# gave it before the model compares the claim with the sum it can already complete —
+# first mostly yes/no checks (stage 3), then mostly true/false claims and choices (stage 4).
+CHECK_MIXTURE: dict[str, float] = {"code": 0.02, "prose": 0.02, "math": 0.08, "data": 0.02,
+                                   "domain_question": 0.04, "arithmetic_yes_no": 0.30,
+                                   "arithmetic_claim": 0.24, "multiple_choice": 0.24,
+                                   "multi_selection": 0.04}
+CHOICE_MIXTURE: dict[str, float] = {"code": 0.02, "prose": 0.02, "math": 0.06, "data": 0.02,
+                                    "domain_question": 0.04, "arithmetic_yes_no": 0.12,
+                                    "arithmetic_claim": 0.32, "multiple_choice": 0.36,
+                                    "multi_selection": 0.04}
+
+
 @functools.lru_cache(maxsize=2)
 def sources(split: Split) -> Sources:
     """The split's :class:`Sources`, read once per process (parsing takes seconds)."""

@@ -66,6 +66,11 @@ class TrainConfig:
     task_steps: int = 1000
     task_peak_lr: float = 1e-3
     answer_weight: float = 5.0
+    # Stages 3 and 4 ("checks", corpus.CHECK_MIXTURE then corpus.CHOICE_MIXTURE): each from
+    # the previous stage's bfloat16 export, a fresh short AdamW run.
+    check_steps: int = 600
+    check_peak_lr: float = 1e-3
+    check_warmup_steps: int = 40
 
 
 # =========================================================================== batches
@@ -388,9 +393,13 @@ def _bf16_round(params: Params) -> Params:
         params)
 
 
+# (log name, mixture, stream seed offset) of the stages after stage 2.
+CHECK_STAGES = (("stage3", corpus.CHECK_MIXTURE, 7), ("stage4", corpus.CHOICE_MIXTURE, 8))
+
+
 def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
         progress: bool = True, stage1_dir: str | None = None) -> dict[str, Any]:
-    """Build the tokenizer and corpus, train both stages, write the model dir and
+    """Build the tokenizer and corpus, train every stage, write the model dir and
     ``train_log.json``. ``stage1_dir``: a previous stage-1 export (its weights and
     ``train_log.json``) to start stage 2 from instead of training stage 1 again."""
     from moejax import checkpoint as ck
@@ -416,23 +425,35 @@ def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
     params, stage2 = train(hf_config, tasks_tc, tokenizer, src_train, src_eval, progress,
                            init=params, mixture=corpus.TASK_MIXTURE,
                            answer_weight=tc.answer_weight, stream_seed=tc.seed + 2)
+    checks_tc = dataclasses.replace(tc, steps=tc.check_steps, peak_lr=tc.check_peak_lr,
+                                    warmup_steps=tc.check_warmup_steps)
+    checks = {}
+    for name, mixture, stream in CHECK_STAGES:
+        params, checks[name] = train(hf_config, checks_tc, tokenizer, src_train, src_eval,
+                                     progress, init=_bf16_round(params), mixture=mixture,
+                                     answer_weight=tc.answer_weight, stream_seed=tc.seed + stream)
+    last = checks[CHECK_STAGES[-1][0]]
     save_model_dir(out_dir, params, hf_config, tokenizer, demo.DEMO_NOTICE)
     keep = ("curve", "train_seconds", "final_train_loss", "held_out_loss")
     log = {"train_config": dataclasses.asdict(tc), "model": hf_config,
            "parameters": int(sum(np.size(a) for a in jax.tree_util.tree_leaves(params))),
            "routed_experts_active": f"{cfg.num_experts_per_tok} of {cfg.num_experts}",
            "corpus": corpus.corpus_fingerprint(),
-           "mixture": {"stage1": corpus.MIXTURE, "stage2": corpus.TASK_MIXTURE},
+           "mixture": {"stage1": corpus.MIXTURE, "stage2": corpus.TASK_MIXTURE,
+                       **{name: mixture for name, mixture, _ in CHECK_STAGES}},
            "platform": {"python": platform.python_version(), "jax": jax.__version__,
                         "machine": platform.machine()},
            "stage1": {k: v for k, v in stage1.items() if k in keep or k.startswith("expert")},
            "stage2": {k: v for k, v in stage2.items() if k in keep},
-           "train_seconds": round(stage1["train_seconds"] + stage2["train_seconds"], 1),
-           "final_train_loss": stage2["final_train_loss"],
+           **{name: {k: v for k, v in stage.items() if k in keep} for name, stage in checks.items()},
+           "train_seconds": round(stage1["train_seconds"] + stage2["train_seconds"]
+                                  + sum(stage["train_seconds"] for stage in checks.values()), 1),
+           "final_train_loss": last["final_train_loss"],
            "held_out_loss_stage1_mixture": stage1["held_out_loss"],
-           "held_out_loss": stage2["held_out_loss"],
-           "expert_usage_by_domain": stage2["expert_usage_by_domain"],
-           "expert_usage_summary": stage2["expert_usage_summary"]}
+           "held_out_loss_stage2_mixture": stage2["held_out_loss"],
+           "held_out_loss": last["held_out_loss"],
+           "expert_usage_by_domain": last["expert_usage_by_domain"],
+           "expert_usage_summary": last["expert_usage_summary"]}
     with open(os.path.join(out_dir, "train_log.json"), "w", encoding="utf-8") as fh:
         json.dump(log, fh, indent=1)
         fh.write("\n")
