@@ -17,6 +17,7 @@ invalid, gets a result with ``error`` set; the other lines are still scored.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +49,27 @@ def read_jsonl_chunks(stream, chunk_size: int) -> Iterator[list[tuple[Any, str |
             chunk = []
     if chunk:
         yield chunk
+
+
+@contextlib.contextmanager
+def jsonl_files(input_path: str, output_path: str | None) -> Iterator[tuple[Any, Any]]:
+    """(source, sink) of a JSONL command: ``-`` is stdin, None or ``-`` stdout; the files
+    opened here are closed on the way out, stdout is flushed."""
+    source = sys.stdin if input_path == "-" else open(input_path, encoding="utf-8",
+                                                      errors="surrogateescape")
+    try:
+        sink = sys.stdout if output_path in (None, "-") else open(output_path, "w",
+                                                                  encoding="utf-8")
+        try:
+            yield source, sink
+        finally:
+            if sink is sys.stdout:
+                sink.flush()
+            else:
+                sink.close()
+    finally:
+        if source is not sys.stdin:
+            source.close()
 
 
 def _scorer_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -99,33 +121,27 @@ def cmd_score(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="req", desc="scoring", file=sys.stderr)
-    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8",
-                                                      errors="surrogateescape")
-    sink = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
     count = errors = 0
     interrupted = False
     start = time.perf_counter()
     try:
-        # Chunks bound memory on files of millions of requests; results are written as
-        # each chunk finishes, in input order.
-        for chunk in read_jsonl_chunks(source, args.chunk_size):
-            for result in score_chunk(scorer, chunk):
-                sink.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
-                errors += result.error is not None
-            count += len(chunk)
-            sink.flush()
-            if bar is not None:
-                bar.update(len(chunk))
+        with jsonl_files(args.input, args.output) as (source, sink):
+            # Chunks bound memory on files of millions of requests; results are written as
+            # each chunk finishes, in input order.
+            for chunk in read_jsonl_chunks(source, args.chunk_size):
+                for result in score_chunk(scorer, chunk):
+                    sink.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                    errors += result.error is not None
+                count += len(chunk)
+                sink.flush()
+                if bar is not None:
+                    bar.update(len(chunk))
     except KeyboardInterrupt:
         # Ctrl-C: the chunks already scored are written and flushed; stop cleanly.
         interrupted = True
     finally:
         if bar is not None:
             bar.close()
-        if source is not sys.stdin:
-            source.close()
-        if sink is not sys.stdout:
-            sink.close()
     elapsed = time.perf_counter() - start
     stats = scorer.engine.stats
     rate = stats.real_tokens / elapsed if elapsed > 0 else 0.0

@@ -65,7 +65,7 @@ def generate_chunk(generator: Any, chunk: list[tuple[Any, str | None]]) -> list[
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run the ``generate`` subcommand; returns the exit status."""
-    from moejax.cli import read_jsonl_chunks
+    from moejax.cli import jsonl_files, read_jsonl_chunks
     from serving.generate import Generator
 
     refused = _scoring_only_given(args)
@@ -74,12 +74,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          f"options)")
     generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
                           trace_experts=args.trace_experts, max_batch_size=args.max_batch_size)
-    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8",
-                                                      errors="surrogateescape")
-    sink = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
     count = errors = tokens = 0
     start = time.perf_counter()
-    try:
+    with jsonl_files(args.input, args.output) as (source, sink):
         for chunk in read_jsonl_chunks(source, args.chunk_size):
             for result in generate_chunk(generator, chunk):
                 sink.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
@@ -87,11 +84,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 tokens += len(result.token_ids)
             count += len(chunk)
             sink.flush()
-    finally:
-        if source is not sys.stdin:
-            source.close()
-        if sink is not sys.stdout:
-            sink.close()
     elapsed = time.perf_counter() - start
     rate = tokens / elapsed if elapsed > 0 else 0.0
     print(f"generated {tokens} tokens for {count - errors} of {count} requests ({errors} with "

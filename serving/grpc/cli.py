@@ -121,7 +121,7 @@ def cmd_client_score(args: argparse.Namespace) -> int:
     """Stream a JSONL file through ScoreStream; results in input order."""
     import grpc
 
-    from moejax.cli import _count_lines
+    from moejax.cli import _count_lines, jsonl_files
 
     total = _count_lines(args.input)
     show_bar = args.progress if args.progress is not None else sys.stderr.isatty()
@@ -130,15 +130,12 @@ def cmd_client_score(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="req", desc=f"scoring via {args.target}", file=sys.stderr)
-    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8",
-                                                      errors="surrogateescape")
-    sink = sys.stdout if args.output in (None, "-") else open(args.output, "w", encoding="utf-8")
     pending: dict[int, Any] = {}
     written = errors = 0
     start = time.perf_counter()
     status = 0
     try:
-        with _client(args) as client:
+        with jsonl_files(args.input, args.output) as (source, sink), _client(args) as client:
             for index, result in client.stream(_items(source), timeout=args.timeout):
                 pending[index] = result
                 while written in pending:  # write in input order as results complete
@@ -157,12 +154,6 @@ def cmd_client_score(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-        if source is not sys.stdin:
-            source.close()
-        if sink is not sys.stdout:
-            sink.close()
-        else:
-            sink.flush()
     print(f"{written} results written ({errors} with errors) in "
           f"{time.perf_counter() - start:.2f}s via {args.target}"
           + ("" if status == 0 else "; stopped early, the results of the lines before are "
