@@ -24,7 +24,10 @@ shows the paths work (Pallas is interpreted there).
 JSON keys (flat): ``matmul_tflops``; per model M and token count N:
 ``{M}_{N}_{path}_tflops``, ``{M}_{N}_{path}_over_ragged_dot``,
 ``{M}_{N}_pallas_fraction_of_matmul``, ``{M}_{N}_swiglu_fused_over_separate``;
-and ``platform``, ``dtype``.
+and ``platform``, ``dtype``. With ``--sweep-tiles`` (GPU: times the Pallas kernel over
+:data:`TILE_CANDIDATES` to fill ``kernels_pallas.gmm.GMM_TILES``):
+``{M}_{N}_pallas_best_tflops``, ``{M}_{N}_pallas_best_over_table`` and
+``{M}_{N}_pallas_best_tiles`` (a string ``m128_k64_n128_w8_s3``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,11 @@ CPU_DEFAULT = (("qwen3_cpu", "mixtral_cpu"), (512, 2048))
 QUICK = (("tiny",), (256,))
 DENSE_MAX_BYTES = 4 << 30      # the one-hot path materializes [E, T·k, f] in f32
 INPUT_SETS = 2                 # rotate inputs so repeated runs do not just hit the cache
+# Tiles tried by --sweep-tiles: (block_m, block_k, block_n, num_warps, num_stages).
+TILE_CANDIDATES = ((64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 32, 128, 4, 4),
+                   (128, 64, 64, 4, 3), (128, 64, 128, 4, 3), (128, 64, 128, 8, 3),
+                   (128, 64, 128, 8, 4), (128, 32, 128, 8, 4), (128, 64, 256, 8, 3),
+                   (64, 64, 256, 8, 3), (256, 64, 128, 8, 3), (128, 128, 128, 8, 2))
 
 
 def is_gpu() -> bool:
@@ -97,7 +105,7 @@ def median_seconds(fn, input_sets, repeats: int) -> float:
     return statistics.median(times)
 
 
-def grouped_paths(shape: ExpertShape, rows: int):
+def grouped_paths(shape: ExpertShape, rows: int, skip: frozenset[str] = frozenset()):
     """name -> jitted fn(lhs, rhs, group_sizes), or name -> reason it is skipped."""
     paths = {
         "pallas": jax.jit(lambda x, w, s: pallas_gmm.gmm(x, w, s)),
@@ -121,6 +129,8 @@ def grouped_paths(shape: ExpertShape, rows: int):
     else:
         paths["dense_onehot"] = (f"needs {dense_bytes / 2**30:.0f} GiB for [E, T·k, f] "
                                  f"(> {DENSE_MAX_BYTES >> 30} GiB)")
+    for name in skip & set(paths):
+        paths[name] = "--skip"
     return paths
 
 
@@ -146,8 +156,41 @@ def matmul_tflops(dtype, size: int, repeats: int) -> float:
     return 2 * size ** 3 / median_seconds(fn, sets, repeats) / 1e12
 
 
+def tiles_name(tiles: pallas_gmm.GmmTiles) -> str:
+    return (f"m{tiles.block_m}_k{tiles.block_k}_n{tiles.block_n}_w{tiles.num_warps}"
+            f"_s{tiles.num_stages}")
+
+
+def sweep_tiles(prefix: str, sets, flops: float, dtype, repeats: int) -> dict:
+    """Time the Pallas kernel with each of :data:`TILE_CANDIDATES` (and the table's entry);
+    print them fastest first and return the best."""
+    table = pallas_gmm.tiles_for(dtype)
+    candidates = {tiles_name(table): table}
+    for m, k, n, warps, stages in TILE_CANDIDATES:
+        tiles = pallas_gmm.GmmTiles(block_m=m, block_k=k, block_n=n, num_warps=warps,
+                                    num_stages=stages)
+        candidates.setdefault(tiles_name(tiles), tiles)
+    seconds = {}
+    for name, tiles in candidates.items():
+        fn = jax.jit(lambda x, w, s, _t=tiles: pallas_gmm.gmm(x, w, s, tiles=_t))
+        try:
+            seconds[name] = median_seconds(fn, sets, repeats)
+        except Exception as exc:  # a tile that does not fit the chip (shared memory)
+            print(f"    tiles {name:<22} failed: {type(exc).__name__}: {str(exc)[:120]}")
+    ranked = sorted(seconds, key=seconds.get)
+    for name in ranked:
+        mark = "  (table)" if name == tiles_name(table) else ""
+        print(f"    tiles {name:<22} {seconds[name] * 1e3:9.3f} ms "
+              f"{flops / seconds[name] / 1e12:8.1f} TFLOP/s{mark}")
+    best = ranked[0]
+    return {f"{prefix}_pallas_best_tiles": best,
+            f"{prefix}_pallas_best_tflops": flops / seconds[best] / 1e12,
+            f"{prefix}_pallas_best_over_table": seconds[tiles_name(table)] / seconds[best]}
+
+
 def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
-                matmul_rate: float) -> dict:
+                matmul_rate: float, sweep: bool = False,
+                skip: frozenset[str] = frozenset()) -> dict:
     rows = tokens * shape.top_k
     sizes = jnp.asarray(routed_group_sizes(tokens, shape, seed=tokens))
     rng = np.random.default_rng(1)
@@ -164,7 +207,7 @@ def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
     figures, seconds = {}, {}
     print(f"\n{name} d={shape.hidden} f={shape.intermediate} E={shape.experts} "
           f"k={shape.top_k}, {tokens} tokens ({rows} rows, {flops / 1e9:.2f} GFLOP routed)")
-    for path, fn in grouped_paths(shape, rows).items():
+    for path, fn in grouped_paths(shape, rows, skip).items():
         if isinstance(fn, str):
             print(f"  {path:<13} skipped: {fn}")
             continue
@@ -186,6 +229,8 @@ def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
     figures[f"{prefix}_swiglu_fused_over_separate"] = separate / fused
     print(f"  gate/up+SiLU: fused kernel {fused * 1e3:.3f} ms, two GEMMs + SiLU "
           f"{separate * 1e3:.3f} ms ({separate / fused:.2f}×)")
+    if sweep:
+        figures.update(sweep_tiles(prefix, sets, flops, dtype, repeats))
     return figures
 
 
@@ -198,6 +243,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 "
                                                       "(CPU default)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--sweep-tiles", action="store_true",
+                        help="also time the Pallas kernel over TILE_CANDIDATES per shape")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated paths not to time (e.g. jax_tiles,dense_onehot)")
     args = parser.parse_args(argv)
 
     gpu = is_gpu()
@@ -207,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
         unknown = [m for m in models if m not in MODELS]
         if unknown:
             parser.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+    skip = frozenset(filter(None, args.skip.split(",")))
+    if skip & {"pallas", "ragged_dot"}:
+        parser.error("--skip: pallas and ragged_dot are always timed (ragged_dot is the reference)")
     if args.tokens:
         token_counts = tuple(int(t) for t in args.tokens.split(","))
     dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
@@ -223,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     for model in models:
         for tokens in token_counts:
             figures.update(bench_shape(model, MODELS[model], tokens, dtype, repeats,
-                                       matmul_rate))
+                                       matmul_rate, args.sweep_tiles, skip))
     write_json(args.json_path, figures)
     return figures
 

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every GPU-only measurement of moejax, for a lent GPU machine (one call per part, each
+# well inside ten minutes). Run from the repository root:
+#
+#     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped-GEMM benchmark
+#     bash benchmarks/gpu_suite.sh OUT_DIR serving   # tile sweep, METRO kernel, backends
+#
+# Writes OUT_DIR/suite.log (every step's output) and one JSON per benchmark; prints each
+# step's exit status and the end of its output. Uses the machine's own JAX (no install).
+set -u
+out=${1:?usage: gpu_suite.sh OUT_DIR kernels|serving}
+part=${2:?usage: gpu_suite.sh OUT_DIR kernels|serving}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
+log=$out/suite.log
+
+step() {   # step NAME SECONDS COMMAND...: run with a time limit, keep the output
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name: $*" >>"$log"
+    timeout "$limit" "$@" >>"$log.part" 2>&1
+    rc=$?
+    cat "$log.part" >>"$log"
+    echo "=== $name: rc=$rc, $(( $(date +%s) - start )) s" | tee -a "$log"
+    tail -n "${TAIL:-25}" "$log.part"
+    rm -f "$log.part"
+}
+
+case $part in
+kernels)
+    step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
+        python3 -c "import jax, jaxlib, sys; print(sys.version); print(jax.__version__, jax.devices())"'
+    step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+        tests/test_gmm_kernel.py tests/test_metro.py tests/test_moe.py tests/test_overlap.py
+    step gmm 330 python3 benchmarks/gmm.py --json "$out/gmm.json" --repeats 10
+    ;;
+serving)
+    step gmm_tiles 220 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
+        --sweep-tiles --skip jax_tiles,dense_onehot --repeats 10 --json "$out/gmm_tiles.json"
+    step metro 120 python3 benchmarks/metro_quality.py --json "$out/metro.json"
+    step backends 270 python3 benchmarks/backends.py --backends resident,offload \
+        --json "$out/backends.json"
+    ;;
+*)
+    echo "unknown part $part (kernels or serving)" >&2
+    exit 2
+    ;;
+esac
