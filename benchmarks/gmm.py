@@ -24,7 +24,9 @@ shows the paths work (Pallas is interpreted there).
 JSON keys (flat): ``matmul_tflops``; per model M and token count N:
 ``{M}_{N}_{path}_tflops``, ``{M}_{N}_{path}_over_ragged_dot``,
 ``{M}_{N}_pallas_fraction_of_matmul``, ``{M}_{N}_swiglu_fused_over_separate``;
-and ``platform``, ``dtype``. With ``--sweep-tiles`` (GPU: times the Pallas kernel over
+and ``platform``, ``dtype``. A path that fails (``ragged_dot`` materializes the dense
+``[E, T·k, f]`` product on GPUs and runs out of memory at large shapes) is recorded as
+``{M}_{N}_{path}_failed`` with the error's first line, and has no ratio. With ``--sweep-tiles`` (GPU: times the Pallas kernel over
 :data:`TILE_CANDIDATES` to fill ``kernels_pallas.gmm.GMM_TILES``):
 ``{M}_{N}_pallas_best_tflops``, ``{M}_{N}_pallas_best_over_table`` and
 ``{M}_{N}_pallas_best_tiles`` (a string ``m128_k64_n128_w8_s3``).
@@ -211,13 +213,23 @@ def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
         if isinstance(fn, str):
             print(f"  {path:<13} skipped: {fn}")
             continue
-        seconds[path] = median_seconds(fn, sets, repeats)
+        try:
+            seconds[path] = median_seconds(fn, sets, repeats)
+        except jax.errors.JaxRuntimeError as exc:   # ragged_dot's dense product can OOM
+            reason = str(exc).split("\n")[0][:160]
+            figures[f"{prefix}_{path}_failed"] = reason
+            print(f"  {path:<13} failed: {reason}")
+            continue
         figures[f"{prefix}_{path}_tflops"] = flops / seconds[path] / 1e12
+    reference = seconds.get("ragged_dot")
     for path, t in seconds.items():
-        ratio = seconds["ragged_dot"] / t
-        figures[f"{prefix}_{path}_over_ragged_dot"] = ratio
-        print(f"  {path:<13} {t * 1e3:10.3f} ms  {flops / t / 1e12:8.3f} TFLOP/s  "
-              f"{ratio:6.2f}× ragged_dot")
+        line = f"  {path:<13} {t * 1e3:10.3f} ms  {flops / t / 1e12:8.3f} TFLOP/s"
+        if reference is not None:
+            figures[f"{prefix}_{path}_over_ragged_dot"] = reference / t
+            line += f"  {reference / t:6.2f}× ragged_dot"
+        print(line)
+    if "pallas" not in seconds:
+        return figures
     figures[f"{prefix}_pallas_fraction_of_matmul"] = (
         figures[f"{prefix}_pallas_tflops"] / matmul_rate)
     print(f"  pallas at {figures[f'{prefix}_pallas_fraction_of_matmul']:.0%} of the dense "

@@ -235,7 +235,7 @@ def test_two_level_plan_covers_each_routed_row_once(full_rows, rest_rows):
 
 
 # ----------------------------------------------------------------------------- routing / block
-T_TOK, D_MODEL, F_EXP, K_TOP = 11, 16, 8, 2
+T_TOK, D_MODEL, F_EXP, K_TOP = 11, 16, 16, 2   # d, f multiples of 16: Pallas on GPU needs it
 
 
 def _moe_weights(seed: int = 0):
