@@ -2,8 +2,8 @@
 # Every GPU-only measurement of moejax, for a lent GPU machine (one call per part, each
 # well inside ten minutes). Run from the repository root:
 #
-#     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped-GEMM benchmark
-#     bash benchmarks/gpu_suite.sh OUT_DIR serving   # tile sweep, METRO kernel, backends
+#     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped GEMM, tile sweep
+#     bash benchmarks/gpu_suite.sh OUT_DIR serving   # METRO kernel, resident vs offload
 #
 # Writes OUT_DIR/suite.log (every step's output) and one JSON per benchmark; prints each
 # step's exit status and the end of its output. Uses the machine's own JAX (no install).
@@ -29,17 +29,17 @@ step() {   # step NAME SECONDS COMMAND...: run with a time limit, keep the outpu
 
 case $part in
 kernels)
-    step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
+    step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
         python3 -c "import jax, jaxlib, sys; print(sys.version); print(jax.__version__, jax.devices())"'
-    step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+    step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts= \
         tests/test_gmm_kernel.py tests/test_metro.py tests/test_moe.py tests/test_overlap.py
-    step gmm 330 python3 benchmarks/gmm.py --json "$out/gmm.json" --repeats 10
+    step gmm 280 python3 benchmarks/gmm.py --json "$out/gmm.json" --repeats 5
+    step gmm_tiles 170 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
+        --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
     ;;
 serving)
-    step gmm_tiles 220 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
-        --sweep-tiles --skip jax_tiles,dense_onehot --repeats 10 --json "$out/gmm_tiles.json"
     step metro 120 python3 benchmarks/metro_quality.py --json "$out/metro.json"
-    step backends 270 python3 benchmarks/backends.py --backends resident,offload \
+    step backends 400 python3 benchmarks/backends.py --backends resident,offload \
         --json "$out/backends.json"
     ;;
 *)
