@@ -29,7 +29,8 @@ and ``platform``, ``dtype``. A path that fails (``ragged_dot`` materializes the 
 ``{M}_{N}_{path}_failed`` with the error's first line, and has no ratio. With ``--sweep-tiles`` (GPU: times the Pallas kernel over
 :data:`TILE_CANDIDATES` to fill ``kernels_pallas.gmm.GMM_TILES``):
 ``{M}_{N}_pallas_best_tflops``, ``{M}_{N}_pallas_best_over_table`` and
-``{M}_{N}_pallas_best_tiles`` (a string ``m128_k64_n128_w8_s3``).
+``{M}_{N}_pallas_best_tiles`` (a string ``m128_k64_n128_w8_s3``), and the same three for
+the fused kernel under ``{M}_{N}_swiglu_pallas_best_*``.
 """
 
 from __future__ import annotations
@@ -164,10 +165,13 @@ def tiles_name(tiles: pallas_gmm.GmmTiles) -> str:
             f"_s{tiles.num_stages}")
 
 
-def sweep_tiles(prefix: str, sets, flops: float, dtype, repeats: int) -> dict:
-    """Time the Pallas kernel with each of :data:`TILE_CANDIDATES` (and the table's entry);
-    print them fastest first and return the best."""
-    table = pallas_gmm.tiles_for(dtype)
+def sweep_tiles(prefix: str, sets, flops: float, dtype, repeats: int,
+                kernel: str = "gmm") -> dict:
+    """Time a Pallas kernel (``gmm`` or the fused ``swiglu``) with each of
+    :data:`TILE_CANDIDATES` (and the table's entry); print them fastest first and return
+    the best."""
+    table = pallas_gmm.tiles_for(dtype, kernel=kernel)
+    run = pallas_gmm.gmm if kernel == "gmm" else pallas_gmm.gmm_swiglu
     candidates = {tiles_name(table): table}
     for m, k, n, warps, stages in TILE_CANDIDATES:
         tiles = pallas_gmm.GmmTiles(block_m=m, block_k=k, block_n=n, num_warps=warps,
@@ -175,7 +179,7 @@ def sweep_tiles(prefix: str, sets, flops: float, dtype, repeats: int) -> dict:
         candidates.setdefault(tiles_name(tiles), tiles)
     seconds = {}
     for name, tiles in candidates.items():
-        fn = jax.jit(lambda x, w, s, _t=tiles: pallas_gmm.gmm(x, w, s, tiles=_t))
+        fn = jax.jit(lambda *args, _t=tiles: run(*args, tiles=_t))
         try:
             seconds[name] = median_seconds(fn, sets, repeats)
         except Exception as exc:  # a tile that does not fit the chip (shared memory)
@@ -243,7 +247,11 @@ def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
     print(f"  gate/up+SiLU: fused kernel {fused * 1e3:.3f} ms, two GEMMs + SiLU "
           f"{separate * 1e3:.3f} ms ({separate / fused:.2f}×)")
     if sweep:
+        print("  tile sweep, grouped GEMM:")
         figures.update(sweep_tiles(prefix, sets, flops, dtype, repeats))
+        print("  tile sweep, fused gate/up kernel:")
+        figures.update(sweep_tiles(f"{prefix}_swiglu", swiglu_sets, 2 * flops, dtype, repeats,
+                                   kernel="swiglu"))
     return figures
 
 

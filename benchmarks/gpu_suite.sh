@@ -38,11 +38,11 @@ kernels)
         --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
     ;;
 serving)
-    step gmm_tiles 150 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
-        --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
-    step metro 120 python3 benchmarks/metro_quality.py --json "$out/metro.json"
-    step backends 330 python3 benchmarks/backends.py --backends resident,offload \
+    step backends 300 python3 benchmarks/backends.py --backends resident,offload \
         --json "$out/backends.json"
+    step gmm_tiles 200 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
+        --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
+    step metro 90 python3 benchmarks/metro_quality.py --json "$out/metro.json"
     ;;
 *)
     echo "unknown part $part (kernels or serving)" >&2

@@ -20,7 +20,8 @@ Two kernels share that structure:
 Inputs may be f32 or bf16; accumulation is f32 (f32 products at full precision,
 not TF32). On NVIDIA GPUs the kernels lower through the Triton backend of
 Pallas; elsewhere they run under ``interpret=True`` (slow: for tests).
-Tile sizes come from :data:`GMM_TILES`, keyed by device and dtype.
+Tile sizes come from :data:`GMM_TILES` (and :data:`SWIGLU_TILES` for the fused kernel),
+keyed by device and dtype.
 """
 
 from __future__ import annotations
@@ -54,11 +55,9 @@ class GmmTiles:
                 raise ValueError(f"GmmTiles.{name} must be a power of two, got {value}")
 
 
-# Keyed by (platform, dtype name). The GPU entries follow the usual Hopper/Ampere
-# Triton matmul shapes (128×128 output tile, 64-deep K steps for bf16); they have
-# not been swept on a GPU yet (docs/PERF.md says which were measured). The CPU
-# entries only matter for interpret-mode tests: large blocks keep the number of
-# interpreted programs small.
+# Keyed by (platform, dtype name). The CPU entries only matter for interpret-mode tests:
+# large blocks keep the number of interpreted programs small. The GPU float32 entry is
+# untuned (float32 is the parity path, not the fast one).
 GMM_TILES: dict[tuple[str, str], GmmTiles] = {
     # bf16/f16: fastest of benchmarks/gmm.py --sweep-tiles on an H100 (2026-11-22; Qwen3-30B-A3B
     # and Mixtral expert shapes at 16K tokens: 1.56-1.59x the m128_n128 tiles used before).
@@ -71,13 +70,28 @@ GMM_TILES: dict[tuple[str, str], GmmTiles] = {
 }
 
 
+# The fused gate/up kernel keeps two accumulators and streams two weight tiles, so it
+# needs about twice the shared memory of the plain GEMM at the same tiles: m128_n256 asks
+# an H100 for 256 KiB (it has 227). Entries here override GMM_TILES for that kernel.
+SWIGLU_TILES: dict[tuple[str, str], GmmTiles] = {
+    ("gpu", "bfloat16"): GmmTiles(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=3),
+    ("gpu", "float16"): GmmTiles(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=3),
+}
+KERNELS = ("gmm", "swiglu")
+
+
 def _platform() -> str:
     return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
 
 
-def tiles_for(dtype, platform: str | None = None) -> GmmTiles:
-    """The tuned tiles for a dtype on a platform (``gpu`` / ``cpu``; default: this one)."""
+def tiles_for(dtype, platform: str | None = None, kernel: str = "gmm") -> GmmTiles:
+    """The tuned tiles for a dtype on a platform (``gpu`` / ``cpu``; default: this one),
+    for the plain grouped GEMM (``kernel="gmm"``) or the fused gate/up kernel (``"swiglu"``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
     key = (platform or _platform(), jnp.dtype(dtype).name)
+    if kernel == "swiglu" and key in SWIGLU_TILES:
+        return SWIGLU_TILES[key]
     if key not in GMM_TILES:
         raise ValueError(f"no grouped-GEMM tiles for {key}; known: {sorted(GMM_TILES)}")
     return GMM_TILES[key]
@@ -187,8 +201,8 @@ def _check_operands(name: str, lhs: jax.Array, group_sizes: jax.Array, *weights:
 
 
 def _resolve(lhs: jax.Array, out_cols: int, tiles: GmmTiles | None,
-             interpret: bool | None) -> tuple[GmmTiles, bool]:
-    tiles = tiles or tiles_for(lhs.dtype)
+             interpret: bool | None, kernel: str = "gmm") -> tuple[GmmTiles, bool]:
+    tiles = tiles or tiles_for(lhs.dtype, kernel=kernel)
     if interpret is None:
         interpret = _platform() != "gpu"
     depth = lhs.shape[1]
@@ -286,7 +300,7 @@ def gmm_swiglu(lhs: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: 
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gmm_swiglu: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
     out_cols = w_gate.shape[2]
-    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret)
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu")
     return _launch(_swiglu_kernel, lhs, (w_gate, w_up), group_sizes, out_cols, tiles,
                    interpret, out, up_col_offset=0)
 
@@ -301,6 +315,6 @@ def gmm_swiglu_stacked(lhs: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Ar
         raise ValueError(f"gmm_swiglu_stacked: w_gate_up's last dim must be 2f, got "
                          f"{w_gate_up.shape[2]}")
     out_cols = w_gate_up.shape[2] // 2
-    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret)
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu")
     return _launch(_swiglu_kernel, lhs, (w_gate_up, w_gate_up), group_sizes, out_cols, tiles,
                    interpret, out, up_col_offset=out_cols)

@@ -153,7 +153,8 @@ def test_kernels_lower_for_nvidia_gpus(dtype):
 
 def fn_gpu(fn, x, *weights_and_sizes):
     *weights, sizes = weights_and_sizes
-    tiles = kernels.tiles_for(x.dtype, platform="gpu")
+    kernel = "swiglu" if fn is kernels.gmm_swiglu else "gmm"
+    tiles = kernels.tiles_for(x.dtype, platform="gpu", kernel=kernel)
     return fn(x, *weights, sizes, interpret=False, tiles=tiles)
 
 
@@ -197,3 +198,16 @@ def test_moe_expert_compute_pallas_equals_fused_tiles():
     tiles = moe.expert_compute(perm, w_gate, w_up, w_down, impl="fused_tiles", tile_rows=8)
     np.testing.assert_allclose(np.asarray(pallas), np.asarray(tiles), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(pallas)[sizes.sum():] == 0.0)
+
+
+def test_swiglu_tiles_fit_a_hopper_block():
+    """The fused kernel double-buffers two weight tiles and holds two accumulators; its GPU
+    tiles must stay under the 227 KiB of shared memory an H100 block may use (n256 tiles
+    asked for 256 KiB there and failed)."""
+    for dtype in ("bfloat16", "float16"):
+        t = kernels.tiles_for(dtype, platform="gpu", kernel="swiglu")
+        item = jnp.dtype(dtype).itemsize
+        staged = t.num_stages * (t.block_m * t.block_k + 2 * t.block_k * t.block_n) * item
+        assert staged <= 227 * 1024, (dtype, t, staged)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels.tiles_for("bfloat16", platform="gpu", kernel="down")
