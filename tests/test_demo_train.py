@@ -128,3 +128,46 @@ def test_export_round_trips_through_the_loader(tmp_path, tokenizer, tiny_run):
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(loaded)):
         # bfloat16 storage: 8 bits of mantissa
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-2, atol=1e-6)
+
+
+def test_stages_in_order_with_their_own_streams():
+    plan = train.stages(train.TrainConfig())
+    assert [stage.name for stage in plan] == [f"stage{i}" for i in range(1, 7)]
+    assert len({stage.stream_offset for stage in plan}) == len(plan)
+    assert 1 not in {stage.stream_offset for stage in plan}   # seed + 1: held-out loss stream
+    for stage in plan:
+        assert abs(sum(stage.mixture.values()) - 1.0) < 1e-9, stage.name
+        assert set(stage.mixture) <= set(corpus.TASKS) | set(corpus.DOMAINS), stage.name
+        assert stage.steps > 0 and stage.peak_lr > 0 and stage.warmup_steps < stage.steps
+
+
+def test_run_checks_its_stage_arguments(tmp_path):
+    tc = train.TrainConfig(steps=2)
+    with pytest.raises(ValueError, match="unknown stage 'stage9'"):
+        train.run(str(tmp_path), tc, start_stage="stage9", progress=False)
+    with pytest.raises(ValueError, match="stage5 needs init_dir .*stage4"):
+        train.run(str(tmp_path), tc, start_stage="stage5", progress=False)
+
+
+@pytest.mark.parametrize("task", ["multiple_choice", "option_lookup"])
+def test_choice_items_are_the_apis_choice_rendering(task):
+    """Training text of the choice tasks is exactly what a kind "choice" request renders."""
+    from serving import requests as rq
+
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        ex = corpus.TASKS[task](corpus.sources("train"), rng)
+        question, rest = ex.prompt.split("\n", 1)
+        options = [line.split(". ", 1)[1] for line in rest.split("\n")[:-1]]
+        req = rq.parse_request({"kind": "choice", "prompt": question, "candidates": options}, 0)
+        assert rq._choice_prompt(req, rq.NormalizeOptions()) == ex.prompt
+        assert ex.answer in ex.candidates and ex.text == ex.prompt + ex.answer
+
+
+def test_lookup_drill_asks_every_option_once():
+    ex = corpus.lookup_drill_task(corpus.sources("train"), np.random.default_rng(4))
+    lines = ex.text.split("\n")
+    assert lines[0] == "Options:" and len(lines) == 9
+    options = dict(line.split(". ") for line in lines[1:5])
+    asked = dict(reversed(line.split(" is ")) for line in lines[5:])
+    assert asked == options and not ex.answer   # plain text: every token counts alike

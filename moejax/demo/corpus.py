@@ -284,6 +284,32 @@ def choice_task(src: Sources, rng: np.random.Generator) -> Example:
                    tuple(" " + x for x in LETTERS))
 
 
+def option_lookup_task(src: Sources, rng: np.random.Generator) -> Example:
+    """A kind "choice" request that names the option's value: ``Which option is 21?``.
+
+    It isolates the step a multiple-choice answer needs besides the sum (find the line
+    holding a value, answer its letter), which the model did not learn from choice items
+    alone (stage 4 left them at chance)."""
+    a, b = _operands(rng, src.split)
+    options = choice_options(rng, a + b)
+    target = options[int(rng.integers(4))]
+    lines = "\n".join(f"{letter}. {value}" for letter, value in zip(LETTERS, options))
+    prompt = f"Which option is {target}?\n{lines}\nAnswer:"
+    answer = " " + LETTERS[options.index(target)]
+    return Example("option_lookup", "math", prompt + answer, prompt, answer,
+                   tuple(" " + x for x in LETTERS))
+
+
+def lookup_drill_task(src: Sources, rng: np.random.Generator) -> Example:
+    """Plain text: an option list, then every option's value asked back in a random order
+    (``21 is B``) -- four value-to-letter lookups per item instead of one answer token."""
+    a, b = _operands(rng, src.split)
+    options = choice_options(rng, a + b)
+    lines = "\n".join(f"{letter}. {value}" for letter, value in zip(LETTERS, options))
+    asks = "\n".join(f"{options[i]} is {LETTERS[i]}" for i in rng.permutation(4))
+    return Example("lookup_drill", "math", f"Options:\n{lines}\n{asks}")
+
+
 def multi_task(src: Sources, rng: np.random.Generator) -> Example:
     """One binary sibling of a kind "multi" request: is ``candidate`` among the domains
     of a text that joins one or two domains' snippets?"""
@@ -302,7 +328,8 @@ def multi_task(src: Sources, rng: np.random.Generator) -> Example:
 TASKS: dict[str, Callable[[Sources, np.random.Generator], Example]] = {
     "domain_question": domain_task, "arithmetic_yes_no": yes_no_task,
     "arithmetic_claim": claim_task, "multiple_choice": choice_task,
-    "multi_selection": multi_task}
+    "multi_selection": multi_task, "option_lookup": option_lookup_task,
+    "lookup_drill": lookup_drill_task}
 
 # Mixture of the training stream: plain text of each domain, then each task.
 MIXTURE: dict[str, float] = {"code": 0.08, "prose": 0.08, "math": 0.10, "data": 0.04,
@@ -330,6 +357,20 @@ CHOICE_MIXTURE: dict[str, float] = {"code": 0.02, "prose": 0.02, "math": 0.06, "
                                     "domain_question": 0.04, "arithmetic_yes_no": 0.12,
                                     "arithmetic_claim": 0.32, "multiple_choice": 0.36,
                                     "multi_selection": 0.04}
+
+
+# Stages 5 and 6: multiple choice needs the value -> letter lookup as well as the sum.
+# Stage 5 adds lookup requests (option_lookup); stage 6 adds lookup drills (four lookups per
+# item). The key order is part of the stream (the seeded draw indexes this list).
+LOOKUP_MIXTURE: dict[str, float] = {"code": 0.02, "prose": 0.02, "math": 0.06, "data": 0.02,
+                                    "domain_question": 0.04, "arithmetic_yes_no": 0.08,
+                                    "arithmetic_claim": 0.08, "multiple_choice": 0.44,
+                                    "option_lookup": 0.2, "multi_selection": 0.04}
+DRILL_MIXTURE: dict[str, float] = {"code": 0.02, "prose": 0.02, "math": 0.04, "data": 0.02,
+                                   "domain_question": 0.03, "arithmetic_yes_no": 0.05,
+                                   "arithmetic_claim": 0.05, "multiple_choice": 0.3,
+                                   "option_lookup": 0.14, "lookup_drill": 0.3,
+                                   "multi_selection": 0.03}
 
 
 @functools.lru_cache(maxsize=2)

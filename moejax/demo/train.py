@@ -71,6 +71,13 @@ class TrainConfig:
     check_steps: int = 600
     check_peak_lr: float = 1e-3
     check_warmup_steps: int = 40
+    # Stage 5 (corpus.LOOKUP_MIXTURE, the check stages' learning rate) and stage 6
+    # (corpus.DRILL_MIXTURE): multiple choice needs the value -> letter lookup, which
+    # choice items alone did not teach.
+    lookup_steps: int = 1500
+    drill_steps: int = 2000
+    drill_peak_lr: float = 2e-3
+    drill_warmup_steps: int = 100
 
 
 # =========================================================================== batches
@@ -393,64 +400,125 @@ def _bf16_round(params: Params) -> Params:
         params)
 
 
-# (log name, mixture, stream seed offset) of the stages after stage 2.
-CHECK_STAGES = (("stage3", corpus.CHECK_MIXTURE, 7), ("stage4", corpus.CHOICE_MIXTURE, 8))
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One training stage: ``steps`` AdamW steps (fresh optimiser state, its own warm-up and
+    cosine decay) on ``mixture``, from the previous stage's bfloat16 export (stage 1: from
+    the seeded init). The stream seed is ``TrainConfig.seed + stream_offset``."""
+
+    name: str
+    mixture: dict[str, float]
+    stream_offset: int
+    steps: int
+    peak_lr: float
+    warmup_steps: int
+    answer_weight: float
+
+
+def stages(tc: TrainConfig) -> tuple[Stage, ...]:
+    """Every stage of the demo's training, in order.
+
+    1. the mixed corpus; 2. task-heavy (answer tokens weigh ``answer_weight``); 3-4. the
+    sum checks (``corpus.CHECK_MIXTURE``, ``corpus.CHOICE_MIXTURE``); 5. the option lookup
+    that multiple choice needs (``corpus.LOOKUP_MIXTURE``); 6. lookup drills at a higher
+    learning rate (``corpus.DRILL_MIXTURE``).
+    """
+    late = dict(answer_weight=tc.answer_weight)
+    checks = dict(steps=tc.check_steps, peak_lr=tc.check_peak_lr,
+                  warmup_steps=tc.check_warmup_steps, **late)
+    return (
+        Stage("stage1", corpus.MIXTURE, 0, tc.steps, tc.peak_lr, tc.warmup_steps, 1.0),
+        Stage("stage2", corpus.TASK_MIXTURE, 2, tc.task_steps, tc.task_peak_lr,
+              tc.warmup_steps, tc.answer_weight),
+        Stage("stage3", corpus.CHECK_MIXTURE, 7, **checks),
+        Stage("stage4", corpus.CHOICE_MIXTURE, 8, **checks),
+        Stage("stage5", corpus.LOOKUP_MIXTURE, 9, tc.lookup_steps, tc.check_peak_lr,
+              tc.check_warmup_steps, tc.answer_weight),
+        Stage("stage6", corpus.DRILL_MIXTURE, 10, tc.drill_steps, tc.drill_peak_lr,
+              tc.drill_warmup_steps, tc.answer_weight),
+    )
+
+
+def run_stage(stage: Stage, hf_config: dict[str, Any], tc: TrainConfig, tokenizer,
+              src_train: corpus.Sources, src_eval: corpus.Sources, init: Params | None,
+              progress: bool = True) -> tuple[Params, dict[str, Any]]:
+    """Train one stage from ``init`` (None: the seeded init); returns the params rounded to
+    bfloat16 (what the stage exports, and what the next stage starts from) and its log."""
+    stage_tc = dataclasses.replace(tc, steps=stage.steps, peak_lr=stage.peak_lr,
+                                   warmup_steps=stage.warmup_steps)
+    if progress:
+        print(f"# {stage.name}: {stage.steps} steps, peak lr {stage.peak_lr}", flush=True)
+    params, log = train(hf_config, stage_tc, tokenizer, src_train, src_eval, progress,
+                        init=init, mixture=stage.mixture, answer_weight=stage.answer_weight,
+                        stream_seed=tc.seed + stage.stream_offset)
+    return _bf16_round(params), log
+
+
+STAGE_LOG_KEYS = ("curve", "train_seconds", "final_train_loss", "held_out_loss")
 
 
 def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
-        progress: bool = True, stage1_dir: str | None = None) -> dict[str, Any]:
-    """Build the tokenizer and corpus, train every stage, write the model dir and
-    ``train_log.json``. ``stage1_dir``: a previous stage-1 export (its weights and
-    ``train_log.json``) to start stage 2 from instead of training stage 1 again."""
+        progress: bool = True, init_dir: str | None = None,
+        start_stage: str = "stage1") -> dict[str, Any]:
+    """Build the tokenizer and corpus, train the stages from ``start_stage`` on, write the
+    model dir and ``train_log.json``. Starting later than stage 1 needs ``init_dir``: an
+    export of the stage before (its weights, and its ``train_log.json`` for the log of
+    the stages it ran)."""
     from moejax import checkpoint as ck
     from moejax import demo
 
+    plan = stages(tc)
+    names = [stage.name for stage in plan]
+    if start_stage not in names:
+        raise ValueError(f"unknown stage {start_stage!r}; the stages are {names}")
+    if start_stage != names[0] and init_dir is None:
+        raise ValueError(f"starting at {start_stage} needs init_dir (the export of "
+                         f"{names[names.index(start_stage) - 1]})")
     hf_config = hf_config or demo.demo_config_dict()
     tokenizer = demo.build_demo_tokenizer(hf_config["vocab_size"], tc.seed)
     demo.check_tokenizer(tokenizer, hf_config)
     src_train, src_eval = corpus.sources("train"), corpus.sources("eval")
     cfg = from_hf_dict(hf_config)
-    if stage1_dir is None:
-        params, stage1 = train(hf_config, tc, tokenizer, src_train, src_eval, progress)
-        params = _bf16_round(params)
-    else:
-        if ck.load_tokenizer(stage1_dir).to_str() != tokenizer.to_str():
-            raise RuntimeError(f"{stage1_dir} was trained with another tokenizer")
-        _, loaded, _ = ck.load_model_dir(stage1_dir, "float32")
+    params, logs = None, {}
+    if start_stage != names[0]:
+        if ck.load_tokenizer(init_dir).to_str() != tokenizer.to_str():
+            raise RuntimeError(f"{init_dir} was trained with another tokenizer")
+        _, loaded, _ = ck.load_model_dir(init_dir, "float32")
         params = jax.tree_util.tree_map(jnp.asarray, loaded)
-        with open(os.path.join(stage1_dir, "train_log.json"), encoding="utf-8") as fh:
-            stage1 = json.load(fh)
-        stage1 = stage1.get("stage1", stage1)
-    tasks_tc = dataclasses.replace(tc, steps=tc.task_steps, peak_lr=tc.task_peak_lr)
-    params, stage2 = train(hf_config, tasks_tc, tokenizer, src_train, src_eval, progress,
-                           init=params, mixture=corpus.TASK_MIXTURE,
-                           answer_weight=tc.answer_weight, stream_seed=tc.seed + 2)
-    checks_tc = dataclasses.replace(tc, steps=tc.check_steps, peak_lr=tc.check_peak_lr,
-                                    warmup_steps=tc.check_warmup_steps)
-    checks = {}
-    for name, mixture, stream in CHECK_STAGES:
-        params, checks[name] = train(hf_config, checks_tc, tokenizer, src_train, src_eval,
-                                     progress, init=_bf16_round(params), mixture=mixture,
-                                     answer_weight=tc.answer_weight, stream_seed=tc.seed + stream)
-    last = checks[CHECK_STAGES[-1][0]]
+        with open(os.path.join(init_dir, "train_log.json"), encoding="utf-8") as fh:
+            earlier = json.load(fh)
+        done = names[:names.index(start_stage)]
+        logs = {name: earlier[name] for name in done if name in earlier}
+        if "stage1" in done and "stage1" not in logs:   # a stage-1-only export's log
+            logs["stage1"] = earlier
+        missing = [name for name in done if name not in logs]
+        if missing:
+            raise RuntimeError(f"{init_dir}/train_log.json has no log of {missing}")
+    for stage in plan[names.index(start_stage):]:
+        params, logs[stage.name] = run_stage(stage, hf_config, tc, tokenizer, src_train,
+                                             src_eval, params, progress)
     save_model_dir(out_dir, params, hf_config, tokenizer, demo.DEMO_NOTICE)
-    keep = ("curve", "train_seconds", "final_train_loss", "held_out_loss")
+    last = logs[names[-1]]
     log = {"train_config": dataclasses.asdict(tc), "model": hf_config,
            "parameters": int(sum(np.size(a) for a in jax.tree_util.tree_leaves(params))),
            "routed_experts_active": f"{cfg.num_experts_per_tok} of {cfg.num_experts}",
            "corpus": corpus.corpus_fingerprint(),
-           "mixture": {"stage1": corpus.MIXTURE, "stage2": corpus.TASK_MIXTURE,
-                       **{name: mixture for name, mixture, _ in CHECK_STAGES}},
+           "mixture": {stage.name: stage.mixture for stage in plan},
+           "stages": {stage.name: {"steps": stage.steps, "peak_lr": stage.peak_lr,
+                                   "warmup_steps": stage.warmup_steps,
+                                   "answer_weight": stage.answer_weight,
+                                   "stream_seed": tc.seed + stage.stream_offset}
+                      for stage in plan},
            "platform": {"python": platform.python_version(), "jax": jax.__version__,
                         "machine": platform.machine()},
-           "stage1": {k: v for k, v in stage1.items() if k in keep or k.startswith("expert")},
-           "stage2": {k: v for k, v in stage2.items() if k in keep},
-           **{name: {k: v for k, v in stage.items() if k in keep} for name, stage in checks.items()},
-           "train_seconds": round(stage1["train_seconds"] + stage2["train_seconds"]
-                                  + sum(stage["train_seconds"] for stage in checks.values()), 1),
+           "stage1": {k: v for k, v in logs["stage1"].items()
+                      if k in STAGE_LOG_KEYS or k.startswith("expert")},
+           **{name: {k: v for k, v in logs[name].items() if k in STAGE_LOG_KEYS}
+              for name in names[1:]},
+           "train_seconds": round(sum(logs[name]["train_seconds"] for name in names), 1),
            "final_train_loss": last["final_train_loss"],
-           "held_out_loss_stage1_mixture": stage1["held_out_loss"],
-           "held_out_loss_stage2_mixture": stage2["held_out_loss"],
+           "held_out_loss_stage1_mixture": logs["stage1"]["held_out_loss"],
+           "held_out_loss_stage2_mixture": logs["stage2"]["held_out_loss"],
            "held_out_loss": last["held_out_loss"],
            "expert_usage_by_domain": last["expert_usage_by_domain"],
            "expert_usage_summary": last["expert_usage_summary"]}
@@ -464,14 +532,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = TrainConfig()
     ap = argparse.ArgumentParser(prog="python -m moejax.demo.train", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output model directory")
-    ap.add_argument("--stage1-dir", default=None,
-                    help="start stage 2 from this stage-1 export instead of training stage 1")
+    ap.add_argument("--start-stage", default="stage1",
+                    help="first stage to train (stage1 ... stage6); later ones need --init-dir")
+    ap.add_argument("--init-dir", default=None,
+                    help="the export of the stage before --start-stage (weights and train_log.json)")
     for field in dataclasses.fields(TrainConfig):
         ap.add_argument("--" + field.name.replace("_", "-"), type=field.type if callable(field.type)
                         else type(getattr(defaults, field.name)), default=getattr(defaults, field.name))
     args = ap.parse_args(argv)
     tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    log = run(args.out, tc, stage1_dir=args.stage1_dir)
+    log = run(args.out, tc, init_dir=args.init_dir, start_stage=args.start_stage)
     print(f"done in {log['train_seconds']} s: train loss {log['final_train_loss']}, "
           f"held-out loss {log['held_out_loss']}; wrote {args.out}", file=sys.stderr)
     return 0
