@@ -30,11 +30,11 @@ from moejax.config import ModelConfig, from_hf_dict
 DEMO_NOTICE = ("moejax demo model: a tiny toy MoE (about 2M parameters) trained here on a CPU "
                "on Python standard-library code, docstrings and licence texts, generated "
                "arithmetic and JSON/CSV. It names the domain of a text, completes small sums "
-               "and products and checks claimed sums (yes/no, true/false); its multiple-choice "
-               "answers are at chance. Try the engine with it; do not evaluate anything with "
-               "it.")
+               "and products, checks claimed sums (yes/no, true/false) and picks a sum from "
+               "lettered options, in the fixed formats it was trained on, and answers nothing "
+               "else. Try the engine with it; do not evaluate anything with it.")
 
-DEMO_NAME = "demo-v4"  # bump when the shipped files change, so old caches are not reused
+DEMO_NAME = "demo-v5"  # bump when the shipped files change, so old caches are not reused
 DEMO_SEED = 0
 DEMO_CONFIG_PATH = Path(__file__).resolve().parent.parent.parent / "configs" / "demo.yaml"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"

@@ -6,6 +6,11 @@ clipping), plus the Switch/Qwen load-balancing loss ``E * sum_e f_e * P_e`` (``f
 fraction of routed slots that chose expert ``e``, ``P_e``: its mean router probability),
 so the router spreads tokens instead of collapsing onto a few experts.
 
+Training runs in six stages (:func:`stages`), each a fresh AdamW run from the previous
+stage's bfloat16 export: the mixed corpus, then task-heavy mixtures, then the sum checks,
+then the option lookup that multiple choice needs. ``--start-stage stageN --init-dir DIR``
+resumes from an export of the stage before.
+
 The training forward (:func:`train_forward`) is the inference model's own stages (attention,
 norms, and the routed MoE of ``moejax.moe`` with the differentiable ``ragged_dot`` expert
 matmuls) over rows of packed examples, keeping the router probabilities for the balance
