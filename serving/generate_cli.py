@@ -34,7 +34,8 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
     p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
                        description=__doc__.split("\n\n")[1],
                        epilog="Of the model options, generate uses --model, --dtype and "
-                              "--expert-impl; the scoring-engine ones are refused.")
+                              "--expert-impl; the scoring-engine ones (not listed) are "
+                              "refused.")
     p.add_argument("input", help="JSONL requests ('-' for stdin)")
     p.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
     p.add_argument("--trace-experts", action="store_true", default=None,
@@ -44,6 +45,9 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
     p.add_argument("--chunk-size", type=_positive_int, default=256,
                    help="requests read per chunk; results are written after each chunk")
     add_model_options(p)
+    for action in p._actions:   # refused below, so not offered in --help either
+        if action.dest in _SCORING_ONLY:
+            action.help = argparse.SUPPRESS
     p.set_defaults(func=cmd_generate)
     return p
 

@@ -354,3 +354,12 @@ def test_cli_round_trip(qwen, tmp_path, monkeypatch, capsys):
     assert "generated" in capsys.readouterr().err
     refused = cli_main(["generate", str(src), "--model", qwen.path, "--backend", "tp"])
     assert refused == 2 and "--backend" in capsys.readouterr().err
+
+
+def test_cli_help_lists_only_the_options_generate_takes(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "--dtype" in text and "--expert-impl" in text and "--trace-experts" in text
+    for refused in ("--max-batch-tokens", "--backend", "--prefix-cache-blocks", "--engines"):
+        assert refused not in text, refused
