@@ -131,7 +131,7 @@ def write_demo_model(out_dir: str) -> None:
 
 
 def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> str:
-    """Path of the demo model directory ``<cache>/demo-v4``, creating it on first use.
+    """Path of the demo model directory ``<cache>/demo-v5``, creating it on first use.
 
     ``cache_dir`` is the cache root (default :func:`default_cache_root`). The files are
     copied into a temporary sibling and renamed into place, so concurrent first uses are
