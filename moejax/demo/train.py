@@ -428,9 +428,8 @@ def stages(tc: TrainConfig) -> tuple[Stage, ...]:
     that multiple choice needs (``corpus.LOOKUP_MIXTURE``); 6. lookup drills at a higher
     learning rate (``corpus.DRILL_MIXTURE``).
     """
-    late = dict(answer_weight=tc.answer_weight)
     checks = dict(steps=tc.check_steps, peak_lr=tc.check_peak_lr,
-                  warmup_steps=tc.check_warmup_steps, **late)
+                  warmup_steps=tc.check_warmup_steps, answer_weight=tc.answer_weight)
     return (
         Stage("stage1", corpus.MIXTURE, 0, tc.steps, tc.peak_lr, tc.warmup_steps, 1.0),
         Stage("stage2", corpus.TASK_MIXTURE, 2, tc.task_steps, tc.task_peak_lr,
