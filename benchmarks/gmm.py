@@ -26,8 +26,9 @@ JSON keys (flat): ``matmul_tflops``; per model M and token count N:
 ``{M}_{N}_pallas_fraction_of_matmul``, ``{M}_{N}_swiglu_fused_over_separate``;
 and ``platform``, ``dtype``. A path that fails (``ragged_dot`` materializes the dense
 ``[E, T·k, f]`` product on GPUs and runs out of memory at large shapes) is recorded as
-``{M}_{N}_{path}_failed`` with the error's first line, and has no ratio. With ``--sweep-tiles`` (GPU: times the Pallas kernel over
-:data:`TILE_CANDIDATES` to fill ``kernels_pallas.gmm.GMM_TILES``):
+``{M}_{N}_{path}_failed`` with the error's first line, and has no ratio. With
+``--sweep-tiles`` (GPU: times the Pallas kernels over :data:`TILE_CANDIDATES` to fill
+``kernels_pallas.gmm.GMM_TILES`` and ``SWIGLU_TILES``):
 ``{M}_{N}_pallas_best_tflops``, ``{M}_{N}_pallas_best_over_table`` and
 ``{M}_{N}_pallas_best_tiles`` (a string ``m128_k64_n128_w8_s3``), and the same three for
 the fused kernel under ``{M}_{N}_swiglu_pallas_best_*``.
@@ -185,14 +186,18 @@ def sweep_tiles(prefix: str, sets, flops: float, dtype, repeats: int,
         except Exception as exc:  # a tile that does not fit the chip (shared memory)
             print(f"    tiles {name:<22} failed: {type(exc).__name__}: {str(exc)[:120]}")
     ranked = sorted(seconds, key=seconds.get)
+    if not ranked:
+        return {}
     for name in ranked:
         mark = "  (table)" if name == tiles_name(table) else ""
         print(f"    tiles {name:<22} {seconds[name] * 1e3:9.3f} ms "
               f"{flops / seconds[name] / 1e12:8.1f} TFLOP/s{mark}")
-    best = ranked[0]
+    best, table_seconds = ranked[0], seconds.get(tiles_name(table))
     return {f"{prefix}_pallas_best_tiles": best,
             f"{prefix}_pallas_best_tflops": flops / seconds[best] / 1e12,
-            f"{prefix}_pallas_best_over_table": seconds[tiles_name(table)] / seconds[best]}
+            # None: the table's own tiles failed on this device
+            f"{prefix}_pallas_best_over_table": (table_seconds / seconds[best]
+                                                 if table_seconds is not None else None)}
 
 
 def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
