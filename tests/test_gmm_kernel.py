@@ -4,6 +4,7 @@ and their lowering for NVIDIA GPUs (Triton), checked on this CPU-only machine.""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -211,3 +212,24 @@ def test_swiglu_tiles_fit_a_hopper_block():
         assert staged <= 227 * 1024, (dtype, t, staged)
     with pytest.raises(ValueError, match="unknown kernel"):
         kernels.tiles_for("bfloat16", platform="gpu", kernel="down")
+
+
+def test_gmm_benchmark_quick_sweep_writes_its_keys(tmp_path):
+    """benchmarks/gmm.py --quick --sweep-tiles: the skipped paths are named, the table's
+    tiles are among the swept ones, and both kernels report a best tile."""
+    import json
+
+    from benchmarks import gmm as bench   # namespace package under the repo root
+
+    out = tmp_path / "gmm.json"
+    figures = bench.main(["--quick", "--sweep-tiles", "--repeats", "1",
+                          "--skip", "dense_onehot,jax_tiles", "--json", str(out)])
+    assert json.loads(out.read_text()).keys() == figures.keys()
+    assert "tiny_256_jax_tiles_tflops" not in figures
+    assert figures["tiny_256_pallas_over_ragged_dot"] > 0
+    for kernel in ("pallas", "swiglu_pallas"):
+        best = figures[f"tiny_256_{kernel}_best_tiles"]
+        assert re.fullmatch(r"m\d+_k\d+_n\d+_w\d+_s\d+", best)
+        assert figures[f"tiny_256_{kernel}_best_over_table"] >= 1.0
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--skip", "ragged_dot"])
