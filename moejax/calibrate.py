@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax import attention
+from moejax.attention_kinds import PackedCausal
 from moejax import model as model_lib
 from moejax.config import ModelConfig
 
@@ -110,8 +110,10 @@ def layer_flops(cfg: ModelConfig, tokens: int, sequence: int) -> float:
     return float(tokens * cfg.linear_flops_per_layer + (tokens // sequence) * attention_per_layer)
 
 
-def _timed_layer(p, x, batch, bias, cfg, opts):
-    return model_lib.decoder_layer(p, x, batch, bias, cfg, opts)
+def _timed_layer(params, x, attn, cfg, opts):
+    """One decoder layer of a one-layer model, through the model's single-layer entry."""
+    module = model_lib.decoder(cfg, params)
+    return module.layer(0, x, attn, module.local_dispatcher(opts.expert_impl, opts.tile_rows)).x
 
 
 def time_layers(cfg: ModelConfig, device: jax.Device, dtype, tokens: int, sequence: int,
@@ -120,19 +122,20 @@ def time_layers(cfg: ModelConfig, device: jax.Device, dtype, tokens: int, sequen
     batch, opts = reference_batch(cfg, tokens, sequence)
     opts = dataclasses.replace(opts, expert_impl=expert_impl)
     one_layer_cfg = dataclasses.replace(cfg, num_layers=1)
-    params = model_lib.init_params(one_layer_cfg, seed=0, dtype=np.float32)
-    layer = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a[0], dtype), params["layers"]),
-                           device)
+    params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, dtype),
+                                         model_lib.init_params(one_layer_cfg, seed=0)), device)
     batch = jax.device_put(batch, device)
-    bias = jax.device_put(attention.attention_bias(batch.segment_ids, opts.attn_block), device)
+    # Built once, outside the timed program (as a forward builds it once for all layers).
+    attn = jax.device_put(PackedCausal.of(jnp.asarray(batch.positions),
+                                          jnp.asarray(batch.segment_ids), opts.attn_block), device)
     x = jax.device_put(jnp.asarray(np.random.default_rng(1).standard_normal(
         (tokens, cfg.hidden_size)) * 0.1, dtype), device)
     run = jax.jit(_timed_layer, static_argnames=("cfg", "opts"))
-    jax.block_until_ready(run(layer, x, batch, bias, cfg=cfg, opts=opts))   # compile
+    jax.block_until_ready(run(params, x, attn, cfg=one_layer_cfg, opts=opts))   # compile
     seconds = []
     for _ in range(cfg.num_layers):
         start = time.perf_counter()
-        x = jax.block_until_ready(run(layer, x, batch, bias, cfg=cfg, opts=opts))
+        x = jax.block_until_ready(run(params, x, attn, cfg=one_layer_cfg, opts=opts))
         seconds.append(time.perf_counter() - start)
     return tuple(seconds)
 

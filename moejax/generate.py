@@ -12,10 +12,11 @@ Stages (pure functions, jitted once per shape bucket):
   next-token choice. The same compiled program serves every step of a batch (its shapes
   depend only on the buckets B and S).
 
-Both reuse the model's stages (``model.project_q`` / ``project_kv`` / ``rms_norm``, the MoE
-path ``model.moe_residual_with_routing`` with the forward's expert implementation), so
-decode computes what prefill computes. Both also return every layer's top-k expert ids of
-the tokens they ran (expert tracing): the routing is computed anyway, so tracing reads it
+Both run the one model (``MoEDecoder.run_layers``, the same layer and MoE dispatcher as
+scoring) and differ only in the attention kind: ``PromptToCache`` fills the cache from
+the prompts, ``CacheSlots`` writes one token per row and attends over its slots. Both
+also return every layer's top-k expert ids of the tokens they ran (expert tracing, an
+observation of the layer driver): the routing is computed anyway, so tracing reads it
 from the same compiled program and cannot change any output.
 
 :class:`DecodeEngine` drives the loop on the host: it buckets (B to a power of two up to
@@ -27,17 +28,19 @@ its tokens, as Hugging Face ``generate`` includes the EOS it stopped on) or afte
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Int
 
-from moejax import attention, model, sampling
+from moejax import model, moe, sampling
+from moejax.attention_kinds import CacheSlots, PackedCausal, PromptToCache
 from moejax.config import ModelConfig
-from moejax.kv_cache import KVCache, attend_cache, bucket, empty_cache, write_prompt, write_token
-from moejax.model import ForwardOptions
+from moejax.kv_cache import KVCache, bucket, empty_cache
 from moejax.moe import ExpertImpl
 from moejax.param_layout import Params
 
@@ -51,10 +54,6 @@ class DecodeOptions:
 
     expert_impl: ExpertImpl = "auto"
     tile_rows: int | tuple[int, int] | None = None
-
-    def forward_options(self, attn_block: int) -> ForwardOptions:
-        return ForwardOptions(attn_block=attn_block, expert_impl=self.expert_impl,
-                              tile_rows=self.tile_rows)
 
 
 @jax.tree_util.register_dataclass
@@ -73,7 +72,8 @@ class StepOutput:
 
 
 # ------------------------------------------------------------------------ prefill
-def prompt_layout(lengths: jax.Array, prompt_len: int) -> tuple[jax.Array, jax.Array]:
+def prompt_layout(lengths: Int[Array, "B"], prompt_len: int
+                  ) -> tuple[Int[Array, "BP"], Int[Array, "BP"]]:
     """Flat positions [B·P] (0..P-1 per row) and segment ids [B·P] (the row index for a
     prompt token, -1 for padding) of right-padded prompts with ``lengths`` [B]."""
     batch = lengths.shape[0]
@@ -83,72 +83,37 @@ def prompt_layout(lengths: jax.Array, prompt_len: int) -> tuple[jax.Array, jax.A
     return pos.reshape(-1), segments.reshape(-1)
 
 
-def prefill_layer(p: Mapping[str, jax.Array], x: jax.Array, positions: jax.Array,
-                  segments: jax.Array, bias: jax.Array | None, cfg: ModelConfig,
-                  fopts: ForwardOptions) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One decoder layer on the flat prompts x [B·P, d] (attention blocks of P = one row
-    each) -> (x [B·P, d], keys, values [B·P, n_kv, h], expert ids [B·P, k])."""
-    h_in = model.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = model.project_q(p, h_in, positions, cfg)
-    k, v = model.project_kv(p, h_in, positions, cfg)
-    out = attention.packed_attention(q, k, v, segments, fopts.attn_block, bias)
-    x = x + out.reshape(x.shape[0], -1) @ p["wo"].astype(x.dtype)
-    x, routing = model.moe_residual_with_routing(p, x, segments >= 0, cfg, fopts)
-    return x, k, v, routing.experts
+def top_k_ids(layer, routing: moe.Routing, valid) -> jax.Array:
+    """The layer driver's observation for expert tracing: the top-k ids [n, k]."""
+    return routing.experts
 
 
-def prefill_program(params: Params, tokens: jax.Array, lengths: jax.Array,
+def prefill_program(params: Params, tokens: Int[Array, "B P"], lengths: Int[Array, "B"],
                     sampling_params: sampling.SamplingParams, *, cfg: ModelConfig,
                     opts: DecodeOptions, cache_len: int) -> StepOutput:
     """Prefill of right-padded prompts ``tokens`` [B, P] with ``lengths`` [B] (>= 1) into a
     new cache of ``cache_len`` slots; the first generated token of each row (token number
     0 of its sampling key). Expert ids come back as [L, B, P, k] (padding rows junk)."""
+    _count_compile("prefill")
     batch, prompt_len = tokens.shape
-    fopts = opts.forward_options(prompt_len)
+    module = model.decoder(cfg, params)
     positions, segments = prompt_layout(lengths, prompt_len)
-    bias = attention.attention_bias(segments, prompt_len)   # shared by every layer
-    x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)
-    cache = empty_cache(cfg, batch, cache_len, x.dtype)
-    experts = jnp.zeros((cfg.num_layers, batch * prompt_len, cfg.num_experts_per_tok),
-                        jnp.int32)
-
-    def body(i, carry):
-        x, cache, experts = carry
-        x, k, v, ids = prefill_layer(model.layer_slice(params["layers"], i), x, positions,
-                                     segments, bias, cfg, fopts)
-        cache = write_prompt(cache, i, k.reshape(batch, prompt_len, *k.shape[1:]),
-                             v.reshape(batch, prompt_len, *v.shape[1:]))
-        return x, cache, experts.at[i].set(ids)
-
-    x, cache, experts = jax.lax.fori_loop(0, cfg.num_layers, body, (x, cache, experts))
+    x = module.embed_tokens(tokens.reshape(-1))
+    attn = PromptToCache(packed=PackedCausal.of(positions, segments, prompt_len),
+                         cache=empty_cache(cfg, batch, cache_len, x.dtype))
+    x, attn, _, experts = module.run_layers(
+        x, attn, module.local_dispatcher(opts.expert_impl, opts.tile_rows), observe=top_k_ids)
     last = x.reshape(batch, prompt_len, -1)[jnp.arange(batch), lengths - 1]     # [B, d]
-    logits = model.vocab_logits(params, model.rms_norm(last, params["final_norm"],
-                                                       cfg.rms_norm_eps), cfg)
+    logits = module.vocab_logits(module.final(last))
     first = sampling.next_tokens(logits, sampling_params, jnp.zeros(batch, jnp.int32))
-    return StepOutput(cache=cache, tokens=first,
+    return StepOutput(cache=attn.cache, tokens=first,
                       experts=experts.reshape(cfg.num_layers, batch, prompt_len, -1))
 
 
 # ------------------------------------------------------------------------- decode
-def decode_layer(p: Mapping[str, jax.Array], layer: jax.Array, x: jax.Array,
-                 positions: jax.Array, active: jax.Array, cache: KVCache, cfg: ModelConfig,
-                 fopts: ForwardOptions) -> tuple[jax.Array, KVCache, jax.Array]:
-    """One decoder layer on one token per row, x [B, d] at ``positions`` [B]: its key and
-    value go into the cache first, then it attends over slots [0, position]. Rows not
-    ``active`` [B] skip the experts. -> (x [B, d], cache, expert ids [B, k])."""
-    h_in = model.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = model.project_q(p, h_in, positions, cfg)
-    k, v = model.project_kv(p, h_in, positions, cfg)
-    cache = write_token(cache, layer, positions, k, v)
-    out = attend_cache(q, cache.keys[layer], cache.values[layer], positions + 1)
-    x = x + out.reshape(x.shape[0], -1) @ p["wo"].astype(x.dtype)
-    x, routing = model.moe_residual_with_routing(p, x, active, cfg, fopts)
-    return x, cache, routing.experts
-
-
-def decode_step_program(params: Params, cache: KVCache, tokens: jax.Array,
-                        positions: jax.Array, active: jax.Array,
-                        sampling_params: sampling.SamplingParams, counters: jax.Array, *,
+def decode_step_program(params: Params, cache: KVCache, tokens: Int[Array, "B"],
+                        positions: Int[Array, "B"], active: Bool[Array, "B"],
+                        sampling_params: sampling.SamplingParams, counters: Int[Array, "B"], *,
                         cfg: ModelConfig, opts: DecodeOptions) -> StepOutput:
     """One decode step: ``tokens`` [B] at ``positions`` [B] -> the next token of every row.
 
@@ -156,21 +121,15 @@ def decode_step_program(params: Params, cache: KVCache, tokens: jax.Array,
     the experts, and their outputs are ignored); ``counters`` [B]: how many tokens each
     row has generated (its sampling key's step). Expert ids: [L, B, k].
     """
-    batch = tokens.shape[0]
-    fopts = opts.forward_options(cache.length)
-    x = jnp.take(params["embed"], tokens, axis=0)
-    experts = jnp.zeros((cfg.num_layers, batch, cfg.num_experts_per_tok), jnp.int32)
-
-    def body(i, carry):
-        x, cache, experts = carry
-        x, cache, ids = decode_layer(model.layer_slice(params["layers"], i), i, x, positions,
-                                     active, cache, cfg, fopts)
-        return x, cache, experts.at[i].set(ids)
-
-    x, cache, experts = jax.lax.fori_loop(0, cfg.num_layers, body, (x, cache, experts))
-    logits = model.vocab_logits(params, model.rms_norm(x, params["final_norm"],
-                                                       cfg.rms_norm_eps), cfg)
-    return StepOutput(cache=cache, tokens=sampling.next_tokens(logits, sampling_params, counters),
+    _count_compile("decode_step")
+    module = model.decoder(cfg, params)
+    attn = CacheSlots(positions=positions, active=active, cache=cache)
+    x, attn, _, experts = module.run_layers(
+        module.embed_tokens(tokens), attn,
+        module.local_dispatcher(opts.expert_impl, opts.tile_rows), observe=top_k_ids)
+    logits = module.vocab_logits(module.final(x))
+    return StepOutput(cache=attn.cache, tokens=sampling.next_tokens(logits, sampling_params,
+                                                                    counters),
                       experts=experts)
 
 
@@ -179,12 +138,19 @@ def decode_step_program(params: Params, cache: KVCache, tokens: jax.Array,
 _PREFILL = jax.jit(prefill_program, static_argnames=("cfg", "opts", "cache_len"))
 _DECODE_STEP = jax.jit(decode_step_program, static_argnames=("cfg", "opts"),
                        donate_argnames=("cache",))
+# Traces of each program so far: a program body runs in Python only when jit traces it,
+# i.e. once per new compile key, so this counts compiled programs without private APIs.
+_COMPILES: collections.Counter = collections.Counter()
+
+
+def _count_compile(program: str) -> None:
+    _COMPILES[program] += 1
 
 
 def compiled_program_counts() -> dict[str, int]:
     """How many programs the prefill and decode-step functions have compiled so far (one
     per model, options and shape bucket; never one per step)."""
-    return {"prefill": _PREFILL._cache_size(), "decode_step": _DECODE_STEP._cache_size()}
+    return {"prefill": _COMPILES["prefill"], "decode_step": _COMPILES["decode_step"]}
 
 
 # ------------------------------------------------------------------------- host loop

@@ -26,11 +26,14 @@ EXPERT_IMPLS = ("auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense")
 class Routing:
     """Top-k routing of T tokens.
 
-    weights: [T, k] float32 combine weights; experts: [T, k] int32 expert ids.
+    weights: [T, k] float32 combine weights; experts: [T, k] int32 expert ids;
+    probs: [T, E] float32 router probabilities over every expert (what a balance loss
+    or a routing estimator reads; XLA drops it where nothing does), or None.
     """
 
     weights: jax.Array
     experts: jax.Array
+    probs: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -60,7 +63,7 @@ def route(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool) -> Ro
     weights, experts = jax.lax.top_k(probs, k)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return Routing(weights=weights, experts=experts.astype(jnp.int32))
+    return Routing(weights=weights, experts=experts.astype(jnp.int32), probs=probs)
 
 
 def permute(x: jax.Array, routing: Routing, num_experts: int,
@@ -111,14 +114,20 @@ def expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_down
 def combine(y_sorted: jax.Array, perm: Permutation, routing: Routing,
             valid: jax.Array | None = None) -> jax.Array:
     """Unsort the expert outputs [M, d] and sum each token's k rows with its weights -> [T, d]."""
-    t, k = routing.experts.shape
     inverse = jnp.argsort(perm.order).astype(jnp.int32)
-    y = jnp.take(y_sorted, inverse, axis=0).reshape(t, k, -1)
+    return weighted_sum(jnp.take(y_sorted, inverse, axis=0), routing, valid)
+
+
+def weighted_sum(y_rows: jax.Array, routing: Routing, valid: jax.Array | None = None) -> jax.Array:
+    """Each token's k expert outputs, in routing order (y_rows [T·k, d]: row t·k + j is
+    token t's j-th expert), summed with its router weights in float32 -> [T, d].
+    Invalid tokens weigh 0. Every dispatcher's finalize ends here."""
+    t, k = routing.experts.shape
     weights = routing.weights
     if valid is not None:
         weights = jnp.where(valid[:, None], weights, 0.0)
-    out = jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
-    return out.astype(y_sorted.dtype)
+    out = jnp.einsum("tkd,tk->td", y_rows.reshape(t, k, -1).astype(jnp.float32), weights)
+    return out.astype(y_rows.dtype)
 
 
 def moe_block(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Array,

@@ -13,6 +13,7 @@ import pytest
 from moejax import checkpoint as ck
 from moejax import demo
 from moejax import model as mdl
+from moejax import moe
 from moejax.config import from_hf_dict
 from moejax.demo import corpus, train
 
@@ -70,14 +71,17 @@ def test_balance_loss_values():
     cfg = from_hf_dict(TINY)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
-    p = {name: jnp.asarray(value[0]) for name, value in
-         train.init_params(cfg, 0)["layers"].items()}
     valid = jnp.ones(16, bool)
-    _, aux, counts = train.routed_moe(dict(p, router=jnp.zeros((32, 8))), x, valid, cfg)
+
+    def loss(router, x):
+        routing = moe.route(x, router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return train.balance_loss(routing, valid, cfg)
+
+    aux, counts = loss(jnp.zeros((32, 8)), x)
     assert float(aux) == pytest.approx(1.0, abs=1e-5)
     assert float(counts.sum()) == 16 * 2
     collapsed = jnp.zeros((32, 8)).at[:, 0].set(50.0)
-    _, aux, _ = train.routed_moe(dict(p, router=collapsed), jnp.abs(x), valid, cfg)
+    aux, _ = loss(collapsed, jnp.abs(x))
     assert float(aux) > 3.9   # E·(f_0·P_0 + f_1·P_1) with f_0 = 1/2 and P_0 near 1
 
 

@@ -18,11 +18,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.attention_kinds import PrefixContext
 from moejax.config import ModelConfig
 from moejax.model import ForwardOptions, PackedBatch, check_params
 from moejax.param_layout import EXPERT_KEYS, Params
 
 StepOutput = tuple[jax.Array, "jax.Array | None"]   # ([P, C] logits f32, [P] log-sum-exp)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixPool:
+    """Keys and values of cached prefix blocks, per layer: keys, values [L, S, n_kv, h]
+    with S = blocks · block size token slots, placed by the backend that made it."""
+
+    keys: jax.Array
+    values: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.keys.shape[1])
 
 
 class BackendError(ValueError):
@@ -103,6 +118,29 @@ class Backend(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "devices": len(self.devices), "ranks": self.num_ranks}
+
+    def make_prefix_pool(self, num_blocks: int, block_size: int) -> PrefixPool:
+        """A zeroed prefix pool of ``num_blocks`` blocks on this backend's device(s), for
+        :meth:`prefix_step`. Backends that cannot hold one raise BackendError."""
+        raise BackendError(f"backend {self.name!r} cannot hold a prefix KV pool (the prefix "
+                           f"cache runs on 'resident' and 'offload'); set "
+                           f"prefix_cache_blocks=0 for it")
+
+    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
+                    opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+        """One batch whose sequences continue (``context``) and store prefix keys/values in
+        ``pool`` (consumed: use the returned pool) -> (its output, the updated pool)."""
+        raise BackendError(f"backend {self.name!r} cannot run the prefix cache")
+
+    def _zero_pool(self, num_blocks: int, block_size: int, sharding: Any) -> PrefixPool:
+        """A zeroed pool placed by ``sharding`` (for the backends that hold one)."""
+        if num_blocks < 1 or block_size < 1:
+            raise BackendError(f"a prefix pool needs num_blocks >= 1 and block_size >= 1, "
+                               f"got {num_blocks} and {block_size}")
+        cfg = self.cfg
+        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
+        return PrefixPool(keys=zeros(), values=zeros())
 
     def time_expert_transfer(self, repeats: int) -> tuple[str, float] | None:
         """(channel, median seconds) of moving one layer's experts over this backend's

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from moejax import model as model_lib
-from moejax.backends.base import (Backend, MemoryReport, StepOutput, dense_bytes,
+from moejax.attention_kinds import PrefixContext, PrefixPooled
+from moejax.backends.base import (Backend, MemoryReport, PrefixPool, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, validated)
 from moejax.config import ModelConfig
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params
+
+
+def pooled_score(params: Params, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
+                 *, cfg: ModelConfig, opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+    """The scoring forward with the prefix pool as its attention kind -> (output, pool)."""
+    attn = PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
+                           pool.keys, pool.values)
+    out = model_lib.decoder(cfg, params).score(batch, opts, attn=attn)
+    return (out.logits, out.lse), PrefixPool(keys=out.attn.pool_k, values=out.attn.pool_v)
 
 
 class ResidentBackend(Backend):
@@ -34,6 +45,9 @@ class ResidentBackend(Backend):
             expert_bytes_all_layers=expert_bytes_per_layer(host) * cfg.num_layers)
         self.params = jax.device_put(host, self.device)
         self._forward = jax.jit(model_lib.forward, static_argnames=("cfg", "opts"))
+        # The pool is donated: written in place, O(stored rows) per step.
+        self._pooled = jax.jit(functools.partial(pooled_score, cfg=cfg),
+                               static_argnames=("opts",), donate_argnames=("pool",))
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -47,6 +61,15 @@ class ResidentBackend(Backend):
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         batch = jax.device_put(batches[0], self.device)
         return [self._forward.lower(self.params, batch, cfg=self.cfg, opts=opts)]
+
+    def make_prefix_pool(self, num_blocks: int, block_size: int) -> PrefixPool:
+        return self._zero_pool(num_blocks, block_size,
+                               jax.sharding.SingleDeviceSharding(self.device))
+
+    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
+                    opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+        batch, context = jax.device_put((batch, context), self.device)
+        return self._pooled(self.params, batch, context, pool, opts=opts)
 
     def memory_report(self) -> MemoryReport:
         return self._memory

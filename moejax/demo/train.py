@@ -11,10 +11,10 @@ stage's bfloat16 export: the mixed corpus, then task-heavy mixtures, then the su
 then the option lookup that multiple choice needs. ``--start-stage stageN --init-dir DIR``
 resumes from an export of the stage before.
 
-The training forward (:func:`train_forward`) is the inference model's own stages (attention,
-norms, and the routed MoE of ``moejax.moe`` with the differentiable ``ragged_dot`` expert
-matmuls) over rows of packed examples, keeping the router probabilities for the balance
-loss; a test checks it equals ``moejax.model.full_logits`` on the exported model.
+The training forward (:func:`train_forward`) is the inference model itself
+(``MoEDecoder.run_layers``, with the differentiable ``ragged_dot`` expert matmuls) over
+rows of packed examples, observing the router probabilities at every layer for the
+balance loss; a test checks it equals ``moejax.model.full_logits`` on the exported model.
 
 Output: ``DIR/{config.json, tokenizer.json, model.safetensors}`` (the Hugging Face layout the
 loader reads; weights stored in bfloat16 to keep the files small) and ``DIR/train_log.json``
@@ -41,6 +41,7 @@ import optax
 
 from moejax import model as mdl
 from moejax import moe
+from moejax.attention_kinds import PackedCausal
 from moejax.checkpoint import hf_tensor_plan
 from moejax.config import ModelConfig, from_hf_dict
 from moejax.demo import corpus
@@ -162,54 +163,39 @@ def _packed(tokens: jax.Array, segs: jax.Array, positions: jax.Array) -> mdl.Pac
                            score_token_ids=empty[:, None])
 
 
-def routed_moe(p: dict[str, jax.Array], x: jax.Array, valid: jax.Array, cfg: ModelConfig
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """MoE residual on x [T, d] through the inference stages (``moejax.moe``: permute,
-    grouped expert matmuls, combine), with the router probabilities kept for the loss.
-
-    ``ragged_dot`` is the expert implementation because it is differentiable (the tiled
-    kernels loop over dynamic bounds, which reverse-mode autodiff cannot do).
-    Returns (x + moe(norm(x)), load-balancing loss, top-k choice counts [E] over valid tokens).
-    """
-    h = mdl.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    probs = jax.nn.softmax(jnp.dot(h, p["router"], preferred_element_type=jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:   # as moe.route
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    routing = moe.Routing(weights=weights, experts=experts.astype(jnp.int32))
-    perm = moe.permute(h, routing, cfg.num_experts, valid)
-    y_sorted = moe.expert_compute(perm, p["w_gate"], p["w_up"], p["w_down"], impl="ragged_dot")
-    out = moe.combine(y_sorted, perm, routing, valid)
-    # Switch/Qwen balance loss over real tokens: E * sum_e f_e * P_e (1.0 when uniform);
-    # f_e (a count) carries no gradient, P_e (mean router probability) does.
+def balance_loss(routing: moe.Routing, valid: jax.Array, cfg: ModelConfig
+                 ) -> tuple[jax.Array, jax.Array]:
+    """One layer's Switch/Qwen load-balancing loss over valid tokens, E · Σ_e f_e · P_e
+    (1.0 when uniform; f_e, a count, carries no gradient, P_e, the mean router
+    probability, does), and its top-k choice counts [E]. The layer driver's observation
+    during training."""
     mask = valid.astype(jnp.float32)[:, None]
     n = jnp.maximum(mask.sum(), 1.0)
-    chosen = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum(axis=1)  # [T, E]
+    chosen = jax.nn.one_hot(routing.experts, cfg.num_experts, dtype=jnp.float32).sum(axis=1)
     counts = jnp.sum(chosen * mask, axis=0)
     f = counts / (n * cfg.num_experts_per_tok)
-    p_mean = jnp.sum(probs * mask, axis=0) / n
-    aux = cfg.num_experts * jnp.sum(f * p_mean)
-    return x + out, aux, counts
+    p_mean = jnp.sum(routing.probs * mask, axis=0) / n
+    return cfg.num_experts * jnp.sum(f * p_mean), counts
 
 
 def train_forward(params: Params, tokens: jax.Array, segs: jax.Array, positions: jax.Array,
                   cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Logits [B*S, V] of rows [B, S], mean balance loss over layers, counts [L, E]."""
+    """Logits [B*S, V] of rows [B, S], mean balance loss over layers, counts [L, E].
+
+    The inference model itself (``MoEDecoder.run_layers``: the same layer, attention kind
+    and dispatcher as scoring), with ``ragged_dot`` experts because they are
+    differentiable (the tiled kernels loop over dynamic bounds, which reverse-mode
+    autodiff cannot do), and the balance loss observed at every layer.
+    """
     batch = _packed(tokens, segs, positions)
-    opts = mdl.ForwardOptions(attn_block=tokens.shape[1])
-    bias = mdl.attention.attention_bias(batch.segment_ids, opts.attn_block)
+    module = mdl.decoder(cfg, params)
+    attn = PackedCausal.of(batch.positions, batch.segment_ids, tokens.shape[1])
     valid = batch.segment_ids >= 0
-    x = mdl.embed_tokens(params, batch)
-    aux_total, all_counts = 0.0, []
-    for i in range(cfg.num_layers):
-        p = mdl.layer_slice(params["layers"], i)
-        x = mdl.attention_residual(p, x, batch, bias, cfg, opts)
-        x, aux, counts = routed_moe(p, x, valid, cfg)
-        aux_total, all_counts = aux_total + aux, all_counts + [counts]
-    x = mdl.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    return logits, aux_total / cfg.num_layers, jnp.stack(all_counts)
+    x, _, _, (aux, counts) = module.run_layers(
+        module.embed_tokens(batch.tokens), attn, module.local_dispatcher("ragged_dot"),
+        observe=lambda layer, routing, _: balance_loss(routing, valid, cfg))
+    logits = module.vocab_logits(module.final(x))
+    return logits, jnp.mean(aux), counts
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array, segs: jax.Array,

@@ -1,0 +1,242 @@
+"""The attention seam of the decoder layer: where keys and values come from and go to.
+
+Every kind is a pytree with one method doing the work,
+``attend(p, layer, h_in, rows, cfg) -> (heads [n, n_q, h], kind)``: project the
+normed input of one layer, attend, and return itself with its state updated (a pool
+or a cache written). ``rows`` (or None) restricts the queries to those rows, with keys
+and values still from every row (the last layer at the scoring positions).
+
+The *carry* of a kind is the part of it that a layer changes (pools, caches); the
+fused driver threads only that through its loop, so masks and positions stay
+constants of the loop body. ``valid_rows`` says which rows are real tokens (the MoE
+keeps padding out of the experts).
+
+Kinds:
+
+* :class:`PackedCausal` — scoring: causal attention within the segments of a packed
+  batch (``moejax.attention``), blocks of ``attn_block`` tokens;
+* :class:`PrefixPooled` — the prefix cache: each block also reads pooled keys/values
+  of cached prefixes, and the rows to keep are written to the pool;
+* :class:`PromptToCache` — generation prefill: packed prompts (one per block) whose
+  keys/values fill a fresh KV cache;
+* :class:`CacheSlots` — decode: one token per row at its own position, written to its
+  KV-cache slot, attending over slots [0, position].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from moejax import attention
+from moejax.config import ModelConfig
+from moejax.kv_cache import KVCache, attend_cache, write_prompt, write_token
+from moejax.layers import project_kv, project_q
+
+LayerParams = Mapping[str, jax.Array]
+_STATIC = {"static": True}
+
+
+def _queries_at(p: LayerParams, h_in: jax.Array, positions: jax.Array, rows: jax.Array | None,
+                cfg: ModelConfig) -> jax.Array:
+    """Queries of every row, or of ``rows`` only."""
+    if rows is None:
+        return project_q(p, h_in, positions, cfg)
+    return project_q(p, jnp.take(h_in, rows, axis=0), jnp.take(positions, rows), cfg)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedCausal:
+    """Causal attention within segments of a packed batch.
+
+    positions, segment_ids: [T] int32 (segment -1: padding); bias: the attention bias
+    of ``segment_ids`` built once and shared by every layer (None for the flash tiling);
+    attn_block: tokens per attention block (static).
+    """
+
+    positions: jax.Array
+    segment_ids: jax.Array
+    bias: jax.Array | None
+    attn_block: int = dataclasses.field(metadata=_STATIC)
+
+    @classmethod
+    def of(cls, positions: Int[Array, "T"], segment_ids: Int[Array, "T"],
+           attn_block: int) -> "PackedCausal":
+        """The kind of a packed batch (host arrays are converted: eager callers pass NumPy)."""
+        positions, segment_ids = jnp.asarray(positions), jnp.asarray(segment_ids)
+        return cls(positions=positions, segment_ids=segment_ids, attn_block=attn_block,
+                   bias=attention.attention_bias(segment_ids, attn_block))
+
+    def carry(self) -> Any:
+        return ()
+
+    def with_carry(self, carry: Any) -> "PackedCausal":
+        return self
+
+    def valid_rows(self, rows: jax.Array | None) -> jax.Array | None:
+        return None if rows is not None else self.segment_ids >= 0
+
+    def keys_values(self, p: LayerParams, h_in: jax.Array, cfg: ModelConfig):
+        return project_kv(p, h_in, self.positions, cfg)
+
+    def attend(self, p: LayerParams, layer, h_in: Float[Array, "T d"],
+               rows: Int[Array, "r"] | None, cfg: ModelConfig):
+        k, v = self.keys_values(p, h_in, cfg)
+        return self.attend_to(p, h_in, k, v, rows, cfg), self
+
+    def attend_to(self, p: LayerParams, h_in: Float[Array, "T d"], k: Float[Array, "T n_kv h"],
+                  v: Float[Array, "T n_kv h"], rows: Int[Array, "r"] | None,
+                  cfg: ModelConfig) -> jax.Array:
+        """The attention of the (given) keys and values: what a kind that also stores
+        them calls, so they are projected once."""
+        q = _queries_at(p, h_in, self.positions, rows, cfg)
+        if rows is None:
+            return attention.packed_attention(q, k, v, self.segment_ids, self.attn_block,
+                                              self.bias)
+        return attention.attention_at_rows(q, k, v, self.segment_ids, rows, self.attn_block)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixContext:
+    """Which pool slots a batch reads and writes.
+
+    ctx_slot, ctx_lo, ctx_hi: [nb, Cp] int32 — every attention block lists the pool
+    slots its segments continue from, each once, and the range of its segments that read
+    each (lo <= segment <= hi; lo > hi: unused); store_row, store_slot: [W] int32 —
+    rows whose keys/values are kept, and their pool slots (slot S = dropped).
+    """
+
+    ctx_slot: jax.Array
+    ctx_lo: jax.Array
+    ctx_hi: jax.Array
+    store_row: jax.Array
+    store_slot: jax.Array
+
+    @property
+    def reads_pool(self) -> bool:
+        """Does any block read the pool? (Static: a batch that only stores has width 0
+        and keeps the packed tiling.)"""
+        return self.ctx_slot.shape[1] > 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixPooled:
+    """:class:`PackedCausal` whose blocks also read cached prefix keys/values from a pool
+    ``pool_k``/``pool_v`` [L, S, n_kv, h] (S = blocks · block size token slots), and
+    whose stored rows are written to it layer by layer (in place when donated)."""
+
+    packed: PackedCausal
+    context: PrefixContext
+    pool_k: jax.Array
+    pool_v: jax.Array
+
+    @classmethod
+    def of(cls, positions: Int[Array, "T"], segment_ids: Int[Array, "T"], attn_block: int,
+           context: PrefixContext, pool_k: Float[Array, "L S n_kv h"],
+           pool_v: Float[Array, "L S n_kv h"]) -> "PrefixPooled":
+        packed = PackedCausal.of(positions, segment_ids, attn_block)
+        if context.reads_pool:     # the context attention masks per block: no bias needed
+            packed = dataclasses.replace(packed, bias=None)
+        return cls(packed=packed, context=context, pool_k=pool_k, pool_v=pool_v)
+
+    def carry(self) -> Any:
+        return self.pool_k, self.pool_v
+
+    def with_carry(self, carry: Any) -> "PrefixPooled":
+        return dataclasses.replace(self, pool_k=carry[0], pool_v=carry[1])
+
+    def valid_rows(self, rows: jax.Array | None) -> jax.Array | None:
+        return self.packed.valid_rows(rows)
+
+    def attend(self, p: LayerParams, layer, h_in: Float[Array, "T d"],
+               rows: Int[Array, "r"] | None, cfg: ModelConfig):
+        packed, ctx = self.packed, self.context
+        k, v = packed.keys_values(p, h_in, cfg)
+        if not ctx.reads_pool:
+            out = packed.attend_to(p, h_in, k, v, rows, cfg)
+        else:
+            q = _queries_at(p, h_in, packed.positions, rows, cfg)
+            # Gathered from the pool directly: slicing the layer out first would copy it.
+            ctx_k, ctx_v = self.pool_k[layer, ctx.ctx_slot], self.pool_v[layer, ctx.ctx_slot]
+            if rows is None:
+                out = attention.context_attention(q, k, v, packed.segment_ids, packed.attn_block,
+                                                  ctx_k, ctx_v, ctx.ctx_lo, ctx.ctx_hi)
+            else:
+                out = attention.context_attention_at_rows(q, k, v, packed.segment_ids, rows,
+                                                          packed.attn_block, ctx_k, ctx_v,
+                                                          ctx.ctx_lo, ctx.ctx_hi)
+        # O(W) scatter into the layer's pool slots (slot S drops the row).
+        pool_k = self.pool_k.at[layer, ctx.store_slot].set(k[ctx.store_row], mode="drop")
+        pool_v = self.pool_v.at[layer, ctx.store_slot].set(v[ctx.store_row], mode="drop")
+        return out, dataclasses.replace(self, pool_k=pool_k, pool_v=pool_v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptToCache:
+    """Generation prefill: right-padded prompts flattened to [B·P] (one prompt per
+    attention block of P tokens), attended causally; each layer's keys/values fill the
+    prompt slots [0, P) of a KV cache [L, B, S, n_kv, h]."""
+
+    packed: PackedCausal
+    cache: KVCache
+
+    @property
+    def prompt_len(self) -> int:
+        return self.packed.attn_block
+
+    def carry(self) -> Any:
+        return self.cache
+
+    def with_carry(self, carry: Any) -> "PromptToCache":
+        return dataclasses.replace(self, cache=carry)
+
+    def valid_rows(self, rows: jax.Array | None) -> jax.Array | None:
+        return self.packed.valid_rows(rows)
+
+    def attend(self, p: LayerParams, layer, h_in: Float[Array, "T d"],
+               rows: Int[Array, "r"] | None, cfg: ModelConfig):
+        k, v = self.packed.keys_values(p, h_in, cfg)
+        out = self.packed.attend_to(p, h_in, k, v, rows, cfg)
+        batch = k.shape[0] // self.prompt_len
+        cache = write_prompt(self.cache, layer, k.reshape(batch, self.prompt_len, *k.shape[1:]),
+                             v.reshape(batch, self.prompt_len, *v.shape[1:]))
+        return out, dataclasses.replace(self, cache=cache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheSlots:
+    """Decode: one token per row at ``positions`` [B]; its key/value go to the row's
+    cache slot first, then it attends over slots [0, position]. ``active`` [B] bool:
+    rows still generating (the others are computed but kept out of the experts)."""
+
+    positions: jax.Array
+    active: jax.Array
+    cache: KVCache
+
+    def carry(self) -> Any:
+        return self.cache
+
+    def with_carry(self, carry: Any) -> "CacheSlots":
+        return dataclasses.replace(self, cache=carry)
+
+    def valid_rows(self, rows: jax.Array | None) -> Bool[Array, "B"] | None:
+        return self.active if rows is None else None
+
+    def attend(self, p: LayerParams, layer, h_in: Float[Array, "B d"],
+               rows: Int[Array, "r"] | None, cfg: ModelConfig):
+        if rows is not None:
+            raise ValueError("decode attention runs every row (rows must be None)")
+        q = project_q(p, h_in, self.positions, cfg)
+        k, v = project_kv(p, h_in, self.positions, cfg)
+        cache = write_token(self.cache, layer, self.positions, k, v)
+        out = attend_cache(q, cache.keys[layer], cache.values[layer], self.positions + 1)
+        return out, dataclasses.replace(self, cache=cache)

@@ -1,0 +1,160 @@
+"""The MoE seam of the decoder layer: where the expert weights are, and how the routed
+tokens reach them (in the manner of vLLM's modular fused-MoE kernel).
+
+The layer routes (``moe.route``, or a routing override); a :class:`MoEDispatcher`
+then runs ``prepare`` (dispatch) → ``experts`` → ``finalize`` (combine). It is made of
+two parts, and a backend supplies only the part that differs:
+
+* an **expert source** — where this layer's expert weights are: the resident stack
+  (:class:`StackedExperts`), one layer handed in by a host-side driver
+  (:class:`GivenExperts`: the offload window), or shards gathered a layer ahead
+  (:class:`GatheredAhead`: ``async_ep``; the carry holds the gathered layer);
+* a **token transport** — how the tokens reach the weights: locally
+  (:class:`LocalTokens`: sort by expert, grouped GEMM, unsort and weigh; with
+  ``psum_axis`` for tensor parallelism, where each device holds a slice of every
+  expert), or all-to-all over devices with a replica router
+  (``moejax.backends.sync_ep.AllToAllTokens``).
+
+Both parts may keep a *carry* through the layer loop (gathered weights, per-layer
+stats); :meth:`MoEDispatcher.init_carry` gives its start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+from jaxtyping import Array, Bool, Float
+
+from moejax import moe
+from moejax.layers import layer_slice
+
+ExpertWeights = Mapping[str, jax.Array]   # w_gate, w_up [E, d, f]; w_down [E, f, d]
+
+
+# --------------------------------------------------------------------- sources
+@dataclasses.dataclass(frozen=True)
+class StackedExperts:
+    """Every layer's experts on the device, stacked [L, E, ...]: layer l is indexed in place."""
+
+    stacked: ExpertWeights
+
+    def init_carry(self) -> Any:
+        return ()
+
+    def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
+        return layer_slice(self.stacked, layer), carry
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenExperts:
+    """One layer's experts [E, ...], handed in by whoever drives the layer (the offload
+    window, the last layer of a gathered stack)."""
+
+    weights: ExpertWeights
+
+    def init_carry(self) -> Any:
+        return ()
+
+    def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
+        return self.weights, carry
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredAhead:
+    """Expert shards [L, E/G, ...] per device, all-gathered over ``axis`` one layer
+    ahead (inside a ``shard_map``): the carry holds the gathered experts of the layer
+    about to run; fetching them first issues the gather of the next layer, so the
+    scheduler can overlap it with this layer's compute. ``first``: layer 0's experts,
+    kept whole (nothing to hide their gather under). ``num_layers``: the stack's depth
+    (no gather is issued past it)."""
+
+    shards: ExpertWeights
+    first: ExpertWeights
+    axis: str
+    num_experts: int
+    num_layers: int
+
+    def init_carry(self) -> Any:
+        return dict(self.first)
+
+    def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
+        if isinstance(layer, int) and layer + 1 >= self.num_layers:
+            return carry, carry          # the last layer: nothing left to gather
+        return carry, gather_layer(self.shards, layer + 1, self.axis, self.num_experts)
+
+
+def gather_layer(shards: ExpertWeights, layer, axis: str, num_experts: int
+                 ) -> dict[str, jax.Array]:
+    """Inside a shard_map: all-gather layer ``layer`` of the local expert shards
+    [L, E/G, ...] into the whole layer [E, ...] (padding experts cut off)."""
+    out = {}
+    for name, local in shards.items():
+        piece = jax.lax.dynamic_index_in_dim(local, layer, axis=0, keepdims=False)
+        out[name] = jax.lax.all_gather(piece, axis, axis=0, tiled=True)[:num_experts]
+    return out
+
+
+# --------------------------------------------------------------------- transports
+@dataclasses.dataclass(frozen=True)
+class LocalTokens:
+    """Tokens stay where they are: sort the routed rows by expert, run the grouped
+    SwiGLU, unsort and weigh. ``psum_axis``: the outputs are partial sums over that mesh
+    axis (tensor parallelism: each device holds an f/G slice of every expert; the
+    combine is linear, so summing combined [n, d] outputs moves k times less data)."""
+
+    num_experts: int
+    impl: moe.ExpertImpl = "auto"
+    tile_rows: int | tuple[int, int] | None = None
+    psum_axis: str | None = None
+
+    def init_carry(self) -> Any:
+        return ()
+
+    def prepare(self, x: Float[Array, "n d"], routing: moe.Routing,
+                valid: Bool[Array, "n"] | None) -> moe.Permutation:
+        return moe.permute(x, routing, self.num_experts, valid)
+
+    def experts(self, prepared: moe.Permutation, weights: ExpertWeights) -> jax.Array:
+        return moe.expert_compute(prepared, weights["w_gate"], weights["w_up"],
+                                  weights["w_down"], impl=self.impl, tile_rows=self.tile_rows)
+
+    def finalize(self, y: jax.Array, prepared: moe.Permutation, routing: moe.Routing,
+                 valid: jax.Array | None, carry: Any) -> tuple[jax.Array, Any]:
+        out = moe.combine(y, prepared, routing, valid)
+        if self.psum_axis is not None:
+            out = jax.lax.psum(out, self.psum_axis)
+        return out, carry
+
+
+# --------------------------------------------------------------------- the dispatcher
+@dataclasses.dataclass(frozen=True)
+class MoEDispatcher:
+    """An expert source and a token transport (module docstring). ``apply`` is what the
+    decoder layer calls after routing."""
+
+    source: Any
+    transport: Any
+
+    def init_carry(self) -> Any:
+        return self.source.init_carry(), self.transport.init_carry()
+
+    def apply(self, layer, x: Float[Array, "n d"], routing: moe.Routing,
+              valid: Bool[Array, "n"] | None, carry: Any) -> tuple[jax.Array, Any]:
+        """The MoE output [n, d] of the normed x [n, d] under ``routing``, and the carry."""
+        source_carry, transport_carry = carry
+        weights, source_carry = self.source.layer_experts(layer, source_carry)
+        prepared = self.transport.prepare(x, routing, valid)
+        y = self.transport.experts(prepared, weights)
+        out, transport_carry = self.transport.finalize(y, prepared, routing, valid,
+                                                       transport_carry)
+        return out, (source_carry, transport_carry)
+
+
+def local_dispatcher(source: Any, num_experts: int, impl: moe.ExpertImpl = "auto",
+                     tile_rows: int | tuple[int, int] | None = None,
+                     psum_axis: str | None = None) -> MoEDispatcher:
+    """A dispatcher whose tokens stay on their device."""
+    return MoEDispatcher(source=source, transport=LocalTokens(num_experts, impl, tile_rows,
+                                                              psum_axis))

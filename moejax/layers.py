@@ -1,0 +1,175 @@
+"""The decoder layer, written once, and the one loop that runs a stack of them.
+
+A pre-norm decoder layer is ``x + attention(norm(x))`` then ``x + moe(norm(x))``. It
+has two seams, and every execution path (scoring, prefix cache, generation prefill
+and decode, every backend, calibration, training) is a choice of the two:
+
+* an **attention kind** (``moejax.attention_kinds``): where keys and values come
+  from and go to — packed causal blocks (scoring), packed blocks with a pooled
+  prefix context (prefix cache), a fresh KV cache filled from a prompt, or one token
+  per row over its KV-cache slots (decode);
+* an **MoE dispatcher** (``moejax.dispatch``): where the expert weights are and how
+  the routed tokens reach them (route → prepare → experts → finalize).
+
+:func:`run_layers` is the fused driver (one ``fori_loop`` over the stacked layer
+params, indexing them in place: one layer is compiled, whatever L is), and
+:func:`layer` the single-layer entry a host-side driver calls layer by layer (the
+offload backend does, and so will speculative prefetch, which acts between a
+layer's routing and its experts: hence the ``routing`` override).
+
+Layer params are the stacked dict of ``moejax.param_layout`` (``[L, ...]``); the
+expert weights may be absent from it (a dispatcher that holds them elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from moejax import moe
+from moejax.config import ModelConfig
+
+LayerParams = Mapping[str, jax.Array]
+# Per-layer observation of the fused loop: (layer, routing, valid) -> a pytree that is
+# stacked on a leading [L] axis (e.g. the top-k ids for expert tracing).
+Observer = Callable[[jax.Array, moe.Routing, "jax.Array | None"], Any]
+
+
+# --------------------------------------------------------------------- stages
+def rms_norm(x: Float[Array, "*rows d"], weight: Float[Array, "d"],
+             eps: float) -> Float[Array, "*rows d"]:
+    """RMSNorm in float32, cast back to x's dtype (as the HF reference does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope(x: Float[Array, "n heads h"], positions: Int[Array, "n"],
+         theta: float) -> Float[Array, "n heads h"]:
+    """Rotary embedding (rotate-half convention) on x [n, heads, h] at positions [n]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def project_q(p: LayerParams, h_in: Float[Array, "n d"], positions: Int[Array, "n"],
+              cfg: ModelConfig) -> Float[Array, "n n_q h"]:
+    """Normed input [n, d] -> queries [n, n_q, h] (q-norm for Qwen3, then RoPE). The head
+    count comes from the weights, so a tensor-parallel shard's local heads work too."""
+    q = (h_in @ p["wq"].astype(h_in.dtype)).reshape(h_in.shape[0], -1, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    return rope(q, positions, cfg.rope_theta)
+
+
+def project_kv(p: LayerParams, h_in: Float[Array, "n d"], positions: Int[Array, "n"],
+               cfg: ModelConfig) -> tuple[Float[Array, "n n_kv h"], Float[Array, "n n_kv h"]]:
+    """Normed input [n, d] -> keys, values [n, n_kv, h] (k-norm for Qwen3, RoPE on keys)."""
+    k = (h_in @ p["wk"].astype(h_in.dtype)).reshape(h_in.shape[0], -1, cfg.head_dim)
+    v = (h_in @ p["wv"].astype(h_in.dtype)).reshape(h_in.shape[0], -1, cfg.head_dim)
+    if cfg.qk_norm:
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return rope(k, positions, cfg.rope_theta), v
+
+
+def layer_slice(layer_params: LayerParams, index) -> dict[str, jax.Array]:
+    """One layer's params out of the stacked ones (``index`` static or traced)."""
+    return {name: jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False)
+            for name, a in layer_params.items()}
+
+
+# --------------------------------------------------------------------- the layer
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerOutput:
+    """What one layer returns: the residual stream ``x`` ([n, d], or [P, d] at rows), the
+    attention kind and dispatcher carry after it (pools, caches, gathered experts, stats),
+    and the layer's routing (top-k ids and weights of the rows it ran)."""
+
+    x: jax.Array
+    attn: Any
+    moe_carry: Any
+    routing: moe.Routing
+
+
+def decoder_layer(p: LayerParams, layer, x: Float[Array, "n d"], attn, dispatcher,
+                  moe_carry: Any, cfg: ModelConfig, *, rows: Int[Array, "r"] | None = None,
+                  routing: moe.Routing | None = None,
+                  psum_axis: str | None = None) -> LayerOutput:
+    """One pre-norm decoder layer: x + attn(norm(x)), then + moe(norm(x)).
+
+    ``p``: this layer's params (experts may be absent); ``attn``: the attention kind;
+    ``dispatcher``/``moe_carry``: the MoE seam and its loop state. ``rows``: run the
+    queries, the output projection and the MoE at these rows only (keys and values
+    still come from every row); the output is then [r, d]. ``routing``: use this
+    routing instead of the router's (speculative decode). ``psum_axis``: the mesh axis
+    over which attention outputs are partial sums (tensor parallelism).
+    """
+    h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    heads, attn = attn.attend(p, layer, h_in, rows, cfg)
+    out = heads.reshape(heads.shape[0], -1) @ p["wo"].astype(x.dtype)
+    if psum_axis is not None:
+        out = jax.lax.psum(out, psum_axis)
+    x = (x if rows is None else jnp.take(x, rows, axis=0)) + out
+    valid = attn.valid_rows(rows)
+    moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    if routing is None:
+        routing = moe.route(moe_in, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    y, moe_carry = dispatcher.apply(layer, moe_in, routing, valid, moe_carry)
+    return LayerOutput(x=x + y, attn=attn, moe_carry=moe_carry, routing=routing)
+
+
+def layer(layer_params: LayerParams, index, x: Float[Array, "n d"], attn, dispatcher,
+          moe_carry: Any, cfg: ModelConfig, **kwargs: Any) -> LayerOutput:
+    """The single-layer entry: layer ``index`` of the stacked params (see
+    :func:`decoder_layer` for the keywords)."""
+    return decoder_layer(layer_slice(layer_params, index), index, x, attn, dispatcher,
+                         moe_carry, cfg, **kwargs)
+
+
+# --------------------------------------------------------------------- the driver
+def run_layers(layer_params: LayerParams, x: Float[Array, "n d"], attn, dispatcher,
+               moe_carry: Any, cfg: ModelConfig, *, start: int = 0, stop: int | None = None,
+               observe: Observer | None = None, psum_axis: str | None = None
+               ) -> tuple[jax.Array, Any, Any, Any]:
+    """Layers [start, stop) (default: all) on x [n, d], in one loop over the stacked
+    params (indexed in place: slicing the stack first would copy it).
+
+    Only the attention kind's *carry* (its pools or caches) travels through the loop;
+    the rest of it (positions, masks) is a constant of the body. Returns (x, attention
+    kind, dispatcher carry, observations stacked [stop - start, ...] or None).
+    """
+    stop = cfg.num_layers if stop is None else stop
+    count = stop - start
+    observed = None
+    if observe is not None:
+        probe = jax.eval_shape(lambda: observe(jnp.int32(0), _abstract_routing(x, cfg), None))
+        observed = jax.tree.map(lambda s: jnp.zeros((count,) + s.shape, s.dtype), probe)
+
+    def body(i, carry):
+        x, attn_carry, moe_carry, observed = carry
+        out = layer(layer_params, i, x, attn.with_carry(attn_carry), dispatcher, moe_carry,
+                    cfg, psum_axis=psum_axis)
+        if observe is not None:
+            seen = observe(i, out.routing, out.attn.valid_rows(None))
+            observed = jax.tree.map(lambda acc, v: acc.at[i - start].set(v), observed, seen)
+        return out.x, out.attn.carry(), out.moe_carry, observed
+
+    x, attn_carry, moe_carry, observed = jax.lax.fori_loop(
+        start, stop, body, (x, attn.carry(), moe_carry, observed))
+    return x, attn.with_carry(attn_carry), moe_carry, observed
+
+
+def _abstract_routing(x: jax.Array, cfg: ModelConfig) -> moe.Routing:
+    """A routing of x's rows (for the shapes of an observation; traced abstractly only)."""
+    return moe.route(x, jnp.zeros((x.shape[1], cfg.num_experts), x.dtype),
+                     cfg.num_experts_per_tok, cfg.norm_topk_prob)
