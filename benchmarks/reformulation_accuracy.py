@@ -115,7 +115,7 @@ def generation_prompts(ops: Sequence[PrefillOp]) -> dict[int, list[tuple[int, ..
     "multi" request has one prompt per candidate (its yes/no siblings)."""
     out: dict[int, list[tuple[int, ...]]] = {}
     for op in ops:
-        prompt = tuple(op.token_ids[:op.score_positions[0] + 1])
+        prompt = tuple(op.token_ids[:op.score_positions[0] + 1].tolist())
         prompts = out.setdefault(op.request_index, [])
         if prompt not in prompts:
             prompts.append(prompt)

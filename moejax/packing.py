@@ -1,7 +1,7 @@
 """Pack variable-length sequences into flat batches with bucketed shapes.
 
-A scoring job holds sequences of any length up to the model's context. Each
-packed batch has:
+A scoring job holds sequences (prefill ops, :class:`moejax.ops.PrefillOp`) of any
+length up to the model's context. Each packed batch has:
 
 * an attention block size B: the smallest power of two >= the longest sequence
   in the batch (and >= ``min_block``); no sequence crosses a block boundary;
@@ -29,7 +29,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from moejax.prefix_forward import PrefixContext
+from moejax.ops import PrefillOp
+from moejax.attention_kinds import PrefixContext
 from moejax.model import ForwardOptions, PackedBatch
 
 
@@ -73,46 +74,6 @@ def prev_power_of_two(n: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoringSequence:
-    """One sequence to prefill and the logits to read from it.
-
-    token_ids: [n] ints; score_positions: indices in [0, n) whose next-token logits
-    are read; score_token_ids: per score position, the vocabulary ids wanted;
-    full_vocab: whether the log-sum-exp over the vocabulary is needed.
-
-    Continuing a cached prefix (``moejax.prefix_forward``): position_offset is the
-    position of token 0 (the prefix length); context_slots [c] the prefix-pool token
-    slots of the prefix, in order; store_slots [≤ n] the pool slot to keep token j's
-    keys and values in (-1: not kept).
-    """
-
-    key: Hashable
-    token_ids: np.ndarray
-    score_positions: tuple[int, ...]
-    score_token_ids: tuple[tuple[int, ...], ...]
-    full_vocab: bool = False
-    position_offset: int = 0
-    context_slots: np.ndarray | None = None
-    store_slots: np.ndarray | None = None
-
-    @property
-    def uses_pool(self) -> bool:
-        return ((self.context_slots is not None and len(self.context_slots) > 0)
-                or (self.store_slots is not None and bool(np.any(self.store_slots >= 0))))
-
-    def __post_init__(self) -> None:
-        n = len(self.token_ids)
-        if n == 0:
-            raise ValueError(f"sequence {self.key!r} is empty")
-        if len(self.score_positions) != len(self.score_token_ids):
-            raise ValueError(f"sequence {self.key!r}: {len(self.score_positions)} score positions "
-                             f"but {len(self.score_token_ids)} candidate lists")
-        bad = [p for p in self.score_positions if not 0 <= p < n]
-        if bad:
-            raise ValueError(f"sequence {self.key!r}: score positions {bad} outside [0, {n})")
-
-
-@dataclasses.dataclass(frozen=True)
 class HostBatch:
     """A packed batch in host memory and where each sequence's answers land.
 
@@ -122,7 +83,7 @@ class HostBatch:
 
     batch: PackedBatch
     options: ForwardOptions
-    sequences: tuple[ScoringSequence, ...]
+    sequences: tuple[PrefillOp, ...]
     rows: tuple[int, ...]
     real_tokens: int
     context: "PrefixContext | None" = None
@@ -182,7 +143,7 @@ def batch_block_counts(num_blocks: int, cap: int) -> list[int]:
     return counts
 
 
-def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
+def pack(sequences: Sequence[PrefillOp], policy: BucketPolicy,
          options: ForwardOptions | None = None, pool_slots: int = 0) -> list[HostBatch]:
     """Pack ``sequences`` into batches (largest attention blocks first). ``options``
     supplies the non-shape forward options (expert implementation, tile rows).
@@ -204,7 +165,7 @@ def pack(sequences: Sequence[ScoringSequence], policy: BucketPolicy,
     return batches
 
 
-def _context_order(sequences: Sequence[ScoringSequence], block: _Block) -> list[tuple[int, int]]:
+def _context_order(sequences: Sequence[PrefillOp], block: _Block) -> list[tuple[int, int]]:
     """A block's members ordered by their context slots, so that siblings reading the same
     cached prefix get consecutive segment ids (each shared slot then needs one context
     entry: ``build_context``)."""
@@ -215,7 +176,7 @@ def _context_order(sequences: Sequence[ScoringSequence], block: _Block) -> list[
     return sorted(block.members, key=key)
 
 
-def _build(sequences: Sequence[ScoringSequence], blocks: list[_Block], block: int,
+def _build(sequences: Sequence[PrefillOp], blocks: list[_Block], block: int,
            policy: BucketPolicy, options: ForwardOptions | None, pool_slots: int = 0
            ) -> HostBatch:
     members = [(i, slot, offset) for slot, b in enumerate(blocks)
@@ -278,7 +239,7 @@ def context_entries(slots: np.ndarray, segments: np.ndarray) -> tuple[np.ndarray
     return slots[starts], segments[starts], segments[ends]
 
 
-def build_context(chosen: Sequence[ScoringSequence], starts: Sequence[int], num_blocks: int,
+def build_context(chosen: Sequence[PrefillOp], starts: Sequence[int], num_blocks: int,
                   block: int, pool_slots: int) -> PrefixContext:
     """The prefix context of a batch: per attention block the pool slots its segments
     continue from (segment = index in ``chosen``; each slot once per run of segments that

@@ -1,9 +1,9 @@
 """Data-parallel engines behind one router (DESIGN.md "One request, end to end", step 3–4).
 
 Each engine (one per device) runs the resident backend with its own prefix cache. For a
-call, every prefill op becomes a :class:`~serving.router.RouteRequest` (its prompt is
-the shareable prefix, so siblings follow their prefix's pending blocks to one engine);
-the router assigns ops to engines in FIFO order; then every engine runs all of its ops
+call, the router reads every prefill op (:class:`moejax.ops.PrefillOp`: its prompt is the
+shareable prefix, so siblings follow their prefix's pending blocks to one engine) and
+assigns ops to engines in FIFO order; then every engine runs all of its ops
 at once (one packed run: the best batching), the engines in parallel threads (JAX
 releases the GIL while devices compute). Afterwards each engine reports to the router
 through its event channel: the blocks its cache stored and evicted, and the FLOPs it
@@ -18,11 +18,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Hashable, Sequence
 
-from moejax.packing import ScoringSequence
+from moejax.ops import PrefillOp
 from serving.engine import Engine, SequenceOutput
-from serving.requests import PrefillOp
-from serving.router import (BlocksEvicted, BlocksStored, FlopsExecuted, RouteRequest, Router,
-                            RoutingReport)
+from serving.router import BlocksEvicted, BlocksStored, FlopsExecuted, Router, RoutingReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +45,14 @@ class EnginePool:
         self.last_report: RoutingReport | None = None
         self.router_theta: float | None = None     # the Θ the router was built with
 
-    def route(self, requests: Sequence[RouteRequest]) -> RoutingReport:
-        return self.router.assign(requests)
+    def route(self, ops: Sequence[PrefillOp]) -> RoutingReport:
+        return self.router.assign(ops)
 
-    def run(self, ops: Sequence[PrefillOp], sequences: Sequence[ScoringSequence],
-            on_batch_done: Callable[[int], None] | None = None
+    def run(self, ops: Sequence[PrefillOp], on_batch_done: Callable[[int], None] | None = None
             ) -> tuple[dict[Hashable, SequenceOutput], dict[int, OpTiming]]:
-        """Score ``sequences`` (``sequences[i]`` is ``ops[i]``, key i) -> (outputs by key,
-        timing by op index)."""
+        """Score ``ops`` (keys distinct) -> (outputs by op key, timing by op index)."""
         start = time.perf_counter()
-        # Hashed once: the router matches them now, and a KV-cache-free engine reports
-        # them as evicted after its run.
-        requests = [RouteRequest.from_op(op, request_id=i) for i, op in enumerate(ops)]
-        report = self.route(requests)
+        report = self.route(ops)
         self.last_report = report
         work: list[list[int]] = [[] for _ in self.engines]
         for i, assignment in enumerate(report.assignments):
@@ -67,7 +60,7 @@ class EnginePool:
         outputs: dict[Hashable, SequenceOutput] = {}
         timings: dict[int, OpTiming] = {}
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
-            futures = {pool.submit(self._run_engine, g, ops, sequences, indices, on_batch_done): g
+            futures = {pool.submit(self._run_engine, g, ops, indices, on_batch_done): g
                        for g, indices in enumerate(work) if indices}
             for future in concurrent.futures.as_completed(futures):
                 g = futures[future]
@@ -77,16 +70,14 @@ class EnginePool:
                     timings[i] = OpTiming(engine=g, round=report.assignments[i].round,
                                           seconds=done)
                 self._report(g, [report.assignments[i].cost for i in work[g]],
-                             [ops[i] for i in work[g]], [requests[i] for i in work[g]])
+                             [ops[i] for i in work[g]])
         return outputs, timings
 
-    def _run_engine(self, g: int, ops: Sequence[PrefillOp], sequences: Sequence[ScoringSequence],
-                    indices: list[int], on_batch_done) -> dict[Hashable, SequenceOutput]:
-        return self.engines[g].run([sequences[i] for i in indices], on_batch_done=on_batch_done,
-                                   prefix_lens={i: ops[i].prefix_len for i in indices})
+    def _run_engine(self, g: int, ops: Sequence[PrefillOp], indices: list[int],
+                    on_batch_done) -> dict[Hashable, SequenceOutput]:
+        return self.engines[g].run([ops[i] for i in indices], on_batch_done=on_batch_done)
 
-    def _report(self, g: int, costs: list[int], ops: list[PrefillOp],
-                requests: list[RouteRequest]) -> None:
+    def _report(self, g: int, costs: list[int], ops: list[PrefillOp]) -> None:
         """Events of engine g after its run, in order: blocks stored / evicted, FLOPs."""
         channel = self.router.channel
         cache = self.engines[g].prefix_cache
@@ -97,8 +88,10 @@ class EnginePool:
             if stored:
                 channel.put(BlocksStored(engine=g, hashes=stored))
         if cache is None or self.engines[g].kv_cache_free:
-            # Nothing was kept: the blocks the router expects from these ops never arrive.
-            promised = [h for r in requests for h in r.block_hashes]
+            # Nothing was kept: the prefix blocks the router expects from these ops never
+            # arrive (the ops' memoized digests: the router hashed them already).
+            size = self.router.block_size
+            promised = [h for op in ops for h in op.block_hashes(size)[:op.prefix_len // size]]
             if promised:
                 channel.put(BlocksEvicted(engine=g, hashes=promised))
         tokens = sum(len(op.token_ids) for op in ops)

@@ -1,12 +1,12 @@
 """The engine's paged prefix KV cache: block bookkeeping and the plan of a scoring run.
 
 The device side is a pool of ``num_blocks`` blocks of ``block_size`` token slots per
-layer (``moejax.prefix_forward``); this module decides what lives where.
+layer (``moejax.attention_kinds.PrefixPooled``); this module decides what lives where.
 
-:class:`PrefixCache` maps chained block hashes (``serving.prefix_hash``) to pool
-blocks, counts references (blocks a running plan reads or writes are pinned), keeps
-unreferenced blocks in LRU order and evicts the oldest when it needs room, and
-records ``stored`` / ``evicted`` hashes for the router.
+:class:`PrefixCache` maps chained block hashes (``moejax.prefix_hash``; each op's own
+``block_hashes``) to pool blocks, counts references (blocks a running plan reads or writes
+are pinned), keeps unreferenced blocks in LRU order and evicts the oldest when it needs
+room, and records ``stored`` / ``evicted`` hashes for the router.
 
 :func:`plan_run` decides, per sequence of a run, which leading tokens it reads from the
 pool instead of computing:
@@ -23,23 +23,24 @@ A sequence never reads the token at its first score position (its logits are com
 in its own pass). Sequences land in *levels*: a sequence's level is one more than the
 highest level of a sequence whose stored tokens it reads, so each level runs after the
 ones it reads (in practice 1–3 levels). Whole blocks of a sequence's prefix
-(``prefix_lens``: the tokens it shares with its siblings; the whole sequence for a
-request on its own) that it computes are named by their hash after the run, for later
-runs; other stored blocks are anonymous and freed after the run. With
-``kv_cache_free`` nothing is looked up or kept; in-run sharing still applies.
+(``PrefillOp.prefix_len``: the tokens it shares with its siblings; the whole sequence for
+a request on its own) that it computes are named by their hash after the run, for later
+runs; other stored blocks are anonymous and freed after the run. Blocks are named by the
+op's own ``block_hashes`` (computed once per op: the router matched the same digests).
+With ``kv_cache_free`` nothing is looked up or kept; in-run sharing still applies.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from moejax.config import ModelConfig
-from moejax.packing import ScoringSequence
-from serving.prefix_hash import BLOCK_SIZE, block_hashes
+from moejax.ops import PrefillOp
+from moejax.prefix_hash import BLOCK_SIZE
 
 SequenceOutput = tuple[list[np.ndarray], "np.ndarray | None"]
 
@@ -162,7 +163,7 @@ class PrefixPlan:
     A derived sequence keeps its original's key and score entries (positions shifted by
     its ``position_offset``), so the outputs of the levels are the run's outputs."""
 
-    levels: list[list[ScoringSequence]]   # level k reads only what levels < k store
+    levels: list[list[PrefillOp]]         # level k reads only what levels < k store
     pinned: list[int]                     # blocks to release after the run
     to_commit: list[tuple[int, bytes]]    # computed whole prefix blocks, named after the run
     cached_tokens: int = 0                # tokens read from blocks of earlier runs
@@ -186,11 +187,6 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else m
 
 
-def _first_score(seq: ScoringSequence) -> int:
-    """Tokens before the first score position: the most a sequence may read."""
-    return min(seq.score_positions) if seq.score_positions else len(seq.token_ids) - 1
-
-
 def _worth_sharing(tokens: int, block_size: int) -> int:
     """Shared tokens worth reading in-run: at least a block's worth. Reading fewer saves
     little compute but costs a level (one more pass over the engine) and, often, a new
@@ -198,36 +194,35 @@ def _worth_sharing(tokens: int, block_size: int) -> int:
     return tokens if tokens >= block_size else 0
 
 
-def sharing_order(sequences: Sequence[ScoringSequence]) -> list[int]:
+def sharing_order(sequences: Sequence[PrefillOp]) -> list[int]:
     """Indices of ``sequences`` in sorted token order: a sequence's longest common prefix
     with any sequence before it is the one with its predecessor."""
     return sorted(range(len(sequences)),
                   key=lambda i: np.asarray(sequences[i].token_ids, ">i4").tobytes())
 
 
-def plan_run(sequences: Sequence[ScoringSequence], prefix_lens: dict[Hashable, int],
-             cache: PrefixCache, kv_cache_free: bool = False) -> PrefixPlan:
+def plan_run(sequences: Sequence[PrefillOp], cache: PrefixCache,
+             kv_cache_free: bool = False) -> PrefixPlan:
     """Plan a scoring run over the prefix cache (see the module docstring).
 
-    prefix_lens: key -> tokens shared with siblings (0 or absent: the whole sequence);
-    its whole blocks are the ones kept for later runs.
+    Each op's ``prefix_len`` (tokens shared with siblings) says which of its whole blocks
+    are kept for later runs.
     """
     plan = PrefixPlan(levels=[], pinned=[], to_commit=[])
     order = sharing_order(sequences)
     tokens = [np.asarray(sequences[i].token_ids, np.int32) for i in order]
     # Tokens the next sequence in order may read from this one.
     wanted = [_worth_sharing(min(_common_prefix(tokens[j], tokens[j + 1]),
-                                 _first_score(sequences[order[j + 1]])), cache.block_size)
+                                 sequences[order[j + 1]].reusable_len), cache.block_size)
               for j in range(len(order) - 1)] + [0]
     naming: set[bytes] = set()
     previous: _Reach | None = None
     for j, index in enumerate(order):
         seq = sequences[index]
-        p = prefix_lens.get(seq.key) or len(seq.token_ids)
         readable = 0 if previous is None else _worth_sharing(min(
-            _common_prefix(previous.tokens, tokens[j]), len(previous.slots), _first_score(seq)),
+            _common_prefix(previous.tokens, tokens[j]), len(previous.slots), seq.reusable_len),
             cache.block_size)
-        derived, previous = _plan_sequence(plan, cache, seq, tokens[j], p, previous, readable,
+        derived, previous = _plan_sequence(plan, cache, seq, tokens[j], previous, readable,
                                            wanted[j], naming, kv_cache_free)
         level = derived[1]
         while len(plan.levels) <= level:
@@ -236,15 +231,17 @@ def plan_run(sequences: Sequence[ScoringSequence], prefix_lens: dict[Hashable, i
     return plan
 
 
-def _plan_sequence(plan: PrefixPlan, cache: PrefixCache, seq: ScoringSequence, tokens: np.ndarray,
-                   p: int, previous: _Reach | None, readable: int, wanted: int,
+def _plan_sequence(plan: PrefixPlan, cache: PrefixCache, seq: PrefillOp, tokens: np.ndarray,
+                   previous: _Reach | None, readable: int, wanted: int,
                    naming: set[bytes], kv_cache_free: bool
-                   ) -> tuple[tuple[ScoringSequence, int], _Reach]:
+                   ) -> tuple[tuple[PrefillOp, int], _Reach]:
     """One sequence: its cached blocks, what it reads from its predecessor, what it stores.
     Returns ((derived sequence, level), what it leaves readable)."""
-    bs, n = cache.block_size, len(tokens)
-    hashes = block_hashes(tokens[:(max(p, _first_score(seq)) // bs) * bs], bs)
-    cached = [] if kv_cache_free else cache.match(hashes[:_first_score(seq) // bs])
+    bs, n, p = cache.block_size, len(tokens), seq.prefix_len
+    # The op's own digests (memoized: the router, if any, already computed them); nothing
+    # is looked up or named without a cache.
+    hashes = () if kv_cache_free else seq.block_hashes(bs)
+    cached = [] if kv_cache_free else cache.match(hashes[:seq.reusable_len // bs])
     plan.pinned += cached
     cached_end = len(cached) * bs
     start = max(cached_end, readable)
@@ -280,9 +277,6 @@ def _plan_sequence(plan: PrefixPlan, cache: PrefixCache, seq: ScoringSequence, t
                     plan.to_commit.append((block, hashes[b]))
     reach = _Reach(tokens=tokens, slots=np.concatenate([context, stored]),
                    writer_level=np.concatenate([writers, np.full(len(stored), level, np.int32)]))
-    derived = ScoringSequence(
-        key=seq.key, token_ids=tokens[start:], position_offset=start,
-        score_positions=tuple(q - start for q in seq.score_positions),
-        score_token_ids=seq.score_token_ids, full_vocab=seq.full_vocab,
-        context_slots=context if start else None, store_slots=store_slots)
+    derived = seq.continuation(start, context_slots=context if start else None,
+                               store_slots=store_slots)
     return (derived, level), reach

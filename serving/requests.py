@@ -7,8 +7,10 @@ candidate tokens. This module is the boundary between users and the engine:
 * :func:`parse_request` checks one request (a dict from JSONL or a
   :class:`ScoreRequest`) without needing a tokenizer;
 * :func:`normalize_requests` tokenizes the valid requests and expands each into
-  atomic :class:`PrefillOp` s; bad requests are reported in ``errors`` and get no
-  ops, so one bad line never sinks the batch;
+  atomic :class:`PrefillOp` s (``moejax.ops``: the one record the router, prefix
+  cache, packer and engine read; keyed ``OpKey(request_index, candidate_index)``);
+  bad requests are reported in ``errors`` and get no ops, so one bad line never
+  sinks the batch;
 * the engine runs every op and hands back one :class:`OpOutput` per op;
 * :func:`serving.results.combine_results` turns the outputs back into one :class:`ScoreResult`
   per request, in request order.
@@ -18,7 +20,7 @@ Semantics
 Tokenization. Text is encoded WITHOUT special tokens (see
 :class:`TokenizerAdapter`). The prompt and every candidate are encoded
 *separately*, so all ops of a request share the prompt tokens exactly (that is
-what ``PrefillOp.prefix_len`` advertises to the packer) and a candidate scores
+what ``PrefillOp.prefix_len`` advertises to the prefix cache) and a candidate scores
 the same tokens whatever prompt precedes it. Consequently candidates must carry
 the leading space the tokenizer expects (``" Paris"``, not ``"Paris"``).
 
@@ -31,12 +33,12 @@ kind ``"classify"`` (prompt + candidates):
   single-token ones included, are then treated uniformly as sequences):
   token_ids = prompt + candidate[:-1], score positions = last prompt token and
   every candidate token but the last, each scoring the next candidate token,
-  ``need_vocab_logsumexp=True``. Sequence log-prob = sum(logit - logsumexp).
+  ``full_vocab=True``. Sequence log-prob = sum(logit - logsumexp).
 
 normalize ``"candidates"``: logprobs = log-softmax over the candidates (of the
 single-token logits, or of the sequence log-probs); they sum to one in
 probability space. normalize ``"vocab"``: single-token: logit - logsumexp over
-the full vocabulary (``need_vocab_logsumexp=True``); multi-token: the raw
+the full vocabulary (``full_vocab=True``); multi-token: the raw
 sequence log-prob. ``label`` = index of the best candidate (first on ties).
 
 kind ``"choice"`` (multiple choice; text only): the prompt is rendered as
@@ -74,6 +76,8 @@ import string
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
+
+from moejax.ops import OpKey, PrefillOp
 
 KINDS = ("classify", "choice", "multi")
 NORMALIZATIONS = ("candidates", "vocab")
@@ -149,31 +153,13 @@ class ScoreResult:
         return d
 
 
-@dataclasses.dataclass(frozen=True)
-class PrefillOp:
-    """One prefill forward pass and the logits to read from it.
-
-    ``score_positions[i]`` indexes ``token_ids``; the NEXT-token logits there are
-    read for the ids ``score_token_ids[i]``. The first ``prefix_len`` tokens (the
-    prompt) are shared with the sibling ops of the same request.
-    """
-
-    request_index: int
-    candidate_index: int
-    token_ids: tuple[int, ...]
-    prefix_len: int
-    score_positions: tuple[int, ...]
-    score_token_ids: tuple[tuple[int, ...], ...]
-    need_vocab_logsumexp: bool
-
-
 @dataclasses.dataclass
 class OpOutput:
     """What the model returns for one op.
 
     ``logits[i]``: logits of ``score_token_ids[i]`` at ``score_positions[i]``.
     ``logsumexp[i]``: log-sum-exp of the full-vocabulary logits there (required
-    when ``need_vocab_logsumexp``; used whenever present).
+    when ``full_vocab``; used whenever present).
     """
 
     logits: list[np.ndarray]
@@ -425,24 +411,24 @@ class _Encoder:
 def _joint_op(index: int, candidate_index: int, context: Sequence[int], prefix_len: int,
               continuations: Sequence[Sequence[int]], need_vocab: bool) -> PrefillOp:
     """All continuations are single tokens: read them all at the context's last position."""
-    return PrefillOp(request_index=index, candidate_index=candidate_index,
-                     token_ids=tuple(context), prefix_len=prefix_len,
+    return PrefillOp(key=OpKey(index, candidate_index),
+                     token_ids=np.asarray(context, np.int32), prefix_len=prefix_len,
                      score_positions=(len(context) - 1,),
                      score_token_ids=(tuple(c[0] for c in continuations),),
-                     need_vocab_logsumexp=need_vocab)
+                     full_vocab=need_vocab)
 
 
 def _sequence_op(index: int, candidate_index: int, context: Sequence[int],
                  continuation: Sequence[int]) -> PrefillOp:
     """Teacher-force ``continuation`` after ``context``, reading each of its tokens."""
     start = len(context) - 1
-    return PrefillOp(request_index=index, candidate_index=candidate_index,
-                     token_ids=tuple(context) + tuple(continuation[:-1]),
+    return PrefillOp(key=OpKey(index, candidate_index),
+                     token_ids=np.asarray([*context, *continuation[:-1]], np.int32),
                      prefix_len=len(context),
                      score_positions=tuple(range(start, start + len(continuation))),
                      score_token_ids=tuple((t,) for t in continuation),
                      # log P(token) needs the full-vocabulary normaliser.
-                     need_vocab_logsumexp=True)
+                     full_vocab=True)
 
 
 def _classify_ops(index: int, prompt: list[int], continuations: list[list[int]],

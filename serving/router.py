@@ -8,10 +8,14 @@ run) — and a work counter W_g in FLOPs. Each request, in FIFO order:
 1. **F3 saturation** — candidates are the engines with W_g < Θ;
 2. **F1 prefix match** — the longest block-level prefix match over committed ∪ pending, ties to
    the smallest W_g, then the lowest engine index; no match → smallest W_g;
-3. **F2 true cost** — ``ΔW = cfg.request_flops(p, s, cached=c, ...)`` (seed Eq. (2)) where c is
-   the matched blocks × block size, so an engine that already holds (or will hold) the prefix is
-   charged only for the rest; W_g += ΔW and the request's uncached prefix blocks become pending
-   on g.
+3. **F2 true cost** — ``ΔW = op.flops(cfg, cached=c)`` (seed Eq. (2), ``moejax.ops``) where c
+   is the matched blocks × block size, so an engine that already holds (or will hold) the prefix
+   is charged only for the rest; W_g += ΔW and the request's uncached prefix blocks become
+   pending on g.
+
+Requests are the prefill ops themselves (:class:`moejax.ops.PrefillOp`): the router reads
+their ``prefix_len``, their ``block_hashes`` (computed once per op; the engine's prefix cache
+names the blocks it stores with the same digests) and their cost.
 
 A popular prefix keeps landing on its engine until that engine saturates; after that the same
 rule sends it to the next-best match, whose pending table then attracts the rest (spill, with no
@@ -45,7 +49,7 @@ be whole (see :class:`Router`) is recognised with one lookup.
 Accounting: ``route`` returns the engine per request; :meth:`Router.assign` (which ``route``
 calls) returns a :class:`RoutingReport` — per request the engine, ΔW charged, prefix tokens
 credited and round; per engine the ΔW assigned — kept as :attr:`Router.last_report`.
-``request_cost(cfg, request)`` is the cost with no credit, for executed-vs-ideal comparisons.
+``op.flops(cfg)`` is the cost with no credit, for executed-vs-ideal comparisons.
 
 Baselines with the same interface (decisions only; they keep the same shadow tables so their
 reports show the prefix credit the engines' caches would give them): :class:`RoundRobinRouter`,
@@ -67,87 +71,10 @@ from typing import Any, ClassVar, Hashable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from moejax.config import ModelConfig
-from serving.prefix_hash import BLOCK_SIZE, block_hashes
+from moejax.ops import PrefillOp
+from moejax.prefix_hash import BLOCK_SIZE
 
 ROUTER_NAMES = ("prefix", "round_robin", "least_tokens", "random")
-
-
-# ---------------------------------------------------------------------------- requests
-@dataclasses.dataclass(frozen=True)
-class RouteRequest:
-    """One prefill request as the router sees it.
-
-    ``block_hashes``: chained digests (:func:`serving.prefix_hash.block_hashes`) of at least the
-    full blocks of the prefix; extra trailing hashes are ignored. ``prefix_len``: tokens that
-    form the shareable prefix (the prompt of sibling requests); None = all ``num_tokens``.
-    ``scoring_positions`` / ``num_candidates``: LM-head work (None = full vocabulary).
-    """
-
-    request_id: Hashable
-    num_tokens: int
-    block_hashes: tuple[bytes, ...] = ()
-    prefix_len: int | None = None
-    scoring_positions: int = 1
-    num_candidates: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_tokens, (int, np.integer)) or self.num_tokens < 1:
-            raise ValueError(f"request {self.request_id!r}: num_tokens must be >= 1, "
-                             f"got {self.num_tokens!r}")
-        prefix = self.num_tokens if self.prefix_len is None else self.prefix_len
-        if not 0 <= prefix <= self.num_tokens:
-            raise ValueError(f"request {self.request_id!r}: prefix_len ({prefix}) must lie in "
-                             f"[0, num_tokens={self.num_tokens}]")
-        if self.scoring_positions < 0:
-            raise ValueError(f"request {self.request_id!r}: scoring_positions must be >= 0")
-        if self.num_candidates is not None and self.num_candidates < 1:
-            raise ValueError(f"request {self.request_id!r}: num_candidates must be >= 1 or None")
-        # Frozen: normalise in place once so the router's hot loop reads plain ints/tuples.
-        object.__setattr__(self, "num_tokens", int(self.num_tokens))
-        object.__setattr__(self, "prefix_len", int(prefix))
-        object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
-
-    @property
-    def suffix_len(self) -> int:
-        return self.num_tokens - self.prefix_len
-
-    @classmethod
-    def from_tokens(cls, request_id: Hashable, token_ids: Sequence[int] | np.ndarray,
-                    prefix_len: int | None = None, scoring_positions: int = 1,
-                    num_candidates: int | None = None,
-                    block_size: int = BLOCK_SIZE) -> "RouteRequest":
-        """Hash the prefix of ``token_ids`` (only the prefix blocks are ever matched)."""
-        num_tokens = len(token_ids)
-        prefix = num_tokens if prefix_len is None else prefix_len
-        if not 0 <= prefix <= num_tokens:
-            raise ValueError(f"request {request_id!r}: prefix_len ({prefix}) must lie in "
-                             f"[0, num_tokens={num_tokens}]")
-        hashes = block_hashes(token_ids[:prefix], block_size)
-        return cls(request_id, num_tokens, tuple(hashes), prefix, scoring_positions,
-                   num_candidates)
-
-    @classmethod
-    def from_op(cls, op: Any, request_id: Hashable | None = None,
-                block_size: int = BLOCK_SIZE) -> "RouteRequest":
-        """From a ``serving.requests.PrefillOp`` (duck-typed: token_ids, prefix_len,
-        score_positions, score_token_ids, need_vocab_logsumexp). The head is charged for the
-        full vocabulary when the op needs a vocabulary log-sum-exp, else for its widest
-        candidate set. Default id: ``(op.request_index, op.candidate_index)``."""
-        if request_id is None:
-            request_id = (op.request_index, op.candidate_index)
-        candidates = None
-        if not op.need_vocab_logsumexp:
-            candidates = max((len(ids) for ids in op.score_token_ids), default=1)
-        return cls.from_tokens(request_id, op.token_ids, op.prefix_len,
-                               len(op.score_positions), candidates, block_size)
-
-
-def request_cost(cfg: ModelConfig, request: RouteRequest, cached: int = 0) -> int:
-    """ΔW of ``request`` on an engine holding ``cached`` of its prefix tokens (seed Eq. (2)).
-    With ``cached=0`` this is the cost without any prefix credit."""
-    return cfg.request_flops(prefix=request.prefix_len, suffix=request.suffix_len,
-                             cached=cached, scoring_positions=request.scoring_positions,
-                             num_candidates=request.num_candidates)
 
 
 # ---------------------------------------------------------------------------- events
@@ -192,10 +119,11 @@ Event = BlocksStored | BlocksEvicted | FlopsExecuted
 class Assignment(NamedTuple):
     """Where one request went and what it was charged.
 
-    ``cost``: ΔW in FLOPs after the prefix credit. ``cached_tokens``: the credit c (block
-    aligned). ``round``: the round of this ``route`` call it belongs to (0-based)."""
+    ``key``: the op's key. ``cost``: ΔW in FLOPs after the prefix credit. ``cached_tokens``:
+    the credit c (block aligned). ``round``: the round of this ``route`` call it belongs to
+    (0-based)."""
 
-    request_id: Hashable
+    key: Hashable
     engine: int
     cost: int
     cached_tokens: int
@@ -263,11 +191,11 @@ class Router(abc.ABC):
         self._round = 0
 
     # ------------------------------------------------------------------ public
-    def route(self, requests: Sequence[RouteRequest]) -> list[int]:
+    def route(self, requests: Sequence[PrefillOp]) -> list[int]:
         """Engine index per request, in order (details in :attr:`last_report`)."""
         return self.assign(requests).engines
 
-    def assign(self, requests: Sequence[RouteRequest]) -> RoutingReport:
+    def assign(self, requests: Sequence[PrefillOp]) -> RoutingReport:
         """Drain the event channel, then route ``requests`` in FIFO order."""
         self._validate(requests)
         self.drain()
@@ -337,9 +265,9 @@ class Router(abc.ABC):
 
     # ------------------------------------------------------------------ subclass hooks
     @abc.abstractmethod
-    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+    def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
-        """(engine, matched blocks on it) for ``request``; ``limit`` caps the match."""
+        """(engine, matched blocks on it) for ``op``; ``limit`` caps the match."""
 
     def _begin_call(self) -> None:
         self._round = 0
@@ -347,23 +275,24 @@ class Router(abc.ABC):
     def _on_executed(self, engine: int, event: FlopsExecuted, work_before: int | float) -> None:
         """Extra decay after W_g went down (subclasses with more counters)."""
 
-    def _on_assigned(self, engine: int, request: RouteRequest) -> None:
-        """Extra bookkeeping after ``request`` went to ``engine``."""
+    def _on_assigned(self, engine: int, op: PrefillOp) -> None:
+        """Extra bookkeeping after ``op`` went to ``engine``."""
 
     # ------------------------------------------------------------------ internals
-    def _route_one(self, request: RouteRequest) -> Assignment:
-        hashes = request.block_hashes
-        prefix = request.prefix_len
+    def _route_one(self, op: PrefillOp) -> Assignment:
+        # The op's own digests, computed once: its engine's prefix cache reads the same ones.
+        # Only the prefix's blocks ([0, prefix // b)) are ever matched or promised.
+        hashes = op.block_hashes(self.block_size)
+        prefix = op.prefix_len
         # The block holding the last token is never credited (it must run for the logits).
-        limit = min(prefix, request.num_tokens - 1) // self.block_size
-        engine, matched = self._choose(request, hashes, limit)
+        limit = min(prefix, len(op.token_ids) - 1) // self.block_size
+        engine, matched = self._choose(op, hashes, limit)
         cached = matched * self.block_size
-        cost = self.cfg.request_flops(prefix, request.num_tokens - prefix, cached,
-                                      request.scoring_positions, request.num_candidates)
+        cost = op.flops(self.cfg, cached)
         self._work[engine] += cost
         self._promise(engine, hashes, matched, prefix // self.block_size)
-        self._on_assigned(engine, request)
-        return Assignment(request.request_id, engine, cost, cached, self._round)
+        self._on_assigned(engine, op)
+        return Assignment(op.key, engine, cost, cached, self._round)
 
     def _match(self, engine: int, hashes: tuple[bytes, ...], limit: int) -> int:
         """Contiguous blocks of ``hashes[:limit]`` that ``engine`` holds, from the start."""
@@ -417,17 +346,14 @@ class Router(abc.ABC):
             raise ValueError(f"engine index {engine!r} out of range [0, {self.num_engines})")
         return int(engine)
 
-    def _validate(self, requests: Sequence[RouteRequest]) -> None:
+    def _validate(self, requests: Sequence[PrefillOp]) -> None:
         """Refuse the whole call before touching any state."""
-        block_size = self.block_size
-        for request in requests:
-            if not isinstance(request, RouteRequest):
-                raise TypeError(f"route() takes RouteRequest objects, got {type(request).__name__}")
-            if len(request.block_hashes) < request.prefix_len // block_size:
-                raise ValueError(
-                    f"request {request.request_id!r}: {len(request.block_hashes)} block hashes "
-                    f"for a {request.prefix_len}-token prefix (needs "
-                    f"{request.prefix_len // block_size} at block size {block_size})")
+        for op in requests:
+            if not isinstance(op, PrefillOp):
+                raise TypeError(f"route() takes PrefillOp objects, got {type(op).__name__}")
+            if op.position_offset:
+                raise ValueError(f"op {op.key!r} is a continuation (position_offset "
+                                 f"{op.position_offset}): route the op it continues")
 
 
 class PrefixAwareRouter(Router):
@@ -469,7 +395,7 @@ class PrefixAwareRouter(Router):
         self._base = [0] * self.num_engines    # each call starts a round: the test is W_g < Θ
         self._refresh_open()
 
-    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+    def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
         if not self._open:
             self._new_round()
@@ -499,7 +425,7 @@ class PrefixAwareRouter(Router):
             return self._least_loaded(candidates), 0
         return best, best_len
 
-    def _on_assigned(self, engine: int, request: RouteRequest) -> None:
+    def _on_assigned(self, engine: int, op: PrefillOp) -> None:
         if not self._is_open(engine):
             self._set_open(g for g in self._open if g != engine)
 
@@ -537,7 +463,7 @@ class RoundRobinRouter(Router):
         super().__init__(cfg, num_engines, block_size)
         self._next = 0
 
-    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+    def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
         engine = self._next
         self._next = (engine + 1) % self.num_engines
@@ -558,14 +484,14 @@ class LeastTokensRouter(Router):
     def outstanding_tokens(self, engine: int) -> int | float:
         return self._tokens[self._check_engine(engine)]
 
-    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+    def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
         tokens = self._tokens
         engine = min(range(self.num_engines), key=tokens.__getitem__)
         return engine, self._match(engine, hashes, limit)
 
-    def _on_assigned(self, engine: int, request: RouteRequest) -> None:
-        self._tokens[engine] += request.num_tokens
+    def _on_assigned(self, engine: int, op: PrefillOp) -> None:
+        self._tokens[engine] += len(op.token_ids)
 
     def _on_executed(self, engine: int, event: FlopsExecuted, work_before: int | float) -> None:
         if event.tokens:
@@ -585,7 +511,7 @@ class RandomRouter(Router):
         super().__init__(cfg, num_engines, block_size)
         self._rng = random.Random(seed)
 
-    def _choose(self, request: RouteRequest, hashes: tuple[bytes, ...],
+    def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
         engine = self._rng.randrange(self.num_engines)
         return engine, self._match(engine, hashes, limit)

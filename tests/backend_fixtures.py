@@ -14,7 +14,8 @@ import numpy as np
 from moejax import model
 from moejax.backends.base import Backend, padded_step, plan_steps
 from moejax.config import ModelConfig
-from moejax.packing import BucketPolicy, HostBatch, ScoringSequence, pack
+from moejax.ops import PrefillOp
+from moejax.packing import BucketPolicy, HostBatch, pack
 
 F32_TOL = 1e-5
 
@@ -30,7 +31,7 @@ def make_params(cfg: ModelConfig = CFG, seed: int = 0) -> dict:
     return model.init_params(cfg, seed=seed, scale=0.15)
 
 
-def make_sequences(cfg: ModelConfig = CFG, seed: int = 1, count: int = 24) -> list[ScoringSequence]:
+def make_sequences(cfg: ModelConfig = CFG, seed: int = 1, count: int = 24) -> list[PrefillOp]:
     """Sequences of 3–60 tokens; every third scores many positions (so some batches run the
     last layer on all rows, others only at the scoring rows), some need the full vocab."""
     rng = np.random.default_rng(seed)
@@ -40,8 +41,8 @@ def make_sequences(cfg: ModelConfig = CFG, seed: int = 1, count: int = 24) -> li
         tokens = rng.integers(2, cfg.vocab_size, n).astype(np.int32)
         positions = list(range(n)) if i % 3 == 0 else [n - 1]
         ids = [rng.integers(0, cfg.vocab_size, int(rng.integers(1, 4))).tolist() for _ in positions]
-        out.append(ScoringSequence(key=i, token_ids=tokens, score_positions=positions,
-                                   score_token_ids=ids, full_vocab=i % 4 == 1))
+        out.append(PrefillOp(key=i, token_ids=tokens, score_positions=positions,
+                             score_token_ids=ids, full_vocab=i % 4 == 1))
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import expert_specialization as es
 from benchmarks import reformulation_accuracy as ra
-from serving.requests import NormalizeOptions, PrefillOp, normalize_requests
+from serving.requests import NormalizeOptions, OpKey, PrefillOp, normalize_requests
 
 
 # ------------------------------------------------------------------- reformulation_accuracy
@@ -102,9 +102,9 @@ def test_generation_prompts_are_what_the_scorer_reads_after():
 
 
 def test_generation_prompts_on_hand_made_ops():
-    ops = [PrefillOp(0, -1, (5, 6, 7), 3, (2,), ((1, 2),), False),
-           PrefillOp(1, 0, (5, 6, 9, 4), 2, (1, 2, 3), ((9,), (4,), (3,)), True),
-           PrefillOp(1, 1, (5, 6, 8), 2, (1, 2), ((8,), (2,)), True)]
+    ops = [PrefillOp(OpKey(0, -1), (5, 6, 7), (2,), ((1, 2),), False, prefix_len=3),
+           PrefillOp(OpKey(1, 0), (5, 6, 9, 4), (1, 2, 3), ((9,), (4,), (3,)), True, prefix_len=2),
+           PrefillOp(OpKey(1, 1), (5, 6, 8), (1, 2), ((8,), (2,)), True, prefix_len=2)]
     assert ra.generation_prompts(ops) == {0: [(5, 6, 7)], 1: [(5, 6)]}
 
 

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from moejax.packing import (BucketPolicy, ScoringSequence, next_power_of_two, pack,
-                            prev_power_of_two, unpack)
+from moejax.ops import PrefillOp
+from moejax.packing import BucketPolicy, next_power_of_two, pack, prev_power_of_two, unpack
 
 
 def is_power_of_two(n: int) -> bool:
@@ -24,9 +24,9 @@ def make_sequences(lengths, seed=0, vocab=1000, max_positions=1, max_candidates=
         positions = tuple(sorted(rng.choice(n, size=min(num_pos, n), replace=False).tolist()))
         cands = tuple(tuple(rng.integers(1, vocab, int(rng.integers(1, max_candidates + 1))).tolist())
                       for _ in positions)
-        out.append(ScoringSequence(key=("seq", i), token_ids=rng.integers(1, vocab, n),
-                                   score_positions=positions, score_token_ids=cands,
-                                   full_vocab=full_vocab))
+        out.append(PrefillOp(key=("seq", i), token_ids=rng.integers(1, vocab, n),
+                             score_positions=positions, score_token_ids=cands,
+                             full_vocab=full_vocab))
     return out
 
 
@@ -121,8 +121,8 @@ def test_random_packings_keep_invariants(seed):
 
 def test_handpacked_layout():
     policy = BucketPolicy(max_batch_tokens=64, min_block=8, min_positions=2, min_candidates=2)
-    seqs = [ScoringSequence(key=("seq", i), token_ids=np.arange(1, n + 1), score_positions=(n - 1,),
-                            score_token_ids=((1, 2, 3),)) for i, n in enumerate([5, 17, 9, 30])]
+    seqs = [PrefillOp(key=("seq", i), token_ids=np.arange(1, n + 1), score_positions=(n - 1,),
+                      score_token_ids=((1, 2, 3),)) for i, n in enumerate([5, 17, 9, 30])]
     hosts = pack(seqs, policy)
     assert len(hosts) == 1
     host = hosts[0]
@@ -151,8 +151,8 @@ def test_sequence_longer_than_max_batch_tokens():
 
 def test_empty_and_no_score_positions():
     assert pack([], BucketPolicy()) == []
-    seqs = [ScoringSequence(key="a", token_ids=np.arange(1, 4), score_positions=(),
-                            score_token_ids=())]
+    seqs = [PrefillOp(key="a", token_ids=np.arange(1, 4), score_positions=(),
+                      score_token_ids=())]
     (host,) = pack(seqs, BucketPolicy(min_positions=8, min_candidates=2))
     assert host.batch.score_token_ids.shape == (8, 2)
     assert unpack(host, np.zeros((8, 2)), None) == [("a", [], None)]
@@ -224,21 +224,21 @@ def test_few_distinct_shapes_for_500_random_lengths():
 # ----------------------------------------------------------------------------- validation
 def test_empty_sequence_is_refused():
     with pytest.raises(ValueError, match=r"sequence 'req-7' is empty"):
-        ScoringSequence(key="req-7", token_ids=np.zeros(0, np.int32), score_positions=(),
-                        score_token_ids=())
+        PrefillOp(key="req-7", token_ids=np.zeros(0, np.int32), score_positions=(),
+                  score_token_ids=())
 
 
 @pytest.mark.parametrize("position", [5, 17, -1])
 def test_score_position_out_of_range_is_refused(position):
     with pytest.raises(ValueError, match=rf"sequence 'req-8'.*\[{position}\].*\[0, 5\)"):
-        ScoringSequence(key="req-8", token_ids=np.arange(5), score_positions=(0, position),
-                        score_token_ids=((1,), (2,)))
+        PrefillOp(key="req-8", token_ids=np.arange(5), score_positions=(0, position),
+                  score_token_ids=((1,), (2,)))
 
 
 def test_mismatched_candidate_lists_are_refused():
     with pytest.raises(ValueError, match=r"sequence 'req-9': 2 score positions but 1"):
-        ScoringSequence(key="req-9", token_ids=np.arange(5), score_positions=(0, 1),
-                        score_token_ids=((1,),))
+        PrefillOp(key="req-9", token_ids=np.arange(5), score_positions=(0, 1),
+                  score_token_ids=((1,),))
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_batch_tokens=0), dict(min_block=-4),

@@ -31,7 +31,8 @@ transformers = pytest.importorskip(
 from moejax import checkpoint, model  # noqa: E402
 from moejax.config import load_config  # noqa: E402
 from moejax.model import ForwardOptions  # noqa: E402
-from moejax.packing import BucketPolicy, ScoringSequence, pack  # noqa: E402
+from moejax.ops import PrefillOp  # noqa: E402
+from moejax.packing import BucketPolicy, pack  # noqa: E402
 
 from hf_tiny_models import V, build_torch_model as _build_torch_model  # noqa: E402
 LENGTHS = (5, 17, 9, 30)
@@ -70,7 +71,7 @@ VARIANTS = {
 }
 
 
-def _sequences(seed: int) -> list[ScoringSequence]:
+def _sequences(seed: int) -> list[PrefillOp]:
     rng = np.random.default_rng(seed)
     out = []
     for i, n in enumerate(LENGTHS):
@@ -78,9 +79,9 @@ def _sequences(seed: int) -> list[ScoringSequence]:
         positions = (n - 1,) if i != 1 else (0, n // 2, n - 1)
         cands = tuple(tuple(int(c) for c in rng.choice(V, size=1 + (j + i) % 3, replace=False))
                       for j in range(len(positions)))
-        out.append(ScoringSequence(key=f"s{i}", token_ids=rng.integers(0, V, n).astype(np.int32),
-                                   score_positions=positions, score_token_ids=cands,
-                                   full_vocab=True))
+        out.append(PrefillOp(key=f"s{i}", token_ids=rng.integers(0, V, n).astype(np.int32),
+                             score_positions=positions, score_token_ids=cands,
+                             full_vocab=True))
     return out
 
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.prefill_serving import ideal_flops  # noqa: E402
 from moejax.config import ModelConfig  # noqa: E402
-from serving.requests import PrefillOp  # noqa: E402
+from moejax.ops import OpKey, PrefillOp  # noqa: E402
 
 # d=2, one layer, one query / one KV head of width 2, 2 experts top-1, f=1, vocab 10:
 #   F_lin = 2·2·(2 + 2·2) + 2·2·2 + 2·2·2 + 1·6·2·1 = 24 + 8 + 8 + 12 = 52
@@ -24,9 +24,8 @@ TINY = ModelConfig(model_type="qwen3_moe", vocab_size=10, hidden_size=2, num_lay
 
 def op(index: int, tokens: tuple[int, ...], positions: tuple[int, ...],
        ids: tuple[tuple[int, ...], ...], vocab: bool = False) -> PrefillOp:
-    return PrefillOp(request_index=index, candidate_index=-1, token_ids=tokens,
-                     prefix_len=len(tokens), score_positions=positions, score_token_ids=ids,
-                     need_vocab_logsumexp=vocab)
+    return PrefillOp(key=OpKey(index, -1), token_ids=tokens, prefix_len=len(tokens),
+                     score_positions=positions, score_token_ids=ids, full_vocab=vocab)
 
 
 OPS = [

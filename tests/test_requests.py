@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from serving.requests import (  # noqa: E402
-    NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest, ScoreResult,
+    NormalizeOptions, OpKey, OpOutput, PrefillOp, RequestError, ScoreRequest, ScoreResult,
     TokenizerAdapter, normalize_requests, parse_request)
 from serving.results import combine_results  # noqa: E402
 
@@ -72,7 +72,7 @@ class FakeModel:
             full = self.logits(op.token_ids[:pos + 1])
             rows.append(full[list(ids)])
             lses.append(np.log(np.sum(np.exp(full - full.max()))) + full.max())
-        lse = np.array(lses) if (op.need_vocab_logsumexp or always_lse) else None
+        lse = np.array(lses) if (op.full_vocab or always_lse) else None
         return OpOutput(logits=rows, logsumexp=lse)
 
 
@@ -123,9 +123,9 @@ def test_single_token_classify_normalized_over_candidates(always_lse):
     results, ops, errors = run([GOOD], always_lse=always_lse)
     prompt, ids = enc(PROMPT), [enc(c)[0] for c in GOOD["candidates"]]
     assert errors == {}
-    assert ops == [PrefillOp(request_index=0, candidate_index=-1, token_ids=tuple(prompt),
+    assert ops == [PrefillOp(key=OpKey(0, -1), token_ids=tuple(prompt),
                              prefix_len=len(prompt), score_positions=(len(prompt) - 1,),
-                             score_token_ids=(tuple(ids),), need_vocab_logsumexp=False)]
+                             score_token_ids=(tuple(ids),), full_vocab=False)]
     expected = log_softmax(MODEL.logits(prompt)[ids])
     (result,) = results
     np.testing.assert_allclose(result.logprobs, expected, rtol=0, atol=1e-12)
@@ -137,7 +137,7 @@ def test_single_token_classify_normalized_over_candidates(always_lse):
 
 def test_single_token_classify_normalized_over_vocab():
     results, ops, _ = run([{**GOOD, "normalize": "vocab"}])
-    assert len(ops) == 1 and ops[0].need_vocab_logsumexp
+    assert len(ops) == 1 and ops[0].full_vocab
     ids = [enc(c)[0] for c in GOOD["candidates"]]
     expected = MODEL.logprobs(enc(PROMPT))[ids]
     np.testing.assert_allclose(results[0].logprobs, expected, rtol=0, atol=1e-12)
@@ -151,11 +151,11 @@ def test_multi_token_candidates_are_sequence_sums(normalize):
     prompt = enc(PROMPT)
     assert [op.candidate_index for op in ops] == [0, 1, 2]  # single-token ones too: uniform
     new_york = ops[1]
-    assert new_york.token_ids == tuple(prompt + enc(" new"))
+    assert new_york.token_ids.tolist() == prompt + enc(" new")
     assert new_york.prefix_len == len(prompt)
     assert new_york.score_positions == (len(prompt) - 1, len(prompt))
     assert new_york.score_token_ids == ((enc(" new")[0],), (enc(" york")[0],))
-    assert all(op.need_vocab_logsumexp for op in ops)
+    assert all(op.full_vocab for op in ops)
     seq = np.array([seq_logprob(prompt, enc(c)) for c in cands])
     expected = seq if normalize == "vocab" else log_softmax(seq)
     np.testing.assert_allclose(results[0].logprobs, expected, rtol=0, atol=1e-12)
@@ -167,7 +167,7 @@ def test_token_id_input_with_ids_beyond_the_tokenizer():
     prompt, cands = [2, 3, VOCAB - 1], [[VOCAB - 2], [7, 8]]
     results, ops, errors = run([{"prompt_token_ids": [np.int64(t) for t in prompt],
                                  "candidate_token_ids": cands}])
-    assert errors == {} and ops[0].token_ids == tuple(prompt)
+    assert errors == {} and ops[0].token_ids.tolist() == prompt
     seq = np.array([seq_logprob(prompt, c) for c in cands])
     np.testing.assert_allclose(results[0].logprobs, log_softmax(seq), rtol=0, atol=1e-12)
 
@@ -186,7 +186,7 @@ def test_choice_formats_the_prompt_and_scores_identifiers():
     prompt = enc(text)
     ids = [enc(" A")[0], enc(" B")[0], enc(" C")[0]]
     assert len(ops) == 1
-    assert ops[0].token_ids == tuple(prompt) and ops[0].score_token_ids == (tuple(ids),)
+    assert ops[0].token_ids.tolist() == prompt and ops[0].score_token_ids == (tuple(ids),)
     np.testing.assert_allclose(results[0].logprobs, log_softmax(MODEL.logits(prompt)[ids]),
                                rtol=0, atol=1e-12)
     assert results[0].prompt_tokens == len(prompt) and results[0].id == 7
@@ -215,8 +215,8 @@ def test_multi_equals_separate_binary_classify_requests(normalize):
     template = NormalizeOptions().multi_template
     assert [op.candidate_index for op in ops] == [0, 1, 2]
     for op, cand in zip(ops, cands):
-        assert op.token_ids == tuple(prompt + enc(template.format(candidate=cand)))
-        assert op.prefix_len == len(prompt) and op.need_vocab_logsumexp == (normalize == "vocab")
+        assert op.token_ids.tolist() == prompt + enc(template.format(candidate=cand))
+        assert op.prefix_len == len(prompt) and op.full_vocab == (normalize == "vocab")
         assert op.score_token_ids == ((enc(" yes")[0], enc(" no")[0]),)
 
     binary = [{"prompt_token_ids": list(op.token_ids), "candidates": [" yes", " no"],
@@ -239,7 +239,7 @@ def test_multi_with_token_ids_inserts_candidate_ids_into_the_template():
                            "candidate_token_ids": cands}])
     assert errors == {}
     before, after = enc("\nCandidate: "), enc("\nRelevant (yes/no):")
-    assert [op.token_ids for op in ops] == [tuple(prompt + before + c + after) for c in cands]
+    assert [op.token_ids.tolist() for op in ops] == [prompt + before + c + after for c in cands]
 
 
 def test_multi_needs_single_token_answers():

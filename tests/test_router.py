@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 
 from moejax.config import ModelConfig
+from moejax.ops import OpKey, PrefillOp
 from serving.prefix_hash import (BLOCK_SIZE, DIGEST_SIZE, HASH_PERSON, ROOT_HASH, block_hash,
                                  block_hashes, num_full_blocks)
 from serving.router import (BlocksEvicted, BlocksStored, FlopsExecuted, LeastTokensRouter,
-                            PrefixAwareRouter, RandomRouter, RoundRobinRouter, RouteRequest,
-                            make_router, request_cost)
+                            PrefixAwareRouter, RandomRouter, RoundRobinRouter, make_router)
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -27,13 +28,21 @@ CFG = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=64, num_la
 PREFIX = list(range(1, 65))            # 64 tokens = 4 full blocks
 
 
-def sibling(i: int, prefix=PREFIX, suffix_len: int = 8, **kw) -> RouteRequest:
+def route_op(key, tokens, prefix_len: int | None = None,
+             num_candidates: int | None = None) -> PrefillOp:
+    """An op read at its last token over ``num_candidates`` columns (None: the vocabulary)."""
+    return PrefillOp(key=key, token_ids=tokens, score_positions=(len(tokens) - 1,),
+                     score_token_ids=(tuple(range(num_candidates or 1)),),
+                     full_vocab=num_candidates is None, prefix_len=prefix_len)
+
+
+def sibling(i: int, prefix=PREFIX, suffix_len: int = 8, **kw) -> PrefillOp:
     """Shared ``prefix`` + a distinct ``suffix_len``-token suffix."""
     suffix = [100 + (i * 7 + j) % 28 for j in range(suffix_len)]
-    return RouteRequest.from_tokens(f"sib{i}", prefix + suffix, prefix_len=len(prefix), **kw)
+    return route_op(f"sib{i}", prefix + suffix, prefix_len=len(prefix), **kw)
 
 
-def random_workload(seed: int, count: int) -> list[RouteRequest]:
+def random_workload(seed: int, count: int) -> list[PrefillOp]:
     """Groups of siblings over a few prompts of varied length, some shared across groups."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 128, int(rng.integers(8, 200))).tolist() for _ in range(12)]
@@ -41,8 +50,8 @@ def random_workload(seed: int, count: int) -> list[RouteRequest]:
     for i in range(count):
         prompt = prompts[int(rng.integers(0, len(prompts)))]
         suffix = rng.integers(0, 128, int(rng.integers(1, 24))).tolist()
-        requests.append(RouteRequest.from_tokens(i, prompt + suffix, prefix_len=len(prompt),
-                                                 num_candidates=int(rng.integers(1, 5))))
+        requests.append(route_op(i, prompt + suffix, prefix_len=len(prompt),
+                                 num_candidates=int(rng.integers(1, 5))))
     return requests
 
 
@@ -114,7 +123,7 @@ def test_siblings_land_on_one_engine_and_cost_one_prefix_plus_suffixes():
     assert router.load(0) == report.total_flops
     assert len(router.pending_blocks(0)) == 4 and not router.committed_blocks(0)
     # The cost of a full request is what the token-blind metric would charge every sibling.
-    assert request_cost(CFG, sibling(0)) == prefix_cost + suffix_cost
+    assert sibling(0).flops(CFG) == prefix_cost + suffix_cost
 
 
 def test_popular_prefix_spills_to_next_best_match():
@@ -138,7 +147,7 @@ def test_popular_prefix_spills_to_next_best_match():
 
 def test_no_engine_exceeds_theta_plus_largest_request_in_a_round():
     requests = random_workload(seed=1, count=300)
-    biggest = max(request_cost(CFG, r) for r in requests)
+    biggest = max(r.flops(CFG) for r in requests)
     theta = 2 * biggest
     router = PrefixAwareRouter(CFG, num_engines=4, theta=theta)
     report = router.assign(requests)
@@ -177,14 +186,14 @@ def test_theta_zero_still_routes_one_request_per_engine_per_round():
 
 def test_routing_is_deterministic():
     requests = random_workload(seed=7, count=200)
-    theta = 3 * max(request_cost(CFG, r) for r in requests)
+    theta = 3 * max(r.flops(CFG) for r in requests)
     first = PrefixAwareRouter(CFG, 5, theta).assign(requests)
     second = PrefixAwareRouter(CFG, 5, theta).assign(list(requests))
     assert first == second
     # Another process with another str-hash seed decides the same.
     code = ("import sys; sys.path.insert(0, '.'); from tests.test_router import *; "
             "r = random_workload(seed=7, count=200); "
-            "t = 3 * max(request_cost(CFG, x) for x in r); "
+            "t = 3 * max(x.flops(CFG) for x in r); "
             "print(PrefixAwareRouter(CFG, 5, t).route(r))")
     env = dict(os.environ, PYTHONHASHSEED="12345", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -194,7 +203,7 @@ def test_routing_is_deterministic():
 
 def test_match_never_credits_the_block_of_the_last_token():
     router = PrefixAwareRouter(CFG, 2, theta=math.inf)
-    whole = RouteRequest.from_tokens("a", PREFIX)          # 64 tokens, all prefix, no suffix
+    whole = route_op("a", PREFIX)                          # 64 tokens, all prefix, no suffix
     router.on_event(BlocksStored(1, block_hashes(PREFIX)))
     report = router.assign([whole])
     assert report.engines == [1] and report.assignments[0].cached_tokens == 48
@@ -214,12 +223,12 @@ def test_events_promote_evict_and_decay_in_channel_order():
     assert router.committed_blocks(0) == frozenset(hashes[1:3])
     assert router.pending_blocks(0) == frozenset(hashes[3:])
     assert router.num_blocks(0) == 3
-    assert router.load(0) == request_cost(CFG, sibling(0)) - 10
+    assert router.load(0) == sibling(0).flops(CFG) - 10
     router.on_event(FlopsExecuted(0, 1e30))
     assert router.load(0) == 0                          # never below zero
     # Block 0 was evicted, so the chain no longer matches anywhere: least W_g wins.
     router.on_event(FlopsExecuted(1, 0))
-    assert router.route([RouteRequest("x", 30, block_hashes(list(range(500, 516))))]) == [0]
+    assert router.route([route_op("x", list(range(500, 530)))]) == [0]
     assert router.route([sibling(1)]) == [1]            # engine 0 now carries "x"
     assert router.last_report.assignments[0].cached_tokens == 0
     # The channel is drained at the start of route, in order: evict-then-store keeps it.
@@ -283,8 +292,8 @@ def test_round_robin_cycles_across_calls():
 
 def test_least_tokens_picks_least_and_decays():
     router = LeastTokensRouter(CFG, 3)
-    long = RouteRequest.from_tokens("long", list(range(100)))
-    short = RouteRequest.from_tokens("short", list(range(10)))
+    long = route_op("long", list(range(100)))
+    short = route_op("short", list(range(10)))
     assert router.route([long, short, short, short]) == [0, 1, 2, 1]
     assert [router.outstanding_tokens(g) for g in range(3)] == [100, 20, 10]
     router.on_event(FlopsExecuted(0, 0, tokens=95))
@@ -317,26 +326,26 @@ def test_make_router_and_bad_input():
         with pytest.raises(ValueError, match="theta"):
             make_router("prefix", CFG, 2, theta=theta)
     with pytest.raises(ValueError, match="prefix_len"):
-        RouteRequest.from_tokens("r", [1, 2, 3], prefix_len=4)
-    with pytest.raises(ValueError, match="num_tokens"):
-        RouteRequest("r", 0)
+        route_op("r", [1, 2, 3], prefix_len=4)
+    with pytest.raises(ValueError, match="is empty"):
+        PrefillOp(key="r", token_ids=[], score_positions=(), score_token_ids=())
     router = make_router("prefix", CFG, 2, theta=1.0)
-    with pytest.raises(ValueError, match="block hashes"):
-        router.route([RouteRequest("r", 40, block_hashes(list(range(16))))])
+    with pytest.raises(ValueError, match="continuation"):       # it has no hashes of its own
+        router.route([sibling(0).continuation(16, context_slots=None, store_slots=None)])
     with pytest.raises(TypeError):
         router.route([object()])
     assert router.loads() == [0, 0]                      # refused calls change nothing
 
 
-def test_from_op_and_calibration():
-    op = types.SimpleNamespace(request_index=3, candidate_index=1, token_ids=tuple(PREFIX) + (9,),
-                               prefix_len=64, score_positions=(64,),
-                               score_token_ids=((5, 6),), need_vocab_logsumexp=False)
-    request = RouteRequest.from_op(op)
-    assert request.request_id == (3, 1) and request.num_candidates == 2
-    assert request.block_hashes == tuple(block_hashes(PREFIX)) and request.suffix_len == 1
-    full_vocab = RouteRequest.from_op(types.SimpleNamespace(**{**vars(op),
-                                                               "need_vocab_logsumexp": True}))
-    assert full_vocab.num_candidates is None
+def test_router_reads_the_op_record_and_calibration():
+    op = PrefillOp(key=OpKey(3, 1), token_ids=PREFIX + [9], prefix_len=64,
+                   score_positions=(64,), score_token_ids=((5, 6),))
+    report = PrefixAwareRouter(CFG, 2, theta=math.inf).assign([op])
+    assert report.assignments[0].key == (3, 1)
+    # Head over the widest candidate set; the whole prompt is the prefix, 1 token of suffix.
+    assert report.assignments[0].cost == CFG.request_flops(64, 1, 0, 1, 2) == op.flops(CFG)
+    assert op.block_hashes() == tuple(block_hashes(PREFIX))
+    full_vocab = dataclasses.replace(op, full_vocab=True)
+    assert full_vocab.flops(CFG) == CFG.request_flops(64, 1, 0, 1, None)
     router = PrefixAwareRouter.from_calibration(CFG, 2, types.SimpleNamespace(theta=7.0))
     assert router.theta == 7.0
