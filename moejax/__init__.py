@@ -1,27 +1,22 @@
 """moejax: prefill-only Mixture-of-Experts serving in JAX.
 
 ``moejax.Scorer`` is ``serving.Scorer`` and ``moejax.Generator`` is ``serving.Generator``
-(imported lazily, so ``import moejax`` stays cheap).
+(imported lazily, so ``import moejax`` stays cheap). ``import moejax`` changes no
+process-wide setting; :func:`configure_xla` sets the XLA flags the overlapping backends
+want, before JAX starts (the ``moejax`` command calls it).
 """
+
+from moejax.backends.xla_flags import configure_xla
 
 __version__ = "0.1.0"
 
-
-def _set_xla_flags() -> None:
-    # Before JAX starts its backends: the overlapping backends need the GPU scheduler
-    # flags (moejax/backends/xla_flags.py); too late once JAX has started, which that
-    # module's warning then reports.
-    from moejax.backends import xla_flags
-
-    if not xla_flags.backends_started():
-        xla_flags.apply_overlap_flags()
-
-
-_set_xla_flags()
+# Re-exported for users from the serving layer, which imports moejax: the only place
+# moejax may name it, and only lazily (tests/test_layering.py).
+_SERVING_NAMES = ("Scorer", "ScoreRequest", "ScoreResult", "Generator", "GenerationResult")
 
 
 def __getattr__(name: str):
-    if name in ("Scorer", "ScoreRequest", "ScoreResult", "Generator", "GenerationResult"):
+    if name in _SERVING_NAMES:
         import serving
 
         return getattr(serving, name)

@@ -45,7 +45,8 @@ import numpy as np
 from moejax import checkpoint
 from moejax.generate import DecodeEngine, SequenceOutput, SequenceSpec
 from moejax.sampling import MAX_SEED
-from serving.api import enable_compilation_cache, resolve_model_dir
+from serving.api import resolve_model_dir
+from serving.compilation_cache import enable_compilation_cache
 from serving.options import ScorerOptions
 from serving.requests import RequestError, TokenizerAdapter, request_label
 
@@ -95,14 +96,15 @@ class GenerationResult:
 class GeneratorOptions:
     """``dtype`` ("float32" | "bfloat16" | "auto": bfloat16 on GPU, float32 on CPU),
     ``trace_experts``, ``max_batch_size`` (rows decoded together), ``expert_impl`` and
-    ``tile_rows`` (as for the Scorer), ``compilation_cache`` (as for the Scorer)."""
+    ``tile_rows`` (as for the Scorer), ``compilation_cache`` (as for the Scorer: default
+    None leaves JAX's process-wide compilation cache alone)."""
 
     dtype: str = "auto"
     trace_experts: bool = False
     max_batch_size: int = 8
     expert_impl: str = "auto"
     tile_rows: int | None = None
-    compilation_cache: str = "auto"
+    compilation_cache: str | bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.trace_experts, bool):
@@ -264,7 +266,7 @@ class Generator:
     def __init__(self, model: str | os.PathLike = "demo", **options: Any):
         self.options = make_options(options)
         shared = self.options.scorer_view()
-        enable_compilation_cache(shared.resolved_compilation_cache())
+        enable_compilation_cache(shared.compilation_cache)
         self.model_dir, self.is_demo = resolve_model_dir(model)
         dtype = shared.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)

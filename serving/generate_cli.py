@@ -15,16 +15,12 @@ import sys
 import time
 from typing import Any, Callable
 
+from serving.cli import (command_compilation_cache, jsonl_files, positive_int,
+                         read_jsonl_chunks)
+
 # Options of the shared model-option block that only the scoring engines implement.
 _SCORING_ONLY = ("max_batch_tokens", "backend", "devices", "window", "deployment", "theta",
                  "engines", "routing", "prefix_cache_blocks", "kv_cache_free")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def add_generate_command(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
@@ -40,9 +36,9 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
     p.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
     p.add_argument("--trace-experts", action="store_true", default=None,
                    help="add each request's top-k expert ids per layer (prefill and decode)")
-    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+    p.add_argument("--max-batch-size", type=positive_int, default=None,
                    help="requests decoded together (default 8)")
-    p.add_argument("--chunk-size", type=_positive_int, default=256,
+    p.add_argument("--chunk-size", type=positive_int, default=256,
                    help="requests read per chunk; results are written after each chunk")
     add_model_options(p)
     for action in p._actions:   # refused below, so not offered in --help either
@@ -69,7 +65,6 @@ def generate_chunk(generator: Any, chunk: list[tuple[Any, str | None]]) -> list[
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run the ``generate`` subcommand; returns the exit status."""
-    from moejax.cli import jsonl_files, read_jsonl_chunks
     from serving.generate import Generator
 
     refused = _scoring_only_given(args)
@@ -77,7 +72,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"generate does not take {', '.join(refused)} (scoring-engine "
                          f"options)")
     generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
-                          trace_experts=args.trace_experts, max_batch_size=args.max_batch_size)
+                          trace_experts=args.trace_experts, max_batch_size=args.max_batch_size,
+                          compilation_cache=command_compilation_cache(None))
     count = errors = tokens = 0
     start = time.perf_counter()
     with jsonl_files(args.input, args.output) as (source, sink):

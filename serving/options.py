@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -26,7 +25,9 @@ class ScorerOptions:
     expert_impl: str = "auto"
     tile_rows: int | None = None
     progress_min_requests: int = 64
-    compilation_cache: str = "auto"
+    # None: leave JAX's process-wide compilation cache alone (the moejax commands pass
+    # "auto"); "auto", a directory or "off": see serving/compilation_cache.py.
+    compilation_cache: str | bool | None = None
     backend: str = "resident"
     devices: int = 1
     backend_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -82,6 +83,10 @@ class ScorerOptions:
             raise ValueError(f"engines={self.engines} runs one resident engine per device; "
                              f"got backend={self.backend!r}, devices={self.devices} (use "
                              f"engines=1 with a multi-device backend instead)")
+        if not (self.compilation_cache is None or self.compilation_cache is False
+                or isinstance(self.compilation_cache, str)):
+            raise ValueError(f"compilation_cache must be a directory, 'auto', 'off' or None, "
+                             f"got {self.compilation_cache!r}")
         if not isinstance(self.kv_cache_free, bool):
             raise ValueError(f"kv_cache_free must be true or false, got {self.kv_cache_free!r}")
 
@@ -96,14 +101,10 @@ class ScorerOptions:
         return jnp.dtype(name)
 
     def resolved_compilation_cache(self) -> str | None:
-        """Directory of JAX's persistent compilation cache, or None when disabled."""
-        if self.compilation_cache in ("off", ""):
-            return None
-        if self.compilation_cache == "auto":
-            from moejax.demo import default_cache_root
+        """Directory of JAX's persistent compilation cache to turn on, or None (leave it)."""
+        from serving.compilation_cache import resolve_compilation_cache
 
-            return os.path.join(default_cache_root(), "jax-cache")
-        return os.path.expanduser(self.compilation_cache)
+        return resolve_compilation_cache(self.compilation_cache)
 
     def resolved_batch_tokens(self) -> int:
         if self.max_batch_tokens == "auto":

@@ -26,7 +26,7 @@ from tokenizers import decoders  # noqa: E402
 
 from moejax import generate as gen_lib  # noqa: E402
 from moejax import sampling  # noqa: E402
-from moejax.cli import main as cli_main  # noqa: E402
+from serving.cli import main as cli_main  # noqa: E402
 from serving import GenerationResult, Generator  # noqa: E402
 
 from hf_tiny_models import E, K, L, V, build_torch_model as _hf_model  # noqa: E402

@@ -31,11 +31,11 @@ def _lines(stream, sink: queue.Queue) -> None:
 
 
 def test_serve_process_scores_and_exits_0_on_sigterm(tmp_path):
-    from moejax.cli import main
+    from serving.cli import main
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, MOEJAX_TOKEN="t0ken")
     process = subprocess.Popen(
-        [sys.executable, "-m", "moejax.cli", "serve", "--model", MODEL, "--port", "0",
+        [sys.executable, "-m", "serving.cli", "serve", "--model", MODEL, "--port", "0",
          "--max-batch-tokens", "32", "--grace-seconds", "10"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout: queue.Queue = queue.Queue()

@@ -639,7 +639,7 @@ def test_tls(scorer, reference, tmp_path):
 
 # =========================================================================== client CLI
 def test_client_cli_streams_a_jsonl_file_in_input_order(served, scorer, tmp_path):
-    from moejax.cli import main
+    from serving.cli import main
 
     _, target = served
     lines = [json.dumps(r) for r in REQUESTS[:3]] + ["{not json", ""] + \

@@ -141,7 +141,7 @@ def test_bucketed_compiles_stay_bounded(scorer):
 
 
 def test_cli_score_jsonl(tmp_path, capsys):
-    from moejax.cli import main
+    from serving.cli import main
 
     lines = [json.dumps(r) for r in REQUESTS[:2]] + ["{not json", json.dumps([1, 2]),
                                                      json.dumps({"prompt": "", "candidates": ["x"]})]
@@ -162,7 +162,7 @@ def test_cli_score_jsonl(tmp_path, capsys):
 
 
 def test_cli_reports_missing_model(tmp_path, capsys):
-    from moejax.cli import main
+    from serving.cli import main
 
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps(REQUESTS[0]) + "\n")
@@ -171,7 +171,7 @@ def test_cli_reports_missing_model(tmp_path, capsys):
 
 
 def test_cli_chunks_give_the_same_results(tmp_path):
-    from moejax.cli import main
+    from serving.cli import main
 
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in REQUESTS) + "\n{bad\n", encoding="utf-8")
@@ -202,7 +202,7 @@ def test_bfloat16_scores_track_float32(scorer):
 def test_cli_convert_then_score_converted_dir(tmp_path, scorer, capsys):
     """`moejax convert` writes orbax params once; a Scorer on the converted directory
     gives the same scores as on the original checkpoint."""
-    from moejax.cli import main
+    from serving.cli import main
 
     out = tmp_path / "converted"
     assert main(["convert", scorer.model_dir, str(out), "--dtype", "float32"]) == 0
@@ -215,7 +215,7 @@ def test_cli_convert_then_score_converted_dir(tmp_path, scorer, capsys):
 
 
 def test_cli_info_lists_buckets(capsys):
-    from moejax.cli import main
+    from serving.cli import main
 
     assert main(["info", "--max-batch-tokens", "512"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -231,10 +231,12 @@ def test_scorer_options_defaults_and_validation(monkeypatch, tmp_path):
     assert opts.resolved_dtype().name == "float32"          # CPU default
     assert opts.resolved_batch_tokens() == 4096
     monkeypatch.setenv("MOEJAX_CACHE", str(tmp_path))
-    assert opts.resolved_compilation_cache() == str(tmp_path / "jax-cache")
+    assert opts.compilation_cache is None and opts.resolved_compilation_cache() is None
+    auto = load_options({"compilation_cache": "auto"})
+    assert auto.resolved_compilation_cache() == str(tmp_path / "jax-cache")
     assert load_options({"compilation_cache": "off"}).resolved_compilation_cache() is None
     for bad in ({"dtype": "float8"}, {"expert_impl": "magic"}, {"max_batch_tokens": 0},
-                {"tile_rows": -1}):
+                {"tile_rows": -1}, {"compilation_cache": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             load_options(bad)
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from moejax import cli
+from serving import cli
 from serving import Scorer
 
 SYSTEM = "You are a careful assistant. Answer with one word. " * 2

@@ -21,7 +21,8 @@ BACKENDS = {
 
 
 def __getattr__(name: str):
-    # Lazy, so that ``import moejax`` (which sets XLA flags from this package) stays cheap.
+    # Lazy, so that ``import moejax`` (which imports configure_xla from this package) stays
+    # cheap.
     if name in ("Backend", "BackendError", "MemoryReport"):
         from moejax.backends import base
 

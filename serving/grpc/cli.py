@@ -43,8 +43,8 @@ class _Interrupted(Exception):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (see the module docstring)."""
-    from moejax.cli import _scorer_options
     from serving import Scorer
+    from serving.cli import scorer_options
     from serving.grpc.server import ScoringServer, ServerOptions
 
     logging.getLogger("moejax.grpc").setLevel(logging.INFO)
@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(port, flush=True)
     try:
         loading.set()
-        scorer = None if stop.is_set() else Scorer(args.model, **_scorer_options(args))
+        scorer = None if stop.is_set() else Scorer(args.model, **scorer_options(args))
         loading.clear()
     except _Interrupted:
         scorer = None
@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _items(source: Any) -> Iterator[tuple[int, Any]]:
     """(ordinal, request dict or error ScoreResult) for each non-blank JSONL line."""
-    from moejax.cli import read_jsonl_chunks
+    from serving.cli import read_jsonl_chunks
     from serving.requests import ScoreResult
 
     ordinal = 0
@@ -121,9 +121,9 @@ def cmd_client_score(args: argparse.Namespace) -> int:
     """Stream a JSONL file through ScoreStream; results in input order."""
     import grpc
 
-    from moejax.cli import _count_lines, jsonl_files
+    from serving.cli import count_lines, jsonl_files
 
-    total = _count_lines(args.input)
+    total = count_lines(args.input)
     show_bar = args.progress if args.progress is not None else sys.stderr.isatty()
     bar = None
     if show_bar:

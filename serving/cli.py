@@ -1,4 +1,4 @@
-"""The ``moejax`` command line.
+"""The ``moejax`` command line (console script ``moejax = serving.cli:main``).
 
     moejax score IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--dtype float32|bfloat16]
     moejax convert HF_DIR OUT_DIR [--dtype bfloat16]
@@ -12,6 +12,11 @@ id, prompt | prompt_token_ids, candidates | candidate_token_ids, kind, normalize
 and writes one JSON result per input line, in input order (fields of
 ``serving.ScoreResult``). A line that is not valid JSON, or a request that is
 invalid, gets a result with ``error`` set; the other lines are still scored.
+
+As an entry point, :func:`main` sets what a library leaves to its user: the XLA flags
+(``moejax.configure_xla``, before JAX starts) and JAX's persistent compilation cache
+(``"auto"`` unless configs/scoring.yaml or the deployment names one). The helpers shared
+with ``serving.generate_cli`` and ``serving.grpc.cli`` are the public functions here.
 """
 
 from __future__ import annotations
@@ -20,12 +25,18 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 from typing import Any, Iterator, Sequence
 
+from moejax import configure_xla
 
+# The commands keep a restarted job's compiled shapes (a library Scorer leaves the
+# process-wide cache alone unless asked).
+COMMAND_COMPILATION_CACHE = "auto"
+
+
+# ----------------------------------------------------------------------------- JSONL
 def _parse_line(number: int, line: str) -> tuple[Any, str | None]:
     """(request, None) or (None, error message) for one JSONL line."""
     try:
@@ -37,7 +48,7 @@ def _parse_line(number: int, line: str) -> tuple[Any, str | None]:
     return obj, None
 
 
-def read_jsonl_chunks(stream, chunk_size: int) -> Iterator[list[tuple[Any, str | None]]]:
+def read_jsonl_chunks(stream: Any, chunk_size: int) -> Iterator[list[tuple[Any, str | None]]]:
     """Chunks of (request, error) pairs, one per non-blank line, in file order."""
     chunk: list[tuple[Any, str | None]] = []
     for number, line in enumerate(stream, start=1):
@@ -72,10 +83,84 @@ def jsonl_files(input_path: str, output_path: str | None) -> Iterator[tuple[Any,
             source.close()
 
 
-def _scorer_options(args: argparse.Namespace) -> dict[str, Any]:
+def count_lines(path: str) -> int | None:
+    """Non-blank lines of the file ``path`` (for progress bars); None for stdin (``-``)."""
+    if path == "-":
+        return None
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
+
+
+# ----------------------------------------------------------------------------- model options
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _cache_blocks(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of blocks or 'auto', got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The model options shared by score, info, serve (and, in part, generate)."""
+    p.add_argument("--model", default="demo",
+                   help="local Hugging Face model directory, converted moejax directory, or "
+                        "'demo' (built-in toy model trained here; default)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=None,
+                   help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
+                   help="tokens per packed batch (default: configs/scoring.yaml)")
+    p.add_argument("--backend", default=None,
+                   help="execution backend: resident (default), offload, async_ep, hybrid, "
+                        "sync_ep or tp")
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="devices for the backend (default 1; on CPU, host devices are created)")
+    p.add_argument("--window", type=positive_int, default=None,
+                   help="layers of experts kept on the device (offload, hybrid)")
+    p.add_argument("--deployment", default=None,
+                   help="YAML deployment config (e.g. configs/deployments/async_ep.yaml)")
+    p.add_argument("--theta", type=float, default=None,
+                   help="pin the saturation threshold Θ (FLOPs) instead of calibrating")
+    p.add_argument("--engines", type=positive_int, default=None,
+                   help="data-parallel engines, one per device (resident backend)")
+    p.add_argument("--routing", default=None,
+                   help="request routing over engines: prefix (default), round_robin, "
+                        "least_tokens or random")
+    p.add_argument("--prefix-cache-blocks", default=None, type=_cache_blocks,
+                   help="prefix KV cache size in 16-token blocks (0 = off, 'auto')")
+    p.add_argument("--kv-cache-free", action="store_true", default=None,
+                   help="share prefixes within a chunk only; keep no KV cache after it")
+    p.add_argument("--expert-impl", default=None,
+                   help="expert computation path: auto (default: chosen per platform and "
+                        "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
+
+
+def command_compilation_cache(deployment: str | None) -> str:
+    """The commands' ``compilation_cache``: configs/scoring.yaml's or the deployment's
+    setting when they name one, else :data:`COMMAND_COMPILATION_CACHE`."""
+    from serving.options import load_options
+
+    configured = load_options(deployment=deployment).compilation_cache
+    return COMMAND_COMPILATION_CACHE if configured is None else configured
+
+
+def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Scorer keyword arguments from the model options of ``args`` (score, info, serve)."""
     options = {"dtype": args.dtype, "max_batch_tokens": args.max_batch_tokens,
                "expert_impl": args.expert_impl, "backend": args.backend,
-               "devices": args.devices, "theta": args.theta, "deployment": args.deployment}
+               "devices": args.devices, "theta": args.theta, "deployment": args.deployment,
+               "compilation_cache": command_compilation_cache(args.deployment)}
     if args.window is not None:
         options["backend_options"] = {"window": args.window}
     options.update(engines=args.engines, routing=args.routing, kv_cache_free=args.kv_cache_free,
@@ -83,22 +168,7 @@ def _scorer_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def ensure_host_devices(count: int | None, environ=os.environ) -> None:
-    """Ask for ``count`` CPU host devices before JAX starts (CPU runs of multi-device
-    backends; GPUs ignore the flag). An explicit user setting wins."""
-    flag = "--xla_force_host_platform_device_count"
-    current = environ.get("XLA_FLAGS", "")
-    if count and count > 1 and flag not in current:
-        environ["XLA_FLAGS"] = f"{current} {flag}={count}".strip()
-
-
-def _count_lines(path: str) -> int | None:
-    if path == "-":
-        return None
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
-
-
+# ----------------------------------------------------------------------------- commands
 def score_chunk(scorer: Any, chunk: list[tuple[Any, str | None]]) -> list[Any]:
     """Results for one chunk, in order: parse errors as error results, the rest scored."""
     from serving.requests import ScoreResult
@@ -110,10 +180,11 @@ def score_chunk(scorer: Any, chunk: list[tuple[Any, str | None]]) -> list[Any]:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
+    """Run ``score``; returns the exit status (130 after Ctrl-C)."""
     from serving import Scorer
 
-    scorer = Scorer(args.model, **_scorer_options(args))
-    total = _count_lines(args.input)
+    scorer = Scorer(args.model, **scorer_options(args))
+    total = count_lines(args.input)
     show_bar = args.progress if args.progress is not None else (
         sys.stderr.isatty() and (total or 0) >= scorer.options.progress_min_requests)
     bar = None
@@ -157,6 +228,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    """Run ``convert``: a HF checkpoint to orbax params."""
     from moejax import checkpoint
 
     out = checkpoint.convert_checkpoint(args.model_dir, args.out_dir, dtype=args.dtype,
@@ -166,9 +238,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """Run ``info``: print what is served, as JSON."""
     from serving import Scorer
 
-    scorer = Scorer(args.model, **_scorer_options(args))
+    scorer = Scorer(args.model, **scorer_options(args))
     info = dict(scorer.info)
     cfg = scorer.config
     info.update(params=cfg.num_params(), linear_flops_per_token=cfg.linear_flops_per_token,
@@ -177,59 +250,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _cache_blocks(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of blocks or 'auto', got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo",
-                   help="local Hugging Face model directory, converted moejax directory, or "
-                        "'demo' (built-in toy model trained here; default)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=None,
-                   help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--max-batch-tokens", type=_positive_int, default=None,
-                   help="tokens per packed batch (default: configs/scoring.yaml)")
-    p.add_argument("--backend", default=None,
-                   help="execution backend: resident (default), offload, async_ep, hybrid, "
-                        "sync_ep or tp")
-    p.add_argument("--devices", type=_positive_int, default=None,
-                   help="devices for the backend (default 1; on CPU, host devices are created)")
-    p.add_argument("--window", type=_positive_int, default=None,
-                   help="layers of experts kept on the device (offload, hybrid)")
-    p.add_argument("--deployment", default=None,
-                   help="YAML deployment config (e.g. configs/deployments/async_ep.yaml)")
-    p.add_argument("--theta", type=float, default=None,
-                   help="pin the saturation threshold Θ (FLOPs) instead of calibrating")
-    p.add_argument("--engines", type=_positive_int, default=None,
-                   help="data-parallel engines, one per device (resident backend)")
-    p.add_argument("--routing", default=None,
-                   help="request routing over engines: prefix (default), round_robin, "
-                        "least_tokens or random")
-    p.add_argument("--prefix-cache-blocks", default=None, type=_cache_blocks,
-                   help="prefix KV cache size in 16-token blocks (0 = off, 'auto')")
-    p.add_argument("--kv-cache-free", action="store_true", default=None,
-                   help="share prefixes within a chunk only; keep no KV cache after it")
-    p.add_argument("--expert-impl", default=None,
-                   help="expert computation path: auto (default: chosen per platform and "
-                        "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The ``moejax`` argument parser with every subcommand."""
+    from serving.generate_cli import add_generate_command
+    from serving.grpc.cli import add_commands as add_grpc_commands
+
     parser = argparse.ArgumentParser(prog="moejax", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log compiles and batches")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,11 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     score = sub.add_parser("score", help="score a JSONL file of requests")
     score.add_argument("input", help="JSONL requests ('-' for stdin)")
     score.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
-    score.add_argument("--chunk-size", type=_positive_int, default=4096,
+    score.add_argument("--chunk-size", type=positive_int, default=4096,
                        help="requests scored per chunk; results are written after each chunk")
     score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar (default: on for large inputs on a terminal)")
-    _add_model_options(score)
+    add_model_options(score)
     score.set_defaults(func=cmd_score)
 
     convert = sub.add_parser("convert", help="convert a HF checkpoint to moejax params (orbax)")
@@ -252,19 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=cmd_convert)
 
     info = sub.add_parser("info", help="print what a model directory holds and how it is served")
-    _add_model_options(info)
+    add_model_options(info)
     info.set_defaults(func=cmd_info)
-    from serving.generate_cli import add_generate_command
-    add_generate_command(sub, _add_model_options)
-    from serving.grpc.cli import add_commands as add_grpc_commands
-    add_grpc_commands(sub, _add_model_options)
+    add_generate_command(sub, add_model_options)
+    add_grpc_commands(sub, add_model_options)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``moejax`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    ensure_host_devices(max(getattr(args, "devices", None) or 1,
-                            getattr(args, "engines", None) or 1))
+    # Before anything starts JAX's backends, which read XLA_FLAGS once.
+    configure_xla(host_devices=max(getattr(args, "devices", None) or 1,
+                                          getattr(args, "engines", None) or 1))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
