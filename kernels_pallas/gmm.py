@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jaxtyping import Array, Float, Int, Integer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,19 +116,20 @@ def _pad_to(dim: int, multiple: int) -> int:
 class GroupTileMap:
     """Which groups each row tile meets, in the compact form the kernels read.
 
-    visit_lo, visit_hi: [num_row_tiles] int32 — the tile meets the non-empty groups
+    visit_lo, visit_hi: [R] int32 (R = num_row_tiles) — the tile meets the non-empty groups
     ``visit_group[visit_lo:visit_hi]``; visit_group: [E] int32, the non-empty groups
     in order (padded with 0); group_start, group_end: [E] int32 row range of each group.
     """
 
-    visit_lo: jax.Array
-    visit_hi: jax.Array
-    visit_group: jax.Array
-    group_start: jax.Array
-    group_end: jax.Array
+    visit_lo: Int[Array, "R"]
+    visit_hi: Int[Array, "R"]
+    visit_group: Int[Array, "E"]
+    group_start: Int[Array, "E"]
+    group_end: Int[Array, "E"]
 
 
-def group_tile_map(group_sizes: jax.Array, num_row_tiles: int, block_m: int) -> GroupTileMap:
+def group_tile_map(group_sizes: Integer[Array, "E"], num_row_tiles: int,
+                   block_m: int) -> GroupTileMap:
     """Map row tiles to the non-empty groups they intersect (all static shapes)."""
     sizes = group_sizes.astype(jnp.int32)
     num_groups = sizes.shape[0]
@@ -273,9 +275,9 @@ def _launch(kernel, lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
     return out[:num_rows]
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-        interpret: bool | None = None, tiles: GmmTiles | None = None,
-        out: jax.Array | None = None) -> jax.Array:
+def gmm(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"], group_sizes: Integer[Array, "E"],
+        *, interpret: bool | None = None, tiles: GmmTiles | None = None,
+        out: Float[Array, "T f"] | None = None) -> Float[Array, "T f"]:
     """Grouped matmul: lhs [T, d] (rows sorted by group) × rhs [E, d, f] -> [T, f].
 
     group_sizes [E] int: rows of each group, in order; rows past their sum are zero in
@@ -290,9 +292,10 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return _launch(_gmm_kernel, lhs, (rhs,), group_sizes, out_cols, tiles, interpret, out)
 
 
-def gmm_swiglu(lhs: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array, *,
+def gmm_swiglu(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
+               w_up: Float[Array, "E d f"], group_sizes: Integer[Array, "E"], *,
                interpret: bool | None = None, tiles: GmmTiles | None = None,
-               out: jax.Array | None = None) -> jax.Array:
+               out: Float[Array, "T f"] | None = None) -> Float[Array, "T f"]:
     """silu(lhs · w_gate[g]) * (lhs · w_up[g]) per group in one kernel.
 
     lhs [T, d]; w_gate, w_up [E, d, f] -> [T, f] in lhs's dtype; rows past
@@ -307,9 +310,10 @@ def gmm_swiglu(lhs: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: 
                    interpret, out, up_col_offset=0)
 
 
-def gmm_swiglu_stacked(lhs: jax.Array, w_gate_up: jax.Array, group_sizes: jax.Array, *,
+def gmm_swiglu_stacked(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "E d two_f"],
+                       group_sizes: Integer[Array, "E"], *,
                        interpret: bool | None = None, tiles: GmmTiles | None = None,
-                       out: jax.Array | None = None) -> jax.Array:
+                       out: Float[Array, "T f"] | None = None) -> Float[Array, "T f"]:
     """:func:`gmm_swiglu` over stacked weights w_gate_up [E, d, 2f] (gate columns first,
     then up), read in place: the kernel takes up's columns at an offset of f."""
     _check_operands("gmm_swiglu_stacked", lhs, group_sizes, w_gate_up)

@@ -43,11 +43,13 @@ import dataclasses
 import functools
 import math
 import operator
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Bool, Int32, Int64, Integer, Real, Shaped
 
 ROUTERS = ("eplb_even", "metro", "optimal")
 VISIT_ORDERS = ("constrained", "index")
@@ -62,6 +64,13 @@ TRITON_NUM_STAGES = 1
 # Larger than any greedy key (activated count * padded devices + device), so
 # non-candidate devices never win the min.
 _NO_CANDIDATE_KEY = 2**30
+
+# Shapes (N experts, G devices, T tokens, k top-k) of what the host functions take: NumPy
+# or JAX arrays (dtypes are validated by the functions, with ValueError); lists where noted.
+Placement = Shaped[Array | np.ndarray, "N G"]             # bool or 0/1 numbers
+ExpertTokens = Integer[Array | np.ndarray, "N"]          # tokens per expert
+ExpertLoad = Real[Array | np.ndarray, "N"] | Sequence[float]
+TopkIds = Integer[Array | np.ndarray, "T k"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -133,7 +142,8 @@ def _check_order(order: str) -> str:
 # --------------------------------------------------------------------------- placement
 
 
-def eplb_replica_counts(expert_load, num_devices: int, num_replicas: int) -> np.ndarray:
+def eplb_replica_counts(expert_load: ExpertLoad, num_devices: int, num_replicas: int
+                        ) -> Int64[np.ndarray, "N"]:
     """Replicas per expert ``[N]`` int64, roughly ∝ ``expert_load [N]``.
 
     Every expert gets one replica; each remaining replica goes, one at a time, to the
@@ -161,7 +171,8 @@ def eplb_replica_counts(expert_load, num_devices: int, num_replicas: int) -> np.
     return counts
 
 
-def eplb_placement(expert_load, num_devices: int, num_replicas: int) -> np.ndarray:
+def eplb_placement(expert_load: ExpertLoad, num_devices: int, num_replicas: int
+                   ) -> Bool[np.ndarray, "N G"]:
     """EPLB-style placement ``A [N, G]`` bool from per-expert load ``[N]``.
 
     Replica counts come from :func:`eplb_replica_counts`. Replicas are then packed in
@@ -187,7 +198,7 @@ def eplb_placement(expert_load, num_devices: int, num_replicas: int) -> np.ndarr
     for expert in np.repeat(expert_order, counts[expert_order]):
         ok = (used < slots) & ~holds[expert]
         if not ok.any():
-            _make_room(expert, holds, device_load, used, slots, per_replica)
+            _make_room(int(expert), holds, device_load, used, slots, per_replica)
             ok = (used < slots) & ~holds[expert]
         device = int(np.argmin(np.where(ok, device_load, np.inf)))
         holds[expert, device] = True
@@ -223,7 +234,7 @@ def _make_room(expert: int, holds: np.ndarray, device_load: np.ndarray, used: np
 # --------------------------------------------------------------------------- counting helpers
 
 
-def tokens_per_expert(topk_ids, num_experts: int) -> np.ndarray:
+def tokens_per_expert(topk_ids: TopkIds, num_experts: int) -> Int64[np.ndarray, "N"]:
     """Tokens routed to each expert ``[N]`` int64 from a batch's ``topk_ids [T, k]``."""
     num_experts = _as_count(num_experts, "num_experts", 1)
     ids = _check_topk(topk_ids, num_experts)
@@ -242,7 +253,8 @@ def _check_topk(topk_ids, num_experts: int) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def routed_tokens(expert_device, tokens_per_expert, num_devices: int) -> np.ndarray:
+def routed_tokens(expert_device: Integer[Array | np.ndarray, "N"],
+                  tokens_per_expert: ExpertTokens, num_devices: int) -> Int64[np.ndarray, "N G"]:
     """Tokens of each expert on each device ``[N, G]`` int64 for a one-replica routing.
 
     ``expert_device [N]`` is a device per expert (``-1`` for none, allowed only where
@@ -265,12 +277,14 @@ def routed_tokens(expert_device, tokens_per_expert, num_devices: int) -> np.ndar
     return out
 
 
-def activated_per_device(expert_tokens) -> np.ndarray:
+def activated_per_device(expert_tokens: Integer[Array | np.ndarray, "N G"]
+                         ) -> Int64[np.ndarray, "G"]:
     """Activated replicas per device ``[G]`` from tokens ``[N, G]``: experts with > 0 tokens there."""
     return (np.asarray(expert_tokens) > 0).sum(axis=0).astype(np.int64)
 
 
-def tokens_per_device(expert_tokens) -> np.ndarray:
+def tokens_per_device(expert_tokens: Integer[Array | np.ndarray, "N G"]
+                      ) -> Int64[np.ndarray, "G"]:
     """Tokens (token, k pairs) per device ``[G]`` from tokens ``[N, G]``."""
     return np.asarray(expert_tokens).sum(axis=0).astype(np.int64)
 
@@ -278,7 +292,8 @@ def tokens_per_device(expert_tokens) -> np.ndarray:
 # --------------------------------------------------------------------------- EPLB-even router
 
 
-def route_eplb_even(placement, tokens_per_expert) -> np.ndarray:
+def route_eplb_even(placement: Placement, tokens_per_expert: ExpertTokens
+                    ) -> Int64[np.ndarray, "N G"]:
     """Baseline: each expert's tokens spread evenly over its replicas; tokens ``[N, G]`` int64.
 
     Expert i with ``t`` tokens and ``r`` replicas gives ``t // r`` to each replica and one
@@ -313,8 +328,8 @@ def _visit_order_jax(active_placement: jax.Array, order: str) -> jax.Array:
     return jnp.argsort(active_placement.sum(axis=1), stable=True).astype(jnp.int32)
 
 
-def route_metro_reference(placement, tokens_per_expert, *,
-                          order: str = DEFAULT_VISIT_ORDER) -> np.ndarray:
+def route_metro_reference(placement: Placement, tokens_per_expert: ExpertTokens, *,
+                          order: str = DEFAULT_VISIT_ORDER) -> Int64[np.ndarray, "N"]:
     """Seed Algorithm 1 in NumPy: device per expert ``[N]`` int64 (``-1`` without tokens).
 
     Experts with tokens are visited in ``order``; each goes to its candidate device
@@ -413,9 +428,9 @@ def _metro_plain_jax(rows: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("order", "impl", "interpret"))
-def route_metro_jax(placement: jax.Array, tokens_per_expert: jax.Array, *,
+def route_metro_jax(placement: Shaped[Array, "N G"], tokens_per_expert: Integer[Array, "N"], *,
                     order: str = DEFAULT_VISIT_ORDER, impl: str = "pallas",
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None) -> Int32[Array, "N"]:
     """In-graph METRO: device per expert ``[N]`` int32 (``-1`` without tokens), jitted.
 
     ``placement [N, G]`` (bool or 0/1, N, G >= 1), ``tokens_per_expert [N]`` ints
@@ -441,8 +456,9 @@ def route_metro_jax(placement: jax.Array, tokens_per_expert: jax.Array, *,
     return jnp.zeros_like(chosen).at[visit].set(chosen)
 
 
-def route_metro(placement, tokens_per_expert, *, order: str = DEFAULT_VISIT_ORDER,
-                interpret: bool | None = None) -> np.ndarray:
+def route_metro(placement: Placement, tokens_per_expert: ExpertTokens, *,
+                order: str = DEFAULT_VISIT_ORDER,
+                interpret: bool | None = None) -> Int64[np.ndarray, "N"]:
     """METRO greedy via the Pallas kernel: device per expert ``[N]`` int64 (``-1`` without tokens).
 
     Same output as :func:`route_metro_reference`. ``interpret=None`` interprets the
@@ -459,7 +475,8 @@ def route_metro(placement, tokens_per_expert, *, order: str = DEFAULT_VISIT_ORDE
 # --------------------------------------------------------------------------- optimum
 
 
-def route_optimal(placement, tokens_per_expert) -> np.ndarray:
+def route_optimal(placement: Placement, tokens_per_expert: ExpertTokens
+                  ) -> Int64[np.ndarray, "N"]:
     """Optimal routing: device per expert ``[N]`` int64 (``-1`` without tokens), CPU only.
 
     Finds the smallest λ such that every expert with tokens can be given one of its
@@ -522,17 +539,18 @@ class TokenAssignment:
     tokens_per_device: [G] int64, (token, k) pairs on each device.
     """
 
-    device: np.ndarray
-    activated_per_device: np.ndarray
-    tokens_per_device: np.ndarray
+    device: Int64[np.ndarray, "T k"]
+    activated_per_device: Int64[np.ndarray, "G"]
+    tokens_per_device: Int64[np.ndarray, "G"]
 
     @property
     def max_activated(self) -> int:
         return int(self.activated_per_device.max())
 
 
-def assign_tokens(topk_ids, placement, router: str = "metro", *,
-                  order: str = DEFAULT_VISIT_ORDER, interpret: bool | None = None) -> TokenAssignment:
+def assign_tokens(topk_ids: TopkIds, placement: Placement, router: str = "metro", *,
+                  order: str = DEFAULT_VISIT_ORDER, interpret: bool | None = None
+                  ) -> TokenAssignment:
     """Route a batch's ``topk_ids [T, k]`` over ``placement [N, G]`` with ``router``.
 
     ``router`` is one of :data:`ROUTERS`. ``"eplb_even"`` deals each expert's

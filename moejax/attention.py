@@ -16,7 +16,9 @@ tilings compute it, chosen from :data:`ATTENTION_TILING` by block size:
   softmax; memory is one [heads, chunk, chunk] tile and the mask is built per
   tile from segment ids (no [B, B] bias).
 
-Shapes: T tokens, n_q query heads, n_kv key/value heads, h head dim.
+Shapes: T tokens, n_q query heads, n_kv key/value heads, h head dim, B the attention
+block (``attn_block``), nb = T/B blocks, P rows of :func:`attention_at_rows`, Cp context
+entries per block.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Float32, Int
 
 MASK_VALUE = -1e30  # finite, so a fully masked tile cannot produce NaN
 
@@ -53,7 +57,8 @@ def tiling_for(block: int) -> AttentionTiling:
     return AttentionTiling("flash", min(block, FLASH_CHUNK))
 
 
-def segment_bias(segment_ids: jax.Array, attn_block: int) -> jax.Array:
+def segment_bias(segment_ids: Int[Array | np.ndarray, "T"], attn_block: int
+                 ) -> Float32[Array, "nb B B"]:
     """Additive bias [T/B, B, B]: 0 where the key is in the query's segment and not after
     it, ``MASK_VALUE`` elsewhere. Padding tokens (segment -1) see each other, so no row
     is empty."""
@@ -63,7 +68,8 @@ def segment_bias(segment_ids: jax.Array, attn_block: int) -> jax.Array:
     return jnp.where(visible, 0.0, MASK_VALUE).astype(jnp.float32)
 
 
-def attention_bias(segment_ids: jax.Array, attn_block: int) -> jax.Array | None:
+def attention_bias(segment_ids: Int[Array | np.ndarray, "T"], attn_block: int
+                   ) -> Float32[Array, "nb B B"] | None:
     """The bias the chosen tiling needs (None for ``flash``, which masks per tile)."""
     if tiling_for(attn_block).mode == "flash":
         return None
@@ -146,9 +152,10 @@ def _flash(queries, keys, values, segment_ids, chunk: int) -> jax.Array:
     return out.reshape(nb, n_kv, g, block, h)
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                     attn_block: int, bias: jax.Array | None = None,
-                     tiling: AttentionTiling | None = None) -> jax.Array:
+def packed_attention(q: Float[Array, "T n_q h"], k: Float[Array, "T n_kv h"],
+                     v: Float[Array, "T n_kv h"], segment_ids: Int[Array, "T"],
+                     attn_block: int, bias: Float32[Array, "nb B B"] | None = None,
+                     tiling: AttentionTiling | None = None) -> Float[Array, "T n_q h"]:
     """Grouped-query causal attention within segments: q [T, n_q, h], k/v [T, n_kv, h]
     -> [T, n_q, h]. ``bias`` from :func:`attention_bias` (computed here if absent)."""
     tiling = tiling or tiling_for(attn_block)
@@ -162,8 +169,9 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     return _merge_heads(out, q.dtype)
 
 
-def attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                      rows: jax.Array, attn_block: int) -> jax.Array:
+def attention_at_rows(q: Float[Array, "P n_q h"], k: Float[Array, "T n_kv h"],
+                      v: Float[Array, "T n_kv h"], segment_ids: Int[Array, "T"],
+                      rows: Int[Array, "P"], attn_block: int) -> Float[Array, "P n_q h"]:
     """Attention for a few query rows: q [P, n_q, h] (the queries of flat positions
     ``rows`` [P]) over k/v [T, n_kv, h] -> [P, n_q, h]. Each row sees the keys of its own
     block (the packer keeps segments inside blocks), masked to its segment and causal."""
@@ -194,7 +202,8 @@ def _attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.
 
 
 # ------------------------------------------------------------- attention with a KV context
-def context_visible(ctx_lo: jax.Array, ctx_hi: jax.Array, query_seg: jax.Array) -> jax.Array:
+def context_visible(ctx_lo: Int[Array, "*batch c"], ctx_hi: Int[Array, "*batch c"],
+                    query_seg: Int[Array, "*batch q"]) -> Bool[Array, "*batch q c"]:
     """[..., c] context segment ranges × [..., q] query segments -> [..., q, c] bool.
 
     A context entry (one cached token's keys and values) is read by the segments
@@ -204,9 +213,11 @@ def context_visible(ctx_lo: jax.Array, ctx_hi: jax.Array, query_seg: jax.Array) 
     return (ctx_lo[..., None, :] <= q) & (q <= ctx_hi[..., None, :]) & (q >= 0)
 
 
-def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                      attn_block: int, ctx_k: jax.Array, ctx_v: jax.Array,
-                      ctx_lo: jax.Array, ctx_hi: jax.Array) -> jax.Array:
+def context_attention(q: Float[Array, "T n_q h"], k: Float[Array, "T n_kv h"],
+                      v: Float[Array, "T n_kv h"], segment_ids: Int[Array, "T"],
+                      attn_block: int, ctx_k: Float[Array, "nb Cp n_kv h"],
+                      ctx_v: Float[Array, "nb Cp n_kv h"], ctx_lo: Int[Array, "nb Cp"],
+                      ctx_hi: Int[Array, "nb Cp"]) -> Float[Array, "T n_q h"]:
     """:func:`packed_attention` where each block also sees a context of cached keys.
 
     q [T, n_q, h], k/v [T, n_kv, h]; ctx_k/ctx_v [nb, Cp, n_kv, h]: the context keys and
@@ -226,10 +237,12 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     return _merge_heads(_attend(queries, keys, values, bias), q.dtype)
 
 
-def context_attention_at_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                              rows: jax.Array, attn_block: int, ctx_k: jax.Array,
-                              ctx_v: jax.Array, ctx_lo: jax.Array, ctx_hi: jax.Array
-                              ) -> jax.Array:
+def context_attention_at_rows(q: Float[Array, "P n_q h"], k: Float[Array, "T n_kv h"],
+                              v: Float[Array, "T n_kv h"], segment_ids: Int[Array, "T"],
+                              rows: Int[Array, "P"], attn_block: int,
+                              ctx_k: Float[Array, "nb Cp n_kv h"],
+                              ctx_v: Float[Array, "nb Cp n_kv h"], ctx_lo: Int[Array, "nb Cp"],
+                              ctx_hi: Int[Array, "nb Cp"]) -> Float[Array, "P n_q h"]:
     """:func:`attention_at_rows` with each block's context (as in
     :func:`context_attention`): q [P, n_q, h] at flat ``rows`` [P] -> [P, n_q, h]."""
     p, n_q, h = q.shape

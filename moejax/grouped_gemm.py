@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Integer
 
 # Rows per tile for the pure-JAX tiled loop, keyed by (platform, hidden size bucket):
 # (full tile rows, remainder tile rows). Each expert's rows run first in full tiles,
@@ -82,13 +83,14 @@ class TilePlan:
     tile_end: [max_tiles] int32, expert, first row and end row (exclusive) of each.
     """
 
-    num_tiles: jax.Array
-    tile_group: jax.Array
-    tile_start: jax.Array
-    tile_end: jax.Array
+    num_tiles: Int[Array, ""]
+    tile_group: Int[Array, "max_tiles"]
+    tile_start: Int[Array, "max_tiles"]
+    tile_end: Int[Array, "max_tiles"]
 
 
-def plan_tiles(starts: jax.Array, sizes: jax.Array, max_tiles: int, tile_rows: int) -> TilePlan:
+def plan_tiles(starts: Int[Array, "E"], sizes: Integer[Array, "E"], max_tiles: int,
+               tile_rows: int) -> TilePlan:
     """Cover rows [starts[g], starts[g] + sizes[g]) of each group g with ceil(size / tile_rows)
     tiles; ``max_tiles`` (static) bounds the total."""
     num_groups = sizes.shape[0]
@@ -104,7 +106,7 @@ def plan_tiles(starts: jax.Array, sizes: jax.Array, max_tiles: int, tile_rows: i
                     tile_start=tile_start, tile_end=tile_end)
 
 
-def plan_two_level(group_sizes: jax.Array, num_rows: int, full_rows: int,
+def plan_two_level(group_sizes: Integer[Array, "E"], num_rows: int, full_rows: int,
                    rest_rows: int) -> tuple[TilePlan, TilePlan]:
     """Tiles of ``full_rows`` over each group's first floor(size/full)·full rows, then tiles
     of ``rest_rows`` over the remainder (rows are grouped: group g starts at Σ sizes[<g])."""
@@ -156,8 +158,8 @@ def _expert_matrix(w: jax.Array, expert: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(w, expert, axis=0, keepdims=False)
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-        tile_rows: int | tuple[int, int] | None = None) -> jax.Array:
+def gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"], group_sizes: Integer[Array, "E"],
+        tile_rows: int | tuple[int, int] | None = None) -> Float[Array, "M f"]:
     """Grouped matmul lhs [M, d] × rhs [E, d, f] -> [M, f], f32 accumulation, lhs dtype out."""
     tile_rows = resolve_tile_rows(tile_rows, lhs.shape[1])
 
@@ -168,7 +170,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     return _tile_loop(lhs, rhs.shape[2], lhs.dtype, group_sizes, tile_rows, tile_fn)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu(x: Float[Array, "n d"], w_gate: Float[Array, "d f"], w_up: Float[Array, "d f"],
+           w_down: Float[Array, "f d"]) -> Float[Array, "n d"]:
     """One expert's MLP on rows x [n, d] with matrices [d, f], [d, f], [f, d] (f32 accumulation)."""
     gate = jnp.dot(x, w_gate, preferred_element_type=jnp.float32)
     up = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
@@ -176,9 +179,11 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     return jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
 
 
-def grouped_swiglu_tiles(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                         group_sizes: jax.Array,
-                         tile_rows: int | tuple[int, int] | None = None) -> jax.Array:
+def grouped_swiglu_tiles(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"],
+                         w_up: Float[Array, "E d f"], w_down: Float[Array, "E f d"],
+                         group_sizes: Integer[Array, "E"],
+                         tile_rows: int | tuple[int, int] | None = None
+                         ) -> Float[Array, "M d"]:
     """The whole expert MLP per row tile in one loop: the [tm, f] intermediate never
     leaves the tile. x [M, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] -> [M, d]."""
     tile_rows = resolve_tile_rows(tile_rows, x.shape[1])
@@ -192,14 +197,15 @@ def grouped_swiglu_tiles(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_dow
     return _tile_loop(x, w_down.shape[2], dtype, group_sizes, tile_rows, tile_fn)
 
 
-def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+def group_ids(group_sizes: Integer[Array, "E"], num_rows: int) -> Int[Array, "M"]:
     """[M] expert id of each row; rows past the last group get E (no expert)."""
     ends = jnp.cumsum(group_sizes)
     return jnp.searchsorted(ends, jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
-def swiglu_dense(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                 group_sizes: jax.Array) -> jax.Array:
+def swiglu_dense(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"],
+                 w_up: Float[Array, "E d f"], w_down: Float[Array, "E f d"],
+                 group_sizes: Integer[Array, "E"]) -> Float[Array, "M d"]:
     """Reference: every row through every expert, masked by a one-hot (E× the work)."""
     num_experts = w_gate.shape[0]
     one_hot = jax.nn.one_hot(group_ids(group_sizes, x.shape[0]), num_experts, dtype=jnp.float32)
@@ -208,7 +214,8 @@ def swiglu_dense(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
     return jnp.einsum("emd,me->md", per_expert, one_hot).astype(x.dtype)
 
 
-def ragged_dot_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def ragged_dot_gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"],
+                   group_sizes: Integer[Array, "E"]) -> Float[Array, "M f"]:
     """XLA's ragged_dot; rows past sum(group_sizes) come back as zeros."""
     out = jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes,
                              preferred_element_type=jnp.float32)

@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
 
 from moejax.attention import MASK_VALUE
 from moejax.config import ModelConfig
@@ -29,8 +30,8 @@ from moejax.config import ModelConfig
 class KVCache:
     """keys, values: [L, B, S, n_kv, h] in the compute dtype."""
 
-    keys: jax.Array
-    values: jax.Array
+    keys: Float[Array, "L B S n_kv h"]
+    values: Float[Array, "L B S n_kv h"]
 
     @property
     def length(self) -> int:
@@ -53,8 +54,8 @@ def empty_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
     return KVCache(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype))
 
 
-def write_prompt(cache: KVCache, layer: jax.Array, keys: jax.Array, values: jax.Array
-                 ) -> KVCache:
+def write_prompt(cache: KVCache, layer: int | Int[Array, ""], keys: Float[Array, "B P n_kv h"],
+                 values: Float[Array, "B P n_kv h"]) -> KVCache:
     """Store layer ``layer``'s prompt keys/values [B, P, n_kv, h] in slots [0, P)."""
     start = (layer, 0, 0, 0, 0)
     return KVCache(
@@ -63,8 +64,8 @@ def write_prompt(cache: KVCache, layer: jax.Array, keys: jax.Array, values: jax.
                                             start))
 
 
-def write_token(cache: KVCache, layer: jax.Array, positions: jax.Array, keys: jax.Array,
-                values: jax.Array) -> KVCache:
+def write_token(cache: KVCache, layer: int | Int[Array, ""], positions: Int[Array, "B"],
+                keys: Float[Array, "B n_kv h"], values: Float[Array, "B n_kv h"]) -> KVCache:
     """Store one new token per row: keys/values [B, n_kv, h] at slot ``positions[b]`` [B]."""
     rows = jnp.arange(positions.shape[0])
     return KVCache(keys=cache.keys.at[layer, rows, positions].set(keys.astype(cache.keys.dtype)),
@@ -72,8 +73,9 @@ def write_token(cache: KVCache, layer: jax.Array, positions: jax.Array, keys: ja
                        values.astype(cache.values.dtype)))
 
 
-def attend_cache(q: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array
-                 ) -> jax.Array:
+def attend_cache(q: Float[Array, "B n_q h"], keys: Float[Array, "B S n_kv h"],
+                 values: Float[Array, "B S n_kv h"], lengths: Int[Array, "B"]
+                 ) -> Float[Array, "B n_q h"]:
     """One query per row over its cached keys: q [B, n_q, h], keys/values [B, S, n_kv, h]
     (one layer), ``lengths`` [B] = valid slots (the query's position + 1) -> [B, n_q, h].
 

@@ -9,11 +9,12 @@ engine started it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int, Int32, Key, UInt32
 
 PRNG_IMPL = "threefry2x32"
 MAX_SEED = 2 ** 64   # seeds are split into the two 32-bit words of a threefry key
@@ -28,12 +29,12 @@ class SamplingParams:
     key_data: [B, 2] uint32 raw threefry keys (see :func:`seed_key_data`).
     """
 
-    temperature: jax.Array
-    top_p: jax.Array
-    key_data: jax.Array
+    temperature: Float[Array | np.ndarray, "B"]
+    top_p: Float[Array | np.ndarray, "B"]
+    key_data: UInt32[Array | np.ndarray, "B 2"]
 
 
-def seed_key_data(seeds: Sequence[int]) -> np.ndarray:
+def seed_key_data(seeds: Sequence[int]) -> UInt32[np.ndarray, "B 2"]:
     """[B, 2] uint32 key words (high, low) of integer seeds in [0, 2**64): the raw key
     ``jax.random.PRNGKey(seed)`` makes for a 64-bit seed, built on the host so that seeds
     above 2**32 stay distinct without enabling x64."""
@@ -53,18 +54,18 @@ def make_sampling_params(temperature: Sequence[float], top_p: Sequence[float],
                           key_data=seed_key_data(seeds))
 
 
-def token_key(key_data: jax.Array, counter: jax.Array) -> jax.Array:
+def token_key(key_data: UInt32[Array, "2"], counter: Int[Array, ""]) -> Key[Array, ""]:
     """The typed key of one row's token number ``counter``: key_data [2] uint32."""
     return jax.random.fold_in(jax.random.wrap_key_data(key_data, impl=PRNG_IMPL), counter)
 
 
-def row_keys(key_data: jax.Array, counters: jax.Array) -> jax.Array:
+def row_keys(key_data: UInt32[Array, "B 2"], counters: Int[Array, "B"]) -> Key[Array, "B"]:
     """Typed keys [B] for each row's token number ``counters`` [B]."""
     return jax.vmap(token_key)(key_data, counters)
 
 
-def sample_top_p(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                 keys: jax.Array) -> jax.Array:
+def sample_top_p(logits: Float[Array, "B V"], temperature: Float[Array, "B"],
+                 top_p: Float[Array, "B"], keys: Key[Array, "B"]) -> Int32[Array, "B"]:
     """Temperature then nucleus sampling: logits [B, V] f32 -> token ids [B] int32.
 
     Tokens are sorted by probability; a token is kept when the probability mass of the
@@ -81,7 +82,8 @@ def sample_top_p(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
     return jnp.take_along_axis(sorted_ids, choice[:, None], axis=1)[:, 0].astype(jnp.int32)
 
 
-def next_tokens(logits: jax.Array, params: SamplingParams, counters: jax.Array) -> jax.Array:
+def next_tokens(logits: Float[Array, "B V"], params: SamplingParams,
+                counters: Int[Array, "B"]) -> Int32[Array, "B"]:
     """The next token of every row: logits [B, V] f32, ``counters`` [B] int32 (how many
     tokens the row has generated so far) -> [B] int32. Rows with temperature 0 take the
     argmax; the sort that sampling needs is skipped when every row is greedy."""

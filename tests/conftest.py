@@ -14,6 +14,42 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+# Modules whose jaxtyping shape annotations (``Float[Array, "T d"]``) and ordinary hints are
+# checked by beartype on every call during the tests (never in production: the hook only
+# exists here). Append a module once its public functions are annotated.
+TYPECHECKED_MODULES = [
+    "kernels_pallas.gmm",
+    "kernels_pallas.metro",
+    "moejax.attention",
+    "moejax.grouped_gemm",
+    "moejax.kv_cache",
+    "moejax.sampling",
+    "moejax.moe",
+    "moejax.layers",
+    "moejax.attention_kinds",
+    "moejax.dispatch",
+    "moejax.model",
+    "moejax.generate",
+    "moejax.ops",
+]
+# PEP 484's numeric tower (an int passes a ``float`` hint), as static checkers read hints.
+TYPECHECKER = "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))"
+
+
+def _install_typecheck_hook():
+    """Instrument TYPECHECKED_MODULES at import; must run before anything imports them
+    (conftest is imported before every test module), and stays for the whole session."""
+    early = [name for name in TYPECHECKED_MODULES if name in sys.modules]
+    if early:
+        raise RuntimeError(f"imported before the jaxtyping hook, so left unchecked: {early}")
+    import beartype  # noqa: F401  (the dev extra; the hook imports it lazily otherwise)
+    import jaxtyping
+
+    return jaxtyping.install_import_hook(TYPECHECKED_MODULES, TYPECHECKER)
+
+
+_TYPECHECK_HOOK = _install_typecheck_hook()
+
 import pytest  # noqa: E402
 
 
@@ -38,3 +74,17 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"needs a GPU (jax backend is {jax.default_backend()!r})")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def typechecks_off():
+    """Run a test without the shape/type checks, as production runs: for tests of a
+    function's own input validation (its ValueError), which a hint would pre-empt."""
+    import jaxtyping
+
+    before = jaxtyping.config.jaxtyping_disable
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", before)

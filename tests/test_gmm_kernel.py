@@ -159,7 +159,7 @@ def fn_gpu(fn, x, *weights_and_sizes):
     return fn(x, *weights, sizes, interpret=False, tiles=tiles)
 
 
-def test_bad_inputs_are_named():
+def test_bad_inputs_are_named(typechecks_off):
     x = jnp.zeros((8, 32))
     w = jnp.zeros((4, 32, 64))
     with pytest.raises(ValueError, match=r"lhs must be \[T, d\]"):
@@ -193,6 +193,7 @@ def test_moe_expert_compute_pallas_equals_fused_tiles():
     x = rng.standard_normal((48, 32)).astype(np.float32)     # 8 rows in no group
     w_gate, w_up = (rng.standard_normal((2, 6, 32, 64)) / 6).astype(np.float32)
     w_down = (rng.standard_normal((6, 64, 32)) / 8).astype(np.float32)
+    w_gate, w_up, w_down = jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(w_down)
     perm = moe.Permutation(x_sorted=jnp.asarray(x), order=jnp.arange(48, dtype=jnp.int32),
                            group_sizes=jnp.asarray(sizes))
     pallas = moe.expert_compute(perm, w_gate, w_up, w_down, impl="pallas")

@@ -207,7 +207,7 @@ def test_placement_balances_load_over_devices():
     ([1.0, 2.0], 2, 5, "num_replicas"),
     ([1.0, 2.0], 2, 2.5, "num_replicas"),
 ])
-def test_placement_rejects_bad_input(load, devices, replicas, match):
+def test_placement_rejects_bad_input(load, devices, replicas, match, typechecks_off):
     with pytest.raises(ValueError, match=match):
         metro.eplb_placement(load, devices, replicas)
 
@@ -245,12 +245,12 @@ def test_eplb_even_rule_and_conservation():
     (np.ones((2, 2), bool), [1.0, 1.0], "integers"),
     (np.array([[1, 0], [0, 0]], bool), [1, 3], "expert 1 has 3 tokens but no replica"),
 ])
-def test_routers_reject_bad_input(route, placement, tokens, match):
+def test_routers_reject_bad_input(route, placement, tokens, match, typechecks_off):
     with pytest.raises(ValueError, match=match):
         route(placement, np.asarray(tokens))
 
 
-def test_bad_order_router_and_topk():
+def test_bad_order_router_and_topk(typechecks_off):
     placement = np.ones((3, 2), bool)
     with pytest.raises(ValueError, match="order"):
         metro.route_metro_reference(placement, np.array([1, 1, 1]), order="random")
