@@ -43,7 +43,7 @@ Figures per (workload, configuration):
 * ``tokens_per_s``   -- prompt tokens of all prefill ops (every op counted in full, the
   same numerator for every configuration) / wall seconds of the pass;
 * ``executed_flops`` -- sum over engines of ``EngineStats.executed_flops`` during the pass
-  (DESIGN.md formulas over the tokens really run, ``serving.engine.sequence_flops``);
+  (DESIGN.md formulas over the tokens really run, ``moejax.ops.PrefillOp.flops``);
 * ``hit_rate``       -- share of the ops' prompt tokens that were not computed but read as
   prefix KV (from the cache, or from this call's one computation of a shared prefix):
   1 - tokens run (``EngineStats.real_tokens``) / prompt tokens of all ops; the plan
@@ -100,15 +100,12 @@ if DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 
 
 def _more_host_devices(count: int) -> None:
-    """Raise the forced device count set above to ``count`` (only while JAX's backends
-    have not started; a user's own flag is left alone)."""
+    """Raise the forced device count set above to ``count`` (main calls it before any JAX
+    work, so XLA still reads it; a user's own flag is left alone)."""
     ours = f"{DEVICE_FLAG}={HOST_DEVICES}"
     flags = os.environ.get("XLA_FLAGS", "")
     if count > HOST_DEVICES and ours in flags.split():
-        from moejax.backends import xla_flags
-
-        if not xla_flags.backends_started():
-            os.environ["XLA_FLAGS"] = flags.replace(ours, f"{DEVICE_FLAG}={count}")
+        os.environ["XLA_FLAGS"] = flags.replace(ours, f"{DEVICE_FLAG}={count}")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -117,7 +114,6 @@ from benchmarks.figures import write_json  # noqa: E402
 import numpy as np  # noqa: E402
 
 from moejax.config import ModelConfig  # noqa: E402
-from serving.engine import sequence_flops  # noqa: E402
 from serving.prefix_cache import PrefixCache, plan_run  # noqa: E402
 from serving.prefix_hash import BLOCK_SIZE  # noqa: E402
 
@@ -141,12 +137,6 @@ TARGETS = {"flops_over_ideal_high_share": ("<=", 1.1),
 
 
 # ----------------------------------------------------------------------------- FLOP references
-def _op_head_flops(cfg: ModelConfig, op) -> int:
-    """LM-head FLOPs of one op's score positions (as ``serving.engine.sequence_flops``)."""
-    full_vocab = op.need_vocab_logsumexp
-    return sum(cfg.head_flops(None if full_vocab else len(ids)) for ids in op.score_token_ids)
-
-
 def _span_flops(cfg: ModelConfig, start: int, stop: int) -> int:
     """Tokens at positions start..stop-1 (0-based), each attending over itself and all
     earlier positions: (stop - start)·F_lin + Σ_{i=start+1..stop} F_att(i)."""
@@ -166,8 +156,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 def ideal_flops(cfg: ModelConfig, ops: Sequence[Any]) -> dict[str, int]:
     """FLOPs with perfect reuse: each distinct prefix once, plus the LM head of every op.
 
-    ``ops``: prefill ops (``serving.requests.PrefillOp`` or anything with ``token_ids``,
-    ``score_token_ids`` and ``need_vocab_logsumexp``). The distinct prefixes of the ops'
+    ``ops``: prefill ops (``moejax.ops.PrefillOp``). The distinct prefixes of the ops'
     token sequences are the nodes of their token trie; a node at depth i (1-based: the
     i-th token of a sequence) costs ``F_lin + F_att(i)``. The trie is walked in sorted
     order: a sequence adds the nodes deeper than its common prefix with its predecessor
@@ -183,21 +172,18 @@ def ideal_flops(cfg: ModelConfig, ops: Sequence[Any]) -> dict[str, int]:
         tokens += len(seq) - shared
         body += _span_flops(cfg, shared, len(seq))
         previous = seq
-    head = sum(_op_head_flops(cfg, op) for op in ops)
+    head = sum(op.head_flops(cfg) for op in ops)
     return {"tokens": tokens, "head_flops": head, "flops": body + head}
 
 
 def no_reuse_flops(cfg: ModelConfig, ops: Sequence[Any]) -> int:
     """Every op run in full (what an engine without a prefix cache executes)."""
-    return sum(_span_flops(cfg, 0, len(op.token_ids)) + _op_head_flops(cfg, op) for op in ops)
+    return sum(op.flops(cfg) for op in ops)
 
 
 def _plan(ops: Sequence[Any], cache: PrefixCache):
     """``serving.prefix_cache.plan_run`` over ``ops`` (one score call on one engine)."""
-    from serving.api import op_sequence
-
-    sequences = [op_sequence(i, op) for i, op in enumerate(ops)]
-    return plan_run(sequences, {i: op.prefix_len for i, op in enumerate(ops)}, cache)
+    return plan_run(ops, cache)
 
 
 def _roomy_cache(ops: Sequence[Any], block_size: int = BLOCK_SIZE) -> PrefixCache:
@@ -213,7 +199,7 @@ def plan_floor_flops(cfg: ModelConfig, ops: Sequence[Any],
     logits there are its own). Returns ``flops`` and ``tokens`` (the tokens computed)."""
     plan = _plan(ops, _roomy_cache(ops, block_size))
     derived = [s for level in plan.levels for s in level]
-    return {"flops": sum(sequence_flops(cfg, s) for s in derived),
+    return {"flops": sum(op.flops(cfg) for op in derived),
             "tokens": sum(len(s.token_ids) for s in derived)}
 
 

@@ -26,6 +26,7 @@ Kinds:
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Mapping
 
 import jax
@@ -49,6 +50,7 @@ def _queries_at(p: LayerParams, h_in: jax.Array, positions: jax.Array, rows: jax
     return project_q(p, jnp.take(h_in, rows, axis=0), jnp.take(positions, rows), cfg)
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedCausal:
@@ -101,6 +103,7 @@ class PackedCausal:
         return attention.attention_at_rows(q, k, v, self.segment_ids, rows, self.attn_block)
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefixContext:
@@ -125,6 +128,7 @@ class PrefixContext:
         return self.ctx_slot.shape[1] > 0
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefixPooled:
@@ -178,6 +182,7 @@ class PrefixPooled:
         return out, dataclasses.replace(self, pool_k=pool_k, pool_v=pool_v)
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PromptToCache:
@@ -211,6 +216,7 @@ class PromptToCache:
         return out, dataclasses.replace(self, cache=cache)
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheSlots:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import typing
 from typing import Any, Sequence
 
 import jax
@@ -56,6 +57,7 @@ class DecodeOptions:
     tile_rows: int | tuple[int, int] | None = None
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:

@@ -24,6 +24,7 @@ expert weights may be absent from it (a dispatcher that holds them elsewhere).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Callable, Mapping
 
 import jax
@@ -88,6 +89,7 @@ def layer_slice(layer_params: LayerParams, index) -> dict[str, jax.Array]:
 
 
 # --------------------------------------------------------------------- the layer
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerOutput:

@@ -23,6 +23,7 @@ padding, and attention is causal within a segment, block-locally
 from __future__ import annotations
 
 import dataclasses
+import typing
 import functools
 from typing import Any, Mapping
 
@@ -42,6 +43,7 @@ from moejax.layers import (LayerOutput, layer_slice, project_kv, project_q,  # n
 from moejax.param_layout import EXPERT_KEYS, Params, param_shapes, shape_problems
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
@@ -52,11 +54,11 @@ class PackedBatch:
     score_token_ids: [P, C] int32 vocabulary ids whose logits are returned.
     """
 
-    tokens: jax.Array
-    positions: jax.Array
-    segment_ids: jax.Array
-    score_positions: jax.Array
-    score_token_ids: jax.Array
+    tokens: Int[Array | np.ndarray, "T"]
+    positions: Int[Array | np.ndarray, "T"]
+    segment_ids: Int[Array | np.ndarray, "T"]
+    score_positions: Int[Array | np.ndarray, "P"]
+    score_token_ids: Int[Array | np.ndarray, "P C"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,7 @@ class ForwardOptions:
     tile_rows: int | tuple[int, int] | None = None   # None: grouped_gemm.TILE_ROWS
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ScoreOutput:
@@ -103,7 +106,10 @@ class DecoderLayers(nnx.Module):
         return {name: getattr(self, name)[...] for name in self.names}
 
     def experts(self) -> dict[str, jax.Array]:
-        """The stacked expert weights [L, E, ...] (KeyError if this module has none)."""
+        """The stacked expert weights [L, E, ...]."""
+        if not all(name in self.names for name in EXPERT_KEYS):
+            raise ValueError("this module was built without expert weights "
+                             "(with_experts=False): pass a dispatcher whose source holds them")
         return {name: getattr(self, name)[...] for name in EXPERT_KEYS}
 
 
@@ -138,7 +144,7 @@ class MoEDecoder(nnx.Module):
         return out
 
     # ------------------------------------------------------------ the pieces
-    def embed_tokens(self, tokens: Int[Array, "*n"]) -> Float[Array, "*n d"]:
+    def embed_tokens(self, tokens: Int[Array | np.ndarray, "*n"]) -> Float[Array, "*n d"]:
         """Token embeddings."""
         return jnp.take(self.embed[...], tokens, axis=0)
 
@@ -205,6 +211,7 @@ class MoEDecoder(nnx.Module):
         experts, tokens local). The last layer runs at the scoring rows only when they
         are few (:func:`last_layer_at_rows_only`).
         """
+        batch = jax.tree.map(jnp.asarray, batch)     # eager callers pass NumPy batches
         if attn is None:
             attn = PackedCausal.of(batch.positions, batch.segment_ids, opts.attn_block)
         if dispatcher is None:
@@ -230,6 +237,7 @@ class MoEDecoder(nnx.Module):
 
     def hidden_states(self, batch: PackedBatch, opts: ForwardOptions) -> Float[Array, "T d"]:
         """Every decoder layer over the batch -> [T, d] (before the final norm)."""
+        batch = jax.tree.map(jnp.asarray, batch)     # eager callers pass NumPy batches
         attn = PackedCausal.of(batch.positions, batch.segment_ids, opts.attn_block)
         dispatcher = self.local_dispatcher(opts.expert_impl, opts.tile_rows)
         return self.run_layers(self.embed_tokens(batch.tokens), attn, dispatcher)[0]
@@ -254,7 +262,8 @@ def decoder(cfg: ModelConfig, params: Params, *, with_experts: bool | None = Non
     ``nnx.merge``: no copy. ``with_experts`` defaults to whether the dict has them."""
     if with_experts is None:
         with_experts = all(k in params["layers"] for k in EXPERT_KEYS)
-    return nnx.merge(graph_def(cfg, with_experts), params)
+    # Tracers and device arrays pass as they are; an eager caller's NumPy goes to the device.
+    return nnx.merge(graph_def(cfg, with_experts), jax.tree.map(jnp.asarray, params))
 
 
 # ------------------------------------------------------------------ functional entries

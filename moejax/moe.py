@@ -9,10 +9,12 @@ f expert intermediate size, M = T·k routed rows.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
 
 from kernels_pallas import gmm as pallas_gmm
 from moejax import grouped_gemm as gmm_lib
@@ -21,6 +23,7 @@ ExpertImpl = Literal["auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dens
 EXPERT_IMPLS = ("auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense")
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Routing:
@@ -36,6 +39,7 @@ class Routing:
     probs: jax.Array | None = None
 
 
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Permutation:
@@ -51,7 +55,8 @@ class Permutation:
     group_sizes: jax.Array
 
 
-def route(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool) -> Routing:
+def route(x: Float[Array, "T d"], router_w: Float[Array, "d E"], k: int,
+          norm_topk_prob: bool) -> Routing:
     """Softmax router: x [T, d] @ router_w [d, E] -> top-k experts and weights.
 
     Probabilities are computed in float32 over all E experts, as in the reference
@@ -66,8 +71,8 @@ def route(x: jax.Array, router_w: jax.Array, k: int, norm_topk_prob: bool) -> Ro
     return Routing(weights=weights, experts=experts.astype(jnp.int32), probs=probs)
 
 
-def permute(x: jax.Array, routing: Routing, num_experts: int,
-            valid: jax.Array | None = None) -> Permutation:
+def permute(x: Float[Array, "T d"], routing: Routing, num_experts: int,
+            valid: Bool[Array, "T"] | None = None) -> Permutation:
     """Sort the T·k routed rows by expert.
 
     ``valid`` [T] bool marks real tokens; padding tokens get the sentinel expert
@@ -84,8 +89,9 @@ def permute(x: jax.Array, routing: Routing, num_experts: int,
     return Permutation(x_sorted=x_sorted, order=order, group_sizes=group_sizes.astype(jnp.int32))
 
 
-def expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                   impl: ExpertImpl = "auto", tile_rows: int | None = None) -> jax.Array:
+def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"], w_up: Float[Array, "E d f"],
+                   w_down: Float[Array, "E f d"], impl: ExpertImpl = "auto",
+                   tile_rows: int | tuple[int, int] | None = None) -> Float[Array, "M d"]:
     """SwiGLU experts on sorted rows: y = (silu(x·W_gate) * (x·W_up)) · W_down.
 
     x_sorted [M, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] -> [M, d]. Rows
@@ -111,14 +117,15 @@ def expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_down
     raise ValueError(f"unknown expert implementation {impl!r}; choose one of {EXPERT_IMPLS}")
 
 
-def combine(y_sorted: jax.Array, perm: Permutation, routing: Routing,
-            valid: jax.Array | None = None) -> jax.Array:
+def combine(y_sorted: Float[Array, "M d"], perm: Permutation, routing: Routing,
+            valid: Bool[Array, "T"] | None = None) -> Float[Array, "T d"]:
     """Unsort the expert outputs [M, d] and sum each token's k rows with its weights -> [T, d]."""
     inverse = jnp.argsort(perm.order).astype(jnp.int32)
     return weighted_sum(jnp.take(y_sorted, inverse, axis=0), routing, valid)
 
 
-def weighted_sum(y_rows: jax.Array, routing: Routing, valid: jax.Array | None = None) -> jax.Array:
+def weighted_sum(y_rows: Float[Array, "M d"], routing: Routing,
+                 valid: Bool[Array, "T"] | None = None) -> Float[Array, "T d"]:
     """Each token's k expert outputs, in routing order (y_rows [T·k, d]: row t·k + j is
     token t's j-th expert), summed with its router weights in float32 -> [T, d].
     Invalid tokens weigh 0. Every dispatcher's finalize ends here."""

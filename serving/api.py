@@ -24,7 +24,8 @@ from moejax.backends import make_backend
 from moejax.backends.base import require_devices
 from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,
                               calibrate, fallback_theta, uncalibrated)
-from moejax.packing import BucketPolicy, ScoringSequence
+from moejax.packing import BucketPolicy
+from serving.compilation_cache import enable_compilation_cache
 from serving.engine import Engine
 from serving.dispatch import EnginePool, OpTiming
 from serving.options import ScorerOptions, load_options
@@ -54,14 +55,6 @@ def resolve_model_dir(model: str | os.PathLike) -> tuple[str, bool]:
     return path, False
 
 
-def op_sequence(index: int, op: PrefillOp) -> ScoringSequence:
-    """The packer's view of prefill op ``index``."""
-    return ScoringSequence(key=index, token_ids=np.asarray(op.token_ids, np.int32),
-                           score_positions=op.score_positions,
-                           score_token_ids=op.score_token_ids,
-                           full_vocab=op.need_vocab_logsumexp)
-
-
 def attach_timings(results: list[ScoreResult], ops: Sequence[PrefillOp],
                    timings: Mapping[int, OpTiming]) -> list[ScoreResult]:
     """Per request: the engine(s) and router round(s) of its ops, and the seconds from the
@@ -76,22 +69,14 @@ def attach_timings(results: list[ScoreResult], ops: Sequence[PrefillOp],
     return results
 
 
-def enable_compilation_cache(directory: str | None) -> None:
-    """Point JAX's persistent compilation cache at ``directory`` so that a restarted job
-    does not recompile its shape buckets; a cache the user configured is left alone."""
-    import jax
-
-    if directory is None or jax.config.jax_compilation_cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", directory)
-
-
 class Scorer:
     """Scores requests with one model on an execution backend.
 
     Options (keyword arguments; defaults in ``configs/scoring.yaml``): ``dtype``
     ("float32" | "bfloat16" | "auto"), ``max_batch_tokens``, ``min_block``,
-    ``expert_impl``, ``tile_rows``, ``progress_min_requests``, ``compilation_cache``,
+    ``expert_impl``, ``tile_rows``, ``progress_min_requests``, ``compilation_cache``
+    (default None: JAX's process-wide compilation cache is left alone; ``"auto"`` or a
+    directory turns it on, see ``serving.enable_compilation_cache``),
     ``backend`` (resident | offload | async_ep | hybrid | sync_ep | tp), ``devices``,
     ``backend_options`` (the backend's own keywords), ``calibrate``, ``calibration_eps``,
     ``theta``; plus ``deployment`` (a YAML file of options, e.g.
@@ -103,7 +88,7 @@ class Scorer:
                  normalize_options: NormalizeOptions | None = None,
                  deployment: str | os.PathLike | None = None, **options: Any):
         self.options: ScorerOptions = load_options(options, deployment=deployment)
-        enable_compilation_cache(self.options.resolved_compilation_cache())
+        enable_compilation_cache(self.options.compilation_cache)
         self.model_dir, self.is_demo = resolve_model_dir(model)
         if self.is_demo:
             from moejax.demo import DEMO_NOTICE
@@ -203,27 +188,34 @@ class Scorer:
         ops, errors, prompt_tokens = normalize_requests(
             requests, self.tokenizer, vocab_size=self.config.vocab_size,
             max_context=self.config.max_context, options=self.normalize_options)
-        sequences = [op_sequence(i, op) for i, op in enumerate(ops)]
         if progress is None:
             progress = (len(requests) >= self.options.progress_min_requests
                         and sys.stderr.isatty())
         bar = None
-        if progress and sequences:
+        if progress and ops:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(sequences), unit="seq", desc="scoring", file=sys.stderr)
+            bar = tqdm(total=len(ops), unit="seq", desc="scoring", file=sys.stderr)
         start = time.perf_counter()
+        timings: Mapping[int, OpTiming] | None = None
         try:
             if self.pool is not None:
-                raw, timings = self.pool.run(ops, sequences, bar.update if bar else None)
+                raw, timings = self.pool.run(ops, bar.update if bar else None)
             else:
-                raw = self.engine.run(sequences, on_batch_done=bar.update if bar else None,
-                                      prefix_lens={i: op.prefix_len for i, op in enumerate(ops)})
-                done = time.perf_counter() - start
-                timings = {i: OpTiming(engine=0, round=0, seconds=done) for i in range(len(ops))}
+                raw = self.engine.run(ops, on_batch_done=bar.update if bar else None)
+        except Exception as error:   # noqa: BLE001
+            # A run that raises (a failed step on the prefix pool fails its run: the engine
+            # has recovered) fails every op of it; a failed plain step fails only its own
+            # ops, whose outputs are then the exception.
+            log.error("scoring run failed: %s: %s", type(error).__name__, error)
+            raw = {op.key: error for op in ops}
         finally:
             if bar is not None:
                 bar.close()
-        outputs = [OpOutput(logits=raw[i][0], logsumexp=raw[i][1]) for i in range(len(ops))]
+        if timings is None:
+            done = time.perf_counter() - start
+            timings = {i: OpTiming(engine=0, round=0, seconds=done) for i in range(len(ops))}
+        outputs = [raw[op.key] if isinstance(raw[op.key], Exception)
+                   else OpOutput(logits=raw[op.key][0], logsumexp=raw[op.key][1]) for op in ops]
         results = combine_results(requests, ops, outputs, errors, prompt_tokens)
         return attach_timings(results, ops, timings)

@@ -20,8 +20,8 @@ import numpy as np
 from moejax import model as model_lib
 from moejax.backends.base import Backend, padded_step, plan_steps
 from moejax.config import ModelConfig
-from moejax.packing import BucketPolicy, HostBatch, ScoringSequence, pack, unpack
-from moejax.prefix_forward import empty_pool, prefix_forward
+from moejax.ops import PrefillOp
+from moejax.packing import BucketPolicy, HostBatch, pack, unpack
 from serving.prefix_cache import PrefixCache, plan_run
 
 log = logging.getLogger("moejax.engine")
@@ -45,17 +45,8 @@ class EngineStats:
     shapes: set = dataclasses.field(default_factory=set)
 
 
-def sequence_flops(cfg: ModelConfig, seq: ScoringSequence) -> int:
-    """FLOPs of running ``seq``: its tokens at positions offset… (attending over the cached
-    prefix and themselves) and the LM head at its score positions."""
-    n = len(seq.token_ids)
-    head = sum(cfg.head_flops(None if seq.full_vocab else len(ids)) for ids in seq.score_token_ids)
-    return (n * cfg.linear_flops_per_token
-            + cfg.attention_flops_range(seq.position_offset + 1, seq.position_offset + n) + head)
-
-
 class Engine:
-    """Runs :class:`ScoringSequence` s through the model on one execution backend.
+    """Runs prefill ops (:class:`moejax.ops.PrefillOp`) through the model on one execution backend.
 
     The backend (``moejax.backends``: resident, offload, async_ep, hybrid, sync_ep, tp)
     owns the weights and their placement; the engine packs, groups batches of one shape
@@ -79,15 +70,10 @@ class Engine:
         self.last_cache_events: tuple[list[bytes], list[bytes]] = ([], [])
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_blocks:
-            if backend.name != "resident":
-                raise ValueError(f"the prefix cache runs on the 'resident' backend, not "
-                                 f"{backend.name!r}; set prefix_cache_blocks=0 for it")
             self.prefix_cache = PrefixCache(prefix_cache_blocks)
-            self.pool_k, self.pool_v = jax.device_put(
-                empty_pool(cfg, prefix_cache_blocks, self.prefix_cache.block_size, self.dtype),
-                self.device)
-            self._prefix_forward = jax.jit(prefix_forward, static_argnames=("cfg", "opts"),
-                                           donate_argnames=("pool_k", "pool_v"))
+            # The backend places the pool (BackendError where it cannot hold one).
+            self.prefix_pool = backend.make_prefix_pool(prefix_cache_blocks,
+                                                        self.prefix_cache.block_size)
 
     @property
     def device(self) -> jax.Device:
@@ -96,29 +82,35 @@ class Engine:
     def _step(self, hosts: Sequence[HostBatch]):
         if hosts[0].context is not None:        # continues or stores prefix KV: the pool path
             host = hosts[0]
-            batch, ctx = jax.device_put((host.batch, host.context), self.device)
-            logits, lse, self.pool_k, self.pool_v = self._prefix_forward(
-                self.backend.params, batch, ctx, self.pool_k, self.pool_v, cfg=self.cfg,
-                opts=host.options)
-            return [(logits, lse)]
+            output, self.prefix_pool = self.backend.prefix_step(host.batch, host.context,
+                                                                self.prefix_pool, host.options)
+            return [output]
         batches = padded_step([h.batch for h in hosts], self.backend.num_ranks)
         return self.backend.step(batches, hosts[0].options)
 
     def _dispatch(self, hosts: Sequence[HostBatch]):
+        """Start one step -> its outputs, or the exception it raised (a plain step's
+        sequences then get it as their result, see :meth:`_collect`). A step on the prefix
+        pool raises: the pool went into it (see :meth:`_run_batches`)."""
         key = hosts[0].shape_key
         start = time.perf_counter()
-        outs = self._step(hosts)
-        if self.backend.serialize_steps:
-            jax.block_until_ready(outs)
-        if key not in self.stats.shapes:   # first use of this shape: it was compiled just now
-            jax.block_until_ready(outs)
-            elapsed = time.perf_counter() - start
-            self.stats.shapes.add(key)
-            self.stats.compiles += 1
-            self.stats.compile_seconds += elapsed
-            log.info("compiled forward #%d for T=%d block=%d positions=%d columns=%d "
-                     "full_vocab=%s on %s (%.1fs, includes first run)", self.stats.compiles,
-                     *key, self.backend.name, elapsed)
+        try:
+            outs = self._step(hosts)
+            if self.backend.serialize_steps:
+                jax.block_until_ready(outs)
+            if key not in self.stats.shapes:   # first use of this shape: compiled just now
+                jax.block_until_ready(outs)
+                elapsed = time.perf_counter() - start
+                self.stats.shapes.add(key)
+                self.stats.compiles += 1
+                self.stats.compile_seconds += elapsed
+                log.info("compiled forward #%d for T=%d block=%d positions=%d columns=%d "
+                         "full_vocab=%s on %s (%.1fs, includes first run)", self.stats.compiles,
+                         *key, self.backend.name, elapsed)
+        except Exception as error:   # noqa: BLE001  (the backend recovered; see _collect)
+            if hosts[0].context is not None:
+                raise
+            return error
         return outs
 
     def reset_prefix_cache(self) -> None:
@@ -127,32 +119,28 @@ class Engine:
             self.prefix_cache = PrefixCache(self.prefix_cache.num_blocks,
                                             self.prefix_cache.block_size)
 
-    def run(self, sequences: Sequence[ScoringSequence],
-            on_batch_done: Callable[[int], None] | None = None,
-            prefix_lens: dict[Hashable, int] | None = None) -> dict[Hashable, SequenceOutput]:
-        """Score every sequence; returns key -> (logits per score position, log-sum-exp or None).
+    def run(self, ops: Sequence[PrefillOp],
+            on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
+        """Score every op; returns key -> (logits per score position, log-sum-exp or None).
 
-        ``on_batch_done(n)`` is called with the number of sequences of each finished batch.
-        ``prefix_lens``: per key, the tokens it shares with sibling sequences (used by the
-        prefix cache to compute them once).
+        ``on_batch_done(n)`` is called with the number of ops of each finished batch. The
+        prefix cache computes each op's shared prefix (``op.prefix_len``) once.
         """
         start = time.perf_counter()
         if self.prefix_cache is None:
-            results = self._run_batches(pack(sequences, self.policy, self.options),
-                                        on_batch_done)
+            results = self._run_batches(pack(ops, self.policy, self.options), on_batch_done)
         else:
-            results = self._run_with_prefix_cache(sequences, prefix_lens or {}, on_batch_done)
+            results = self._run_with_prefix_cache(ops, on_batch_done)
         self.stats.run_seconds += time.perf_counter() - start
         return results
 
-    def _run_with_prefix_cache(self, sequences: Sequence[ScoringSequence],
-                               prefix_lens: dict[Hashable, int],
+    def _run_with_prefix_cache(self, ops: Sequence[PrefillOp],
                                on_batch_done: Callable[[int], None] | None
                                ) -> dict[Hashable, SequenceOutput]:
-        """Run the levels of the prefix plan (serving/prefix_cache.py): each sequence
-        continues the cached blocks and the shared tokens earlier levels stored."""
+        """Run the levels of the prefix plan (serving/prefix_cache.py): each op continues
+        the cached blocks and the shared tokens earlier levels stored."""
         cache = self.prefix_cache
-        plan = plan_run(sequences, prefix_lens, cache, self.kv_cache_free)
+        plan = plan_run(ops, cache, self.kv_cache_free)
         slots = cache.num_slots
         try:
             outputs: dict[Hashable, SequenceOutput] = {}
@@ -169,32 +157,64 @@ class Engine:
         self.stats.prefix_tokens_cached += plan.cached_tokens
         self.stats.prefix_tokens_shared += plan.shared_tokens
         if on_batch_done is not None:
-            on_batch_done(len(sequences))
+            on_batch_done(len(ops))
         return outputs
 
     def _run_batches(self, batches: Sequence[HostBatch],
                      on_batch_done: Callable[[int], None] | None
                      ) -> dict[Hashable, SequenceOutput]:
+        """Run ``batches`` a step at a time -> outputs by key. The sequences of a step that
+        raises get the exception as their value (the backend has recovered: the other
+        steps run as usual). A step on the prefix pool fails the run instead: the pool went
+        into it (donated), so its contents — what this run's later levels and the cache's
+        blocks read — are lost; the engine starts from a fresh pool and an empty cache."""
         results: dict[Hashable, SequenceOutput] = {}
         pending: tuple[list[HostBatch], Any] | None = None
-        for step in plan_steps([h.shape_key for h in batches], self.backend.num_ranks):
-            hosts = [batches[i] for i in step]
-            outs = self._dispatch(hosts)
+        try:
+            for step in plan_steps([h.shape_key for h in batches], self.backend.num_ranks):
+                hosts = [batches[i] for i in step]
+                outs = self._dispatch(hosts)
+                if pending is not None:
+                    self._collect(*pending, results, on_batch_done)
+                pending = (hosts, outs)
             if pending is not None:
                 self._collect(*pending, results, on_batch_done)
-            pending = (hosts, outs)
-        if pending is not None:
-            self._collect(*pending, results, on_batch_done)
+        except Exception:
+            if self.prefix_cache is not None:
+                log.error("a prefix-pool step failed on %s: the pool and the cached prefixes "
+                          "are dropped", self.backend.name)
+                self.prefix_pool = self.backend.make_prefix_pool(self.prefix_cache.num_blocks,
+                                                                 self.prefix_cache.block_size)
+                self.reset_prefix_cache()
+            raise
         return results
 
     def _collect(self, hosts: list[HostBatch], outs: Any, results: dict[Hashable, SequenceOutput],
                  on_batch_done: Callable[[int], None] | None) -> None:
-        for host, (logits, lse) in zip(hosts, jax.device_get(outs[:len(hosts)])):
+        """Fetch one step's outputs into ``results``. A failed plain step (its outputs are
+        the exception, or fetching them raises: an asynchronous failure) gives each of its
+        sequences the exception; a failed step on the prefix pool raises it."""
+        try:
+            if isinstance(outs, Exception):
+                raise outs
+            fetched = jax.device_get(outs[:len(hosts)])
+        except Exception as error:   # noqa: BLE001
+            if hosts[0].context is not None:
+                raise
+            log.error("a step of %d batch(es) failed on %s: %s: %s", len(hosts),
+                      self.backend.name, type(error).__name__, error)
+            for host in hosts:
+                results.update({op.key: error for op in host.sequences})
+                if on_batch_done is not None:
+                    on_batch_done(len(host.sequences))
+            return
+        for host, (logits, lse) in zip(hosts, fetched):
             for key, per_position, seq_lse in unpack(host, logits, lse):
                 results[key] = (per_position, seq_lse)
             self.stats.batches += 1
             self.stats.real_tokens += host.real_tokens
-            self.stats.executed_flops += sum(sequence_flops(self.cfg, s) for s in host.sequences)
+            # A continuation's cost counts only the tokens it runs (moejax.ops).
+            self.stats.executed_flops += sum(op.flops(self.cfg) for op in host.sequences)
             self.stats.padded_tokens += int(host.batch.tokens.shape[0]) - host.real_tokens
             if on_batch_done is not None:
                 on_batch_done(len(host.sequences))

@@ -26,7 +26,7 @@ def _check_output(op: PrefillOp, out: OpOutput) -> None:
             raise ValueError(f"op of request #{op.request_index}: logits[{i}] has shape "
                              f"{np.shape(row)}, expected ({len(ids)},)")
     if out.logsumexp is None:
-        if op.need_vocab_logsumexp:
+        if op.full_vocab:
             raise ValueError(f"op of request #{op.request_index} needs logsumexp, got None")
     elif np.shape(out.logsumexp) != (len(op.score_positions),):
         raise ValueError(f"op of request #{op.request_index}: logsumexp has shape "
@@ -135,20 +135,40 @@ def _request_result(req: ScoreRequest, index: int,
     return _classify_result(req, pairs, n)
 
 
+def _failed_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
+                     ops: Sequence[PrefillOp], outputs: Sequence[OpOutput | Exception]
+                     ) -> dict[int, str]:
+    """Requests with an op whose step raised (its output is the exception) -> an error
+    naming the request and the failure (its first line: a device error can be long)."""
+    failed: dict[int, str] = {}
+    for op, out in zip(ops, outputs):
+        if isinstance(out, Exception) and op.request_index not in failed:
+            label = request_label(_error_id(requests[op.request_index]), op.request_index)
+            detail = next(iter(str(out).splitlines()), "")
+            failed[op.request_index] = (f"{label}: scoring failed ({type(out).__name__}"
+                                        f"{': ' + detail if detail else ''})")
+    return failed
+
+
 def combine_results(requests: Sequence[ScoreRequest | Mapping[str, Any]],
-                    ops: Sequence[PrefillOp], outputs: Sequence[OpOutput],
+                    ops: Sequence[PrefillOp], outputs: Sequence[OpOutput | Exception],
                     errors: Mapping[int, str], prompt_tokens: Mapping[int, int],
                     ) -> list[ScoreResult]:
     """One result per request, in request order.
 
     ``outputs[i]`` must belong to ``ops[i]``; the pairs may come in any order
-    (ops are matched to candidates by ``candidate_index``). Raises ValueError
+    (ops are matched to candidates by ``candidate_index``). An output may be the
+    exception its step raised: its request then gets an error result (its other
+    ops' outputs are not used), as do the requests in ``errors``. Raises ValueError
     when outputs do not match their ops (an engine bug).
     """
     if len(ops) != len(outputs):
         raise ValueError(f"{len(ops)} ops but {len(outputs)} outputs")
+    errors = {**errors, **_failed_requests(requests, ops, outputs)}
     pairs_by_request: dict[int, list[tuple[PrefillOp, OpOutput]]] = defaultdict(list)
     for op, out in zip(ops, outputs):
+        if op.request_index in errors:
+            continue
         _check_output(op, out)
         pairs_by_request[op.request_index].append((op, out))
     results = []

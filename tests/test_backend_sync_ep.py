@@ -2,8 +2,8 @@
 
 Every distinct (backend configuration, batch shape, capacity) is one compile of a few
 seconds on a 2-core CPU, so the equality tests run on the shared workload's batches of
-two shapes that between them cover both ends of ``model.finish_scoring``: the last
-layer at the scoring rows only (no log-sum-exp) and on every row (with it).
+two shapes that between them cover both ways ``MoEDecoder.score`` runs the last
+layer: at the scoring rows only (no log-sum-exp) and on every row (with it).
 """
 
 from __future__ import annotations

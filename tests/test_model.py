@@ -11,9 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax import attention, model
+from moejax import attention, model, moe
+from moejax.attention_kinds import PackedCausal
+from moejax.dispatch import StackedExperts, local_dispatcher
+from moejax.param_layout import split_experts
 from moejax.config import ConfigError, ModelConfig, from_hf_dict
-from moejax.packing import BucketPolicy, ScoringSequence, pack
+from moejax.ops import PrefillOp
+from moejax.packing import BucketPolicy, pack
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=32, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, num_experts=8,
@@ -169,8 +173,8 @@ LENGTHS = (30, 17, 12, 9, 5, 3)
 
 def _sequences():
     rng = np.random.default_rng(4)
-    return [ScoringSequence(key=f"s{i}", token_ids=rng.integers(0, CFG.vocab_size, n),
-                            score_positions=(n - 1,), score_token_ids=((1, 2),), full_vocab=True)
+    return [PrefillOp(key=f"s{i}", token_ids=rng.integers(0, CFG.vocab_size, n),
+                      score_positions=(n - 1,), score_token_ids=((1, 2),), full_vocab=True)
             for i, n in enumerate(LENGTHS)]
 
 
@@ -221,7 +225,8 @@ def test_nnx_module_matches_pure_forward(params):
 
     @nnx.jit(static_argnums=2)
     def call(m, batch, opts):
-        return m(batch, opts)
+        out = m.score(batch, opts)
+        return out.logits, out.lse
 
     got_logits, got_lse = call(module, host.batch, opts)
     want_logits, want_lse = _forward(params, host.batch, CFG, opts)
@@ -232,6 +237,82 @@ def test_nnx_module_matches_pure_forward(params):
     assert set(round_trip) == set(params) and set(round_trip["layers"]) == set(params["layers"])
     for name, value in params["layers"].items():
         np.testing.assert_array_equal(np.asarray(round_trip["layers"][name]), value)
+
+
+def test_split_merge_round_trip_runs_the_same_model(params):
+    """What jitted code does: nnx.split the module, hand its state in as a pytree, merge."""
+    host = pack(_sequences(), SMALL)[1]
+    graphdef, state = nnx.split(model.MoEDecoder(CFG, params))
+
+    @jax.jit
+    def call(state, batch):
+        out = nnx.merge(graphdef, state).score(batch, host.options)
+        return out.logits
+
+    want, _ = _forward(params, host.batch, CFG, host.options)
+    np.testing.assert_array_equal(np.asarray(call(state, host.batch)), np.asarray(want))
+    # The config's abstract graph takes the same state as a plain dict (model.decoder).
+    pure = nnx.to_pure_dict(state)
+    assert jax.tree.structure(pure) == jax.tree.structure(params)
+    merged = nnx.merge(model.graph_def(CFG), pure)
+    np.testing.assert_array_equal(np.asarray(merged.embed[...]), params["embed"])
+
+
+def _packed_kind(host):
+    return PackedCausal.of(host.batch.positions, host.batch.segment_ids, host.options.attn_block)
+
+
+def test_single_layer_entry_equals_the_fused_driver(params):
+    """Driving the layers one by one from the host (the offload and decode-side path)
+    computes what the fused loop computes."""
+    host = pack(_sequences(), SMALL)[1]
+    module = model.MoEDecoder(CFG, params)
+    dispatcher = module.local_dispatcher()
+    x0 = module.embed_tokens(jnp.asarray(host.batch.tokens))
+    fused, _, _, ids = jax.jit(lambda x: module.run_layers(
+        x, _packed_kind(host), dispatcher, observe=lambda i, r, v: r.experts))(x0)
+    step = jax.jit(lambda i, x: module.layer(i, x, _packed_kind(host), dispatcher))
+    x = x0
+    for i in range(CFG.num_layers):
+        out = step(i, x)
+        x = out.x
+        np.testing.assert_array_equal(np.asarray(out.routing.experts), np.asarray(ids[i]))
+    np.testing.assert_allclose(np.asarray(x), np.asarray(fused), rtol=1e-6, atol=1e-6)
+    assert ids.shape == (CFG.num_layers, host.batch.tokens.shape[0], CFG.num_experts_per_tok)
+
+
+def test_routing_override_replaces_the_router(params):
+    """The single-layer entry accepts a routing (speculative decode's predicted experts):
+    the router's own routing gives the same output, another one changes it."""
+    host = pack(_sequences(), SMALL)[1]
+    module = model.MoEDecoder(CFG, params)
+    dispatcher = module.local_dispatcher()
+    x = module.embed_tokens(jnp.asarray(host.batch.tokens))
+    own = module.layer(0, x, _packed_kind(host), dispatcher)
+    same = module.layer(0, x, _packed_kind(host), dispatcher, routing=own.routing)
+    np.testing.assert_array_equal(np.asarray(same.x), np.asarray(own.x))
+    other = moe.Routing(weights=own.routing.weights,
+                        experts=(own.routing.experts + 1) % CFG.num_experts)
+    moved = module.layer(0, x, _packed_kind(host), dispatcher, routing=other)
+    assert np.abs(np.asarray(moved.x) - np.asarray(own.x)).max() > 1e-4
+    np.testing.assert_array_equal(np.asarray(moved.routing.experts), np.asarray(other.experts))
+
+
+def test_module_without_experts_takes_them_from_its_dispatcher(params):
+    """A backend that keeps the experts elsewhere builds the module without them and
+    passes a dispatcher whose source holds them: same scores."""
+    host = pack(_sequences(), SMALL)[1]
+    dense, experts = split_experts(jax.tree.map(jnp.asarray, params["layers"]))
+    module = model.decoder(CFG, {**params, "layers": dense})
+    assert not module.with_experts
+    dispatcher = local_dispatcher(StackedExperts(experts), CFG.num_experts)
+    got = jax.jit(lambda: module.score(host.batch, host.options, dispatcher=dispatcher).logits)()
+    want, _ = _forward(params, host.batch, CFG, host.options)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="expert weights in a module built without"):
+        model.MoEDecoder(CFG, params, with_experts=False)
+    with pytest.raises(ValueError, match="without expert weights"):
+        module.local_dispatcher()      # nothing of its own to dispatch to
 
 
 def test_nnx_random_and_check_params():
@@ -388,10 +469,10 @@ def test_last_layer_at_scoring_rows_equals_full_stack(params, positions_per_sequ
     for i, n in enumerate(LENGTHS):
         count = min(n, positions_per_sequence)
         positions = tuple(sorted(rng.choice(n, count, replace=False).tolist()))
-        seqs.append(ScoringSequence(key=i, token_ids=rng.integers(0, CFG.vocab_size, n),
-                                    score_positions=positions,
-                                    score_token_ids=tuple((1, 5, 7) for _ in positions),
-                                    full_vocab=True))
+        seqs.append(PrefillOp(key=i, token_ids=rng.integers(0, CFG.vocab_size, n),
+                              score_positions=positions,
+                              score_token_ids=tuple((1, 5, 7) for _ in positions),
+                              full_vocab=True))
     host, = pack(seqs, LARGE)
     p_rows, t = host.batch.score_token_ids.shape[0], host.batch.tokens.shape[0]
     assert (4 * p_rows <= t) == (positions_per_sequence == 1)   # both branches are covered

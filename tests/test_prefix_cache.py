@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from backend_fixtures import CFG, make_params
-from moejax.backends import make_backend
-from moejax.packing import BucketPolicy, ScoringSequence
+from moejax.backends import BackendError, make_backend
+from moejax.ops import PrefillOp
+from moejax.packing import BucketPolicy
 from serving.engine import Engine
 from serving.prefix_cache import PrefixCache, blocks_for_budget, plan_run
 from serving.prefix_hash import block_hashes
@@ -55,16 +56,14 @@ def sequences(seed: int):
     prompt sharing its first blocks with another, unique ones, and scores inside prompts."""
     rng = np.random.default_rng(seed)
     system = rng.integers(2, CFG.vocab_size, 37)                 # ends mid-block
-    out, prefix_lens = [], {}
+    out = []
 
     def add(tokens, positions, p, vocab=False):
-        key = len(out)
         ids = [tuple(rng.integers(0, CFG.vocab_size, int(rng.integers(1, 3))).tolist())
                for _ in positions]
-        out.append(ScoringSequence(key=key, token_ids=np.asarray(tokens, np.int32),
-                                   score_positions=tuple(positions), score_token_ids=tuple(ids),
-                                   full_vocab=vocab))
-        prefix_lens[key] = p
+        out.append(PrefillOp(key=len(out), token_ids=np.asarray(tokens, np.int32),
+                             score_positions=tuple(positions), score_token_ids=tuple(ids),
+                             full_vocab=vocab, prefix_len=p))
 
     prompts = [np.concatenate([system, rng.integers(2, CFG.vocab_size, 9)]),       # 46
                rng.integers(2, CFG.vocab_size, 32),                                 # 2 blocks
@@ -77,7 +76,7 @@ def sequences(seed: int):
             add(tokens, positions, len(prompt), vocab=bool(i == 1))
     for n in (5, 16, 50):                                       # unique, no siblings
         add(rng.integers(2, CFG.vocab_size, n), [n - 1], n)
-    return out, prefix_lens
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +85,6 @@ def setup():
     resident = make_backend("resident", CFG, params)
     policy = BucketPolicy(max_batch_tokens=128, min_block=32)
     return params, resident, policy
-
-
-def run(engine, seqs, prefix_lens):
-    return engine.run(seqs, prefix_lens=prefix_lens)
 
 
 def assert_equal(got, want):
@@ -111,10 +106,10 @@ def test_scores_equal_with_cache_on_off_and_kv_cache_free(setup):
     cached = Engine(CFG, resident, policy=policy, prefix_cache_blocks=64)
     free = Engine(CFG, resident, policy=policy, prefix_cache_blocks=64, kv_cache_free=True)
     for seed in (1, 2, 1):                       # the third run repeats the first: cache hits
-        seqs, prefix_lens = sequences(seed)
-        want = run(plain, seqs, prefix_lens)
+        seqs = sequences(seed)
+        want = plain.run(seqs)
         for engine in (cached, free):
-            got = run(engine, seqs, prefix_lens)
+            got = engine.run(seqs)
             assert_equal(got, want)
             assert all(got[s.key][1] is not None and want[s.key][1] is not None
                        for s in seqs if s.full_vocab)
@@ -129,8 +124,8 @@ def test_small_cache_evicts_and_stays_exact(setup):
     plain = Engine(CFG, resident, policy=policy)
     tiny = Engine(CFG, resident, policy=policy, prefix_cache_blocks=4)
     for seed in (3, 4, 3, 5):
-        seqs, prefix_lens = sequences(seed)
-        assert_equal(run(tiny, seqs, prefix_lens), run(plain, seqs, prefix_lens))
+        seqs = sequences(seed)
+        assert_equal(tiny.run(seqs), plain.run(seqs))
     assert tiny.prefix_cache.evictions > 0
     assert tiny.prefix_cache.resident <= 4
 
@@ -148,10 +143,10 @@ def test_shared_tokens_run_once_across_prompts_and_mid_block():
     seqs = []
     for i in range(4):
         tokens = np.concatenate([system, rng.integers(2, CFG.vocab_size, 10 + i)]).astype(np.int32)
-        seqs.append(ScoringSequence(key=i, token_ids=tokens, score_positions=(len(tokens) - 1,),
-                                    score_token_ids=((1, 2),)))
+        seqs.append(PrefillOp(key=i, token_ids=tokens, score_positions=(len(tokens) - 1,),
+                              score_token_ids=((1, 2),)))
     cache = PrefixCache(32)
-    plan = plan_run(seqs, {}, cache)
+    plan = plan_run(seqs, cache)
     assert [len(level) for level in plan.levels] == [1, 3]
     (first,) = plan.levels[0]
     assert first.position_offset == 0 and np.all(first.store_slots[:40] >= 0)
@@ -182,9 +177,9 @@ def brute_force_computed(seqs) -> int:
 
 
 def test_plan_reads_each_shared_token_from_where_it_was_stored():
-    seqs, prefix_lens = sequences(7)
+    seqs = sequences(7)
     cache = PrefixCache(64)
-    plan = plan_run(seqs, prefix_lens, cache)
+    plan = plan_run(seqs, cache)
     assert planned_tokens(plan) == brute_force_computed(seqs)
     by_key = {s.key: s for s in seqs}
     # Each stored slot holds one token prefix; every context slot a sequence reads holds
@@ -220,31 +215,46 @@ def test_context_entries_share_a_slot_across_consecutive_segments_only():
     assert got == [(5, 0, 1), (5, 3, 3), (6, 0, 1), (7, 3, 3)]
 
 
-def test_prefix_cache_needs_the_resident_backend(setup):
+def test_offload_scores_equal_resident_with_and_without_the_cache(setup):
+    """The pool on the offload device, threaded (donated) through its per-layer programs."""
+    params, resident, policy = setup
+    plain = Engine(CFG, resident, policy=policy)
+    offload = make_backend("offload", CFG, params)
+    uncached = Engine(CFG, offload, policy=policy)
+    cached = Engine(CFG, offload, policy=policy, prefix_cache_blocks=64)
+    for seed in (1, 1):                          # the second run reads the cached blocks
+        seqs = sequences(seed)
+        want = plain.run(seqs)
+        assert_equal(uncached.run(seqs), want)
+        assert_equal(cached.run(seqs), want)
+    assert cached.stats.prefix_tokens_cached > 0 and cached.prefix_cache.hits > 0
+    assert cached.stats.prefix_tokens_shared > 0
+
+
+@pytest.mark.parametrize("name", ["async_ep", "hybrid", "tp"])
+def test_backends_without_a_pool_refuse_the_cache_by_name(setup, name):
     params, _, policy = setup
-    tp = make_backend("tp", CFG, params, devices=2)
-    with pytest.raises(ValueError, match="prefix cache runs on the 'resident' backend"):
-        Engine(CFG, tp, policy=policy, prefix_cache_blocks=8)
+    backend = make_backend(name, CFG, params, devices=2)
+    with pytest.raises(BackendError, match=f"backend '{name}' cannot hold a prefix KV pool"):
+        Engine(CFG, backend, policy=policy, prefix_cache_blocks=8)
 
 
 def test_executed_flops_follow_the_cost_formula_and_credit_the_cache(setup):
-    from serving.engine import sequence_flops
-
-    seq = ScoringSequence(key=0, token_ids=np.arange(2, 42, dtype=np.int32),
-                          score_positions=(39,), score_token_ids=((3, 4, 5),))
-    assert sequence_flops(CFG, seq) == CFG.request_flops(prefix=40, scoring_positions=1,
-                                                         num_candidates=3)
+    seq = PrefillOp(key=0, token_ids=np.arange(2, 42, dtype=np.int32),
+                    score_positions=(39,), score_token_ids=((3, 4, 5),), prefix_len=40)
+    assert seq.flops(CFG) == CFG.request_flops(prefix=40, scoring_positions=1,
+                                               num_candidates=3)
     params, resident, policy = setup
     engine = Engine(CFG, resident, policy=policy, prefix_cache_blocks=16)
-    engine.run([seq], prefix_lens={0: 40})
+    engine.run([seq])
     first = engine.stats.executed_flops
-    engine.run([seq], prefix_lens={0: 40})         # 2 whole blocks now come from the cache
+    engine.run([seq])                              # 2 whole blocks now come from the cache
     second = engine.stats.executed_flops - first
-    assert first == sequence_flops(CFG, seq)
+    assert first == seq.flops(CFG)
     assert second == CFG.request_flops(prefix=40, cached=32, scoring_positions=1,
-                                       num_candidates=3)
+                                       num_candidates=3) == seq.flops(CFG, cached=32)
     engine.reset_prefix_cache()
-    engine.run([seq], prefix_lens={0: 40})
+    engine.run([seq])
     assert engine.stats.executed_flops - first - second == first
 
 
@@ -252,10 +262,10 @@ def test_a_few_shared_tokens_are_not_worth_a_level():
     """Prompts opening with the same few tokens run in one pass, each whole."""
     rng = np.random.default_rng(12)
     opening = rng.integers(2, CFG.vocab_size, 5)
-    seqs = [ScoringSequence(key=i, token_ids=np.concatenate(
+    seqs = [PrefillOp(key=i, token_ids=np.concatenate(
                 [opening, rng.integers(2, CFG.vocab_size, 30)]).astype(np.int32),
                 score_positions=(34,), score_token_ids=((1,),)) for i in range(3)]
     cache = PrefixCache(32)
-    plan = plan_run(seqs, {}, cache)
+    plan = plan_run(seqs, cache)
     assert len(plan.levels) == 1 and planned_tokens(plan) == 3 * 35 and plan.shared_tokens == 0
     cache.release(plan.pinned)

@@ -4,14 +4,13 @@ deployment configs, calibration record."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from moejax import cli
-from serving import Scorer
+from moejax.backends import BackendError
+from serving import Scorer, cli
 from serving.options import load_options
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +56,19 @@ def test_deployment_file_then_keywords(resident_results):
     _same(scorer.score(REQUESTS), resident_results)
 
 
+def test_offload_with_the_prefix_cache_equals_resident(resident_results):
+    scorer = Scorer("demo", dtype="float32", max_batch_tokens=128, backend="offload",
+                    prefix_cache_blocks=64, calibrate=False)
+    for _ in range(2):                 # the second call reads the prompts' cached blocks
+        _same(scorer.score(REQUESTS), resident_results)
+    assert scorer.engine.prefix_cache.hits > 0
+
+
+def test_a_backend_without_a_prefix_pool_is_refused_by_name():
+    with pytest.raises(BackendError, match="backend 'async_ep' cannot hold a prefix KV pool"):
+        Scorer("demo", backend="async_ep", devices=2, prefix_cache_blocks=8, calibrate=False)
+
+
 def test_every_deployment_file_is_valid():
     files = sorted((ROOT / "configs/deployments").glob("*.yaml"))
     assert {f.stem for f in files} >= {"offload", "async_ep", "hybrid", "sync_ep", "tp"}
@@ -94,13 +106,17 @@ def test_cli_backend_flags(tmp_path, capsys):
     assert rc == 2 and "divisible" in capsys.readouterr().err
 
 
-def test_cli_asks_for_host_devices_before_jax_starts():
+def test_configure_xla_asks_for_host_devices():
+    from moejax import configure_xla
+
+    overlap = "--xla_gpu_enable_latency_hiding_scheduler=true"
     env = {"XLA_FLAGS": "--foo=1"}
-    cli.ensure_host_devices(4, env)
-    assert env["XLA_FLAGS"] == "--foo=1 --xla_force_host_platform_device_count=4"
+    added = configure_xla(host_devices=4, environ=env)
+    assert added == [overlap, "--xla_force_host_platform_device_count=4"]
+    assert env["XLA_FLAGS"] == f"--foo=1 {overlap} --xla_force_host_platform_device_count=4"
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    cli.ensure_host_devices(8, env)          # the user's own setting wins
-    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
-    env = {}
-    cli.ensure_host_devices(1, env)
-    assert env == {} and os.environ.get("XLA_FLAGS")
+    configure_xla(host_devices=8, environ=env)          # the user's own setting wins
+    assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=2 {overlap}"
+    env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    assert configure_xla(host_devices=1, environ=env) == []   # so does an explicit false
+    assert env == {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}

@@ -1,16 +1,20 @@
 """``async_ep``: data-parallel attention with expert weights all-gathered a layer ahead.
 
-G devices on a 1-D mesh ``('dp',)``; each device runs its own packed batch. The
-expert weights ``[L, E, d, f]`` are sharded on E (each device holds E/G experts of
-every layer), the first layer's experts are kept whole on every device, and the
-layer loop is a ``lax.scan`` whose body first issues the all-gather of layer l+1's
-shards and then computes layer l with the experts gathered one iteration earlier
-(carried: a double buffer). No token ever leaves its device: no all-to-all, no
-per-layer activation exchange; only weights move, and on a GPU the gather of l+1
-runs under the compute of l (``all-gather-start`` … compute … ``all-gather-done``).
+G devices on a 1-D mesh ``('dp',)``; each device runs its own packed batch through
+``MoEDecoder.score``. The expert weights ``[L, E, d, f]`` are sharded on E (each
+device holds E/G experts of every layer), the first layer's experts are kept whole on
+every device, and the expert source is ``moejax.dispatch.GatheredAhead``: fetching
+layer l's experts (gathered one iteration earlier, carried through the layer loop: a
+double buffer) issues the all-gather of layer l+1's shards, which depends on nothing
+layer l computes, so the scheduler runs it under layer l's compute (on a GPU
+``all-gather-start`` … compute … ``all-gather-done``). No token ever leaves its
+device: no all-to-all, no per-layer activation exchange; only weights move.
 
 Experts not divisible by G are padded with zero experts that the router can
-never pick (its E columns are unchanged); the gathered stack is cut back to E.
+never pick (its E columns are unchanged); the gathered layer is cut back to E.
+
+A step keeps no state between calls (the placed weights and the compiled programs
+only), so one that raises leaves the backend as it was.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax import attention
 from moejax import model as model_lib
 from moejax.backends import xla_flags
 from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
+from moejax.dispatch import GatheredAhead, gather_layer, local_dispatcher
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
@@ -45,22 +49,6 @@ def pad_experts(experts: Mapping[str, np.ndarray], multiple: int) -> dict[str, n
             for k, v in experts.items()}
 
 
-def gather_layer(shards: Mapping[str, jax.Array], layer, num_experts: int) -> dict[str, jax.Array]:
-    """Inside the shard_map: all-gather layer ``layer`` of the local expert shards
-    [L, E/G, ...] into the whole layer [E, ...] (padding experts cut off)."""
-    out = {}
-    for name, local in shards.items():
-        piece = jax.lax.dynamic_index_in_dim(local, layer, axis=0, keepdims=False)
-        out[name] = jax.lax.all_gather(piece, AXIS, axis=0, tiled=True)[:num_experts]
-    return out
-
-
-def with_experts(dense_layers: Mapping[str, jax.Array], layer, experts: Mapping[str, jax.Array]
-                 ) -> dict[str, jax.Array]:
-    """One layer's full params: its dense slice plus the given [E, ...] expert weights."""
-    return {**model_lib.layer_slice(dense_layers, layer), **experts}
-
-
 def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
                      first_experts: Mapping[str, jax.Array], batch: PackedBatch,
                      cfg: ModelConfig, opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
@@ -68,22 +56,12 @@ def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
     shards: local [L, E/G, ...]; first_experts: layer 0's [E, ...]; batch: this rank's
     (leading axis 1). Returns [1, P, C] logits and [1, P] log-sum-exp (or None)."""
     batch = jax.tree.map(lambda a: a[0], batch)
-    dense = params["layers"]
-    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
-    x = model_lib.embed_tokens(params, batch)
-
-    def layer_step(carry, layer):
-        x, experts = carry
-        # Issued before layer l's compute so the scheduler can overlap the two.
-        next_experts = gather_layer(shards, layer + 1, cfg.num_experts)
-        x = model_lib.decoder_layer(with_experts(dense, layer, experts), x, batch, bias, cfg, opts)
-        return (x, next_experts), None
-
-    layers = jnp.arange(cfg.num_layers - 1, dtype=jnp.int32)
-    (x, last_experts), _ = jax.lax.scan(layer_step, (x, dict(first_experts)), layers)
-    last = with_experts(dense, cfg.num_layers - 1, last_experts)
-    logits, lse = model_lib.finish_scoring(params, last, x, batch, bias, cfg, opts)
-    return logits[None], None if lse is None else lse[None]
+    source = GatheredAhead(shards=shards, first=first_experts, axis=AXIS,
+                           num_experts=cfg.num_experts, num_layers=cfg.num_layers)
+    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows)
+    out = model_lib.decoder(cfg, params, with_experts=False).score(batch, opts,
+                                                                  dispatcher=dispatcher)
+    return out.logits[None], None if out.lse is None else out.lse[None]
 
 
 class AsyncEPBackend(MeshBackend):
@@ -156,7 +134,7 @@ class AsyncEPBackend(MeshBackend):
 
         layer = min(1, self.cfg.num_layers - 1)
         gather = jax.jit(jax.shard_map(
-            lambda shards: gather_layer(shards, layer, self.cfg.num_experts),
+            lambda shards: gather_layer(shards, layer, AXIS, self.cfg.num_experts),
             mesh=self.mesh, in_specs=(P(None, AXIS),), out_specs=P(), check_vma=False))
         return "all_gather", median_seconds(
             lambda: jax.block_until_ready(gather(self.shards)), repeats)

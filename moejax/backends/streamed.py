@@ -7,22 +7,38 @@ at any time: the copy of layer l+W is issued as soon as layer l has finished, so
 runs while layers l+1 … l+W-1 compute (JAX dispatch is asynchronous; copies from
 pinned host memory go over their own DMA engine on a GPU). The window is cyclic:
 while a step computes its last layers, the first layers of the next step are
-already coming in. Each layer is its own jitted program (one compile for all
-layers: the layer index is an argument).
+already coming in.
 
-* ``offload`` (one device): the window holds whole layers.
+The host drives the layers one at a time: each is ``MoEDecoder.layer`` (the
+single-layer entry of ``moejax.layers``) in a jitted program of its own (one compile
+for all layers: the layer index is an argument), and the last layer and the LM head
+are ``MoEDecoder.finish``, the end of ``MoEDecoder.score``. Only the expert source
+differs from the fused forward:
+
+* ``offload`` (one device): the window holds whole layers, handed to each layer's
+  program as ``GivenExperts``. It also runs the prefix cache: the pool stays on the
+  device and is threaded (donated) through the layer programs as the
+  ``PrefixPooled`` attention kind.
 * ``hybrid`` (G devices, data-parallel attention as in ``async_ep``): the window
-  holds each device's E/G shard of a layer; the program of layer l also all-gathers
-  the shards of layer l+1 (issued before its compute, as ``async_ep`` does), so a
-  device holds W shard-layers plus two gathered layers.
+  holds each device's E/G shard of a layer; the program of layer l gets layer l's
+  experts (gathered by the program before it) and layer l+1's shards, whose
+  all-gather it issues when it fetches layer l's experts (``GatheredAhead`` over the
+  one layer the window hands in), so a device holds W shard-layers plus two
+  gathered layers.
 
 The device-resident expert bytes are bounded by the window, and measured from the
 live arrays when ``track_memory=True`` (``peak_window_bytes``).
+
+A step that raises (a copy, a program, anything in between) leaves the window out of
+step with the layers; the backend then waits out what the step left running, frees
+every expert array it held and restarts the window at layer 0, so the next step runs
+as on a fresh backend.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -30,19 +46,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from moejax import attention
 from moejax import model as model_lib
+from moejax.attention_kinds import PackedCausal, PrefixContext, PrefixPooled
 from moejax.backends import xla_flags
-from moejax.backends.async_ep import AXIS, gather_layer, pad_experts, with_experts
-from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepOutput, dense_bytes,
-                                  expert_bytes_per_layer, require_devices, stack_batches,
-                                  unstack_outputs, validated)
+from moejax.backends.async_ep import AXIS, pad_experts
+from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, PrefixPool,
+                                  StepOutput, dense_bytes, expert_bytes_per_layer,
+                                  require_devices, stack_batches, unstack_outputs, validated)
 from moejax.config import ModelConfig
+from moejax.dispatch import (ExpertWeights, GatheredAhead, GivenExperts, gather_layer,
+                             local_dispatcher)
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
 DEFAULT_WINDOW = 2
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+LayerArrays = dict[str, jax.Array]
 
 
 def host_memory_kind(device: jax.Device) -> str | None:
@@ -51,40 +71,166 @@ def host_memory_kind(device: jax.Device) -> str | None:
     return next((k for k in HOST_MEMORY_KINDS if k in kinds), None)
 
 
-def free(arrays: dict[str, jax.Array]) -> None:
+def free(arrays: LayerArrays) -> None:
     """Delete device buffers now rather than when Python drops them."""
     for array in arrays.values():
-        array.delete()
+        if not array.is_deleted():
+            array.delete()
+
+
+def wait_quietly(arrays: Sequence[LayerArrays]) -> None:
+    """Wait until nothing is computing into ``arrays`` (their own errors are the failed
+    step's, already raised)."""
+    for layer in arrays:
+        for array in layer.values():
+            try:
+                if not array.is_deleted():
+                    array.block_until_ready()
+            except Exception:    # noqa: BLE001  (a failed producer: nothing left running)
+                pass
+
+
+# ------------------------------------------------------------ the window
+class ExpertWindow:
+    """The cyclic window of W layers of experts (or expert shards) on the device(s).
+
+    Copies are issued in layer order (0, 1, …, L-1, 0, …) and taken in that order;
+    releasing a taken layer frees it and issues the next copy. The window also keeps
+    track of the arrays a step holds (taken layers, and the layers gathered from
+    them, ``adopt``) so that :meth:`reset` can free them after a failed step."""
+
+    def __init__(self, host_layers: Sequence[Any], sharding: NamedSharding, size: int):
+        self._host_layers = host_layers
+        self._sharding = sharding
+        self.size = size
+        self._incoming: collections.deque[tuple[int, LayerArrays]] = collections.deque()
+        self._taken: list[LayerArrays] = []
+        self._adopted: list[LayerArrays] = []
+        self._next_layer = 0
+        self.fill()
+
+    def fill(self) -> None:
+        """Issue copies until W layers are on their way or taken (after a reset: layers
+        0 … W-1)."""
+        while len(self._incoming) + len(self._taken) < self.size:
+            layer = self._next_layer % len(self._host_layers)
+            self._next_layer += 1
+            arrays = jax.device_put(self._host_layers[layer], self._sharding)
+            self._incoming.append((layer, arrays))
+
+    def take(self, layer: int) -> LayerArrays:
+        """Layer ``layer``'s experts (their copy may still be in flight)."""
+        if not self._incoming:
+            raise RuntimeError(f"expert window empty: wanted layer {layer}")
+        held, arrays = self._incoming[0]
+        if held != layer:
+            raise RuntimeError(f"expert window out of order: wanted layer {layer}, holds {held}")
+        self._incoming.popleft()
+        self._taken.append(arrays)
+        return arrays
+
+    def release(self, arrays: LayerArrays) -> None:
+        """Free a finished layer's experts now and copy in the next layer."""
+        self._taken = [a for a in self._taken if a is not arrays]
+        free(arrays)
+        self.fill()
+
+    def adopt(self, arrays: LayerArrays) -> LayerArrays:
+        """Hold arrays made from taken ones (a gathered layer) until :meth:`drop`."""
+        self._adopted.append(arrays)
+        return arrays
+
+    def drop(self, arrays: LayerArrays) -> None:
+        self._adopted = [a for a in self._adopted if a is not arrays]
+        free(arrays)
+
+    def reset(self) -> None:
+        """Forget a failed step: wait out the copies and programs still writing the
+        window's arrays, free them all, and start again at layer 0 (the copies are
+        issued by the next :meth:`fill`)."""
+        held = [arrays for _, arrays in self._incoming] + self._taken + self._adopted
+        wait_quietly(held)
+        for arrays in held:
+            free(arrays)
+        self._incoming.clear()
+        self._taken, self._adopted = [], []
+        self._next_layer = 0
 
 
 # ------------------------------------------------------------ per-layer programs
-def embed_stacked(params: Params, batch: PackedBatch) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class GatheredFromWindow(GatheredAhead):
+    """hybrid's expert source: :class:`GatheredAhead` over the one layer of shards the
+    window hands to layer l's program (``shards`` [1, E/G, ...]: layer l+1's), with
+    ``first`` the experts of layer l (gathered by the program before). Fetching layer
+    l's experts issues the all-gather of l+1, which the program returns in its carry."""
+
+    def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
+        return carry, gather_layer(self.shards, 0, self.axis, self.num_experts)
+
+
+def _local(tree: Any) -> Any:
+    """This rank's part of a per-rank tree ([1, ...] leaves inside the shard_map)."""
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _attention(batch: PackedBatch, opts: ForwardOptions, context: PrefixContext | None,
+               pool: PrefixPool | None):
+    """Packed causal attention, or the prefix pool's kind when a pool is given."""
+    if pool is None:
+        return PackedCausal.of(batch.positions, batch.segment_ids, opts.attn_block)
+    return PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
+                           pool.keys, pool.values)
+
+
+def _pool_after(attn: Any, pool: PrefixPool | None) -> PrefixPool | None:
+    """The pool as the layer left it (None without one)."""
+    return None if pool is None else PrefixPool(keys=attn.pool_k, values=attn.pool_v)
+
+
+def _source(current: ExpertWeights, incoming: ExpertWeights | None, cfg: ModelConfig):
+    """The expert source of one layer's program: the given experts (offload), or those
+    plus the next layer's shards to gather (hybrid)."""
+    if incoming is None:
+        return GivenExperts(current)
+    return GatheredFromWindow(shards={k: v[None] for k, v in incoming.items()}, first=current,
+                              axis=AXIS, num_experts=cfg.num_experts, num_layers=cfg.num_layers)
+
+
+def layer_program(params: Params, layer: jax.Array, current: ExpertWeights,
+                  incoming: ExpertWeights | None, x: jax.Array, batch: PackedBatch,
+                  context: PrefixContext | None, pool: PrefixPool | None, *, cfg: ModelConfig,
+                  opts: ForwardOptions):
+    """Per device (inside shard_map): layer ``layer`` on this rank's x [1, T, d] with the
+    experts ``current`` [E, ...]. ``incoming`` (hybrid): the next layer's local shards,
+    all-gathered here and returned as its experts; ``pool`` (offload's prefix cache):
+    read and written, returned. -> (x [1, T, d], next experts | None, pool | None)."""
+    batch = _local(batch)
+    source = _source(current, incoming, cfg)
+    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows)
+    module = model_lib.decoder(cfg, params, with_experts=False)
+    out = module.layer(layer, x[0], _attention(batch, opts, context, pool), dispatcher)
+    gathered = None if incoming is None else out.moe_carry[0]
+    return out.x[None], gathered, _pool_after(out.attn, pool)
+
+
+def last_layer_program(params: Params, current: ExpertWeights, x: jax.Array,
+                       batch: PackedBatch, context: PrefixContext | None,
+                       pool: PrefixPool | None, *, cfg: ModelConfig, opts: ForwardOptions):
+    """Per device: the last layer and the LM head (``MoEDecoder.finish``) -> ([1, P, C]
+    logits, [1, P] log-sum-exp | None, pool | None)."""
+    batch = _local(batch)
+    dispatcher = local_dispatcher(GivenExperts(current), cfg.num_experts, opts.expert_impl,
+                                  opts.tile_rows)
+    module = model_lib.decoder(cfg, params, with_experts=False)
+    out = module.finish(batch, opts, x[0], _attention(batch, opts, context, pool), dispatcher)
+    lse = None if out.lse is None else out.lse[None]
+    return out.logits[None], lse, _pool_after(out.attn, pool)
+
+
+def embed_program(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """[G, T] tokens -> [G, T, d] embeddings."""
-    return jax.vmap(model_lib.embed_tokens, in_axes=(None, 0))(params, batch)
-
-
-def layer_program(dense_layers, layer, experts, next_shards, x, batch, *, cfg: ModelConfig,
-                  opts: ForwardOptions, gather: bool):
-    """Per device (inside shard_map): layer ``layer`` on x [1, T, d] with ``experts``
-    [E, ...]; when ``gather``, also all-gather ``next_shards`` (issued first) and return
-    them as the next layer's experts."""
-    batch = jax.tree.map(lambda a: a[0], batch)
-    next_experts = (gather_layer({k: v[None] for k, v in next_shards.items()}, 0,
-                                 cfg.num_experts) if gather else None)
-    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
-    out = model_lib.decoder_layer(with_experts(dense_layers, layer, experts), x[0], batch, bias,
-                                  cfg, opts)
-    return out[None], next_experts
-
-
-def last_layer_program(params, layer, experts, x, batch, *, cfg: ModelConfig,
-                       opts: ForwardOptions):
-    """Per device: the last layer and the LM head at the scoring rows."""
-    batch = jax.tree.map(lambda a: a[0], batch)
-    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
-    last = with_experts(params["layers"], layer, experts)
-    logits, lse = model_lib.finish_scoring(params, last, x[0], batch, bias, cfg, opts)
-    return logits[None], None if lse is None else lse[None]
+    return model_lib.decoder(cfg, params, with_experts=False).embed_tokens(tokens)
 
 
 class StreamedBackend(MeshBackend):
@@ -113,9 +259,9 @@ class StreamedBackend(MeshBackend):
         dense_layers, experts = split_experts(host["layers"])
         if self.gather:
             experts = pad_experts(experts, len(self._devices))
-        replicated = NamedSharding(self.mesh, P())
+        self._replicated = NamedSharding(self.mesh, P())
         self.params = jax.device_put({**{k: v for k, v in host.items() if k != "layers"},
-                                      "layers": dense_layers}, replicated)
+                                      "layers": dense_layers}, self._replicated)
         layer_spec = P(AXIS) if self.gather else P()
         self.host_kind = host_memory_kind(self._devices[0])
         self._device_layer = NamedSharding(self.mesh, layer_spec, memory_kind="device")
@@ -127,49 +273,30 @@ class StreamedBackend(MeshBackend):
                  else np.ascontiguousarray(v[layer]))
              for k, v in experts.items()}
             for layer in range(cfg.num_layers)]
-        self._window: collections.deque = collections.deque()
         self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
         self._programs: dict[Any, Any] = {}
 
+        self._memory = self._memory_report(host, experts)
+        self._expert_shapes = {tuple(v.shape[1:]) for v in experts.values()} | {
+            tuple(v.shape[1:]) for v in split_experts(host["layers"])[1].values()}
+        self._foreign = {id(a) for a in self._live_expert_arrays()}  # not ours: never counted
+        self._window = ExpertWindow(self.host_experts, self._device_layer, self.window)
+
+    def _memory_report(self, host: Params, experts: dict[str, np.ndarray]) -> MemoryReport:
+        cfg, window = self.cfg, self.window
         per_layer = expert_bytes_per_layer(host)
         padded_layer = per_layer * experts["w_gate"].shape[1] // cfg.num_experts
         window_layer = padded_layer // len(self._devices)
         gathered = 2 * per_layer if self.gather else 0
-        self._memory = MemoryReport(
+        return MemoryReport(
             dense_weight_bytes=dense_bytes(host),
-            expert_weight_bytes=self.window * window_layer + gathered,
+            expert_weight_bytes=window * window_layer + gathered,
             expert_bytes_all_layers=per_layer * cfg.num_layers,
             host_weight_bytes=per_layer * cfg.num_layers,
-            detail={"window": self.window * window_layer, "window_layers": self.window,
+            detail={"window": window * window_layer, "window_layers": window,
                     "gathered": gathered})
-        self._expert_shapes = {tuple(v.shape[1:]) for v in experts.values()} | {
-            tuple(v.shape[1:]) for v in split_experts(host["layers"])[1].values()}
-        self._foreign = {id(a) for a in self._live_expert_arrays()}  # not ours: never counted
-        self._next_layer = 0
-        self._prefill_window()
 
-    # ------------------------------------------------------------------ window
-    def _copy_in(self) -> None:
-        """Start the copy of the next layer (cyclically) into the window."""
-        layer = self._next_layer % self.cfg.num_layers
-        self._next_layer += 1
-        self._window.append((layer, jax.device_put(self.host_experts[layer], self._device_layer)))
-
-    def _prefill_window(self) -> None:
-        for _ in range(self.window):
-            self._copy_in()
-
-    def _take(self, layer: int) -> dict[str, jax.Array]:
-        held, arrays = self._window.popleft()
-        if held != layer:
-            raise RuntimeError(f"expert window out of order: wanted layer {layer}, holds {held}")
-        return arrays
-
-    def _release(self, layer_experts: dict[str, jax.Array]) -> None:
-        """Free a finished layer's experts now and copy in the next layer."""
-        free(layer_experts)
-        self._copy_in()
-
+    # ------------------------------------------------------------------ memory
     def _live_expert_arrays(self) -> list[jax.Array]:
         ours = set(self._devices)
         return [a for a in jax.live_arrays()
@@ -186,39 +313,45 @@ class StreamedBackend(MeshBackend):
                 total += int(np.prod(shard_shape)) * array.dtype.itemsize
         return total
 
+    def _measure(self) -> None:
+        if self.track_memory:
+            self.peak_window_bytes = max(self.peak_window_bytes, self.live_window_bytes())
+
     # ---------------------------------------------------------------- programs
     def _program(self, kind: str, opts: ForwardOptions):
+        """The jitted program ``kind`` (embed | layer | last) for ``opts``, built once."""
         key = (kind, opts)
-        if key in self._programs:
-            return self._programs[key]
+        if key not in self._programs:
+            self._programs[key] = self._build(kind, opts)
+        return self._programs[key]
+
+    def _build(self, kind: str, opts: ForwardOptions):
         cfg = self.cfg
         if kind == "embed":
-            fn = jax.jit(embed_stacked, out_shardings=self._batch_sharding)
-        elif kind == "layer":
-            shard_spec = P(AXIS) if self.gather else P()
+            return jax.jit(lambda params, tokens: embed_program(params, tokens, cfg=cfg),
+                           out_shardings=self._batch_sharding)
+        # Arguments: params, (layer), experts, (next shards), x, batch, context, pool. The
+        # pool is donated: each layer writes its slots in place.
+        if kind == "layer":
+            shards = P(AXIS) if self.gather else P()
             body = jax.shard_map(
-                lambda d, l, e, n, x, b: layer_program(d, l, e, n, x, b, cfg=cfg, opts=opts,
-                                                       gather=self.gather),
-                mesh=self.mesh,
-                in_specs=(P(), P(), P(), shard_spec, P(AXIS), P(AXIS)),
-                out_specs=(P(AXIS), P() if self.gather else None), check_vma=False)
-            fn = jax.jit(body)
-        else:
-            body = jax.shard_map(
-                lambda p, l, e, x, b: last_layer_program(p, l, e, x, b, cfg=cfg, opts=opts),
-                mesh=self.mesh, in_specs=(P(), P(), P(), P(AXIS), P(AXIS)),
-                out_specs=(P(AXIS), P(AXIS) if opts.full_vocab else None), check_vma=False)
-            fn = jax.jit(body)
-        self._programs[key] = fn
-        return fn
+                lambda *args: layer_program(*args, cfg=cfg, opts=opts), mesh=self.mesh,
+                in_specs=(P(), P(), P(), shards, P(AXIS), P(AXIS), P(), P()),
+                out_specs=(P(AXIS), P(), P()), check_vma=False)
+            return jax.jit(body, donate_argnums=(7,))
+        body = jax.shard_map(
+            lambda *args: last_layer_program(*args, cfg=cfg, opts=opts), mesh=self.mesh,
+            in_specs=(P(), P(), P(AXIS), P(AXIS), P(), P()),
+            out_specs=(P(AXIS), P(AXIS) if opts.full_vocab else None, P()), check_vma=False)
+        return jax.jit(body, donate_argnums=(5,))
 
-    def _gather_first(self, shards: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def _gather_first(self, shards: LayerArrays) -> LayerArrays:
         """Layer 0's shards gathered by a program of their own (no compute to hide under)."""
         key = ("gather", None)
         if key not in self._programs:
             num_experts = self.cfg.num_experts
             self._programs[key] = jax.jit(jax.shard_map(
-                lambda s: gather_layer({k: v[None] for k, v in s.items()}, 0, num_experts),
+                lambda s: gather_layer({k: v[None] for k, v in s.items()}, 0, AXIS, num_experts),
                 mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(), check_vma=False))
         return self._programs[key](shards)
 
@@ -231,47 +364,71 @@ class StreamedBackend(MeshBackend):
         whole = {k: jax.ShapeDtypeStruct((self.cfg.num_experts,) + tuple(np.shape(v)[1:]),
                                          v.dtype) for k, v in host_layer.items()}
         current = whole if self.gather else held
-        x = jax.eval_shape(self._program("embed", opts), self.params, batch)
+        x = jax.eval_shape(self._program("embed", opts), self.params, batch.tokens)
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._batch_sharding)
-        layer = np.int32(0)
-        return [self._program("layer", opts).lower(self.params["layers"], layer, current,
-                                                   held if self.gather else {}, x, batch),
-                self._program("last", opts).lower(self.params, layer, current, x, batch)]
+        incoming = held if self.gather else None
+        return [self._program("layer", opts).lower(self.params, np.int32(0), current, incoming,
+                                                   x, batch, None, None),
+                self._program("last", opts).lower(self.params, current, x, batch, None, None)]
 
-    def _measure(self) -> None:
-        if self.track_memory:
-            self.peak_window_bytes = max(self.peak_window_bytes, self.live_window_bytes())
-
+    # ------------------------------------------------------------------ steps
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
-        last = self.cfg.num_layers - 1
         batch = jax.device_put(stack_batches(batches), self._batch_sharding)
-        x = self._program("embed", opts)(self.params, batch)
-        layer_fn = self._program("layer", opts)
-        held = self._take(0)                 # what the window gave for the current layer
-        current = self._gather_first(held) if self.gather else held
+        logits, lse, _ = self._recovering(self._forward, batch, opts)
+        return unstack_outputs(logits, lse, self.num_ranks)
+
+    def _recovering(self, forward, *args: Any):
+        """``forward(*args)``; if it raises, the window restarts at layer 0 first (a
+        failure part-way leaves it holding the wrong layers)."""
+        try:
+            return forward(*args)
+        except BaseException:
+            self._window.reset()
+            raise
+
+    def _first_experts(self, held: LayerArrays) -> LayerArrays:
+        """Layer 0's experts as its program takes them (hybrid: gathered from the shards)."""
+        if not self.gather:
+            return held
+        current = self._window.adopt(self._gather_first(held))
         if self.serialize_steps:    # one collective program in flight at a time on CPU
             jax.block_until_ready(current)
-        for layer in range(last):
+        return current
+
+    def _forward(self, batch: PackedBatch, opts: ForwardOptions,
+                 context: PrefixContext | None = None, pool: PrefixPool | None = None):
+        """Every layer of one step, each with its experts from the window -> (logits,
+        lse, pool)."""
+        window = self._window
+        window.fill()                          # refills from layer 0 after a failed step
+        x = self._program("embed", opts)(self.params, batch.tokens)
+        layer_fn = self._program("layer", opts)
+        held = window.take(0)                  # what the window gave for the current layer
+        current = self._first_experts(held)
+        for layer in range(self.cfg.num_layers - 1):
             self._measure()
             # hybrid: the next layer's shards are gathered inside this layer's program
-            incoming = self._take(layer + 1) if self.gather else {}
-            x, gathered = layer_fn(self.params["layers"], jnp.int32(layer), current, incoming,
-                                   x, batch)
-            jax.block_until_ready(x)         # layer done: free its experts, start the next copy
-            self._release(held)
+            incoming = window.take(layer + 1) if self.gather else None
+            x, gathered, pool = layer_fn(self.params, jnp.int32(layer), current, incoming, x,
+                                         batch, context, pool)
             if self.gather:
-                free(current)
+                window.adopt(gathered)           # (freed by a reset from here on)
+            jax.block_until_ready(x)         # layer done: free its experts, start the next copy
+            window.release(held)
+            if self.gather:
+                window.drop(current)
                 held, current = incoming, gathered
             else:
-                held = current = self._take(layer + 1)
+                held = current = window.take(layer + 1)
         self._measure()
-        logits, lse = self._program("last", opts)(self.params, jnp.int32(last), current, x, batch)
+        logits, lse, pool = self._program("last", opts)(self.params, current, x, batch, context,
+                                                        pool)
         jax.block_until_ready(logits)
-        self._release(held)
+        window.release(held)
         if self.gather:
-            free(current)
-        return unstack_outputs(logits, lse, self.num_ranks)
+            window.drop(current)
+        return logits, lse, pool
 
     def memory_report(self) -> MemoryReport:
         return self._memory
@@ -301,7 +458,8 @@ class StreamedBackend(MeshBackend):
 
 
 class OffloadBackend(StreamedBackend):
-    """One device; all experts in host memory, a window of W layers on the device."""
+    """One device; all experts in host memory, a window of W layers on the device. Runs
+    the prefix cache too (the pool on the device)."""
 
     name = "offload"
 
@@ -310,6 +468,16 @@ class OffloadBackend(StreamedBackend):
             raise BackendError(f"backend 'offload' runs on one device, got devices={devices}; "
                                f"use 'hybrid' to stream expert shards to several")
         super().__init__(cfg, params, devices=1, **options)
+
+    def make_prefix_pool(self, num_blocks: int, block_size: int) -> PrefixPool:
+        return self._zero_pool(num_blocks, block_size, self._replicated)
+
+    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
+                    opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+        batch = jax.device_put(stack_batches([batch]), self._batch_sharding)
+        context = jax.device_put(context, self._replicated)
+        logits, lse, pool = self._recovering(self._forward, batch, opts, context, pool)
+        return (logits[0], None if lse is None else lse[0]), pool
 
 
 class HybridBackend(StreamedBackend):

@@ -6,21 +6,26 @@ G devices on a 1-D mesh ``('dp',)``; each device runs its own packed batch
 are replicated; expert weights are split over the devices, each device holding S
 expert *slots* per layer (``[G, L, S, d, f]`` sharded on G).
 
-One MoE layer, per device, inside a ``shard_map`` (T local tokens, k experts per
-token, M = T·k routed rows, C rows of capacity per (source, destination) pair):
+Each device runs the model's own scoring forward (``MoEDecoder.score``: the layer
+loop, the last layer at the scoring rows, the LM head) inside a ``shard_map``; only
+its MoE dispatcher differs: the local slots ``[L, S, ...]`` are its expert source
+(``moejax.dispatch.StackedExperts``) and :class:`AllToAllTokens` its token transport.
+One MoE layer, per device (T local tokens, k experts per token, M = T·k routed rows,
+C rows of capacity per (source, destination) pair):
 
-1. route locally (``moe.route``) and pick a destination device for each valid row
-   (see *Placement and routers*); padding tokens (``segment_ids < 0``) are never
-   dispatched;
-2. dispatch: rows sorted by destination fill a send buffer ``[G, C, d]`` (plus the
-   row's slot id on the destination, ``[G, C]``; ``S`` marks an empty slot); one
-   ``all_to_all`` each for the rows and the slot ids;
-3. compute: the received ``[G·C]`` rows are sorted by local slot and run through
-   ``moe.expert_compute`` (``opts.expert_impl``); empty slots belong to no group, so
-   the grouped paths do only the routed work;
-4. combine: the outputs go back with a second ``all_to_all`` into the positions they
-   came from, and each token sums its k rows with its router weights (the same
-   float32 weighted sum as ``moe.combine``).
+1. route locally (``moe.route``, in the decoder layer); ``prepare`` picks a
+   destination device for each valid row (see *Placement and routers*); padding
+   tokens (``segment_ids < 0``) are never dispatched;
+2. dispatch (``prepare``, cont.): rows sorted by destination fill a send buffer
+   ``[G, C, d]`` (plus the row's slot id on the destination, ``[G, C]``; ``S`` marks
+   an empty slot); one ``all_to_all`` each for the rows and the slot ids;
+3. compute (``experts``): the received ``[G·C]`` rows are sorted by local slot and
+   run through ``moe.expert_compute`` (``opts.expert_impl``); empty slots belong to
+   no group, so the grouped paths do only the routed work;
+4. combine (``finalize``): the outputs go back with a second ``all_to_all`` into the
+   positions they came from, and each token sums its k rows with its router weights
+   (``moe.weighted_sum``, the float32 sum every dispatcher ends in). The layer's stats
+   (below) join the transport's carry, a max over the layers.
 
 Capacity and overflow policy (nothing is ever dropped silently). A buffer holds
 ``C = ceil(capacity_factor · T·k / G)`` rows per pair, rounded up to a multiple of
@@ -84,14 +89,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
 
 from kernels_pallas import metro
-from moejax import attention, moe
+from moejax import moe
 from moejax import model as model_lib
 from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
+from moejax.dispatch import ExpertWeights, MoEDispatcher, StackedExperts
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
@@ -291,117 +298,114 @@ def pack_send(x: jax.Array, k: int, dest: jax.Array, slot: jax.Array, valid: jax
                     peak=jnp.max(counts).astype(jnp.int32))
 
 
-def local_experts(rows: jax.Array, slots: jax.Array, weights: Mapping[str, jax.Array],
-                  opts: ForwardOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
+# --------------------------------------------------------------------------- the token transport
+def local_experts(rows: Float[Array, "N d"], slots: Int[Array, "N"],
+                  weights: ExpertWeights, impl: moe.ExpertImpl = "auto",
+                  tile_rows: int | tuple[int, int] | None = None) -> Float[Array, "N d"]:
     """The local expert slots on received rows [N, d] with slot ids [N] (S: empty)
-    -> (outputs [N, d] in received order, zeros for empty; active slots; rows computed)."""
+    -> outputs [N, d] in received order, zeros for empty slots."""
     num_slots = weights["w_gate"].shape[0]
     # moe.permute with k = 1 sorts by slot; empty rows get the sentinel and no group.
     routing = moe.Routing(weights=jnp.ones((slots.shape[0], 1), jnp.float32),
                           experts=slots[:, None])
     perm = moe.permute(rows, routing, num_slots, valid=slots < num_slots)
     y_sorted = moe.expert_compute(perm, weights["w_gate"], weights["w_up"], weights["w_down"],
-                                  impl=opts.expert_impl, tile_rows=opts.tile_rows)
-    y = jnp.zeros_like(y_sorted).at[perm.order].set(y_sorted)
-    return (y, jnp.sum(perm.group_sizes > 0).astype(jnp.int32),
-            jnp.sum(perm.group_sizes).astype(jnp.int32))
+                                  impl=impl, tile_rows=tile_rows)
+    return jnp.zeros_like(y_sorted).at[perm.order].set(y_sorted)
 
 
-def weighted_sum(y_rows: jax.Array, routing: moe.Routing, valid: jax.Array, dtype) -> jax.Array:
-    """Each token's k rows y_rows [T·k, d] summed with its router weights -> [T, d]
-    (float32 sum, as moe.combine; invalid tokens weigh 0)."""
-    t, k = routing.experts.shape
-    weights = jnp.where(valid[:, None], routing.weights, 0.0)
-    out = jnp.einsum("tkd,tk->td", y_rows.reshape(t, k, -1).astype(jnp.float32), weights)
-    return out.astype(dtype)
+def layer_stats(send: SendPlan, recv_slots: Int[Array, "N"], num_slots: int) -> jax.Array:
+    """This layer's stats [NUM_STATS] int32 on one device: rows that overflowed, most rows
+    sent to one device, local slots that received rows, rows received (= computed)."""
+    received = jnp.bincount(recv_slots, length=num_slots + 1)[:num_slots]   # S: empty
+    return jnp.stack([send.overflow, send.peak, jnp.sum(received > 0).astype(jnp.int32),
+                      jnp.sum(received).astype(jnp.int32)])
 
 
-def ep_moe(x: jax.Array, routing: moe.Routing, valid: jax.Array,
-           weights: Mapping[str, jax.Array], ctx: DispatchContext, capacity: int,
-           opts: ForwardOptions) -> tuple[jax.Array, jax.Array]:
-    """The MoE output [T, d] of x [T, d] with expert parallelism (``capacity`` rows per
-    pair, at most T·k used), and this layer's stats [NUM_STATS] int32."""
-    t, k = routing.experts.shape
-    capacity = min(capacity, t * k)
-    experts = routing.experts.reshape(-1)
-    row_valid = jnp.repeat(valid, k)
-    dest = choose_devices(experts, row_valid, ctx)
-    slot = jnp.asarray(ctx.layout.slot_of)[experts, dest]
-    send = pack_send(x, k, dest, slot, row_valid, ctx.num_devices, ctx.layout.slots, capacity)
-    recv_rows = jax.lax.all_to_all(send.rows, AXIS, 0, 0)             # [G(src), C, d]
-    recv_slots = jax.lax.all_to_all(send.slots, AXIS, 0, 0)           # [G(src), C]
-    y, active, computed = local_experts(recv_rows.reshape(-1, x.shape[1]),
-                                        recv_slots.reshape(-1), weights, opts)
-    back = jax.lax.all_to_all(y.reshape(recv_rows.shape), AXIS, 0, 0)  # [G(dest), C, d]
-    y_rows = back[dest, jnp.minimum(send.position, capacity - 1)]
-    y_rows = jnp.where(send.placed[:, None], y_rows, 0)
-    stats = jnp.stack([send.overflow, send.peak, active, computed])
-    return weighted_sum(y_rows, routing, valid, x.dtype), stats
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """One layer's dispatched rows, as :meth:`AllToAllTokens.prepare` leaves them.
+
+    send: the packed send buffers (and where each routed row went); dest: [M] int32
+    destination device of each routed row; rows: [G(src), C, d] and slots: [G(src), C]
+    the received rows and their local slot ids; stats: [NUM_STATS] int32 of this layer.
+    """
+
+    send: SendPlan
+    dest: jax.Array
+    rows: jax.Array
+    slots: jax.Array
+    stats: jax.Array
 
 
-def ep_moe_residual(p: Mapping[str, jax.Array], weights: Mapping[str, jax.Array], x: jax.Array,
-                    valid: jax.Array, cfg: ModelConfig, opts: ForwardOptions,
-                    ctx: DispatchContext, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """x [n, d] + EP-MoE(RMSNorm(x)) (model.moe_residual with dispatched experts), stats."""
-    moe_in = model_lib.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    routing = moe.route(moe_in, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    y, stats = ep_moe(moe_in, routing, valid, weights, ctx, capacity, opts)
-    return x + y, stats
+@dataclasses.dataclass(frozen=True)
+class AllToAllTokens:
+    """The token transport of expert parallelism (``moejax.dispatch``; module docstring,
+    steps 1-4): each routed row travels to a device holding a replica of its expert and
+    back, through buffers of ``capacity`` rows per device pair (at most M = T·k used).
+    Its carry is the stats [NUM_STATS] int32, max over the layers run so far."""
+
+    ctx: DispatchContext
+    capacity: int
+    impl: moe.ExpertImpl = "auto"
+    tile_rows: int | tuple[int, int] | None = None
+
+    def init_carry(self) -> jax.Array:
+        return jnp.zeros((NUM_STATS,), jnp.int32)
+
+    def prepare(self, x: Float[Array, "T d"], routing: moe.Routing,
+                valid: Bool[Array, "T"] | None) -> Exchange:
+        """Steps 1-2: choose each valid row's device and slot, pack, all_to_all."""
+        t, k = routing.experts.shape
+        capacity = min(self.capacity, t * k)        # more than M rows per pair never fill
+        experts = routing.experts.reshape(-1)
+        row_valid = jnp.ones((t * k,), bool) if valid is None else jnp.repeat(valid, k)
+        dest = choose_devices(experts, row_valid, self.ctx)
+        slot = jnp.asarray(self.ctx.layout.slot_of)[experts, dest]
+        send = pack_send(x, k, dest, slot, row_valid, self.ctx.num_devices,
+                         self.ctx.layout.slots, capacity)
+        rows = jax.lax.all_to_all(send.rows, AXIS, 0, 0)              # [G(src), C, d]
+        slots = jax.lax.all_to_all(send.slots, AXIS, 0, 0)            # [G(src), C]
+        return Exchange(send=send, dest=dest, rows=rows, slots=slots,
+                        stats=layer_stats(send, slots.reshape(-1), self.ctx.layout.slots))
+
+    def experts(self, prepared: Exchange, weights: ExpertWeights) -> Float[Array, "G C d"]:
+        """Step 3: the local slots [S, ...] on the received rows."""
+        rows = prepared.rows
+        y = local_experts(rows.reshape(-1, rows.shape[-1]), prepared.slots.reshape(-1),
+                          weights, self.impl, self.tile_rows)
+        return y.reshape(rows.shape)
+
+    def finalize(self, y: Float[Array, "G C d"], prepared: Exchange, routing: moe.Routing,
+                 valid: Bool[Array, "T"] | None, carry: jax.Array
+                 ) -> tuple[Float[Array, "T d"], jax.Array]:
+        """Step 4: the outputs back where their rows came from, then each token's
+        weighted sum (``moe.weighted_sum``); the stats join the carry."""
+        send = prepared.send
+        back = jax.lax.all_to_all(y, AXIS, 0, 0)                       # [G(dest), C, d]
+        y_rows = back[prepared.dest, jnp.minimum(send.position, y.shape[1] - 1)]
+        y_rows = jnp.where(send.placed[:, None], y_rows, 0)
+        return moe.weighted_sum(y_rows, routing, valid), jnp.maximum(carry, prepared.stats)
 
 
 # --------------------------------------------------------------------------- per-device forward
-def _layer_step(layer, carry: tuple[jax.Array, jax.Array], *, params: Params,
-                weights: Mapping[str, jax.Array], batch: PackedBatch, bias: jax.Array | None,
-                cfg: ModelConfig, opts: ForwardOptions, ctx: DispatchContext,
-                capacity: int) -> tuple[jax.Array, jax.Array]:
-    """One decoder layer (fori_loop body): carry = (x [T, d], stats [NUM_STATS] max so far)."""
-    x, stats = carry
-    p = model_lib.layer_slice(params["layers"], layer)
-    x = model_lib.attention_residual(p, x, batch, bias, cfg, opts)
-    x, layer_stats = ep_moe_residual(p, model_lib.layer_slice(weights, layer), x,
-                                     batch.segment_ids >= 0, cfg, opts, ctx, capacity)
-    return x, jnp.maximum(stats, layer_stats)
-
-
-def _last_layer(params: Params, weights: Mapping[str, jax.Array], x: jax.Array,
-                batch: PackedBatch, bias: jax.Array | None, cfg: ModelConfig,
-                opts: ForwardOptions, ctx: DispatchContext,
-                capacity: int) -> tuple[jax.Array, jax.Array]:
-    """The last layer as model.finish_scoring runs it -> (x at the scoring rows [P, d], stats)."""
-    last = cfg.num_layers - 1
-    p = model_lib.layer_slice(params["layers"], last)
-    w = model_lib.layer_slice(weights, last)
-    rows = batch.score_positions
-    if model_lib.last_layer_at_rows_only(batch):
-        x_rows = model_lib.attention_residual_at_rows(p, x, batch, rows, cfg, opts)
-        every_row = jnp.ones(rows.shape, bool)          # as moe_residual(valid=None) there
-        return ep_moe_residual(p, w, x_rows, every_row, cfg, opts, ctx, capacity)
-    x = model_lib.attention_residual(p, x, batch, bias, cfg, opts)
-    x, stats = ep_moe_residual(p, w, x, batch.segment_ids >= 0, cfg, opts, ctx, capacity)
-    return jnp.take(x, rows, axis=0), stats
-
-
-def sync_ep_forward(params: Params, weights: Mapping[str, jax.Array], batch: PackedBatch, *,
+def sync_ep_forward(params: Params, slots: ExpertWeights, batch: PackedBatch, *,
                     cfg: ModelConfig, opts: ForwardOptions, ctx: DispatchContext,
                     capacity: int) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-    """Per-device body (inside shard_map). params: replicated, ``layers`` without experts;
-    weights: this device's slots [1, L, S, ...]; batch: this rank's (leading axis 1);
+    """Per-device body (inside shard_map): ``MoEDecoder.score`` with the local expert
+    slots behind an all-to-all transport. params: replicated, ``layers`` without
+    experts; slots: this device's [1, L, S, ...]; batch: this rank's (leading axis 1);
     capacity: buffer rows per device pair. Returns [1, P, C] logits, [1, P] log-sum-exp
     (or None) and [1, NUM_STATS] stats (max over the MoE layers)."""
     batch = jax.tree.map(lambda a: a[0], batch)
-    weights = {name: w[0] for name, w in weights.items()}
-    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
-    x = model_lib.embed_tokens(params, batch)
-    step = functools.partial(_layer_step, params=params, weights=weights, batch=batch, bias=bias,
-                             cfg=cfg, opts=opts, ctx=ctx, capacity=capacity)
-    x, stats = jax.lax.fori_loop(0, cfg.num_layers - 1, step,
-                                 (x, jnp.zeros((NUM_STATS,), jnp.int32)))
-    x_rows, last_stats = _last_layer(params, weights, x, batch, bias, cfg, opts, ctx, capacity)
-    final = model_lib.rms_norm(x_rows, params["final_norm"], cfg.rms_norm_eps)
-    logits, lse = model_lib.lm_head_scores(params, final, batch.score_token_ids, cfg,
-                                           opts.full_vocab)
-    stats = jnp.maximum(stats, last_stats)
-    return logits[None], None if lse is None else lse[None], stats[None]
+    slots = {name: w[0] for name, w in slots.items()}
+    transport = AllToAllTokens(ctx, capacity, opts.expert_impl, opts.tile_rows)
+    dispatcher = MoEDispatcher(StackedExperts(slots), transport)
+    out = model_lib.decoder(cfg, params, with_experts=False).score(batch, opts,
+                                                                   dispatcher=dispatcher)
+    _, stats = out.moe_carry                         # (source carry, transport carry)
+    return out.logits[None], None if out.lse is None else out.lse[None], stats[None]
 
 
 # --------------------------------------------------------------------------- the backend

@@ -20,8 +20,11 @@ replicated packed batch; ``num_ranks`` is 1):
 * norms, q/k norms, embeddings, routers, final norm and LM head: replicated.
 
 Two all-reduces of [T, d] per layer (the last layer: of [P, d] when it runs at the
-scoring rows only). The forward is one ``jax.jit`` around a ``jax.shard_map``; the
-last layer and the LM head follow ``model.finish_scoring`` exactly.
+scoring rows only). The forward is one ``jax.jit`` around a ``jax.shard_map`` whose
+body is the model's own scoring forward (``MoEDecoder.score``) on a module merged from
+the local shards with the local config: the layer is told its attention output is a
+partial sum (``psum_axis``), and its dispatcher keeps tokens local and all-reduces the
+combined MoE output (``moejax.dispatch.LocalTokens`` with ``psum_axis``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax import attention, model, moe
+from moejax import model
 from moejax.backends.base import (Backend, BackendError, MemoryReport, StepOutput, nbytes,
                                   require_devices, validated)
 from moejax.config import ModelConfig
+from moejax.dispatch import StackedExperts, local_dispatcher
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import EXPERT_KEYS, Params
 
@@ -138,72 +142,19 @@ def memory_per_device(host: Params, unpadded_expert_bytes: int, shards: int) -> 
         detail={"shards": shard, "padding": experts - shard})
 
 
-# ------------------------------------------------------------------ per-device stages
-def tp_attention_residual(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                          bias: jax.Array | None, cfg: ModelConfig,
-                          opts: ForwardOptions) -> jax.Array:
-    """x [T, d] + attention over this device's heads, all-reduced -> [T, d]."""
-    h_in = model.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    partial = model.attention_block(p, h_in, batch, bias, cfg, opts)   # sum over local heads
-    return x + jax.lax.psum(partial, AXIS)
-
-
-def tp_moe_residual(p: Mapping[str, jax.Array], x: jax.Array, valid: jax.Array | None,
-                    cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
-    """x [n, d] + MoE(RMSNorm(x)) with this device's f/G slice of every expert, all-reduced.
-
-    The combine is linear, so summing the per-device combined [n, d] outputs equals
-    combining the summed expert outputs, and moves k times less data.
-    """
-    moe_in = model.rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    partial = moe.moe_block(moe_in, p["router"], p["w_gate"], p["w_up"], p["w_down"],
-                            k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                            valid=valid, impl=opts.expert_impl, tile_rows=opts.tile_rows)
-    return x + jax.lax.psum(partial, AXIS)
-
-
-def tp_decoder_layer(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                     bias: jax.Array | None, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
-    """``model.decoder_layer`` on one device's shards (``cfg``: the local config) -> [T, d]."""
-    x = tp_attention_residual(p, x, batch, bias, cfg, opts)
-    return tp_moe_residual(p, x, batch.segment_ids >= 0, cfg, opts)
-
-
-def tp_decoder_layer_at_rows(p: Mapping[str, jax.Array], x: jax.Array, batch: PackedBatch,
-                             rows: jax.Array, cfg: ModelConfig, opts: ForwardOptions) -> jax.Array:
-    """``model.decoder_layer_at_rows`` on one device's shards: x [T, d] -> [P, d] at ``rows``.
-
-    Keys and values of the local kv heads come from every token; queries, attention, the
-    output projection and the MoE run at the scoring rows alone.
-    """
-    h_in = model.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    k, v = model.project_kv(p, h_in, batch.positions, cfg)
-    q = model.project_q(p, jnp.take(h_in, rows, axis=0), jnp.take(batch.positions, rows), cfg)
-    out = attention.attention_at_rows(q, k, v, batch.segment_ids, rows, opts.attn_block)
-    partial = out.reshape(rows.shape[0], -1) @ p["wo"].astype(x.dtype)
-    x_rows = jnp.take(x, rows, axis=0) + jax.lax.psum(partial, AXIS)
-    return tp_moe_residual(p, x_rows, None, cfg, opts)
-
-
-def tp_layer_step(i: jax.Array, x: jax.Array, *, layers: Mapping[str, jax.Array],
-                  batch: PackedBatch, bias: jax.Array | None, cfg: ModelConfig,
-                  opts: ForwardOptions) -> jax.Array:
-    """fori_loop body: layer ``i`` of the stacked local shards on x [T, d]."""
-    return tp_decoder_layer(model.layer_slice(layers, i), x, batch, bias, cfg, opts)
-
-
+# ------------------------------------------------------------------ per-device forward
 def tp_local_forward(params: Params, batch: PackedBatch, *, cfg: ModelConfig,
                      opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
-    """One device's forward (inside the shard_map): ``model.forward`` with TP layers.
-    ``params``: the local shards; ``cfg``: the local config; outputs are replicated."""
-    bias = attention.attention_bias(batch.segment_ids, opts.attn_block)
-    last = cfg.num_layers - 1
-    step = functools.partial(tp_layer_step, layers=params["layers"], batch=batch, bias=bias,
-                             cfg=cfg, opts=opts)
-    x = jax.lax.fori_loop(0, last, step, model.embed_tokens(params, batch))
-    return model.finish_scoring(params, model.layer_slice(params["layers"], last), x, batch,
-                                bias, cfg, opts, layer_fn=tp_decoder_layer,
-                                layer_at_rows_fn=tp_decoder_layer_at_rows)
+    """One device's forward (inside the shard_map): ``MoEDecoder.score`` over the local
+    shards. ``params``: the local shards; ``cfg``: the local config (n_q/G and n_kv/G
+    heads, f/G intermediate), which the shards' shapes match, so the module merges from
+    them. Attention outputs and the combined MoE outputs are partial sums, all-reduced
+    over ``AXIS`` (the layer's ``psum_axis``, the transport's); the outputs are replicated."""
+    module = model.decoder(cfg, params)
+    dispatcher = local_dispatcher(StackedExperts(module.layers.experts()), cfg.num_experts,
+                                  opts.expert_impl, opts.tile_rows, psum_axis=AXIS)
+    out = module.score(batch, opts, dispatcher=dispatcher, psum_axis=AXIS)
+    return out.logits, out.lse
 
 
 def tp_forward(params: Params, batch: PackedBatch, *, cfg: ModelConfig, mesh: Mesh,

@@ -156,7 +156,7 @@ def token_stream(tokenizer, examples: Iterator[corpus.Example], max_len: int = 1
 # =========================================================================== forward
 def _packed(tokens: jax.Array, segs: jax.Array, positions: jax.Array) -> mdl.PackedBatch:
     """Flatten [B, S] rows into the inference model's packed batch (no scoring rows)."""
-    flat = lambda a: a.reshape(-1)
+    flat = lambda a: jnp.asarray(a).reshape(-1)
     empty = jnp.zeros((1,), jnp.int32)
     return mdl.PackedBatch(tokens=flat(tokens), positions=flat(positions),
                            segment_ids=flat(segs), score_positions=empty,
