@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     from serving.requests import parse_request
 
     load = os.getloadavg()[0]
-    scorer = Scorer(args.model, max_batch_tokens=args.max_batch_tokens)
+    scorer = Scorer(args.model, max_batch_tokens=args.max_batch_tokens,
+                    compilation_cache="auto")
     requests = workload(shape["requests"], shape["prompt_words"])
     payloads = [convert.request_to_proto(parse_request(r, i)).SerializeToString()
                 for i, r in enumerate(requests)]

@@ -109,7 +109,7 @@ def moejax_pass(model_dir: str, requests: list[dict]):
     warm-up pass here) and returning [N, 2] log-probs; plus the scorer, for its stats."""
     from serving import Scorer
 
-    scorer = Scorer(model_dir, dtype="float32")
+    scorer = Scorer(model_dir, dtype="float32", compilation_cache="auto")
 
     def run_once() -> np.ndarray:
         results = scorer.score(requests, progress=False)

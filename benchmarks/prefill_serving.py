@@ -523,7 +523,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scorers = {}
     for config in configs:
         kwargs = {"prefix_cache_blocks": blocks, **CONFIGS[config]}
-        scorers[config] = Scorer(args.model, dtype="float32", engines=shape["engines"], **kwargs)
+        scorers[config] = Scorer(args.model, dtype="float32", engines=shape["engines"],
+                                  compilation_cache="auto", **kwargs)
     theta = next(iter(scorers.values())).pool.router_theta
     print(f"prefill serving: {args.model} ({demo.model_type}, {demo.num_layers} layers, "
           f"d={demo.hidden_size}, {demo.num_experts} experts top-{demo.num_experts_per_tok}, "

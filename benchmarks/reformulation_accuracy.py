@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              for item in heldout.heldout_items(task, shape["per_task"], seed=seed, src=src)]
     requests = [item.request for item in items]
 
-    scorer = Scorer(args.model, dtype="float32")
+    scorer = Scorer(args.model, dtype="float32", compilation_cache="auto")
     generator = Generator(args.model, dtype="float32", max_batch_size=args.gen_batch)
     cfg = scorer.config
     options = scorer.normalize_options

@@ -139,8 +139,10 @@ class Backend(abc.ABC):
                                f"got {num_blocks} and {block_size}")
         cfg = self.cfg
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
-        return PrefixPool(keys=zeros(), values=zeros())
+        # One eager op, cached across engines and backends (a jit per call would compile
+        # per engine).
+        return PrefixPool(keys=jnp.zeros(shape, self.dtype, device=sharding),
+                          values=jnp.zeros(shape, self.dtype, device=sharding))
 
     def time_expert_transfer(self, repeats: int) -> tuple[str, float] | None:
         """(channel, median seconds) of moving one layer's experts over this backend's
