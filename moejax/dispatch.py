@@ -22,7 +22,8 @@ stats); :meth:`MoEDispatcher.init_carry` gives its start.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 from jaxtyping import Array, Bool, Float

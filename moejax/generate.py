@@ -31,7 +31,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

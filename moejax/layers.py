@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

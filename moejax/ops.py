@@ -25,7 +25,8 @@ runs exactly that when its cache supplies those tokens — the continuation reco
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable, NamedTuple, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
