@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -37,9 +36,8 @@ from jaxtyping import Array, Bool, Float, Int
 from moejax import attention
 from moejax.config import ModelConfig
 from moejax.kv_cache import KVCache, attend_cache, write_prompt, write_token
-from moejax.layers import project_kv, project_q
+from moejax.layers import LayerParams, project_kv, project_q
 
-LayerParams = Mapping[str, jax.Array]
 _STATIC = {"static": True}
 
 

@@ -39,8 +39,7 @@ from moejax import moe
 from moejax.attention_kinds import PackedCausal
 from moejax.config import ModelConfig
 from moejax.dispatch import MoEDispatcher, StackedExperts, local_dispatcher
-from moejax.layers import (LayerOutput, layer_slice, project_kv, project_q,  # noqa: F401
-                           rms_norm, rope)
+from moejax.layers import LayerOutput, rms_norm
 from moejax.param_layout import EXPERT_KEYS, Params, param_shapes, shape_problems
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax import attention, model, moe
+from moejax import attention, layers, model, moe
 from moejax.attention_kinds import PackedCausal
 from moejax.dispatch import StackedExperts, local_dispatcher
 from moejax.param_layout import split_experts
@@ -48,7 +48,7 @@ def test_rope_vs_numpy(theta):
     rng = np.random.default_rng(0)
     positions = np.concatenate([np.arange(8), rng.integers(0, 300, 24)]).astype(np.int32)
     x = rng.standard_normal((32, 3, 16)).astype(np.float32)
-    got = np.asarray(model.rope(jnp.asarray(x), jnp.asarray(positions), theta))
+    got = np.asarray(layers.rope(jnp.asarray(x), jnp.asarray(positions), theta))
     # float32 angles (as in HF) at positions < 300 lose ~1e-5 rad
     np.testing.assert_allclose(got, np_rope(x, positions, theta), rtol=0, atol=1e-4)
     np.testing.assert_array_equal(got[:1], x[:1])  # position 0 is the identity
@@ -60,8 +60,8 @@ def test_rope_scores_depend_on_relative_position_only():
     k = rng.standard_normal((1, 1, 8)).astype(np.float32)
 
     def score(m, n):
-        rq = model.rope(jnp.asarray(q), jnp.asarray([m]), 10000.0)
-        rk = model.rope(jnp.asarray(k), jnp.asarray([n]), 10000.0)
+        rq = layers.rope(jnp.asarray(q), jnp.asarray([m]), 10000.0)
+        rk = layers.rope(jnp.asarray(k), jnp.asarray([n]), 10000.0)
         return float(jnp.sum(rq * rk))
 
     assert score(7, 3) == pytest.approx(score(24, 20), rel=1e-5)
@@ -75,14 +75,14 @@ def test_rms_norm_vs_numpy():
     eps = 1e-6
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt(np.mean(x64 ** 2, -1, keepdims=True) + eps) * w
-    got = model.rms_norm(jnp.asarray(x), jnp.asarray(w), eps)
+    got = layers.rms_norm(jnp.asarray(x), jnp.asarray(w), eps)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-6)
-    bf16 = model.rms_norm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), eps)
+    bf16 = layers.rms_norm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), eps)
     assert bf16.dtype == jnp.bfloat16
     assert rel_err(bf16, ref) < 1e-2
     # eps matters for a zero row (no NaN)
-    zero = model.rms_norm(jnp.zeros((1, 16)), jnp.asarray(w), eps)
+    zero = layers.rms_norm(jnp.zeros((1, 16)), jnp.asarray(w), eps)
     assert np.all(np.asarray(zero) == 0)
 
 
