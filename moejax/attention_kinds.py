@@ -67,11 +67,13 @@ class PackedCausal:
 
     @classmethod
     def of(cls, positions: Int[Array, "T"], segment_ids: Int[Array, "T"],
-           attn_block: int) -> "PackedCausal":
-        """The kind of a packed batch (host arrays are converted: eager callers pass NumPy)."""
+           attn_block: int, with_bias: bool = True) -> "PackedCausal":
+        """The kind of a packed batch (host arrays are converted: eager callers pass NumPy).
+        ``with_bias=False``: for a caller that never runs the packed tiling."""
         positions, segment_ids = jnp.asarray(positions), jnp.asarray(segment_ids)
+        bias = attention.attention_bias(segment_ids, attn_block) if with_bias else None
         return cls(positions=positions, segment_ids=segment_ids, attn_block=attn_block,
-                   bias=attention.attention_bias(segment_ids, attn_block))
+                   bias=bias)
 
     def carry(self) -> Any:
         return ()
@@ -144,9 +146,9 @@ class PrefixPooled:
     def of(cls, positions: Int[Array, "T"], segment_ids: Int[Array, "T"], attn_block: int,
            context: PrefixContext, pool_k: Float[Array, "L S n_kv h"],
            pool_v: Float[Array, "L S n_kv h"]) -> "PrefixPooled":
-        packed = PackedCausal.of(positions, segment_ids, attn_block)
-        if context.reads_pool:     # the context attention masks per block: no bias needed
-            packed = dataclasses.replace(packed, bias=None)
+        # The context attention masks per block: no bias when the pool is read.
+        packed = PackedCausal.of(positions, segment_ids, attn_block,
+                                 with_bias=not context.reads_pool)
         return cls(packed=packed, context=context, pool_k=pool_k, pool_v=pool_v)
 
     def carry(self) -> Any:

@@ -305,22 +305,12 @@ def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02,
 def check_params(params: Params, cfg: ModelConfig, *, with_experts: bool = True) -> None:
     """Raise ValueError naming every missing, unexpected or mis-shaped parameter
     (``with_experts=False``: the expert weights must be absent)."""
-    if with_experts:
-        problems = shape_problems(params, cfg)
-    else:
-        layers = dict(params.get("layers", {}))
+    problems = []
+    if not with_experts:
+        layers = params.get("layers", {})
         problems = [f"layers.{k}: expert weights in a module built without experts"
                     for k in EXPERT_KEYS if k in layers]
-        full = {**params, "layers": {**layers, **{k: _Shape(v) for k, v in
-                                                 param_shapes(cfg)["layers"].items()
-                                                 if k in EXPERT_KEYS}}}
-        problems += shape_problems(full, cfg)
+    leave_out = () if with_experts else tuple(f"layers.{k}" for k in EXPERT_KEYS)
+    problems += shape_problems(params, cfg, leave_out)
     if problems:
         raise ValueError("params do not match the model config: " + "; ".join(problems))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shape:
-    """Stands in for an absent expert weight when the rest is checked."""
-
-    shape: tuple[int, ...]

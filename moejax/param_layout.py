@@ -15,7 +15,8 @@ No JAX import here, so the checkpoint reader stays cheap to import.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any
 
 from moejax.config import ModelConfig
 
@@ -59,10 +60,13 @@ def tree_items(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix[:-1], tree
 
 
-def shape_problems(params: Params, cfg: ModelConfig) -> list[str]:
-    """Every missing, mis-shaped or unexpected parameter, as messages naming it."""
-    expected = dict(tree_items(param_shapes(cfg)))
-    found = {key: tuple(getattr(value, "shape", ())) for key, value in tree_items(params)}
+def shape_problems(params: Params, cfg: ModelConfig, leave_out: Collection[str] = ()
+                   ) -> list[str]:
+    """Every missing, mis-shaped or unexpected parameter, as messages naming it.
+    ``leave_out``: dotted names (e.g. ``layers.w_gate``) not checked either way."""
+    expected = {k: v for k, v in tree_items(param_shapes(cfg)) if k not in leave_out}
+    found = {key: tuple(getattr(value, "shape", ())) for key, value in tree_items(params)
+             if key not in leave_out}
     problems = [f"{key}: expected shape {shape}, found "
                 f"{found[key] if key in found else 'nothing (missing)'}"
                 for key, shape in expected.items() if found.get(key) != tuple(shape)]

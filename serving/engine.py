@@ -26,7 +26,9 @@ from serving.prefix_cache import PrefixCache, plan_run
 
 log = logging.getLogger("moejax.engine")
 
-SequenceOutput = tuple[list[np.ndarray], "np.ndarray | None"]
+# Per op: (logits per score position, log-sum-exp or None), or the exception of the step
+# that failed it (the backend recovered; serving.results turns it into an error result).
+SequenceOutput = tuple[list[np.ndarray], np.ndarray | None] | Exception
 
 
 @dataclasses.dataclass
@@ -121,7 +123,8 @@ class Engine:
 
     def run(self, ops: Sequence[PrefillOp],
             on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
-        """Score every op; returns key -> (logits per score position, log-sum-exp or None).
+        """Score every op; returns key -> (logits per score position, log-sum-exp or None),
+        or the exception of the step that failed it.
 
         ``on_batch_done(n)`` is called with the number of ops of each finished batch. The
         prefix cache computes each op's shared prefix (``op.prefix_len``) once.
