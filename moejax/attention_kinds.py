@@ -167,13 +167,17 @@ class PrefixPooled:
         if not ctx.reads_pool:
             out = packed.attend_to(p, h_in, k, v, rows, cfg)
         else:
-            q = _queries_at(p, h_in, packed.positions, rows, cfg)
             # Gathered from the pool directly: slicing the layer out first would copy it.
             ctx_k, ctx_v = self.pool_k[layer, ctx.ctx_slot], self.pool_v[layer, ctx.ctx_slot]
-            if rows is None:
+            if rows is None or rows.shape[0] >= ctx.ctx_slot.shape[0]:
+                # At least one row per block: gathering each row's own context would copy
+                # it once per row; attend every row with its block's, then take the rows.
+                q = _queries_at(p, h_in, packed.positions, None, cfg)
                 out = attention.context_attention(q, k, v, packed.segment_ids, packed.attn_block,
                                                   ctx_k, ctx_v, ctx.ctx_lo, ctx.ctx_hi)
+                out = out if rows is None else out[rows]
             else:
+                q = _queries_at(p, h_in, packed.positions, rows, cfg)
                 out = attention.context_attention_at_rows(q, k, v, packed.segment_ids, rows,
                                                           packed.attn_block, ctx_k, ctx_v,
                                                           ctx.ctx_lo, ctx.ctx_hi)

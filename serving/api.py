@@ -11,16 +11,17 @@ results come back in request order, bad requests as results with ``error`` set.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
 from moejax import checkpoint
-from moejax.backends import make_backend
+from moejax.backends import backend_class, make_backend
 from moejax.backends.base import require_devices
 from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,
                               calibrate, fallback_theta, uncalibrated)
@@ -30,9 +31,11 @@ from serving.engine import Engine
 from serving.dispatch import EnginePool, OpTiming
 from serving.options import ScorerOptions, load_options
 from serving.router import make_router
-from serving.prefix_cache import blocks_for_budget
-from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, ScoreRequest, ScoreResult,
-                              TokenizerAdapter, normalize_requests)
+from moejax.ops import OpKey
+from serving.limits import RequestLimits
+from serving.prefix_cache import blocks_for_budget, sharing_flops
+from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest,
+                              ScoreResult, TokenizerAdapter, normalize_requests, request_label)
 from serving.results import combine_results
 
 log = logging.getLogger("moejax.scorer")
@@ -55,17 +58,46 @@ def resolve_model_dir(model: str | os.PathLike) -> tuple[str, bool]:
     return path, False
 
 
-def attach_timings(results: list[ScoreResult], ops: Sequence[PrefillOp],
-                   timings: Mapping[int, OpTiming]) -> list[ScoreResult]:
+@dataclasses.dataclass(frozen=True)
+class PreparedRequest:
+    """One request validated, tokenized and expanded into prefill ops (no device work).
+
+    ``index`` names the request in messages (its position in the caller's list); ``ops``
+    are keyed ``OpKey(index, candidate)``; ``cost`` is what computing them costs, in
+    token-equivalents (FLOPs over one token's linear FLOPs, prompt sharing counted), the
+    sum of ``op_costs`` (each op's, in order: the first whole, the others after the prompt
+    they share); ``error`` is set (and ``ops`` empty) for a request that cannot be scored."""
+
+    index: int
+    request: Any
+    ops: tuple[PrefillOp, ...] = ()
+    prompt_tokens: int = 0
+    cost: int = 0
+    error: str | None = None
+    op_costs: tuple[int, ...] = ()
+
+
+def relabel(message: str, request_id: Any, position: int, index: int) -> str:
+    """A message naming an id-less request by ``position`` ("request #3: ...") renamed to
+    ``index``: a request prepared or combined alone is at position 0 of its own list."""
+    if position == index:
+        return message
+    old = request_label(request_id, position) + ":"
+    if old.startswith("request #") and message.startswith(old):
+        return request_label(None, index) + ":" + message[len(old):]
+    return message
+
+
+def attach_timings(results: list[ScoreResult], prepared: Sequence[PreparedRequest],
+                   timings: Mapping[Hashable, OpTiming]) -> list[ScoreResult]:
     """Per request: the engine(s) and router round(s) of its ops, and the seconds from the
-    start of the call until its last op was done."""
-    by_request: dict[int, list[OpTiming]] = {}
-    for i, op in enumerate(ops):
-        by_request.setdefault(op.request_index, []).append(timings[i])
-    for index, parts in by_request.items():
-        results[index].timings = {"engines": sorted({t.engine for t in parts}),
-                                  "rounds": sorted({t.round for t in parts}),
-                                  "seconds": round(max(t.seconds for t in parts), 6)}
+    start of its run until its last op was done."""
+    for result, prep in zip(results, prepared):
+        parts = [timings[op.key] for op in prep.ops if op.key in timings]
+        if parts:
+            result.timings = {"engines": sorted({t.engine for t in parts}),
+                              "rounds": sorted({t.round for t in parts}),
+                              "seconds": round(max(t.seconds for t in parts), 6)}
     return results
 
 
@@ -98,6 +130,12 @@ class Scorer:
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
         self.tokenizer = TokenizerAdapter(tokenizer)
         self.normalize_options = normalize_options or NormalizeOptions()
+        opts = self.options
+        self.limits = RequestLimits.resolve(self.config.max_context,
+                                            max_text_bytes=opts.max_text_bytes,
+                                            max_token_ids=opts.max_token_ids,
+                                            max_candidates=opts.max_candidates)
+        self.shares_prompts = self._shares_prompts()
         policy = BucketPolicy(max_batch_tokens=self.options.resolved_batch_tokens(),
                               min_block=self.options.min_block)
         self.engines = [self._engine(params, dtype, policy, g)
@@ -125,13 +163,35 @@ class Scorer:
                                    dtype=dtype, **dict(opts.backend_options))
         return Engine(self.config, backend, policy=policy, expert_impl=opts.expert_impl,
                       tile_rows=opts.tile_rows, prefix_cache_blocks=self._prefix_blocks(dtype),
-                      kv_cache_free=opts.kv_cache_free)
+                      kv_cache_free=self.kv_cache_free)
+
+    def _shares_prompts(self) -> bool:
+        """Whether a prompt is computed once for all of a request's ops (and those of other
+        requests sharing it) in a call: option ``share_prompts`` ("auto": where the backend
+        holds a prefix pool)."""
+        opts = self.options
+        backend = "resident" if opts.engines > 1 else opts.backend
+        holds = backend_class(backend).holds_prefix_pool
+        if opts.share_prompts is True and not holds:
+            raise ValueError(f"share_prompts=true needs a backend that holds a prefix pool "
+                             f"(resident, offload); backend {backend!r} does not (use "
+                             f"share_prompts='auto' or false)")
+        if opts.share_prompts is False and (opts.kv_cache_free or opts.prefix_cache_blocks):
+            raise ValueError("share_prompts=false contradicts kv_cache_free / "
+                             "prefix_cache_blocks, which share prompts")
+        return holds and opts.share_prompts is not False
+
+    @property
+    def kv_cache_free(self) -> bool:
+        """Prompt sharing within a call only (no prefix cache kept across calls)."""
+        return self.options.kv_cache_free or (self.shares_prompts
+                                              and not self.options.prefix_cache_blocks)
 
     def _prefix_blocks(self, dtype) -> int:
         """Pool blocks of the prefix cache: the option, or ``auto`` = ``prefix_cache_mib``
-        worth; KV-cache-free mode needs a pool too (for in-run sharing)."""
+        worth; KV-cache-free mode (prompt sharing without a cache) needs a pool too."""
         blocks = self.options.prefix_cache_blocks
-        if blocks == "auto" or (blocks == 0 and self.options.kv_cache_free):
+        if blocks == "auto" or (blocks == 0 and self.kv_cache_free):
             blocks = blocks_for_budget(self.config, self.options.prefix_cache_mib << 20,
                                        np.dtype(dtype).itemsize)
         return int(blocks)
@@ -160,7 +220,8 @@ class Scorer:
         """What is being served: architecture, sizes, dtype, batching, backend, Θ."""
         cfg = self.config
         backend = self.engine.backend
-        return {"model_dir": self.model_dir, "demo": self.is_demo, "model_type": cfg.model_type,
+        return {"model_dir": self.model_dir, "model_name": self.model_name, "demo": self.is_demo,
+                "model_type": cfg.model_type,
                 "vocab_size": cfg.vocab_size, "max_context": cfg.max_context,
                 "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
                 "experts_per_token": cfg.num_experts_per_tok,
@@ -173,7 +234,92 @@ class Scorer:
                 "routing": self.options.routing if self.pool is not None else None,
                 "prefix_cache_blocks": (self.engine.prefix_cache.num_blocks
                                         if self.engine.prefix_cache else 0),
-                "kv_cache_free": self.options.kv_cache_free}
+                "kv_cache_free": self.kv_cache_free, "share_prompts": self.shares_prompts,
+                "limits": self.limits.as_dict()}
+
+    @property
+    def model_name(self) -> str:
+        """The model's name, safe to show a remote caller: "demo", or the name of its
+        directory (never the path)."""
+        return "demo" if self.is_demo else os.path.basename(os.path.normpath(self.model_dir))
+
+    def prepare(self, request: RequestLike, index: int = 0) -> PreparedRequest:
+        """Validate, tokenize and expand one request (``index``: its position in the
+        caller's list, naming it in messages). Needs no device and may run on any thread
+        (the tokenizer releases the GIL), beside a :meth:`run_ops` of another thread."""
+        try:
+            self.limits.check(request, index)
+        except RequestError as exc:
+            return PreparedRequest(index=index, request=request, error=str(exc))
+        ops, errors, prompt_tokens = normalize_requests(
+            [request], self.tokenizer, vocab_size=self.config.vocab_size,
+            max_context=self.config.max_context, options=self.normalize_options)
+        if errors:
+            message = relabel(errors[0], _request_id(request), 0, index)
+            return PreparedRequest(index=index, request=request, error=message)
+        if index != 0:
+            ops = [dataclasses.replace(op, key=OpKey(index, op.candidate_index)) for op in ops]
+        flops = (sharing_flops(ops, self.config) if self.shares_prompts
+                 else [op.flops(self.config) for op in ops])
+        op_costs = tuple(self.token_equivalents(f) for f in flops)
+        return PreparedRequest(index=index, request=request, ops=tuple(ops),
+                               prompt_tokens=prompt_tokens[0], cost=sum(op_costs),
+                               op_costs=op_costs)
+
+    def token_equivalents(self, flops: int) -> int:
+        """A cost in FLOPs as tokens: over one token's linear FLOPs (at least 1)."""
+        return max(1, -(-int(flops) // self.config.linear_flops_per_token))
+
+    def run_ops(self, ops: Sequence[PrefillOp], on_batch_done: Any = None
+                ) -> tuple[dict[Hashable, Any], dict[Hashable, OpTiming]]:
+        """Run prefill ops (keys distinct) -> (output by op key: (logits, log-sum-exp) or
+        the exception of the step that failed it; timing by op key). Not thread-safe: one
+        thread runs the model."""
+        start = time.perf_counter()
+        timings: Mapping[Hashable, OpTiming] | None = None
+        try:
+            if self.pool is not None:
+                raw, by_index = self.pool.run(ops, on_batch_done)
+                timings = {op.key: by_index[i] for i, op in enumerate(ops)}
+            else:
+                raw = self.engine.run(ops, on_batch_done=on_batch_done)
+        except Exception as error:   # noqa: BLE001
+            # A run that raises (a failed step on the prefix pool fails its run: the engine
+            # has recovered) fails every op of it; a failed plain step fails only its own
+            # ops, whose outputs are then the exception.
+            log.error("scoring run failed: %s: %s", type(error).__name__, error)
+            raw = {op.key: error for op in ops}
+        if timings is None:
+            done = time.perf_counter() - start
+            timings = {op.key: OpTiming(engine=0, round=0, seconds=done) for op in ops}
+        return raw, dict(timings)
+
+    def combine(self, prepared: Sequence[PreparedRequest], raw: Mapping[Hashable, Any],
+                timings: Mapping[Hashable, OpTiming] | None = None) -> list[ScoreResult]:
+        """One result per prepared request, in order, from the outputs of their ops."""
+        requests, ops, outputs = [], [], []
+        errors: dict[int, str] = {}
+        prompt_tokens: dict[int, int] = {}
+        for position, prep in enumerate(prepared):
+            requests.append(prep.request)
+            if prep.error is not None:
+                errors[position] = prep.error
+                continue
+            prompt_tokens[position] = prep.prompt_tokens
+            for op in prep.ops:
+                out = raw[op.key]
+                if prep.index != position:
+                    op = dataclasses.replace(op, key=OpKey(position, op.candidate_index))
+                ops.append(op)
+                outputs.append(out if isinstance(out, Exception)
+                               else OpOutput(logits=out[0], logsumexp=out[1]))
+        results = combine_results(requests, ops, outputs, errors, prompt_tokens)
+        for result, prep, position in zip(results, prepared, range(len(prepared))):
+            if result.error is not None and position in errors:
+                continue  # prepared errors already name the request by its index
+            if result.error is not None:
+                result.error = relabel(result.error, result.id, position, prep.index)
+        return attach_timings(results, prepared, timings or {})
 
     def score(self, requests: Sequence[RequestLike], *, progress: bool | None = None
               ) -> list[ScoreResult]:
@@ -184,38 +330,29 @@ class Scorer:
         """
         if isinstance(requests, (str, bytes, Mapping, ScoreRequest)):
             raise TypeError("score() takes a list of requests; wrap a single request in a list")
-        requests = list(requests)
-        ops, errors, prompt_tokens = normalize_requests(
-            requests, self.tokenizer, vocab_size=self.config.vocab_size,
-            max_context=self.config.max_context, options=self.normalize_options)
+        prepared = [self.prepare(request, index) for index, request in enumerate(requests)]
+        ops = [op for prep in prepared for op in prep.ops]
         if progress is None:
-            progress = (len(requests) >= self.options.progress_min_requests
+            progress = (len(prepared) >= self.options.progress_min_requests
                         and sys.stderr.isatty())
         bar = None
         if progress and ops:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ops), unit="seq", desc="scoring", file=sys.stderr)
-        start = time.perf_counter()
-        timings: Mapping[int, OpTiming] | None = None
         try:
-            if self.pool is not None:
-                raw, timings = self.pool.run(ops, bar.update if bar else None)
-            else:
-                raw = self.engine.run(ops, on_batch_done=bar.update if bar else None)
-        except Exception as error:   # noqa: BLE001
-            # A run that raises (a failed step on the prefix pool fails its run: the engine
-            # has recovered) fails every op of it; a failed plain step fails only its own
-            # ops, whose outputs are then the exception.
-            log.error("scoring run failed: %s: %s", type(error).__name__, error)
-            raw = {op.key: error for op in ops}
+            raw, timings = self.run_ops(ops, bar.update if bar else None)
         finally:
             if bar is not None:
                 bar.close()
-        if timings is None:
-            done = time.perf_counter() - start
-            timings = {i: OpTiming(engine=0, round=0, seconds=done) for i in range(len(ops))}
-        outputs = [raw[op.key] if isinstance(raw[op.key], Exception)
-                   else OpOutput(logits=raw[op.key][0], logsumexp=raw[op.key][1]) for op in ops]
-        results = combine_results(requests, ops, outputs, errors, prompt_tokens)
-        return attach_timings(results, ops, timings)
+        return self.combine(prepared, raw, timings)
+
+
+def _request_id(request: Any) -> Any:
+    """The id of a raw request, when it has a usable one (for naming it)."""
+    try:
+        value = request.get("id") if isinstance(request, Mapping) else getattr(request, "id",
+                                                                                 None)
+    except Exception:  # noqa: BLE001
+        return None
+    return value if request_label(value, None) != "request" else None

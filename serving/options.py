@@ -37,6 +37,10 @@ class ScorerOptions:
     prefix_cache_blocks: int | str = 0
     prefix_cache_mib: int = 256
     kv_cache_free: bool = False
+    share_prompts: bool | str = "auto"
+    max_text_bytes: int | str = "auto"
+    max_token_ids: int | str = "auto"
+    max_candidates: int = 4096
     engines: int = 1
     routing: str = "prefix"
     routing_seed: int = 0
@@ -89,6 +93,16 @@ class ScorerOptions:
                              f"got {self.compilation_cache!r}")
         if not isinstance(self.kv_cache_free, bool):
             raise ValueError(f"kv_cache_free must be true or false, got {self.kv_cache_free!r}")
+        if self.share_prompts not in (True, False, "auto"):
+            raise ValueError(f"share_prompts must be true, false or 'auto', got "
+                             f"{self.share_prompts!r}")
+        for name in ("max_text_bytes", "max_token_ids", "max_candidates"):
+            value = getattr(self, name)
+            auto_ok = name != "max_candidates"
+            if not (auto_ok and value == "auto") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                also = " or 'auto'" if auto_ok else ""
+                raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
 
     @property
     def platform(self) -> str:

@@ -52,6 +52,20 @@ def blocks_for_budget(cfg: ModelConfig, budget_bytes: int, itemsize: int,
     return max(0, int(budget_bytes) // per_block)
 
 
+def sharing_flops(ops: Sequence[PrefillOp], cfg: ModelConfig,
+                  block_size: int = BLOCK_SIZE) -> list[int]:
+    """FLOPs of each op of one request when they run together with in-call sharing: the
+    first op whole, each other one after the prompt tokens it can read from the first (its
+    shared ``prefix_len`` up to its first score position, when at least a block's worth:
+    what :func:`plan_run` shares). An estimate for admission; the plan may share more."""
+    out = []
+    for i, op in enumerate(ops):
+        shared = 0 if i == 0 else _worth_sharing(min(op.prefix_len, op.reusable_len),
+                                                 block_size)
+        out.append(op.flops(cfg, cached=shared))
+    return out
+
+
 class PrefixCache:
     """Block table of one engine's prefix pool (host side)."""
 

@@ -59,17 +59,16 @@ class SharedScorer:
         self.gate.set()
         self.entered = threading.Event()
 
-    @property
-    def info(self):
-        return self.scorer.info
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)   # prepare, combine, info, limits, ...
 
-    @property
-    def tokenizer(self):
-        return self.scorer.tokenizer
-
-    def score(self, requests, progress=None):
+    def run_ops(self, ops, on_batch_done=None):
         self.entered.set()
         assert self.gate.wait(T), "the test left the gate closed"
+        with self.lock:
+            return self.scorer.run_ops(ops, on_batch_done)
+
+    def score(self, requests, progress=None):
         with self.lock:
             return self.scorer.score(requests, progress=progress)
 
@@ -344,7 +343,7 @@ def test_admission_control_refuses_with_a_retry_hint_and_streams_wait(scorer):
             scoring.ScoreBatch(pb.ScoreBatchRequest(requests=[
                 to_proto({"prompt": "c" * 40, "candidates": [" a"]})] * 3), timeout=T)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "split it" in info.value.details()
+        assert "split them" in info.value.details()
         scorer.gate.set()
         assert first.result(timeout=T).label in (0, 1)
         assert scoring.Score(to_proto({"prompt": "b" * 40, "candidates": [" a", " b"]}),
@@ -356,7 +355,7 @@ def test_admission_control_refuses_with_a_retry_hint_and_streams_wait(scorer):
             results = client.score(requests, timeout=T)
         assert [r.id for r in results] == list(range(20)) and all(r.error is None for r in results)
         stats = server.stats()
-        assert stats["peak_queued_tokens"] <= bound and stats["rejected"] == 1
+        assert stats["peak_queued_tokens"] <= bound and stats["rejected"] == 2  # Score, ScoreBatch
         assert wait_until(lambda: server.stats()["queued_tokens"] == 0)
 
 
@@ -665,9 +664,11 @@ def test_client_cli_streams_a_jsonl_file_in_input_order(served, scorer, tmp_path
 
 
 
-def test_a_stream_reads_no_further_than_its_window_of_unsent_results(monkeypatch):
+def test_a_stream_reads_no_further_than_its_window_of_unsent_results(monkeypatch, scorer):
     """A client that sends without reading: gRPC stops taking the server's responses once
     its flow-control window is full, and the reader then stops reading requests."""
+    import asyncio
+
     from serving.grpc import service
     from serving.grpc.batcher import Admission
     from serving.requests import ScoreResult
@@ -675,17 +676,14 @@ def test_a_stream_reads_no_further_than_its_window_of_unsent_results(monkeypatch
     monkeypatch.setattr(service, "STREAM_WINDOW", 4)
 
     class Context:
-        def add_callback(self, callback):
-            return True
-
-        def is_active(self):
-            return True
-
         def time_remaining(self):
             return None
 
     class InstantBatcher:
         admission = Admission(1000)
+
+        def retry_after_ms(self, tokens):
+            return 10
 
         def submit(self, items):
             for item in items:
@@ -694,17 +692,26 @@ def test_a_stream_reads_no_further_than_its_window_of_unsent_results(monkeypatch
 
     pulled = []
 
-    def messages():
+    async def messages():
         for i in range(40):
             pulled.append(i)
             yield pb.StreamRequest(request=to_proto({"id": i, "prompt": "p",
                                                      "candidates": [" a"]}))
 
-    stream = service._Stream(service.ScoringService(), InstantBatcher(), Context())
-    reader = threading.Thread(target=stream.read, args=(messages(),), daemon=True)
-    reader.start()
-    assert wait_until(lambda: len(pulled) == 4)
-    time.sleep(0.3)  # the reader waits for a free slot
-    assert len(pulled) == 4 and reader.is_alive()
-    assert sorted(m.result.int_id for m in stream.results()) == list(range(40))
-    reader.join(T)
+    async def scenario():
+        scoring = service.ScoringService()
+        scoring.scorer = scorer
+        stream = service._Stream(scoring, InstantBatcher(), Context())
+        reader = asyncio.ensure_future(stream.read(messages()))
+        for _ in range(200):
+            if len(pulled) == 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the reader waits for a free slot
+        assert len(pulled) == 4 and not reader.done()
+        ids = [m.result.int_id async for m in stream.results()]
+        await reader
+        scoring.close()
+        return ids
+
+    assert sorted(asyncio.run(scenario())) == list(range(40))

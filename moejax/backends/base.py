@@ -79,6 +79,9 @@ class Backend(abc.ABC):
     :meth:`step` and :meth:`memory_report`."""
 
     name: str = ""
+    # Whether make_prefix_pool / prefix_step work here (the prefix cache and in-call
+    # prompt sharing need them).
+    holds_prefix_pool: bool = False
 
     def __init__(self, cfg: ModelConfig, *, dtype: Any = jnp.float32):
         self.cfg = cfg

@@ -30,6 +30,7 @@ class ResidentBackend(Backend):
     """All params on one device; one jitted forward per batch shape."""
 
     name = "resident"
+    holds_prefix_pool = True
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1, device: jax.Device | None = None):

@@ -462,6 +462,7 @@ class OffloadBackend(StreamedBackend):
     the prefix cache too (the pool on the device)."""
 
     name = "offload"
+    holds_prefix_pool = True
 
     def __init__(self, cfg: ModelConfig, params: Params, *, devices: int = 1, **options: Any):
         if devices != 1:

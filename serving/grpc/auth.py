@@ -15,20 +15,24 @@ import grpc
 
 
 def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that refuses the call."""
-    def refuse(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    """A handler of the same shape as ``handler`` that refuses the call (asyncio)."""
+    async def refuse(request_or_iterator: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_stream(request_or_iterator: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # an async generator, as a response-streaming handler must be
 
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_stream_rpc_method_handler(refuse_stream)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to methods under ``protected`` (a "/package.Service/" prefix) that do
     not carry the token."""
 
@@ -38,9 +42,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {token}".encode("utf-8")
         self._protected = protected
 
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation: Callable[[Any], Any],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(self._protected):
             return handler
         given = [value for key, value in handler_call_details.invocation_metadata or ()

@@ -1,19 +1,27 @@
-"""The server's work queue: admission control and the one thread that runs the Scorer.
+"""The server's work queue: admission by cost, batching by cost, and the one thread that
+runs the model.
 
-A :class:`~serving.Scorer` is not thread-safe, so one worker thread owns it. RPC handlers
-turn requests into :class:`WorkItem` s and :meth:`Batcher.submit` them; the worker takes
-everything queued (oldest first, up to ``batch_tokens`` estimated tokens) as one
-micro-batch, so concurrent callers are scored together in one ``Scorer.score`` call, and
-hands each item its outcome through the item's ``deliver`` callback.
+A :class:`~serving.Scorer` runs one model call at a time, so one worker thread owns its
+:meth:`~serving.Scorer.run_ops`. RPC handlers prepare requests (validation, tokenization,
+expansion into prefill ops: :meth:`~serving.Scorer.prepare`, on other threads) and
+:meth:`Batcher.submit` them as :class:`WorkItem` s; the worker forms a batch of queued
+ops up to ``batch_tokens`` and runs them in one call, so concurrent callers share batches.
 
-Admission control bounds the *queued tokens*: the estimated tokens of every item admitted
-and not yet answered (waiting or being scored). An item's estimate is its prompt length
-(token ids, or UTF-8 bytes of text: an upper bound for byte-level tokenizers) plus its
-candidates' lengths, capped at the bound (so one oversized request can still run, alone).
-Unary callers over the bound are refused at once (``try_acquire``, the handler answers
-RESOURCE_EXHAUSTED with a retry hint); streams wait for room (``acquire``: back-pressure)
-and only while the queue holds less than half the bound, so that bulk streams cannot starve
-online (unary) callers.
+**Cost.** An item's cost is what computing its ops costs, in *token-equivalents*
+(FLOPs over one token's linear FLOPs; :attr:`serving.api.PreparedRequest.cost`): a
+prompt shared by 200 candidates counts once, 200 candidates recomputing it count 200
+times. Admission bounds the cost of every item admitted and not yet answered
+(``max_queued_tokens``). Unary callers over the bound are refused at once
+(``try_acquire``: RESOURCE_EXHAUSTED with a retry hint); streams wait for room
+(``acquire``), only while the queue holds less than half the bound, so bulk streams cannot
+starve online callers. An item costing more than the whole bound is refused outright.
+
+**Batching by cost, never behind a long request.** The worker takes the oldest items
+whole while they fit in ``batch_tokens``. An item too large for what is left of a batch
+is split: the batch takes a chunk of its ops (the first batch: as much as fits) and the
+rest goes to the *back* of the queue, behind items that arrived meanwhile. So a small
+request waits at most about one batch behind a long one, however long it is; the long
+one's chunks each compute its prompt once (``share_prompts``).
 
 Deadlines: an item whose call has expired, or was cancelled, by the time the worker
 reaches it is dropped, not computed (counted in ``stats``).
@@ -26,24 +34,12 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
-from serving.requests import ScoreRequest, ScoreResult, request_label
+from moejax.ops import OpKey, PrefillOp
+from serving.requests import ScoreResult
 
 log = logging.getLogger("moejax.grpc")
-
-
-def estimate_tokens(request: ScoreRequest) -> int:
-    """Token estimate of a parsed request (see the module docstring); at least 1."""
-    if request.prompt_token_ids is not None:
-        prompt = len(request.prompt_token_ids)
-    else:
-        prompt = len((request.prompt or "").encode("utf-8"))
-    if request.candidate_token_ids is not None:
-        candidates = sum(len(c) for c in request.candidate_token_ids)
-    else:
-        candidates = sum(len(c.encode("utf-8")) for c in request.candidates or ())
-    return max(1, prompt + candidates)
 
 
 class Expired:
@@ -56,7 +52,7 @@ class Cancelled:
 
 @dataclasses.dataclass
 class Failed:
-    """Outcome of an item whose batch raised in the Scorer."""
+    """Outcome of an item whose ops raised in the model (the backend has recovered)."""
 
     error: BaseException
 
@@ -66,24 +62,43 @@ Outcome = ScoreResult | Expired | Cancelled | Failed
 
 @dataclasses.dataclass(eq=False)
 class WorkItem:
-    """One request in the queue.
+    """One prepared request in the queue.
 
-    ``index`` names the request in error messages ("request #3") when it has no id;
-    ``deadline`` is a ``time.monotonic()`` time or None; ``cancelled`` tells whether the
-    caller has gone; ``deliver(item, outcome)`` is called exactly once."""
+    ``prepared``: a :class:`serving.api.PreparedRequest` (its ``index`` names the request
+    in messages); ``deadline`` is a ``time.monotonic()`` time or None; ``cancelled`` tells
+    whether the caller has gone; ``deliver(item, outcome)`` is called exactly once."""
 
-    request: ScoreRequest
-    index: int
-    cost: int
+    prepared: Any
     deliver: Callable[["WorkItem", Outcome], None]
     deadline: float | None = None
     cancelled: Callable[[], bool] = lambda: False
     enqueued: float = dataclasses.field(default_factory=time.monotonic)
-    queue_seconds: float = 0.0
+    queue_seconds: float | None = None
+    pending: list[PrefillOp] = dataclasses.field(default_factory=list)
+    outputs: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
+    timings: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
+    chunks: int = 0
+    delivered: bool = False
+    future: Any = None   # what the caller awaits, when it awaits one
+
+    def __post_init__(self) -> None:
+        self.pending = list(self.prepared.ops)
+
+    @property
+    def index(self) -> int:
+        return self.prepared.index
+
+    @property
+    def cost(self) -> int:
+        return self.prepared.cost
+
+    @property
+    def request(self) -> Any:
+        return self.prepared.request
 
 
 class Admission:
-    """A bound on queued tokens; ``peak`` is the most ever admitted at once."""
+    """A bound on queued cost (token-equivalents); ``peak`` is the most ever admitted."""
 
     def __init__(self, bound: int):
         if bound <= 0:
@@ -94,9 +109,10 @@ class Admission:
         self.rejected = 0
         self._cond = threading.Condition()
 
-    def cost(self, request: ScoreRequest) -> int:
-        """Tokens a request occupies while admitted."""
-        return min(estimate_tokens(request), self.bound)
+    @property
+    def full(self) -> bool:
+        """Is the queue at its bound (nothing more would be admitted)?"""
+        return self.queued >= self.bound
 
     def _take(self, tokens: int, limit: int) -> bool:
         """Admit when the queue stays within ``limit`` (<= bound), or when it is empty (an
@@ -127,6 +143,12 @@ class Admission:
                 self._cond.wait(poll)
             return True
 
+    def try_acquire_share(self, tokens: int, share: float) -> bool:
+        """Admit ``tokens`` if they fit in ``share`` of the bound (no waiting, not counted
+        as a refusal: a stream polls this)."""
+        with self._cond:
+            return self._take(tokens, max(1, int(self.bound * share)))
+
     def release(self, tokens: int) -> None:
         with self._cond:
             self.queued -= tokens
@@ -136,11 +158,19 @@ class Admission:
 _STOP = object()
 
 
-class Batcher:
-    """Owns the Scorer: one worker thread scores micro-batches of queued items.
+@dataclasses.dataclass
+class _Chunk:
+    """Ops of one item in one batch."""
 
-    ``batch_tokens``: estimated tokens gathered into one ``Scorer.score`` call (the first
-    item is always taken); ``max_batch_requests`` caps its request count.
+    item: WorkItem
+    ops: list[PrefillOp]
+
+
+class Batcher:
+    """Owns the Scorer's model calls: one worker thread runs batches of queued ops.
+
+    ``batch_tokens``: token-equivalents of ops per model call (an item is split when it is
+    larger); ``max_batch_requests`` caps the items of one call.
     """
 
     def __init__(self, scorer: Any, *, max_queued_tokens: int, batch_tokens: int,
@@ -151,8 +181,8 @@ class Batcher:
         self.max_batch_requests = max(1, int(max_batch_requests))
         self._queue: collections.deque[Any] = collections.deque()
         self._cond = threading.Condition()
-        self._rate = 0.0  # estimated tokens per second scored (EMA), for retry hints
-        self.stats = {"batches": 0, "requests": 0, "scored": 0, "errors": 0,
+        self._rate = 0.0  # token-equivalents per second computed (EMA), for retry hints
+        self.stats = {"batches": 0, "requests": 0, "scored": 0, "errors": 0, "split": 0,
                       "dropped_expired": 0, "dropped_cancelled": 0, "failed": 0}
         self._thread = threading.Thread(target=self._run, name="moejax-grpc-worker", daemon=True)
         self._thread.start()
@@ -187,23 +217,54 @@ class Batcher:
             self._cond.notify()
         self._thread.join(timeout)
 
-    # ------------------------------------------------------------------ worker
-    def _next_batch(self) -> list[WorkItem] | None:
-        """The oldest items up to the bounds; None at the stop marker."""
+    # ------------------------------------------------------------------ batch forming
+    def _chunk_costs(self, item: WorkItem) -> list[int]:
+        """Token-equivalents of the item's pending ops, in order, when they start a chunk:
+        the first one whole (it computes the shared prompt again), the others shared."""
+        done = len(item.prepared.ops) - len(item.pending)
+        costs = list(item.prepared.op_costs[done:])
+        if done and costs:
+            costs[0] = self.scorer.token_equivalents(item.pending[0].flops(self.scorer.config))
+        return costs
+
+    def _next_batch(self) -> list[_Chunk] | None:
+        """The oldest items up to the bounds, the last one possibly in part; None at the
+        stop marker. A partly taken item goes to the back of the queue."""
         with self._cond:
             while not self._queue:
                 self._cond.wait()
             if self._queue[0] is _STOP:
                 return None
-            batch, tokens = [], 0
+            batch: list[_Chunk] = []
+            spent = 0
             while (self._queue and self._queue[0] is not _STOP
-                   and len(batch) < self.max_batch_requests
-                   and (not batch or tokens + self._queue[0].cost <= self.batch_tokens)):
-                item = self._queue.popleft()
-                batch.append(item)
-                tokens += item.cost
+                   and len(batch) < self.max_batch_requests):
+                item = self._queue[0]
+                costs = self._chunk_costs(item)
+                room = self.batch_tokens - spent
+                if sum(costs) <= room:                      # fits whole
+                    self._queue.popleft()
+                    batch.append(_Chunk(item, item.pending))
+                    item.pending = []
+                    spent += sum(costs)
+                    continue
+                if batch and (sum(costs) <= self.batch_tokens or room < self.batch_tokens // 2):
+                    break                                   # it starts the next batch
+                taken, used = 0, 0                          # a chunk now (at least one op)
+                while taken < len(costs) and (taken == 0 or used + costs[taken] <= room):
+                    used += costs[taken]
+                    taken += 1
+                self._queue.popleft()
+                batch.append(_Chunk(item, item.pending[:taken]))
+                item.pending = item.pending[taken:]
+                item.chunks += 1
+                self.stats["split"] += item.chunks == 1
+                if item.pending:
+                    self._queue.append(item)                # the rest waits its turn
+                break
             return batch
 
+    # ------------------------------------------------------------------ worker
     def _run(self) -> None:
         while True:
             batch = self._next_batch()
@@ -213,69 +274,105 @@ class Batcher:
                 self._score(batch)
             except BaseException:  # never let the worker die: the server would hang
                 log.exception("batch of %d requests failed unexpectedly", len(batch))
+                for chunk in batch:
+                    self._fail(chunk.item, RuntimeError("the server failed on this batch"))
 
     def _finish(self, item: WorkItem, outcome: Outcome) -> None:
+        """Deliver ``outcome`` (once) and release the item's admission."""
+        if item.delivered:
+            return
+        item.delivered = True
+        if item.pending:  # the rest is still queued: take it out
+            with self._cond:
+                item.pending = []
+                try:
+                    self._queue.remove(item)
+                except ValueError:
+                    pass
         self.admission.release(item.cost)
         try:
             item.deliver(item, outcome)
         except Exception:
             log.exception("delivering the result of request #%d failed", item.index)
 
-    def _triage(self, batch: list[WorkItem]) -> list[WorkItem]:
-        """Drop expired and cancelled items; the live ones remain."""
+    def _fail(self, item: WorkItem, error: BaseException) -> None:
+        if not item.delivered:
+            self.stats["failed"] += 1
+            self._finish(item, Failed(error))
+
+    def _triage(self, batch: list[_Chunk]) -> list[_Chunk]:
+        """Drop chunks of expired and cancelled items; the live ones remain."""
         now = time.monotonic()
         live = []
-        for item in batch:
-            item.queue_seconds = now - item.enqueued
+        for chunk in batch:
+            item = chunk.item
+            if item.queue_seconds is None:
+                item.queue_seconds = now - item.enqueued
             if item.deadline is not None and item.deadline <= now:
+                self.stats["requests"] += 1
                 self.stats["dropped_expired"] += 1
                 self._finish(item, Expired())
             elif item.cancelled():
+                self.stats["requests"] += 1
                 self.stats["dropped_cancelled"] += 1
                 self._finish(item, Cancelled())
             else:
-                live.append(item)
+                live.append(chunk)
         return live
 
-    def _score(self, batch: list[WorkItem]) -> None:
+    def _score(self, batch: list[_Chunk]) -> None:
         live = self._triage(batch)
         self.stats["batches"] += 1
-        self.stats["requests"] += len(batch)
         if not live:
             log.info("batch %d: %d requests, all dropped (expired or cancelled)",
                      self.stats["batches"], len(batch))
             return
+        ops, origin = [], {}
+        for position, chunk in enumerate(live):
+            for op in chunk.ops:
+                key = OpKey(position, op.candidate_index)
+                origin[key] = op.key
+                ops.append(dataclasses.replace(op, key=key) if op.key != key else op)
         start = time.perf_counter()
-        try:
-            results = self.scorer.score([item.request for item in live], progress=False)
-        except Exception as exc:
-            log.exception("scoring a batch of %d requests failed", len(live))
-            self.stats["failed"] += len(live)
-            for item in live:
-                self._finish(item, Failed(exc))
-            return
+        raw, timings = self.scorer.run_ops(ops)
         seconds = time.perf_counter() - start
-        tokens = sum(item.cost for item in live)
+        tokens = sum(len(chunk.ops) and chunk.item.cost * len(chunk.ops)
+                     // max(1, len(chunk.item.prepared.ops)) for chunk in live)
         rate = tokens / max(seconds, 1e-6)
         self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate
-        errors = 0
-        for position, (item, result) in enumerate(zip(live, results)):
-            errors += result.error is not None
-            self._finish(item, _relabel(result, item, position))
-        self.stats["scored"] += len(live) - errors
-        self.stats["errors"] += errors
-        log.info("batch %d: %d requests (%d invalid, %d dropped), ~%d tokens, waited %.1f ms "
-                 "(oldest), scored in %.1f ms, %d tokens queued",
-                 self.stats["batches"], len(batch), errors, len(batch) - len(live), tokens,
-                 1000 * max(item.queue_seconds for item in batch), 1000 * seconds,
-                 self.admission.queued)
+        finished, errors = 0, 0
+        for position, chunk in enumerate(live):
+            item = chunk.item
+            for op in chunk.ops:
+                key = OpKey(position, op.candidate_index)
+                item.outputs[op.key] = raw[key]
+                item.timings[op.key] = timings[key]
+            if item.pending:
+                continue  # more chunks to come
+            finished += 1
+            errors += self._complete(item)
+        log.info("batch %d: %d requests (%d finished, %d with errors, %d dropped), ~%d "
+                 "token-equivalents, oldest waited %.1f ms, ran in %.1f ms, %d queued",
+                 self.stats["batches"], len(batch), finished, errors, len(batch) - len(live),
+                 tokens, 1000 * max(chunk.item.queue_seconds for chunk in batch),
+                 1000 * seconds, self.admission.queued)
 
-
-def _relabel(result: ScoreResult, item: WorkItem, position: int) -> ScoreResult:
-    """Error messages name an id-less request by its index *in the Scorer call*; give it
-    its index in the caller's call instead."""
-    if result.error is not None and position != item.index:
-        old = request_label(item.request.id, position) + ":"
-        if old.startswith("request #") and result.error.startswith(old):
-            result.error = request_label(None, item.index) + ":" + result.error[len(old):]
-    return result
+    def _complete(self, item: WorkItem) -> int:
+        """Combine a finished item's outputs into its result and deliver it; 1 when it is
+        an error (a failed op: Failed)."""
+        self.stats["requests"] += 1
+        failure = next((out for out in item.outputs.values() if isinstance(out, Exception)),
+                       None)
+        if failure is not None:
+            self._fail(item, failure)
+            return 1
+        try:
+            result = self.scorer.combine([item.prepared], item.outputs, item.timings)[0]
+        except Exception as exc:  # noqa: BLE001  (outputs that do not match: an engine bug)
+            log.exception("combining the result of request #%d failed", item.index)
+            self._fail(item, exc)
+            return 1
+        self.stats["scored"] += result.error is None
+        self.stats["errors"] += result.error is not None
+        self._finish(item, result)
+        return int(result.error is not None)

@@ -53,6 +53,39 @@ def _get_id(message: Any) -> str | int | None:
     return None if which is None else getattr(message, which)
 
 
+def get_id(message: Any) -> str | int | None:
+    """The id of a request or result message (None when it has none)."""
+    return _get_id(message)
+
+
+def usable_id(request: Any) -> str | int | None:
+    """The id of a request (a ScoreRequest or dict), when it can name it in a result."""
+    value = request.get("id") if isinstance(request, Mapping) else getattr(request, "id", None)
+    return value if request_label(value, None) != "request" else None
+
+
+class _CandidateIds:
+    """``candidate_token_ids`` of a message as a list of id lists, without copying."""
+
+    def __init__(self, repeated: Any):
+        self._repeated = repeated
+
+    def __len__(self) -> int:
+        return len(self._repeated)
+
+    def __iter__(self):
+        return (c.ids for c in self._repeated)
+
+
+def limit_view(message: pb.ScoreRequest) -> dict[str, Any]:
+    """The fields :meth:`serving.limits.RequestLimits.check` reads, as views of the
+    message (lengths are O(1): nothing is copied or converted)."""
+    return {"id": _get_id(message),
+            "prompt": message.prompt if message.HasField("prompt") else None,
+            "prompt_token_ids": message.prompt_token_ids, "candidates": message.candidates,
+            "candidate_token_ids": _CandidateIds(message.candidate_token_ids)}
+
+
 def request_to_proto(request: ScoreRequest, index: int | None = None) -> pb.ScoreRequest:
     """The proto of a request already checked by :func:`serving.requests.parse_request`.
 
@@ -134,6 +167,14 @@ def error_result(request_id: Any, error: str) -> ScoreResult:
     return ScoreResult(id=request_id if usable else None, error=error)
 
 
+PRIVATE_INFO = ("model_dir",)  # what a remote caller must not learn (the server's files)
+
+
+def public_info(info: Mapping[str, Any]) -> dict[str, Any]:
+    """``Scorer.info`` without what only the server's operator may see."""
+    return {k: v for k, v in info.items() if k not in PRIVATE_INFO}
+
+
 def info_to_proto(info: Mapping[str, Any], *, max_queued_tokens: int,
                   max_message_bytes: int) -> pb.ModelInfoResponse:
     """``ModelInfo`` of a :attr:`serving.Scorer.info` dict and the server's limits."""
@@ -148,7 +189,10 @@ def info_to_proto(info: Mapping[str, Any], *, max_queued_tokens: int,
         max_batch_tokens=int(info.get("max_batch_tokens", 0)),
         engines=int(info.get("engines", 1)), demo=bool(info.get("demo", False)),
         max_queued_tokens=max_queued_tokens, max_message_bytes=max_message_bytes,
-        info_json=json.dumps(dict(info), default=str, sort_keys=True))
+        model_name=str(info.get("model_name", "")),
+        info_json=json.dumps(public_info(info), default=str, sort_keys=True))
+    for name, value in (info.get("limits") or {}).items():
+        setattr(message, name, int(value))
     if info.get("theta_flops") is not None:
         message.theta_flops = float(info["theta_flops"])
     return message

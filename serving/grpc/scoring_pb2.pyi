@@ -103,7 +103,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "max_context", "num_layers", "num_experts", "experts_per_token", "dtype", "backend", "devices", "device", "theta_flops", "theta_source", "max_batch_tokens", "engines", "demo", "max_queued_tokens", "max_message_bytes", "info_json")
+    __slots__ = ("architecture", "vocab_size", "max_context", "num_layers", "num_experts", "experts_per_token", "dtype", "backend", "devices", "device", "theta_flops", "theta_source", "max_batch_tokens", "engines", "demo", "max_queued_tokens", "max_message_bytes", "info_json", "model_name", "max_text_bytes", "max_token_ids", "max_candidates")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,10 @@ class ModelInfoResponse(_message.Message):
     MAX_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     max_context: int
@@ -140,4 +144,8 @@ class ModelInfoResponse(_message.Message):
     max_queued_tokens: int
     max_message_bytes: int
     info_json: str
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[int] = ..., device: _Optional[str] = ..., theta_flops: _Optional[float] = ..., theta_source: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., engines: _Optional[int] = ..., demo: _Optional[bool] = ..., max_queued_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., info_json: _Optional[str] = ...) -> None: ...
+    model_name: str
+    max_text_bytes: int
+    max_token_ids: int
+    max_candidates: int
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[int] = ..., device: _Optional[str] = ..., theta_flops: _Optional[float] = ..., theta_source: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., engines: _Optional[int] = ..., demo: _Optional[bool] = ..., max_queued_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., info_json: _Optional[str] = ..., model_name: _Optional[str] = ..., max_text_bytes: _Optional[int] = ..., max_token_ids: _Optional[int] = ..., max_candidates: _Optional[int] = ...) -> None: ...

@@ -11,18 +11,24 @@ Lifecycle (what ``moejax serve`` does)::
                                  # finish in-flight ones within the grace period
 
 Health (``grpc.health.v1.Health``) answers for the overall server ("") and for
-``moejax.v1.Scoring``. Threads: gRPC's pool runs the handlers (``workers``; at most
-``max_concurrent_rpcs`` calls at once, more get RESOURCE_EXHAUSTED from gRPC), each
-``ScoreStream`` has one reader thread, and one worker thread owns the Scorer
-(:mod:`serving.grpc.batcher`).
+``moejax.v1.Scoring``. Threads: the server is asyncio (``grpc.aio``) on one event-loop
+thread of its own, which serves health and reflection and runs the handlers' cheap parts
+(size limits, admission, waiting); a call waiting for its result holds no thread, so no
+number of calls in flight can starve a health check. ``workers`` threads prepare requests
+(parse, tokenize), and one worker thread owns the model (:mod:`serving.grpc.batcher`).
+Every refusal under load is the server's own, with a retry hint: the queue's cost bound
+(``max_queued_tokens``), calls in progress (``max_concurrent_rpcs``), requests waiting to
+be prepared (``max_preparing``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import ssl
+import threading
 import time
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -41,13 +47,16 @@ log = logging.getLogger("moejax.grpc")
 class ServerOptions:
     """Server settings (the ``moejax serve`` flags).
 
-    ``port`` 0 picks a free port. ``max_queued_tokens``: admission bound (estimated tokens
-    queued or being scored). ``batch_tokens``: estimated tokens per Scorer call (default
-    4 x the Scorer's ``max_batch_tokens``). ``grace_seconds``: how long in-flight calls may
-    run after a stop. ``drain_seconds``: time between health NOT_SERVING and refusing new
-    calls (for load balancers to notice). ``token``: require ``authorization: Bearer
-    <token>`` on Scoring calls. ``tls_cert`` / ``tls_key``: PEM files; TLS when both are set.
-    ``max_message_mib``: largest request message accepted.
+    ``port`` 0 picks a free port. ``max_queued_tokens``: admission bound (token-equivalents
+    of compute queued or running). ``batch_tokens``: token-equivalents per model call
+    (default 4 x the Scorer's ``max_batch_tokens``; larger requests are split).
+    ``grace_seconds``: how long in-flight calls may run after a stop. ``drain_seconds``:
+    time between health NOT_SERVING and refusing new calls (for load balancers to notice).
+    ``token``: require ``authorization: Bearer <token>`` on Scoring calls. ``tls_cert`` /
+    ``tls_key``: PEM files; TLS when both are set. ``max_message_mib``: largest request
+    message accepted. ``workers``: threads that prepare (parse, tokenize) requests.
+    ``max_concurrent_rpcs``: scoring calls in progress at once; ``max_preparing``: requests
+    waiting to be prepared (past either: RESOURCE_EXHAUSTED with a retry hint).
     """
 
     host: str = "127.0.0.1"
@@ -61,16 +70,17 @@ class ServerOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_message_mib: float = 16.0
-    workers: int = 64
-    max_concurrent_rpcs: int = 256
+    workers: int = 4
+    max_concurrent_rpcs: int = 4096
+    max_preparing: int = 4096
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")
         if min(self.max_queued_tokens, self.max_message_mib, self.workers,
-               self.max_concurrent_rpcs, self.max_batch_requests) <= 0:
-            raise ValueError("max_queued_tokens, max_message_mib, workers, max_concurrent_rpcs "
-                             "and max_batch_requests must be positive")
+               self.max_concurrent_rpcs, self.max_batch_requests, self.max_preparing) <= 0:
+            raise ValueError("max_queued_tokens, max_message_mib, workers, max_concurrent_rpcs, "
+                             "max_preparing and max_batch_requests must be positive")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
 
@@ -82,6 +92,31 @@ class ServerOptions:
     def address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"{host}:{self.port}"
+
+
+def read_tls_files(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
+    """(key, certificate) PEM bytes, checked to be a matching pair: gRPC would only say
+    "Failed to bind to address". Raises ValueError naming the file and the problem."""
+    pems = {}
+    for what, path in (("certificate", cert_path), ("key", key_path)):
+        try:
+            with open(path, "rb") as fh:
+                pems[what] = fh.read()
+        except OSError as exc:
+            raise ValueError(f"TLS {what} {path}: cannot be read ({exc.strerror})") from exc
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # An encrypted key must not make OpenSSL prompt on the terminal: no password.
+        context.load_cert_chain(cert_path, key_path, password=lambda: b"")
+    except ssl.SSLError as exc:
+        reason = exc.reason or str(exc)
+        if "KEY_VALUES_MISMATCH" in str(exc).upper() or "mismatch" in str(exc).lower():
+            problem = f"the key {key_path} does not match the certificate {cert_path}"
+        else:
+            problem = (f"the certificate {cert_path} or the key {key_path} is not valid PEM "
+                       f"({reason})")
+        raise ValueError(f"TLS: {problem}") from exc
+    return pems["key"], pems["certificate"]
 
 
 def _method_handlers(service: ScoringService) -> grpc.GenericRpcHandler:
@@ -106,45 +141,70 @@ def _method_handlers(service: ScoringService) -> grpc.GenericRpcHandler:
 
 
 class ScoringServer:
-    """A gRPC server of one Scorer (see the module docstring)."""
+    """A gRPC server of one Scorer (see the module docstring). Its methods are called from
+    ordinary threads; the server itself runs on an event loop in a thread of its own."""
 
     def __init__(self, options: ServerOptions | None = None):
         self.options = options or ServerOptions()
-        self.service = ScoringService()
-        self.health = health.HealthServicer()
+        opts = self.options
+        self.service = ScoringService(prepare_threads=opts.workers,
+                                      max_in_flight=opts.max_concurrent_rpcs,
+                                      max_preparing=opts.max_preparing)
+        self.health: Any = None
         self.batcher: Batcher | None = None
         self.port: int | None = None
-        self._server: grpc.Server | None = None
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
-    def _set_health(self, status: int) -> None:
+    def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
+        """Run ``coroutine`` on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+            await self.health.set(name, status)
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         opts = self.options
         if opts.tls_cert is None:
             return None
-        with open(opts.tls_key, "rb") as key, open(opts.tls_cert, "rb") as cert:
-            return grpc.ssl_server_credentials([(key.read(), cert.read())])
+        key, cert = read_tls_files(opts.tls_cert, opts.tls_key)
+        return grpc.ssl_server_credentials([(key, cert)])
 
     def start(self) -> int:
         """Bind and start serving health and reflection; returns the bound port."""
+        credentials = self._credentials()  # a bad key or certificate fails before binding
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="moejax-grpc-loop",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            port = self._run(self._start(credentials))
+        except BaseException:
+            self._close_loop()
+            raise
+        opts = self.options
+        log.info("listening on %s:%d (%s, %s); health NOT_SERVING until the model is loaded",
+                 opts.host, port, "TLS" if credentials else "plaintext",
+                 "bearer-token auth" if opts.token else "no auth")
+        return port
+
+    async def _start(self, credentials: grpc.ServerCredentials | None) -> int:
         opts = self.options
         interceptors = ([BearerTokenInterceptor(opts.token, f"/{SERVICE_NAME}/")]
                         if opts.token else [])
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=opts.workers,
-                                       thread_name_prefix="moejax-grpc"),
-            interceptors=interceptors, maximum_concurrent_rpcs=opts.max_concurrent_rpcs,
+        server = grpc.aio.server(
+            interceptors=interceptors,
             options=[("grpc.max_receive_message_length", opts.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((_method_handlers(self.service),))
+        self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        credentials = self._credentials()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
             port = (server.add_secure_port(opts.address, credentials) if credentials
                     else server.add_insecure_port(opts.address))
@@ -152,11 +212,8 @@ class ScoringServer:
             raise OSError(f"cannot listen on {opts.address}: {exc}") from exc
         if port == 0:
             raise OSError(f"cannot listen on {opts.address}")
-        server.start()
+        await server.start()
         self._server, self.port = server, port
-        log.info("listening on %s:%d (%s, %s); health NOT_SERVING until the model is loaded",
-                 opts.host, port, "TLS" if credentials else "plaintext",
-                 "bearer-token auth" if opts.token else "no auth")
         return port
 
     def attach(self, scorer: Any) -> None:
@@ -169,14 +226,18 @@ class ScoringServer:
                                max_batch_requests=opts.max_batch_requests)
         info = convert.info_to_proto(scorer_info, max_queued_tokens=opts.max_queued_tokens,
                                      max_message_bytes=opts.max_message_bytes)
-        self.service.attach(self.batcher, info)
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.service.attach(self.batcher, scorer, info)
+        self._run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
         log.info("serving %s (%s, %s backend); health SERVING", info.architecture,
-                 scorer_info.get("model_dir", "?"), info.backend)
+                 scorer_info.get("model_name", "?"), info.backend)
 
     def stats(self) -> dict[str, int]:
-        """The batcher's counters (batches, scored, dropped_expired, peak_queued_tokens, ...)."""
-        return self.batcher.snapshot() if self.batcher is not None else {}
+        """The batcher's counters (batches, scored, dropped_expired, peak_queued_tokens, ...)
+        and the calls refused for overload before admission (``refused_overload``)."""
+        if self.batcher is None:
+            return {}
+        return {**self.batcher.snapshot(), "refused_overload": self.service.refused,
+                "in_flight": self.service.in_flight}
 
     def stop(self, grace: float | None = None) -> None:
         """Health NOT_SERVING, wait ``drain_seconds``, refuse new calls, let in-flight calls
@@ -184,20 +245,32 @@ class ScoringServer:
         if self._server is None:
             return
         grace = self.options.grace_seconds if grace is None else grace
-        self.health.enter_graceful_shutdown()
+        self._run(self.health.enter_graceful_shutdown())
         if self.options.drain_seconds > 0:
             time.sleep(self.options.drain_seconds)
         self.service.stopping.set()
         log.info("stopping: refusing new calls, %.1f s for %d in-flight ones", grace,
                  self.service.in_flight)
-        done = self._server.stop(grace)  # refuses new calls at once
-        # Wait for the scoring calls only: health Watch streams would hold the whole grace.
-        deadline = time.monotonic() + grace
-        while self.service.in_flight > 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        self._server.stop(0)  # cancels what is left (watches, calls over the grace period)
-        done.wait()
+        self._run(self._stop(grace))
         if self.batcher is not None:
             self.batcher.stop(timeout=max(grace, 1.0))
+        self.service.close()
+        self._close_loop()
         self._server = None
         log.info("stopped")
+
+    async def _stop(self, grace: float) -> None:
+        # Wait for the scoring calls only: health Watch streams would hold the whole grace.
+        stopping = asyncio.ensure_future(self._server.stop(grace))  # refuses new calls at once
+        deadline = time.monotonic() + grace
+        while self.service.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await self._server.stop(0)  # cancels what is left (watches, calls over the grace)
+        await stopping
+
+    def _close_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+            self._loop = None

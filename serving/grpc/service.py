@@ -1,295 +1,395 @@
-"""The RPC handlers of ``moejax.v1.Scoring``: requests in, work items to the batcher,
-outcomes back as results or status codes.
+"""The RPC handlers of ``moejax.v1.Scoring`` (asyncio): requests in, work items to the
+batcher, outcomes back as results or status codes.
+
+Threads: the handlers run on the server's event loop, which also serves health and
+reflection, and does only cheap things there — size limits (lengths, no parsing), the
+admission decision, waiting on outcomes. Parsing and tokenization (``Scorer.prepare``) run
+on the ``prepare`` thread pool (the tokenizer releases the GIL), and the model on the
+batcher's worker thread, so no request, however large, delays a health check.
 
 Status codes:
 
-* ``INVALID_ARGUMENT`` — ``Score`` of an invalid request (the message is the validation
-  error, "request 'ID': FIELD: problem"; text that is not UTF-8 included). In
-  ``ScoreBatch`` / ``ScoreStream`` an invalid item gets a result with ``error`` set instead.
-* ``RESOURCE_EXHAUSTED`` — the queue bound is reached (``Score``, ``ScoreBatch``); the
-  trailing metadata ``retry-after-ms`` (and the message) say when to retry. A
-  ``ScoreBatch`` larger than the whole bound is refused without a hint. Messages over the
-  size limit are refused by gRPC itself with the same code.
+* ``INVALID_ARGUMENT`` — ``Score`` of an invalid request, or one over a size limit
+  (``max_text_bytes``, ``max_token_ids``, ``max_candidates``: refused before tokenizing;
+  the message names the field and the limit). In ``ScoreBatch`` / ``ScoreStream`` an
+  invalid item gets a result with ``error`` set instead.
+* ``RESOURCE_EXHAUSTED`` — overload: the queue's cost bound is reached, or too many calls
+  are in progress or waiting to be prepared. The trailing metadata ``retry-after-ms`` (and
+  ``grpc-retry-pushback-ms``, and the message) say when to retry. A request or batch
+  costing more than the whole bound is refused without a hint (split it). Messages over
+  the size limit are refused by gRPC itself with the same code.
 * ``DEADLINE_EXCEEDED`` — the call's deadline passed; work still queued is dropped.
 * ``UNAVAILABLE`` — the model is still loading, or the server is shutting down (a stream
   then ends with this code after the results of the requests it had read).
-* ``INTERNAL`` — the Scorer failed on a batch, or the model produced NaN logits (in a
+* ``INTERNAL`` — the model failed on the request's batch, or produced NaN logits (in a
   stream: error results for the affected items, the stream goes on).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
-import queue
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Sequence
 
 import grpc
 
 from serving.grpc import convert, decoding, scoring_pb2 as pb
 from serving.grpc.batcher import Batcher, Cancelled, Expired, Failed, WorkItem
-from serving.requests import RequestError, parse_request, request_label
+from serving.requests import RequestError, request_label
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scoring"].full_name
 NAN_ERROR = "the model produced NaN logits"
 
+STREAM_SHARE = 0.5      # a stream waits while the queue holds more than this share of the bound
+STREAM_WINDOW = 1024    # results a stream may have pending (queued, scored but not yet sent)
+ADMISSION_POLL = 0.02   # seconds between a waiting stream's admission attempts
 
-def _deadline(context: grpc.ServicerContext) -> float | None:
+
+def _deadline(context: Any) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
 
 
-class _Collector:
-    """Outcomes of the work items of one unary call, by item index."""
+class _Refused(Exception):
+    """A call refused for overload: RESOURCE_EXHAUSTED with a retry hint."""
 
-    def __init__(self, context: grpc.ServicerContext):
-        self.outcomes: dict[int, Any] = {}
-        self._remaining = 0
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self.gone = threading.Event()
-        context.add_callback(self.gone.set)  # runs when the RPC ends: done, cancelled, expired
-
-    def expect(self, count: int) -> None:
-        """Set the number of items to wait for (before they are submitted)."""
-        self._remaining = count
-        if count == 0:
-            self._done.set()
-
-    def deliver(self, item: WorkItem, outcome: Any) -> None:
-        with self._lock:
-            self.outcomes[item.index] = outcome
-            self._remaining -= 1
-            if self._remaining == 0:
-                self._done.set()
-
-    def wait(self, context: grpc.ServicerContext) -> bool:
-        """True when every outcome is in; False when the caller went away first."""
-        while not self._done.wait(0.25):
-            if self.gone.is_set() or not context.is_active():
-                self.gone.set()  # the worker drops what is still queued
-                return False
-        return True
+    def __init__(self, message: str, retry_ms: int | None):
+        super().__init__(message)
+        self.retry_ms = retry_ms
 
 
-def _abort_for(outcome: Any, context: grpc.ServicerContext) -> None:
+async def _refuse(context: Any, refused: _Refused) -> None:
+    if refused.retry_ms is None:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
+    hint = str(refused.retry_ms)
+    # grpc-retry-pushback-ms: honoured by gRPC's own retry policy when configured.
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{refused}; retry after {hint} ms",
+                        trailing_metadata=(("retry-after-ms", hint),
+                                           ("grpc-retry-pushback-ms", hint)))
+
+
+async def _abort_for(outcome: Any, context: Any) -> None:
     """Abort the call for an outcome that is not a result."""
     if isinstance(outcome, Expired):
-        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                      "the deadline passed while the request was queued; it was not computed")
+        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the deadline passed while the request was queued; it was not "
+                            "computed")
     if isinstance(outcome, Cancelled):
-        context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
+        await context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
     if isinstance(outcome, Failed):
-        context.abort(grpc.StatusCode.INTERNAL, f"scoring failed: {outcome.error!r}")
+        await context.abort(grpc.StatusCode.INTERNAL, f"scoring failed: {outcome.error!r}")
+
+
+class _Outcomes:
+    """Futures of one call's work items, completed from the worker thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.gone = threading.Event()  # the caller went away: the worker drops its items
+
+    def item(self, prepared: Any, context: Any, deliver: Any = None) -> WorkItem:
+        return WorkItem(prepared=prepared, deliver=deliver or self._deliver,
+                        deadline=_deadline(context), cancelled=self.gone.is_set,
+                        future=self.loop.create_future())
+
+    def _deliver(self, item: WorkItem, outcome: Any) -> None:
+        self.loop.call_soon_threadsafe(_resolve, item.future, outcome)
+
+    async def wait(self, items: Sequence[WorkItem]) -> list[Any]:
+        try:
+            return list(await asyncio.gather(*(item.future for item in items)))
+        except asyncio.CancelledError:
+            self.gone.set()
+            raise
+
+
+def _resolve(future: asyncio.Future, outcome: Any) -> None:
+    if not future.done():
+        future.set_result(outcome)
 
 
 class ScoringService:
-    """Handlers of the Scoring service; :meth:`attach` a :class:`Batcher` to serve."""
+    """Handlers of the Scoring service; :meth:`attach` a Scorer and its :class:`Batcher`.
 
-    def __init__(self) -> None:
+    ``prepare_threads``: threads that validate and tokenize requests; ``max_in_flight``:
+    scoring calls in progress at once (more are refused with a retry hint);
+    ``max_preparing``: requests waiting to be prepared (more: refused likewise)."""
+
+    def __init__(self, *, prepare_threads: int = 4, max_in_flight: int = 4096,
+                 max_preparing: int = 4096) -> None:
         self.batcher: Batcher | None = None
+        self.scorer: Any = None
         self.info: pb.ModelInfoResponse | None = None
         self.stopping = threading.Event()
         self.in_flight = 0  # scoring calls in progress (a graceful stop waits for them)
-        self._lock = threading.Lock()
+        self.preparing = 0  # requests handed to the prepare pool and not yet back
+        self.max_in_flight = max_in_flight
+        self.max_preparing = max_preparing
+        self.refused = 0    # calls refused for overload here (not counting admission)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=prepare_threads, thread_name_prefix="moejax-grpc-prepare")
 
-    @contextlib.contextmanager
-    def _tracked(self) -> Iterator[None]:
-        with self._lock:
-            self.in_flight += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.in_flight -= 1
-
-    def attach(self, batcher: Batcher, info: pb.ModelInfoResponse) -> None:
+    def attach(self, batcher: Batcher, scorer: Any, info: pb.ModelInfoResponse) -> None:
         self.info = info
+        self.scorer = scorer
         self.batcher = batcher
 
-    # ------------------------------------------------------------------ helpers
-    def _ready(self, context: grpc.ServicerContext) -> Batcher:
-        if self.batcher is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          "the model is still loading (health: NOT_SERVING); retry later")
-        return self.batcher
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _admit(self, batcher: Batcher, items: list[WorkItem],
-               context: grpc.ServicerContext) -> None:
-        """Acquire the items' tokens or abort with RESOURCE_EXHAUSTED."""
-        tokens = sum(item.cost for item in items)
-        if tokens > batcher.admission.bound:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the batch needs ~{tokens} queued tokens, more than the server's "
-                          f"bound of {batcher.admission.bound}: split it, or use ScoreStream")
-        if not batcher.admission.try_acquire(tokens):
-            wait_ms = batcher.retry_after_ms(tokens)
-            # grpc-retry-pushback-ms: honoured by gRPC's own retry policy when configured.
-            context.set_trailing_metadata((("retry-after-ms", str(wait_ms)),
-                                           ("grpc-retry-pushback-ms", str(wait_ms))))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the server's queue is full ({batcher.admission.queued} of "
-                          f"{batcher.admission.bound} tokens queued); retry after {wait_ms} ms")
+    # ------------------------------------------------------------------ helpers
+    @contextlib.asynccontextmanager
+    async def _call(self, context: Any) -> AsyncIterator[Batcher]:
+        """A scoring call: the model is loaded, the server is not stopping, and there is
+        room for one more call; counted in ``in_flight`` while it runs."""
+        batcher = self.batcher
+        if batcher is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the model is still loading (health: NOT_SERVING); retry later")
+        if self.stopping.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.in_flight >= self.max_in_flight:
+            self.refused += 1
+            await _refuse(context, _Refused(f"the server has {self.in_flight} calls in "
+                                            f"progress (its limit)", batcher.retry_after_ms(0)))
+        self.in_flight += 1
+        try:
+            yield batcher
+        finally:
+            self.in_flight -= 1
+
+    def _check_limits(self, message: Any, index: int) -> str | None:
+        """The size-limit error of a request message (lengths only: runs on the loop)."""
+        try:
+            self.scorer.limits.check(convert.limit_view(message), index)
+        except RequestError as exc:
+            return str(exc)
+        return None
+
+    def _prepare_one(self, message: Any, index: int) -> Any:
+        """Convert, validate and tokenize one request (a prepare-pool thread)."""
+        from serving.api import PreparedRequest
+
+        raw = convert.request_from_proto(message)
+        try:
+            return self.scorer.prepare(raw, index)
+        except Exception as exc:  # noqa: BLE001  (never lose the call over one request)
+            return PreparedRequest(index=index, request=raw, error=(
+                f"{request_label(raw.id, index)}: could not be prepared: {exc!r}"))
+
+    async def _prepare(self, batcher: Batcher, messages: Sequence[tuple[int, Any]]) -> list[Any]:
+        """Prepared requests of ``(index, message)`` pairs, on the prepare pool; raises
+        _Refused when too many requests already wait to be prepared."""
+        if self.preparing + len(messages) > self.max_preparing and self.preparing:
+            self.refused += 1
+            raise _Refused(f"{self.preparing} requests are waiting to be prepared (the "
+                           f"server's limit is {self.max_preparing})", batcher.retry_after_ms(0))
+        self.preparing += len(messages)
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._pool, lambda: [self._prepare_one(m, i) for i, m in messages])
+        finally:
+            self.preparing -= len(messages)
 
     @staticmethod
-    def _item(request: Any, index: int, cost_of, context: grpc.ServicerContext, deliver,
-              cancelled) -> WorkItem:
-        return WorkItem(request=request, index=index, cost=cost_of(request), deliver=deliver,
-                        deadline=_deadline(context), cancelled=cancelled)
+    def _admit(batcher: Batcher, cost: int) -> None:
+        """Acquire ``cost`` or raise _Refused."""
+        adm = batcher.admission
+        if cost > adm.bound:
+            adm.rejected += 1
+            raise _Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
+                           f"than the server's bound of {adm.bound} (max_queued_tokens): "
+                           f"split them, or use ScoreStream", None)
+        if not adm.try_acquire(cost):
+            raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
+                           f"token-equivalents queued)", batcher.retry_after_ms(cost))
+
+    @staticmethod
+    def _early_refusal(batcher: Batcher) -> _Refused | None:
+        """Before any preparing: a queue already at its bound refuses at once."""
+        if batcher.admission.full:
+            batcher.admission.rejected += 1
+            return _Refused(f"the server's queue is full ({batcher.admission.queued} of "
+                            f"{batcher.admission.bound} token-equivalents queued)",
+                            batcher.retry_after_ms(1))
+        return None
 
     # ------------------------------------------------------------------ RPCs
-    def Score(self, message: Any, context: grpc.ServicerContext) -> pb.ScoreResult:
-        with self._tracked():
-            return self._score(message, context)
-
-    def ScoreBatch(self, items: Any, context: grpc.ServicerContext) -> pb.ScoreBatchResponse:
-        with self._tracked():
-            return self._score_batch(items, context)
-
-    def ScoreStream(self, messages: Iterator[Any], context: grpc.ServicerContext
-                    ) -> Iterator[pb.StreamResult]:
-        with self._tracked():
-            batcher = self._ready(context)
-            stream = _Stream(self, batcher, context)
-            threading.Thread(target=stream.read, args=(messages,),
-                             name="moejax-grpc-stream-reader", daemon=True).start()
-            yield from stream.results()
-
-    def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.ServicerContext
-                  ) -> pb.ModelInfoResponse:
-        self._ready(context)
-        return self.info
-
-    def _score(self, message: Any, context: grpc.ServicerContext) -> pb.ScoreResult:
-        batcher = self._ready(context)
-        if isinstance(message, decoding.Undecodable):
-            label = request_label(message.request_id(), 0)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{label}: {message.describe()}")
-        try:
-            request = parse_request(convert.request_from_proto(message), 0)
-        except RequestError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        collector = _Collector(context)
-        item = self._item(request, 0, batcher.admission.cost, context, collector.deliver,
-                          collector.gone.is_set)
-        collector.expect(1)
-        self._admit(batcher, [item], context)
-        batcher.submit([item])
-        if not collector.wait(context):
-            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
-        outcome = collector.outcomes[0]
-        _abort_for(outcome, context)
-        if outcome.error is not None:
-            code = (grpc.StatusCode.INTERNAL if outcome.error.endswith(NAN_ERROR)
-                    else grpc.StatusCode.INVALID_ARGUMENT)
-            context.abort(code, outcome.error)
-        return convert.result_to_proto(outcome, item.queue_seconds)
-
-    def _score_batch(self, items: Any, context: grpc.ServicerContext) -> pb.ScoreBatchResponse:
-        batcher = self._ready(context)
-        if isinstance(items, decoding.Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, items.describe())
-        results: list[Any] = [None] * len(items)
-        collector = _Collector(context)
-        work = []
-        for index, message in enumerate(items):
+    async def Score(self, message: Any, context: Any) -> pb.ScoreResult:
+        async with self._call(context) as batcher:
             if isinstance(message, decoding.Undecodable):
-                request_id = message.request_id()
-                results[index] = convert.error_result(
-                    request_id, f"{request_label(request_id, index)}: {message.describe()}")
-                continue
-            raw = convert.request_from_proto(message)
+                label = request_label(message.request_id(), 0)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{label}: {message.describe()}")
+            error = self._check_limits(message, 0)
+            if error is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
             try:
-                request = parse_request(raw, index)
-            except RequestError as exc:
-                results[index] = convert.error_result(raw.id, str(exc))
-                continue
-            work.append(self._item(request, index, batcher.admission.cost, context,
-                                   collector.deliver, collector.gone.is_set))
-        collector.expect(len(work))
-        if work:
-            self._admit(batcher, work, context)
-            batcher.submit(work)
-        if not collector.wait(context):
-            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
-        for item in work:
-            outcome = collector.outcomes[item.index]
-            _abort_for(outcome, context)
-            results[item.index] = convert.result_to_proto(outcome, item.queue_seconds)
-        return pb.ScoreBatchResponse(results=[
-            r if isinstance(r, pb.ScoreResult) else convert.result_to_proto(r) for r in results])
+                refused = self._early_refusal(batcher)
+                if refused is not None:
+                    raise refused
+                prepared = (await self._prepare(batcher, [(0, message)]))[0]
+                if prepared.error is not None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, prepared.error)
+                self._admit(batcher, prepared.cost)
+            except _Refused as refused:
+                await _refuse(context, refused)
+            outcomes = _Outcomes()
+            item = outcomes.item(prepared, context)
+            batcher.submit([item])
+            outcome = (await outcomes.wait([item]))[0]
+            await _abort_for(outcome, context)
+            if outcome.error is not None:
+                code = (grpc.StatusCode.INTERNAL if outcome.error.endswith(NAN_ERROR)
+                        else grpc.StatusCode.INVALID_ARGUMENT)
+                await context.abort(code, outcome.error)
+            return convert.result_to_proto(outcome, item.queue_seconds)
 
+    async def ScoreBatch(self, items: Any, context: Any) -> pb.ScoreBatchResponse:
+        async with self._call(context) as batcher:
+            if isinstance(items, decoding.Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items.describe())
+            results: list[Any] = [None] * len(items)
+            todo = []
+            for index, message in enumerate(items):
+                if isinstance(message, decoding.Undecodable):
+                    request_id = message.request_id()
+                    results[index] = convert.error_result(
+                        request_id, f"{request_label(request_id, index)}: {message.describe()}")
+                    continue
+                error = self._check_limits(message, index)
+                if error is not None:
+                    results[index] = convert.error_result(convert.get_id(message), error)
+                    continue
+                todo.append((index, message))
+            outcomes = _Outcomes()
+            work = []
+            try:
+                if todo:
+                    refused = self._early_refusal(batcher)
+                    if refused is not None:
+                        raise refused
+                for prepared in (await self._prepare(batcher, todo)) if todo else ():
+                    if prepared.error is not None:
+                        results[prepared.index] = convert.error_result(
+                            convert.usable_id(prepared.request), prepared.error)
+                    else:
+                        work.append(outcomes.item(prepared, context))
+                if work:
+                    self._admit(batcher, sum(item.cost for item in work))
+            except _Refused as refused:
+                await _refuse(context, refused)
+            if work:
+                batcher.submit(work)
+            for item, outcome in zip(work, await outcomes.wait(work)):
+                await _abort_for(outcome, context)
+                results[item.index] = convert.result_to_proto(outcome, item.queue_seconds)
+            return pb.ScoreBatchResponse(results=[
+                r if isinstance(r, pb.ScoreResult) else convert.result_to_proto(r)
+                for r in results])
+
+    async def ScoreStream(self, messages: Any, context: Any) -> AsyncIterator[pb.StreamResult]:
+        async with self._call(context) as batcher:
+            stream = _Stream(self, batcher, context)
+            reader = asyncio.ensure_future(stream.read(messages))
+            try:
+                async for result in stream.results():
+                    yield result
+            finally:
+                stream.gone.set()
+                reader.cancel()
+            if stream.stopped_early:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "the server is shutting down; requests after the last "
+                                    "result were not read: send them again")
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: Any
+                        ) -> pb.ModelInfoResponse:
+        if self.info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the model is still loading (health: NOT_SERVING); retry later")
+        return self.info
 
 
 _READER_DONE = object()
 
 
-STREAM_SHARE = 0.5      # a stream waits while the queue holds more than this share of the bound
-STREAM_WINDOW = 1024    # results a stream may have pending (queued, scored but not yet sent)
-
-
 class _Stream:
-    """One ScoreStream call: a reader thread admits and submits the incoming requests
-    (waiting for room in the queue), the handler yields results as they come.
+    """One ScoreStream call: a reader task prepares, admits (waiting for room) and
+    submits the incoming requests; the handler yields results as they come.
 
     Memory: the reader reads a message only when fewer than ``STREAM_WINDOW`` of the
     stream's results are pending, so a client that sends without reading is slowed down by
     gRPC flow control instead of filling the server's memory."""
 
-    def __init__(self, service: ScoringService, batcher: Batcher,
-                 context: grpc.ServicerContext):
+    def __init__(self, service: ScoringService, batcher: Batcher, context: Any):
         self.service, self.batcher, self.context = service, batcher, context
-        self.out: queue.Queue = queue.Queue()
-        self.window = threading.Semaphore(STREAM_WINDOW)
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.window = asyncio.Semaphore(STREAM_WINDOW)
+        self.outcomes = _Outcomes()
+        self.gone = self.outcomes.gone
         self.submitted = 0
         self.stopped_early = False
-        self.gone = threading.Event()
-        context.add_callback(self.gone.set)
 
     def _give_up(self) -> bool:
-        return (self.gone.is_set() or self.service.stopping.is_set()
-                or not self.context.is_active())
-
-    def _wait_for_window(self) -> bool:
-        while not self.window.acquire(timeout=0.05):
-            if self._give_up():
-                return False
-        return True
+        return self.gone.is_set() or self.service.stopping.is_set()
 
     def _error(self, index: int, request_id: Any, error: str) -> None:
-        self.out.put(pb.StreamResult(index=index, result=convert.result_to_proto(
+        self.out.put_nowait(pb.StreamResult(index=index, result=convert.result_to_proto(
             convert.error_result(request_id, error))))
 
     def _deliver(self, item: WorkItem, outcome: Any) -> None:
-        self.out.put((item, outcome))
+        self.outcomes.loop.call_soon_threadsafe(self.out.put_nowait, (item, outcome))
 
-    def _submit(self, message: pb.StreamRequest, index: int) -> bool:
-        """Validate, admit (waiting for room) and queue one request; False to stop reading."""
-        raw = convert.request_from_proto(message.request)
-        try:
-            request = parse_request(raw, index)
-        except RequestError as exc:
-            self._error(index, raw.id, str(exc))
+    async def _submit(self, message: pb.StreamRequest, index: int) -> bool:
+        """Prepare, admit (waiting for room) and queue one request; False to stop."""
+        error = self.service._check_limits(message.request, index)
+        if error is not None:
+            self._error(index, convert.get_id(message.request), error)
             return True
-        item = WorkItem(request=request, index=index, cost=self.batcher.admission.cost(request),
-                        deliver=self._deliver, deadline=_deadline(self.context),
-                        cancelled=self.gone.is_set)
-        if not self.batcher.admission.acquire(item.cost, self._give_up, share=STREAM_SHARE):
-            return False
+        while True:
+            try:
+                prepared = (await self.service._prepare(self.batcher,
+                                                        [(index, message.request)]))[0]
+                break
+            except _Refused:
+                if self._give_up():
+                    return False
+                await asyncio.sleep(ADMISSION_POLL)
+        if prepared.error is not None:
+            self._error(index, convert.usable_id(prepared.request), prepared.error)
+            return True
+        admission = self.batcher.admission
+        if prepared.cost > admission.bound:
+            self._error(index, convert.usable_id(prepared.request), (
+                f"{request_label(convert.usable_id(prepared.request), index)}: needs "
+                f"~{prepared.cost} token-equivalents of compute, more than the server's bound "
+                f"of {admission.bound} (max_queued_tokens)"))
+            return True
+        while not admission.try_acquire_share(prepared.cost, STREAM_SHARE):
+            if self._give_up():
+                return False
+            await asyncio.sleep(ADMISSION_POLL)
+        item = WorkItem(prepared=prepared, deliver=self._deliver,
+                        deadline=_deadline(self.context), cancelled=self.gone.is_set)
         self.submitted += 1
         self.batcher.submit([item])
         return True
 
-    def read(self, messages: Iterator[Any]) -> None:
+    async def read(self, messages: Any) -> None:
         position = 0
+        incoming = messages.__aiter__()
         try:
             while True:
-                if not self._wait_for_window():  # one slot per result, freed once it is sent
-                    self.stopped_early = not self.gone.is_set()
-                    break
-                message = next(messages, None)
-                if message is None:
+                await self.window.acquire()  # one slot per result, freed once it is sent
+                try:
+                    message = await incoming.__anext__()
+                except StopAsyncIteration:
                     break
                 if isinstance(message, decoding.Undecodable):
                     lenient = message.lenient
@@ -300,28 +400,24 @@ class _Stream:
                                                    f"{message.describe('request.')}")
                 else:
                     index = message.index if message.HasField("index") else position
-                    if not self._submit(message, index):
-                        self.stopped_early = True
+                    if not await self._submit(message, index):
+                        self.stopped_early = not self.gone.is_set()
                         break
                 position += 1
                 if self.service.stopping.is_set():
                     self.stopped_early = True
                     break
-        except Exception:  # the client cancelled or the connection broke
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001  (the client cancelled or the connection broke)
             self.gone.set()
         finally:
-            self.out.put(_READER_DONE)
+            self.out.put_nowait(_READER_DONE)
 
-    def results(self) -> Iterator[pb.StreamResult]:
+    async def results(self) -> AsyncIterator[pb.StreamResult]:
         answered, reader_done = 0, False
         while not (reader_done and answered == self.submitted):
-            try:
-                entry = self.out.get(timeout=0.25)
-            except queue.Empty:
-                if not self.context.is_active():
-                    self.gone.set()
-                    return
-                continue
+            entry = await self.out.get()
             if entry is _READER_DONE:
                 reader_done = True
                 continue
@@ -333,14 +429,10 @@ class _Stream:
             answered += 1
             if isinstance(outcome, (Expired, Cancelled)):
                 self.gone.set()
-                _abort_for(outcome, self.context)
+                await _abort_for(outcome, self.context)
             if isinstance(outcome, Failed):
                 outcome = convert.error_result(item.request.id, (
                     f"{request_label(item.request.id, item.index)}: internal error while "
                     f"scoring: {outcome.error!r}"))
             yield pb.StreamResult(index=item.index,
                                   result=convert.result_to_proto(outcome, item.queue_seconds))
-        if self.stopped_early and not self.gone.is_set():
-            self.context.abort(grpc.StatusCode.UNAVAILABLE,
-                               "the server is shutting down; requests after the last result "
-                               "were not read: send them again")
