@@ -156,8 +156,10 @@ def eplb_replica_counts(expert_load: ExpertLoad, num_devices: int, num_replicas:
     if not (np.issubdtype(load.dtype, np.integer) or np.issubdtype(load.dtype, np.floating)):
         raise ValueError(f"expert_load must be numeric, got dtype {load.dtype}")
     load = load.astype(np.float64)
-    if not np.isfinite(load).all() or (load < 0).any():
-        raise ValueError("expert_load must be finite and non-negative")
+    bad = np.flatnonzero(~np.isfinite(load) | (load < 0))
+    if bad.size:
+        raise ValueError(f"expert_load must be finite and non-negative; expert {int(bad[0])} "
+                         f"has {load[bad[0]]} ({bad.size} such experts)")
     num_devices = _as_count(num_devices, "num_devices", 1)
     num_experts = load.shape[0]
     num_replicas = _as_count(num_replicas, "num_replicas", 1)
@@ -183,9 +185,15 @@ def eplb_placement(expert_load: ExpertLoad, num_devices: int, num_replicas: int
     device id). If no such device exists (rare: every device with a free slot already
     holds the expert), a replica of another expert is moved from a full device into
     the free slot, which always succeeds because slot counts differ by at most one.
+    Loads whose total overflows float64 are first divided by the largest load (the
+    same placement up to rounding), so device totals stay finite and comparable.
     """
     counts = eplb_replica_counts(expert_load, num_devices, num_replicas)
     load = np.asarray(expert_load, np.float64)
+    with np.errstate(over="ignore"):
+        overflows = not np.isfinite(load.sum())
+    if overflows:
+        load = load / load.max()   # every load is finite, so the max is finite and > 0
     num_experts = load.shape[0]
     per_replica = load / counts
     slots = np.full(num_devices, num_replicas // num_devices, np.int64)
@@ -200,11 +208,21 @@ def eplb_placement(expert_load: ExpertLoad, num_devices: int, num_replicas: int
         if not ok.any():
             _make_room(int(expert), holds, device_load, used, slots, per_replica)
             ok = (used < slots) & ~holds[expert]
-        device = int(np.argmin(np.where(ok, device_load, np.inf)))
+        device = _least_loaded(ok, device_load)
         holds[expert, device] = True
         device_load[device] += per_replica[expert]
         used[device] += 1
     return holds
+
+
+def _least_loaded(allowed: np.ndarray, device_load: np.ndarray) -> int:
+    """The allowed device with the least load (ties: lower id); ``allowed`` has a True.
+
+    Only allowed devices compete: an ``argmin`` over loads with ``inf`` standing for the
+    others would pick a forbidden device 0 whenever the allowed loads are ``inf`` too.
+    """
+    candidates = np.flatnonzero(allowed)
+    return int(candidates[np.argmin(device_load[candidates])])
 
 
 def _make_room(expert: int, holds: np.ndarray, device_load: np.ndarray, used: np.ndarray,
@@ -216,8 +234,7 @@ def _make_room(expert: int, holds: np.ndarray, device_load: np.ndarray, used: np
     least as many replicas as ``src`` minus ``expert``, so one of its experts is not
     on ``src``: move it there.
     """
-    free = used < slots
-    src = int(np.argmin(np.where(free, device_load, np.inf)))
+    src = _least_loaded(used < slots, device_load)
     for dst in np.flatnonzero(~holds[expert] & (slots > 0)):
         movable = np.flatnonzero(holds[:, dst] & ~holds[:, src])
         if movable.size:

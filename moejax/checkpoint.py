@@ -281,8 +281,28 @@ def restore_params(out_dir: str | os.PathLike, dtype: str | np.dtype | None = No
 
 
 # =========================================================================== model dirs
+def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """``load_config`` of a model directory, with the file named when it cannot be read:
+    ``json``'s own message ("Expecting value: line 2 column 1") names only a position.
+    Raises :class:`CheckpointError` (a ValueError)."""
+    path = os.fspath(model_dir)
+    file = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
+    try:
+        return load_config(path)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file}: invalid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{file}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                              f"at offset {exc.start})") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: invalid JSON: nested too deeply") from None
+
+
 def load_tokenizer(model_dir: str | os.PathLike):
-    """``tokenizers.Tokenizer`` from ``model_dir/tokenizer.json`` (or that file's path)."""
+    """``tokenizers.Tokenizer`` from ``model_dir/tokenizer.json`` (or that file's path).
+
+    A file that ``tokenizers`` cannot read raises :class:`CheckpointError` naming it (the
+    library's own exception is a bare ``Exception`` with a position but no file name)."""
     from tokenizers import Tokenizer
 
     path = os.fspath(model_dir)
@@ -291,7 +311,11 @@ def load_tokenizer(model_dir: str | os.PathLike):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no tokenizer at {path}: moejax needs a Hugging Face "
                                 "'tokenizers' JSON file (tokenizer.json) next to config.json")
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
+        raise CheckpointError(f"{path}: not a valid Hugging Face tokenizer file: "
+                              f"{exc}") from None
 
 
 def is_converted_dir(path: str | os.PathLike) -> bool:
@@ -315,7 +339,7 @@ def convert_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
     target = resolve_dtype(dtype)
-    cfg = load_config(model_dir)
+    cfg = load_model_config(model_dir)
     tokenizer_path = os.path.join(model_dir, TOKENIZER_FILE)
     load_tokenizer(model_dir)  # fail before the expensive part if it is missing or broken
     params = load_hf_params(model_dir, cfg, target)
@@ -356,7 +380,7 @@ def load_model_dir(path: str | os.PathLike, dtype: str | np.dtype = "float32"):
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no model directory at {path}")
-    cfg = load_config(path)
+    cfg = load_model_config(path)
     tokenizer = load_tokenizer(path)
     if is_converted_dir(path):
         params = restore_params(os.path.join(path, PARAMS_SUBDIR), dtype)

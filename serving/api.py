@@ -251,6 +251,8 @@ class Scorer:
             self.limits.check(request, index)
         except RequestError as exc:
             return PreparedRequest(index=index, request=request, error=str(exc))
+        except Exception:  # noqa: BLE001  (a malformed request: the parser names the problem)
+            pass
         ops, errors, prompt_tokens = normalize_requests(
             [request], self.tokenizer, vocab_size=self.config.vocab_size,
             max_context=self.config.max_context, options=self.normalize_options)

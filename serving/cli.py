@@ -1,6 +1,7 @@
 """The ``moejax`` command line (console script ``moejax = serving.cli:main``).
 
     moejax score IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--dtype float32|bfloat16]
+                 [--chunk-size N] [--max-line-mib MIB]
     moejax convert HF_DIR OUT_DIR [--dtype bfloat16]
     moejax info [--model DIR|demo]
     moejax generate IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--trace-experts]
@@ -9,9 +10,17 @@
 
 ``score`` reads one JSON request per line (fields of ``serving.ScoreRequest``:
 id, prompt | prompt_token_ids, candidates | candidate_token_ids, kind, normalize)
-and writes one JSON result per input line, in input order (fields of
-``serving.ScoreResult``). A line that is not valid JSON, or a request that is
-invalid, gets a result with ``error`` set; the other lines are still scored.
+and writes one JSON result per non-blank input line, in input order (fields of
+``serving.ScoreResult``). A line that is not valid JSON (or too long, not UTF-8, ...), or
+a request that is invalid, gets a result with ``error`` set; the other lines are still
+scored. An id-less request is named by its line number (``"line 3: prompt: is empty"``).
+The input rules, shared with ``generate`` and ``client score``, are in ``serving.jsonl``.
+
+Exit status: 0 done; 2 a usage or file error, as one line ``moejax: error: ...`` on stderr
+(a missing or unreadable input, an unwritable ``-o``, ``-o`` naming the input: all checked
+before the model loads; or a model directory that cannot be loaded, the file named); 130
+Ctrl-C (the results so far are written); 141 (as for a command killed by SIGPIPE) when
+stdout is closed early, e.g. ``| head -1``: the command stops quietly.
 
 As an entry point, :func:`main` sets what a library leaves to its user: the XLA flags
 (``moejax.configure_xla``, before JAX starts) and JAX's persistent compilation cache
@@ -22,73 +31,22 @@ with ``serving.generate_cli`` and ``serving.grpc.cli`` are the public functions 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
+import os
 import sys
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from moejax import configure_xla
+from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
 # The commands keep a restarted job's compiled shapes (a library Scorer leaves the
 # process-wide cache alone unless asked).
 COMMAND_COMPILATION_CACHE = "auto"
-
-
-# ----------------------------------------------------------------------------- JSONL
-def _parse_line(number: int, line: str) -> tuple[Any, str | None]:
-    """(request, None) or (None, error message) for one JSONL line."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return None, f"line {number}: invalid JSON: {exc.msg} (column {exc.colno})"
-    if not isinstance(obj, dict):
-        return None, f"line {number}: expected a JSON object, got {type(obj).__name__}"
-    return obj, None
-
-
-def read_jsonl_chunks(stream: Any, chunk_size: int) -> Iterator[list[tuple[Any, str | None]]]:
-    """Chunks of (request, error) pairs, one per non-blank line, in file order."""
-    chunk: list[tuple[Any, str | None]] = []
-    for number, line in enumerate(stream, start=1):
-        if not line.strip():
-            continue
-        chunk.append(_parse_line(number, line))
-        if len(chunk) >= chunk_size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-@contextlib.contextmanager
-def jsonl_files(input_path: str, output_path: str | None) -> Iterator[tuple[Any, Any]]:
-    """(source, sink) of a JSONL command: ``-`` is stdin, None or ``-`` stdout; the files
-    opened here are closed on the way out, stdout is flushed."""
-    source = sys.stdin if input_path == "-" else open(input_path, encoding="utf-8",
-                                                      errors="surrogateescape")
-    try:
-        sink = sys.stdout if output_path in (None, "-") else open(output_path, "w",
-                                                                  encoding="utf-8")
-        try:
-            yield source, sink
-        finally:
-            if sink is sys.stdout:
-                sink.flush()
-            else:
-                sink.close()
-    finally:
-        if source is not sys.stdin:
-            source.close()
-
-
-def count_lines(path: str) -> int | None:
-    """Non-blank lines of the file ``path`` (for progress bars); None for stdin (``-``)."""
-    if path == "-":
-        return None
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
+# Exit status when stdout is closed before the results are written (``| head -1``): what a
+# shell reports for a command killed by SIGPIPE (128 + 13).
+BROKEN_PIPE_STATUS = 141
 
 
 # ----------------------------------------------------------------------------- model options
@@ -169,50 +127,50 @@ def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- commands
-def score_chunk(scorer: Any, chunk: list[tuple[Any, str | None]]) -> list[Any]:
-    """Results for one chunk, in order: parse errors as error results, the rest scored."""
+def score_chunk(scorer: Any, chunk: list[JsonlLine]) -> list[Any]:
+    """Results for one chunk, in order: a bad line's error as an error result, the rest
+    scored together; an id-less request's error names its line."""
     from serving.requests import ScoreResult
 
-    good = [obj for obj, error in chunk if error is None]
-    scored = iter(scorer.score(good, progress=False))
-    return [ScoreResult(error=error) if error is not None else next(scored)
-            for _, error in chunk]
+    return run_chunk(chunk, lambda requests: scorer.score(requests, progress=False),
+                     lambda error: ScoreResult(error=error))
 
 
 def cmd_score(args: argparse.Namespace) -> int:
     """Run ``score``; returns the exit status (130 after Ctrl-C)."""
     from serving import Scorer
 
-    scorer = Scorer(args.model, **scorer_options(args))
-    total = count_lines(args.input)
-    show_bar = args.progress if args.progress is not None else (
-        sys.stderr.isatty() and (total or 0) >= scorer.options.progress_min_requests)
-    bar = None
-    if show_bar:
-        from tqdm import tqdm
+    with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
+        scorer = Scorer(args.model, **scorer_options(args))
+        files.start_output()
+        total = files.count()
+        show_bar = args.progress if args.progress is not None else (
+            sys.stderr.isatty() and (total or 0) >= scorer.options.progress_min_requests)
+        bar = None
+        if show_bar:
+            from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="req", desc="scoring", file=sys.stderr)
-    count = errors = 0
-    interrupted = False
-    start = time.perf_counter()
-    try:
-        with jsonl_files(args.input, args.output) as (source, sink):
+            bar = tqdm(total=total, unit="req", desc="scoring", file=sys.stderr)
+        count = errors = 0
+        interrupted = False
+        start = time.perf_counter()
+        try:
             # Chunks bound memory on files of millions of requests; results are written as
             # each chunk finishes, in input order.
-            for chunk in read_jsonl_chunks(source, args.chunk_size):
+            for chunk in files.chunks(args.chunk_size):
                 for result in score_chunk(scorer, chunk):
-                    sink.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                    files.write(result.to_dict())
                     errors += result.error is not None
                 count += len(chunk)
-                sink.flush()
+                files.flush()
                 if bar is not None:
                     bar.update(len(chunk))
-    except KeyboardInterrupt:
-        # Ctrl-C: the chunks already scored are written and flushed; stop cleanly.
-        interrupted = True
-    finally:
-        if bar is not None:
-            bar.close()
+        except KeyboardInterrupt:
+            # Ctrl-C: the chunks already scored are written and flushed; stop cleanly.
+            interrupted = True
+        finally:
+            if bar is not None:
+                bar.close()
     elapsed = time.perf_counter() - start
     stats = scorer.engine.stats
     rate = stats.real_tokens / elapsed if elapsed > 0 else 0.0
@@ -246,7 +204,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     cfg = scorer.config
     info.update(params=cfg.num_params(), linear_flops_per_token=cfg.linear_flops_per_token,
                 token_buckets=scorer.engine.policy.token_buckets(cfg.max_context))
-    print(json.dumps(info, indent=2))
+    print(json.dumps(info, indent=2), flush=True)   # a closed stdout fails here, not at exit
     return 0
 
 
@@ -266,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests scored per chunk; results are written after each chunk")
     score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar (default: on for large inputs on a terminal)")
+    add_line_limit_option(score)
     add_model_options(score)
     score.set_defaults(func=cmd_score)
 
@@ -294,9 +253,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_STATUS
+    except (OSError, ValueError) as exc:
         print(f"moejax: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null (the recipe of Python's ``signal``
+    docs): the interpreter flushes stdout again at exit and would print "Exception
+    ignored ... BrokenPipeError" about the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (AttributeError, OSError, ValueError):   # a stdout without a descriptor (tests)
+        pass
 
 
 if __name__ == "__main__":

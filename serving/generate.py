@@ -12,8 +12,10 @@ Requests (dicts or :class:`GenerationRequest`), fields:
   ``prompt_token_ids`` (a non-empty list of vocabulary ids) — exactly one;
 * ``max_new_tokens`` (default 16, >= 1; prompt + max_new_tokens <= the model's context);
 * ``temperature`` (default 0 = greedy; > 0 samples from softmax(logits / temperature));
-* ``top_p`` (default 1; in (0, 1]: sample among the most likely tokens holding top_p of
-  the probability);
+  sampling runs in float32, so a temperature must be 0 or a normal float32 (between
+  about 1.2e-38 and 3.4e38);
+* ``top_p`` (default 1; in (0, 1], and not 0 in float32: sample among the most likely
+  tokens holding top_p of the probability);
 * ``seed`` (default 0; an integer in [0, 2**64)): the same seed gives the same tokens,
   whatever else is in the batch;
 * ``stop_token_ids`` (default: the model's ``eos_token_id`` from generation_config.json or
@@ -48,9 +50,11 @@ from moejax.sampling import MAX_SEED
 from serving.api import resolve_model_dir
 from serving.compilation_cache import enable_compilation_cache
 from serving.options import ScorerOptions
-from serving.requests import RequestError, TokenizerAdapter, request_label
+from serving.requests import (RequestError, TokenizerAdapter, id_problem, request_id_of,
+                              request_label, show, unexpected_error, unknown_fields)
 
 DEFAULT_MAX_NEW_TOKENS = 16
+_FLOAT32 = np.finfo(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,17 +165,30 @@ class _Fields:
     def integer(self, value: Any, field: str, low: int, high: int | None = None) -> int:
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise self.fail(field, f"must be an integer, got {type(value).__name__}")
+        value = int(value)
         if value < low or (high is not None and value >= high):
             bound = f">= {low}" if high is None else f"in [{low}, {high})"
-            raise self.fail(field, f"must be {bound}, got {value}")
-        return int(value)
+            raise self.fail(field, f"must be {bound}, got {show(value)}")
+        return value
 
     def number(self, value: Any, field: str) -> float:
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        """A finite real number that float32 (the sampling dtype) can hold."""
+        if (isinstance(value, (bool, np.bool_))
+                or not isinstance(value, (int, float, np.integer, np.floating))):
             raise self.fail(field, f"must be a number, got {type(value).__name__}")
-        if not math.isfinite(float(value)):
-            raise self.fail(field, f"must be finite, got {value}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:   # an int past float64's range
+            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
+                                   f"got {show(value)}") from None
+        if not math.isfinite(number):
+            raise self.fail(field, f"must be finite, got {number}")
+        with np.errstate(over="ignore"):
+            too_big = not np.isfinite(np.float32(number))
+        if too_big:
+            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
+                                   f"got {number:g}")
+        return number
 
     def token_ids(self, value: Any, field: str, vocab_size: int, allow_empty: bool) -> list[int]:
         if not isinstance(value, (list, tuple)):
@@ -189,12 +206,12 @@ def _as_request(obj: Any, index: int) -> GenerationRequest:
     if not isinstance(obj, Mapping):
         raise RequestError(f"{request_label(None, index)}: expected an object (dict), "
                            f"got {type(obj).__name__}", index=index)
-    unknown = sorted(str(k) for k in obj if k not in _FIELDS)
+    unknown = unknown_fields(obj, _FIELDS)
     if unknown:
         raise RequestError(f"{request_label(obj.get('id'), index)}: unknown field(s) "
-                           f"{', '.join(repr(k) for k in unknown)} (accepted: "
+                           f"{', '.join(show(k) for k in unknown)} (accepted: "
                            f"{', '.join(_FIELDS)})", index=index, field=unknown[0])
-    return GenerationRequest(**obj)
+    return GenerationRequest(**{name: obj[name] for name in _FIELDS if name in obj})
 
 
 def _prompt_ids(check: _Fields, req: GenerationRequest, tokenizer: TokenizerAdapter,
@@ -211,7 +228,7 @@ def _prompt_ids(check: _Fields, req: GenerationRequest, tokenizer: TokenizerAdap
         raise check.fail("prompt", "is empty")
     try:
         ids = tokenizer.encode(req.prompt)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001  (any tokenizer failure is this request's only)
         raise check.fail("prompt", str(exc)) from exc
     if not ids:
         raise check.fail("prompt", f"{req.prompt!r} tokenizes to no tokens")
@@ -221,12 +238,26 @@ def _prompt_ids(check: _Fields, req: GenerationRequest, tokenizer: TokenizerAdap
 def parse_generation_request(obj: Any, index: int, tokenizer: TokenizerAdapter, *,
                              vocab_size: int, max_context: int,
                              default_stop: frozenset[int]) -> SequenceSpec:
-    """Validate and tokenize one request -> :class:`SequenceSpec`; raises RequestError."""
+    """Validate and tokenize one request -> :class:`SequenceSpec`; raises RequestError
+    (only: anything else a request makes the checks raise becomes one, so that one bad
+    request never sinks the batch)."""
+    try:
+        return _parse(obj, index, tokenizer, vocab_size=vocab_size, max_context=max_context,
+                      default_stop=default_stop)
+    except RequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (safety net)
+        raise RequestError(unexpected_error(obj, index, exc), index=index) from exc
+
+
+def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int,
+           max_context: int, default_stop: frozenset[int]) -> SequenceSpec:
+    """:func:`parse_generation_request` without the safety net."""
     req = _as_request(obj, index)
     check = _Fields(req.id, index)
-    if req.id is not None and request_label(req.id, None) == "request":
-        raise check.fail("id", f"must be a string, an integer or null, got "
-                               f"{type(req.id).__name__}")
+    problem = id_problem(req.id)
+    if problem is not None:
+        raise check.fail("id", problem)
     prompt = _prompt_ids(check, req, tokenizer, vocab_size)
     max_new = DEFAULT_MAX_NEW_TOKENS if req.max_new_tokens is None else check.integer(
         req.max_new_tokens, "max_new_tokens", 1)
@@ -238,9 +269,15 @@ def parse_generation_request(obj: Any, index: int, tokenizer: TokenizerAdapter, 
                                                                     "temperature")
     if temperature < 0:
         raise check.fail("temperature", f"must be >= 0 (0 = greedy), got {temperature}")
+    if 0 < temperature < _FLOAT32.tiny:
+        # A subnormal float32 (or 0 after rounding) would not divide the logits sanely.
+        raise check.fail("temperature", f"must be 0 (greedy) or at least {_FLOAT32.tiny:.7g} "
+                                        f"(the smallest normal float32), got {temperature:g}")
     top_p = 1.0 if req.top_p is None else check.number(req.top_p, "top_p")
     if not 0 < top_p <= 1:
         raise check.fail("top_p", f"must lie in (0, 1], got {top_p}")
+    if np.float32(top_p) == 0:
+        raise check.fail("top_p", f"must not round to 0 in float32, got {top_p:g}")
     seed = 0 if req.seed is None else check.integer(req.seed, "seed", 0, MAX_SEED)
     stop = default_stop if req.stop_token_ids is None else frozenset(
         check.token_ids(req.stop_token_ids, "stop_token_ids", vocab_size, True))
@@ -249,10 +286,8 @@ def parse_generation_request(obj: Any, index: int, tokenizer: TokenizerAdapter, 
 
 
 def _error_id(obj: Any) -> str | int | None:
-    """Best-effort id of a request that failed validation."""
-    request_id = obj.id if isinstance(obj, GenerationRequest) else (
-        obj.get("id") if isinstance(obj, Mapping) else None)
-    return request_id if request_label(request_id, None) != "request" else None
+    """Best-effort id of a request that failed validation (None unless usable)."""
+    return request_id_of(obj)
 
 
 # ----------------------------------------------------------------------------- generator

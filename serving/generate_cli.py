@@ -3,20 +3,22 @@
 One JSON request per line (fields of :mod:`serving.generate`: id, prompt |
 prompt_token_ids, max_new_tokens, temperature, top_p, seed, stop_token_ids); one JSON
 result per non-blank input line, in input order (fields of ``GenerationResult.to_dict``).
-A line that is not valid JSON, or an invalid request, gets a result with ``error`` set;
-the other lines still run.
+A line that is not valid JSON (or too long, not UTF-8, ...), or an invalid request, gets a
+result with ``error`` set; the other lines still run. An id-less request is named by its
+line number (``"line 3: prompt: is empty"``); the input rules, the file checks made before
+the model loads and the exit statuses are those of ``moejax score`` (``serving.jsonl``,
+``serving.cli``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any, Callable
 
-from serving.cli import (command_compilation_cache, jsonl_files, positive_int,
-                         read_jsonl_chunks)
+from serving.cli import command_compilation_cache, positive_int
+from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
 # Options of the shared model-option block that only the scoring engines implement.
 _SCORING_ONLY = ("max_batch_tokens", "backend", "devices", "window", "deployment", "theta",
@@ -40,6 +42,7 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
                    help="requests decoded together (default 8)")
     p.add_argument("--chunk-size", type=positive_int, default=256,
                    help="requests read per chunk; results are written after each chunk")
+    add_line_limit_option(p)
     add_model_options(p)
     for action in p._actions:   # refused below, so not offered in --help either
         if action.dest in _SCORING_ONLY:
@@ -53,14 +56,12 @@ def _scoring_only_given(args: argparse.Namespace) -> list[str]:
             if getattr(args, name, None) is not None]
 
 
-def generate_chunk(generator: Any, chunk: list[tuple[Any, str | None]]) -> list[Any]:
-    """Results of one chunk in order: parse errors as error results, the rest generated."""
+def generate_chunk(generator: Any, chunk: list[JsonlLine]) -> list[Any]:
+    """Results of one chunk in order: a bad line's error as an error result, the rest
+    generated together; an id-less request's error names its line."""
     from serving.generate import GenerationResult
 
-    good = [obj for obj, error in chunk if error is None]
-    done = iter(generator.generate(good))
-    return [GenerationResult(error=error) if error is not None else next(done)
-            for _, error in chunk]
+    return run_chunk(chunk, generator.generate, lambda error: GenerationResult(error=error))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -71,19 +72,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if refused:
         raise ValueError(f"generate does not take {', '.join(refused)} (scoring-engine "
                          f"options)")
-    generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
-                          trace_experts=args.trace_experts, max_batch_size=args.max_batch_size,
-                          compilation_cache=command_compilation_cache(None))
-    count = errors = tokens = 0
-    start = time.perf_counter()
-    with jsonl_files(args.input, args.output) as (source, sink):
-        for chunk in read_jsonl_chunks(source, args.chunk_size):
+    with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
+        generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
+                              trace_experts=args.trace_experts,
+                              max_batch_size=args.max_batch_size,
+                              compilation_cache=command_compilation_cache(None))
+        files.start_output()
+        count = errors = tokens = 0
+        start = time.perf_counter()
+        for chunk in files.chunks(args.chunk_size):
             for result in generate_chunk(generator, chunk):
-                sink.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
+                files.write(result.to_dict())
                 errors += result.error is not None
                 tokens += len(result.token_ids)
             count += len(chunk)
-            sink.flush()
+            files.flush()
     elapsed = time.perf_counter() - start
     rate = tokens / elapsed if elapsed > 0 else 0.0
     print(f"generated {tokens} tokens for {count - errors} of {count} requests ({errors} with "

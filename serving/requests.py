@@ -66,12 +66,21 @@ formatting; without the multi suffix). Failed requests get ``error`` set,
 ``logprobs=None`` and ``prompt_tokens=0``.
 
 Every validation error is a :class:`RequestError` whose message reads
-``"request 'ID': FIELD: problem"`` (``request #INDEX`` when the id is absent).
+``"request 'ID': FIELD: problem"`` (``request #INDEX`` when the id is absent or
+unusable). An ``id`` is echoed into JSON output, so it must be null, a string of
+valid UTF-8 (no lone surrogates such as ``"\\udc80"``) or an integer that Python
+can write out; token ids are Python or NumPy integers (bools and floats are
+refused); ``kind`` and ``normalize`` are strings (a NumPy array is refused, not
+compared). Whatever else a request holds, :func:`normalize_requests` turns it into
+an error for that request alone: an exception other than RequestError while
+checking it (a user object that breaks its own protocol) becomes the error
+``"request 'ID': request: could not be validated (TYPE: message)"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import string
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -118,13 +127,13 @@ class ScoreRequest:
             raise RequestError(f"{request_label(None, index)}: expected an object (dict), "
                                f"got {type(d).__name__}", index=index)
         label = request_label(d.get("id"), index)
-        unknown = sorted(str(k) for k in d if k not in _FIELD_NAMES)
+        unknown = unknown_fields(d, _FIELD_NAMES)
         if unknown:
-            names = ", ".join(repr(k) for k in unknown)
-            raise RequestError(f"{label}: unknown field(s) {names} "
+            raise RequestError(f"{label}: unknown field(s) "
+                               f"{', '.join(show(k) for k in unknown)} "
                                f"(accepted: {', '.join(_FIELD_NAMES)})",
                                index=index, field=unknown[0])
-        return cls(**d)
+        return cls(**{name: d[name] for name in _FIELD_NAMES if name in d})
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ScoreRequest))
@@ -214,16 +223,70 @@ class TokenizerAdapter:
         problem = _text_problem(text)
         if problem is not None:
             raise (TypeError if not isinstance(text, str) else ValueError)(f"text {problem}")
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        # encode_batch releases the GIL while it works (encode holds it: a long prompt would
+        # stall every other thread of a server, its health checks included).
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
 
 # ----------------------------------------------------------------------------- parsing
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = 6
+
+
+def show(value: Any) -> str:
+    """A short repr of a user's value for an error message (long values are elided, huge
+    integers summarised; never raises)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<integer of {value.bit_length()} bits>"
+    try:
+        return _REPR.repr(value)
+    except Exception:  # noqa: BLE001  (a user's object with a broken __repr__)
+        return f"<{type(value).__name__}>"
+
+
+def unknown_fields(d: Mapping[Any, Any], accepted: Sequence[str]) -> list[str]:
+    """The keys of ``d`` that are not field names, sorted, as strs (a non-str key as its
+    short repr)."""
+    return sorted(str.__str__(k) if isinstance(k, str) else show(k)
+                  for k in d if not (isinstance(k, str) and k in accepted))
+
+
+def id_problem(request_id: Any) -> str | None:
+    """Why ``request_id`` cannot be a request id, or None when it can. Ids are echoed into
+    JSON output, so only null, a str of valid UTF-8 (no lone surrogates) and an integer
+    that Python can write out in decimal are accepted."""
+    if request_id is None:
+        return None
+    if isinstance(request_id, str):
+        return _text_problem(request_id)
+    if isinstance(request_id, int) and not isinstance(request_id, bool):
+        try:
+            int.__repr__(request_id)
+        except ValueError:   # past sys.get_int_max_str_digits(): json.dumps would fail too
+            return f"{show(request_id)} has too many digits to be written out"
+        return None
+    return f"must be a string, an integer or null, got {type(request_id).__name__}"
+
+
 def request_label(request_id: Any, index: int | None) -> str:
     """How messages name a request: by its id when it has a usable one, else by index."""
-    if isinstance(request_id, str) or (isinstance(request_id, int)
-                                       and not isinstance(request_id, bool)):
-        return f"request {str(request_id)!r}"
+    if request_id is not None and id_problem(request_id) is None:
+        text = (str.__str__(request_id) if isinstance(request_id, str)
+                else int.__repr__(request_id))
+        return f"request {text!r}"
     return f"request #{index}" if index is not None else "request"
+
+
+def request_id_of(obj: Any) -> str | int | None:
+    """The usable id of a request (a dict or a dataclass with ``id``), else None; for the
+    result of a request that failed validation, so it never raises."""
+    try:
+        request_id = (obj.get("id") if isinstance(obj, Mapping)
+                      else getattr(obj, "id", None) if dataclasses.is_dataclass(obj) else None)
+    except Exception:  # noqa: BLE001  (a broken mapping: its request fails on its own)
+        return None
+    return request_id if request_id is not None and id_problem(request_id) is None else None
 
 
 def _text_problem(value: Any) -> str | None:
@@ -265,11 +328,11 @@ class _Checker:
         return RequestError(f"{self.label}: {field}: {problem}", index=self.index, field=field)
 
     def text(self, value: Any, field: str) -> str:
-        """A str of valid UTF-8."""
+        """A str of valid UTF-8 (a str subclass comes back as a plain str)."""
         problem = _text_problem(value)
         if problem is not None:
             raise self.fail(field, problem)
-        return value
+        return str.__str__(value)
 
     def token_ids(self, value: Any, field: str) -> list[int]:
         """A non-empty list of integers (range is checked later, against the model vocab)."""
@@ -286,18 +349,19 @@ class _Checker:
         return ids
 
     def choice_of(self, value: Any, field: str, accepted: tuple[str, ...]) -> str:
-        """One of ``accepted``."""
-        if value not in accepted or not isinstance(value, str):
-            raise self.fail(field, f"{value!r} is not one of "
+        """One of ``accepted`` (the type is checked first: ``in`` would compare a NumPy
+        array element-wise, and an array's truth value raises)."""
+        if not isinstance(value, str) or value not in accepted:
+            raise self.fail(field, f"{show(value)} is not one of "
                                    f"{', '.join(repr(a) for a in accepted)}")
-        return value
+        return str.__str__(value)
 
 
 def _check_id(check: _Checker, request_id: Any) -> None:
-    """Ids end up in JSONL output, so only JSON scalars are allowed."""
-    if request_id is not None and request_label(request_id, None) == "request":
-        raise check.fail("id", f"must be a string, an integer or null, "
-                               f"got {type(request_id).__name__}")
+    """Ids end up in JSONL output, so only JSON scalars of valid UTF-8 are allowed."""
+    problem = id_problem(request_id)
+    if problem is not None:
+        raise check.fail("id", problem)
 
 
 def _parse_prompt(check: _Checker, req: ScoreRequest) -> tuple[str | None, list[int] | None]:
@@ -367,17 +431,19 @@ def _check_kind_inputs(check: _Checker, req: ScoreRequest) -> None:
 def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreRequest:
     """Validate one request (everything that needs no tokenizer) and return it cleaned.
 
-    Token ids come back as lists of Python ints. Raises :class:`RequestError`.
+    Token ids come back as lists of Python ints, texts, kind and normalize as plain strs.
+    Raises :class:`RequestError`.
     """
     req = obj if isinstance(obj, ScoreRequest) else ScoreRequest.from_dict(obj, index)
     check = _Checker(req.id, index)
     _check_id(check, req.id)
-    check.choice_of(req.kind, "kind", KINDS)
-    check.choice_of(req.normalize, "normalize", NORMALIZATIONS)
+    kind = check.choice_of(req.kind, "kind", KINDS)
+    normalize = check.choice_of(req.normalize, "normalize", NORMALIZATIONS)
     prompt, prompt_ids = _parse_prompt(check, req)
     candidates, candidate_ids = _parse_candidates(check, req)
-    req = dataclasses.replace(req, prompt=prompt, prompt_token_ids=prompt_ids,
-                              candidates=candidates, candidate_token_ids=candidate_ids)
+    req = dataclasses.replace(req, kind=kind, normalize=normalize, prompt=prompt,
+                              prompt_token_ids=prompt_ids, candidates=candidates,
+                              candidate_token_ids=candidate_ids)
     _check_kind_inputs(check, req)
     return req
 
@@ -404,7 +470,7 @@ class _Encoder:
         """Ids the model has embeddings for."""
         for i, t in enumerate(ids):
             if not 0 <= t < self.vocab_size:
-                raise self.check.fail(field, f"{what} {t} (position {i}) is outside the "
+                raise self.check.fail(field, f"{what} {show(t)} (position {i}) is outside the "
                                              f"vocabulary [0, {self.vocab_size})")
 
 
@@ -531,12 +597,17 @@ def _prompt_ids(req: ScoreRequest, enc: _Encoder) -> list[int]:
     return enc.encode(req.prompt, "prompt")
 
 
-def _check_context(check: _Checker, ops: list[PrefillOp], prompt_len: int,
-                   max_context: int) -> None:
-    """Every op must fit in the model's context window."""
+def _check_prompt_len(check: _Checker, prompt_len: int, max_context: int) -> None:
+    """The prompt alone must fit in the model's context window."""
     if prompt_len > max_context:
         raise check.fail("prompt", f"has {prompt_len} tokens, more than "
                                    f"max_context ({max_context})")
+
+
+def _check_context(check: _Checker, ops: list[PrefillOp], prompt_len: int,
+                   max_context: int) -> None:
+    """Every op must fit in the model's context window."""
+    _check_prompt_len(check, prompt_len, max_context)
     longest = max(ops, key=lambda op: len(op.token_ids))
     if len(longest.token_ids) > max_context:
         extra = len(longest.token_ids) - prompt_len
@@ -558,6 +629,8 @@ def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size
     else:
         prompt = _prompt_ids(req, enc)
         prompt_len = len(prompt)
+        # Before building ops: every multi op would copy an over-long prompt.
+        _check_prompt_len(check, prompt_len, max_context)
         if req.kind == "multi":
             ops = _multi_ops(index, req, prompt, enc, options, need_vocab)
         else:
@@ -588,5 +661,22 @@ def normalize_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
             errors[index] = str(exc)
             prompt_tokens.pop(index, None)
             continue
+        except Exception as exc:  # noqa: BLE001  (safety net: one request never sinks the batch)
+            errors[index] = unexpected_error(obj, index, exc)
+            prompt_tokens.pop(index, None)
+            continue
         ops.extend(request_ops)
     return ops, errors, prompt_tokens
+
+
+def unexpected_error(obj: Any, index: int, exc: BaseException) -> str:
+    """The error message of a request whose validation raised something other than a
+    RequestError (a bug, or a user object that breaks its own protocol): named by its
+    index or usable id, with the exception's type and first line (as valid UTF-8)."""
+    try:
+        detail = next(iter(str(exc).splitlines()), "")
+    except Exception:  # noqa: BLE001  (an exception whose __str__ raises)
+        detail = ""
+    detail = detail[:200].encode("utf-8", "backslashreplace").decode("utf-8")
+    return (f"{request_label(request_id_of(obj), index)}: request: could not be validated "
+            f"({type(exc).__name__}{': ' + detail if detail else ''})")

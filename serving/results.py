@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from serving.requests import (OpOutput, PrefillOp, ScoreRequest, ScoreResult, parse_request,
-                              request_label)
+                              request_id_of, request_label)
 
 
 def _check_output(op: PrefillOp, out: OpOutput) -> None:
@@ -105,10 +105,9 @@ def _multi_result(req: ScoreRequest, pairs: list[tuple[PrefillOp, OpOutput]],
 
 
 def _error_id(obj: Any) -> str | int | None:
-    """Best-effort id of a request that failed validation (for the error result)."""
-    request_id = obj.id if isinstance(obj, ScoreRequest) else (
-        obj.get("id") if isinstance(obj, Mapping) else None)
-    return request_id if request_label(request_id, None) != "request" else None
+    """Best-effort id of a request that failed validation (for the error result): None
+    unless usable (an id with a lone surrogate could not be written as UTF-8 JSON)."""
+    return request_id_of(obj)
 
 
 def _has_nan(pairs: list[tuple[PrefillOp, OpOutput]]) -> bool:

@@ -197,6 +197,92 @@ def test_placement_balances_load_over_devices():
     assert device_load.max() <= 1.25 * device_load.mean()
 
 
+def _assert_valid_placement(placement, load, num_devices, num_replicas):
+    """Every device holds exactly its slots, every expert 1..G replicas, as many as
+    eplb_replica_counts gives it, and the replica counts add up to num_replicas."""
+    slots = np.full(num_devices, num_replicas // num_devices)
+    slots[: num_replicas % num_devices] += 1
+    counts = placement.sum(axis=1)
+    assert placement.shape == (len(load), num_devices) and placement.dtype == bool
+    np.testing.assert_array_equal(placement.sum(axis=0), slots)
+    assert (counts >= 1).all() and counts.sum() == num_replicas
+    np.testing.assert_array_equal(counts, metro.eplb_replica_counts(load, num_devices,
+                                                                    num_replicas))
+
+
+def _placement_before_fix(load, num_devices, num_replicas):
+    """eplb_placement as it was before the overflow fix (verbatim packing loop: ``argmin``
+    over the loads with ``inf`` for devices without room), the reference for finite sums."""
+    counts = metro.eplb_replica_counts(load, num_devices, num_replicas)
+    load = np.asarray(load, np.float64)
+    per_replica = load / counts
+    slots = np.full(num_devices, num_replicas // num_devices, np.int64)
+    slots[: num_replicas % num_devices] += 1
+    holds = np.zeros((len(load), num_devices), bool)
+    device_load = np.zeros(num_devices, np.float64)
+    used = np.zeros(num_devices, np.int64)
+    expert_order = np.argsort(-per_replica, kind="stable")
+    for expert in np.repeat(expert_order, counts[expert_order]):
+        ok = (used < slots) & ~holds[expert]
+        if not ok.any():
+            metro._make_room(int(expert), holds, device_load, used, slots, per_replica)
+            ok = (used < slots) & ~holds[expert]
+        device = int(np.argmin(np.where(ok, device_load, np.inf)))
+        holds[expert, device] = True
+        device_load[device] += per_replica[expert]
+        used[device] += 1
+    return holds
+
+
+def test_placement_with_overflowing_loads_is_valid():
+    # 64 experts of load 1e308: every device total overflows to inf; the packing used to
+    # put 50 replicas on device 0 and lose 32 of the 96.
+    load = np.full(64, 1e308)
+    placement = metro.eplb_placement(load, 8, 96)
+    _assert_valid_placement(placement, load, 8, 96)
+    np.testing.assert_array_equal(placement.sum(axis=0), np.full(8, 12))
+
+
+def test_placement_of_huge_loads_matches_the_same_proportions_at_small_scale():
+    # k * 2**1020 sums past float64's max (2**1024); scaled by the max load (8 * 2**1020)
+    # every load is k / 8 exactly, so the placement must be that of the small loads k.
+    rng = np.random.default_rng(3)
+    for num_devices, num_replicas in ((8, 96), (5, 70), (3, 64)):
+        small = rng.integers(1, 9, 64).astype(np.float64)
+        small[0] = 8
+        huge = small * 2.0**1020
+        with np.errstate(over="ignore"):
+            assert not np.isfinite(np.sum(huge))
+        placement = metro.eplb_placement(huge, num_devices, num_replicas)
+        _assert_valid_placement(placement, huge, num_devices, num_replicas)
+        np.testing.assert_array_equal(
+            placement, metro.eplb_placement(small / 8, num_devices, num_replicas))
+        np.testing.assert_array_equal(
+            placement, metro.eplb_placement(small, num_devices, num_replicas))
+
+
+def test_placement_of_ordinary_loads_is_unchanged_by_the_overflow_fix():
+    rng = np.random.default_rng(11)
+    for trial in range(150):
+        num_experts, num_devices = int(rng.integers(1, 40)), int(rng.integers(1, 12))
+        load = (rng.integers(0, 20, num_experts).astype(np.float64) if trial % 3 == 0
+                else rng.random(num_experts) ** 3 if trial % 3 == 1
+                else rng.pareto(1.2, num_experts) * 1e300)   # large, but the sum is finite
+        replicas = int(rng.integers(num_experts, num_experts * num_devices + 1))
+        placement = metro.eplb_placement(load, num_devices, replicas)
+        np.testing.assert_array_equal(placement,
+                                      _placement_before_fix(load, num_devices, replicas))
+        _assert_valid_placement(placement, load, num_devices, replicas)
+
+
+@pytest.mark.parametrize("bad, shown", [(np.nan, "nan"), (np.inf, "inf"), (-0.5, "-0.5")])
+def test_placement_names_the_bad_expert_load(bad, shown, typechecks_off):
+    load = [1.0, 2.0, bad, 3.0]
+    for fn in (metro.eplb_placement, metro.eplb_replica_counts):
+        with pytest.raises(ValueError, match=rf"expert_load .* expert 2 has {shown} "):
+            fn(load, 2, 6)
+
+
 @pytest.mark.parametrize("load, devices, replicas, match", [
     (np.ones((2, 2)), 2, 4, "1-D"),
     ([1.0, -1.0], 2, 2, "non-negative"),

@@ -204,8 +204,10 @@ def test_scorer_gives_the_failed_step_s_requests_error_results_then_recovers(mon
 
     requests = [{"id": f"r{i}", "prompt": "Is this review positive? " * (i + 1) + "Answer:",
                  "candidates": [" yes", " no"]} for i in range(4)]
+    # Plain steps (no prompt sharing): a failed step on the shared prefix pool fails its
+    # whole run instead (tested below).
     scorer = Scorer("demo", dtype="float32", max_batch_tokens=64, backend="offload",
-                    calibrate=False)
+                    calibrate=False, share_prompts=False)
     backend = scorer.engine.backend
     want = scorer.score(requests)
     assert all(r.error is None for r in want)

@@ -314,6 +314,39 @@ BAD_REQUESTS = [
     ({"id": "typo", "promt": PROMPT, "candidates": [" paris"]},
      ["request 'typo'", "unknown field(s) 'promt'", "accepted: id, prompt"]),
     ("the capital", ["request #1", "expected an object (dict), got str"]),
+    # NumPy arrays where a str is expected: refused, never compared element-wise
+    ({"prompt": PROMPT, "candidates": [" paris"], "kind": np.array(["classify", "multi"])},
+     ["request #1", "kind: array(['classify', 'multi']", "is not one of"]),
+    ({"prompt": PROMPT, "candidates": [" paris"], "normalize": np.array([])},
+     ["normalize: array([]"]),
+    ({"prompt": PROMPT, "candidates": [" paris"], "kind": np.array(["choice"])},
+     ["kind: array(['choice']"]),
+    ({"prompt": np.array(["paris"]), "candidates": [" paris"]},
+     ["prompt: must be a str, got ndarray"]),
+    ({"prompt": PROMPT, "candidates": np.array([" paris"])},
+     ["candidates: must be a list, got ndarray"]),
+    # ids that could not be written as UTF-8 JSON
+    ({"id": "\udc80", "prompt": PROMPT, "candidates": [" paris"]},
+     ["request #1: id: is not valid UTF-8 text (lone surrogate '\\udc80' at index 0)"]),
+    ({"id": 10**5000, "prompt": PROMPT, "candidates": [" paris"]},
+     ["request #1: id: <integer of 16610 bits> has too many digits"]),
+    ({"id": np.int64(3), "prompt": PROMPT, "candidates": [" paris"]},
+     ["request #1: id: must be a string, an integer or null, got int64"]),
+    # token ids: floats and out-of-range integers, however large
+    ({"prompt_token_ids": [3, 4.0], "candidates": [" paris"]},
+     ["prompt_token_ids[1]", "not an integer (got float)"]),
+    ({"prompt_token_ids": [3, np.float32(4)], "candidates": [" paris"]},
+     ["prompt_token_ids[1]", "not an integer (got float32)"]),
+    ({"prompt_token_ids": [3, 10**5000], "candidates": [" paris"]},
+     ["prompt_token_ids", "token id <integer of 16610 bits> (position 1)"]),
+    ({"prompt": PROMPT, "candidate_token_ids": [[4], [2**64]]},
+     ["candidate_token_ids[1]", f"token id {2**64} (position 0)"]),
+    ({"prompt": PROMPT, "candidate_token_ids": [[4], [np.uint64(2**64 - 1)]]},
+     ["candidate_token_ids[1]", f"token id {2**64 - 1} (position 0)"]),
+    # keys that are not field names, whatever their type
+    ({"id": "k", 1: "x", None: 2, "prompt": PROMPT, "candidates": [" paris"]},
+     ["request 'k': unknown field(s) '1', 'None'"]),
+    (ScoreRequest(prompt=["paris"], candidates=[" paris"]), ["prompt: must be a str, got list"]),
 ]
 
 
@@ -346,6 +379,80 @@ def test_parse_request_raises_request_error_naming_field():
         parse_request({"prompt": "x", "candidates": ["y"], "normalize": "z"}, 4)
     assert info.value.index == 4 and info.value.field == "normalize"
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("request_id", ["\udc80", "ok\ud800!", "a\udfff"])
+def test_id_with_a_lone_surrogate_is_refused_naming_the_id(request_id):
+    with pytest.raises(RequestError, match=r"^request #2: id: is not valid UTF-8 text") as info:
+        parse_request({"id": request_id, "prompt": PROMPT, "candidates": [" paris"]}, 2)
+    assert info.value.field == "id" and info.value.index == 2
+    # Its error result carries no id, so the whole result can be written as UTF-8 JSON.
+    [result] = run([{"id": request_id, "prompt": PROMPT, "candidates": [" paris"]}])[0]
+    assert result.id is None and result.error.startswith("request #0: id: ")
+    json.dumps(result.to_dict(), ensure_ascii=False).encode("utf-8")
+
+
+def test_numpy_array_kind_is_a_request_error_naming_kind():
+    for value in (np.array(["classify"]), np.array(["classify", "multi"]), np.array([])):
+        with pytest.raises(RequestError, match=r"^request 'n': kind: array\(") as info:
+            parse_request({"id": "n", "prompt": PROMPT, "candidates": [" paris"],
+                           "kind": value}, 0)
+        assert info.value.field == "kind"
+
+
+def test_odd_but_valid_forms_score_like_plain_ones():
+    """NumPy strs and integers, tuples, other mappings and ScoreRequest objects are read as
+    the plain JSON values they stand for."""
+    import types
+
+    class DictSubclass(dict):
+        pass
+
+    plain = [{"id": "t", "prompt": PROMPT, "candidates": [" paris", " rome"], "kind": "classify"},
+             {"id": 2**70, "prompt_token_ids": [4, 5, 6], "candidate_token_ids": [[7], [8, 9]],
+              "normalize": "vocab"},
+             {"kind": "multi", "prompt": PROMPT, "candidates": ["rome", "paris"]}]
+    odd = [DictSubclass(id=np.str_("t"), prompt=np.str_(PROMPT),
+                        candidates=(np.str_(" paris"), " rome"), kind=np.str_("classify")),
+           types.MappingProxyType({"id": 2**70, "prompt_token_ids": (np.int64(4), np.int32(5), 6),
+                                   "candidate_token_ids": [(np.uint8(7),), [np.int16(8), 9]],
+                                   "normalize": np.str_("vocab")}),
+           ScoreRequest(kind=np.str_("multi"), prompt=PROMPT, candidates=("rome", "paris"))]
+    assert run(odd)[0] == run(plain)[0]
+    parsed = parse_request(odd[0], 0)
+    assert type(parsed.kind) is str and type(parsed.prompt) is str
+    assert all(type(c) is str for c in parsed.candidates)
+    assert all(type(t) is int for t in parse_request(odd[1], 1).prompt_token_ids)
+    assert json.dumps([r.to_dict() for r in run(odd)[0]])
+
+
+def test_an_unexpected_exception_fails_only_its_request():
+    """A mapping that breaks its own protocol (a value it lists but will not give) gets an
+    error result naming it; its neighbours are scored as usual."""
+    from collections.abc import Mapping
+
+    class Broken(Mapping):
+        def __init__(self, data):
+            self.data = data
+
+        def __iter__(self):
+            return iter(self.data)
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, key):
+            if key == "candidates":
+                raise RuntimeError("no candidates today\nsecond line")
+            return self.data[key]
+
+    broken = Broken({"id": "b", "prompt": PROMPT, "candidates": [" paris"]})
+    results, ops, errors = run([GOOD, broken])
+    assert list(errors) == [1] and {op.request_index for op in ops} == {0}
+    assert results[1].id == "b"
+    assert results[1].error == ("request 'b': request: could not be validated "
+                                "(RuntimeError: no candidates today)")
+    assert results[0] == run([GOOD])[0][0]
 
 
 def test_unknown_keys_are_rejected_by_from_dict():

@@ -12,16 +12,20 @@ ops up to ``batch_tokens`` and runs them in one call, so concurrent callers shar
 prompt shared by 200 candidates counts once, 200 candidates recomputing it count 200
 times. Admission bounds the cost of every item admitted and not yet answered
 (``max_queued_tokens``). Unary callers over the bound are refused at once
-(``try_acquire``: RESOURCE_EXHAUSTED with a retry hint); streams wait for room
-(``acquire``), only while the queue holds less than half the bound, so bulk streams cannot
-starve online callers. An item costing more than the whole bound is refused outright.
+(``try_acquire``: RESOURCE_EXHAUSTED with a retry hint), large ones (costing more than
+``batch_tokens / SMALL_SHARE``) already past ``LARGE_SHARE`` of it, so a burst of large
+requests leaves room for small ones; streams wait for room (``acquire``), only while the
+queue holds less than half the bound, so bulk streams cannot starve online callers. An
+item costing more than the whole bound is refused outright.
 
-**Batching by cost, never behind a long request.** The worker takes the oldest items
-whole while they fit in ``batch_tokens``. An item too large for what is left of a batch
-is split: the batch takes a chunk of its ops (the first batch: as much as fits) and the
-rest goes to the *back* of the queue, behind items that arrived meanwhile. So a small
-request waits at most about one batch behind a long one, however long it is; the long
-one's chunks each compute its prompt once (``share_prompts``).
+**Batching by cost, never behind a long request.** Small items have a queue of their own
+and go first: a batch takes every queued small item that fits in ``batch_tokens``, then the
+oldest large items whole while they fit, and at least a chunk of one (so large work always
+progresses). An item larger than a batch is split: a batch takes a chunk of its ops and
+the rest goes to the *back* of the large queue, behind items that arrived meanwhile; each
+chunk computes the request's prompt once (``share_prompts``). So a small request waits
+for at most the batch running when it arrives and its own, however much large work is
+queued.
 
 Deadlines: an item whose call has expired, or was cancelled, by the time the worker
 reaches it is dropped, not computed (counted in ``stats``).
@@ -79,6 +83,7 @@ class WorkItem:
     timings: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
     chunks: int = 0
     delivered: bool = False
+    skipped: int = 0     # batches that left it for later rather than split it
     future: Any = None   # what the caller awaits, when it awaits one
 
     def __post_init__(self) -> None:
@@ -123,10 +128,11 @@ class Admission:
         self.peak = max(self.peak, self.queued)
         return True
 
-    def try_acquire(self, tokens: int) -> bool:
-        """Admit ``tokens`` now, or refuse (counted in ``rejected``)."""
+    def try_acquire(self, tokens: int, share: float = 1.0) -> bool:
+        """Admit ``tokens`` now if the queue stays within ``share`` of the bound, or refuse
+        (counted in ``rejected``)."""
         with self._cond:
-            if tokens <= self.bound and self._take(tokens, self.bound):
+            if tokens <= self.bound and self._take(tokens, max(1, int(self.bound * share))):
                 return True
             self.rejected += 1
             return False
@@ -155,7 +161,8 @@ class Admission:
             self._cond.notify_all()
 
 
-_STOP = object()
+SMALL_SHARE = 8      # an item costing at most batch_tokens / SMALL_SHARE is small
+LARGE_SHARE = 0.75   # large items are admitted up to this share of the queue's bound
 
 
 @dataclasses.dataclass
@@ -179,7 +186,12 @@ class Batcher:
         self.admission = Admission(max_queued_tokens)
         self.batch_tokens = max(1, int(batch_tokens))
         self.max_batch_requests = max(1, int(max_batch_requests))
-        self._queue: collections.deque[Any] = collections.deque()
+        # Cheap items (at most small_cost) go first: a batch takes every queued small item it
+        # can, then fills up with (a chunk of) the oldest large one.
+        self.small_cost = max(1, self.batch_tokens // SMALL_SHARE)
+        self._small: collections.deque[WorkItem] = collections.deque()
+        self._large: collections.deque[WorkItem] = collections.deque()
+        self._stopping = False
         self._cond = threading.Condition()
         self._rate = 0.0  # token-equivalents per second computed (EMA), for retry hints
         self.stats = {"batches": 0, "requests": 0, "scored": 0, "errors": 0, "split": 0,
@@ -191,7 +203,8 @@ class Batcher:
     def submit(self, items: Sequence[WorkItem]) -> None:
         """Queue admitted items (their cost already acquired from ``admission``)."""
         with self._cond:
-            self._queue.extend(items)
+            for item in items:
+                (self._small if item.cost <= self.small_cost else self._large).append(item)
             self._cond.notify()
 
     def retry_after_ms(self, tokens: int) -> int:
@@ -205,7 +218,7 @@ class Batcher:
         """Counters plus the admission state (queued, peak, bound, rejected)."""
         adm = self.admission
         with self._cond:
-            waiting = sum(1 for item in self._queue if item is not _STOP)
+            waiting = len(self._small) + len(self._large)
         return {**self.stats, "queued_tokens": adm.queued, "peak_queued_tokens": adm.peak,
                 "max_queued_tokens": adm.bound, "rejected": adm.rejected,
                 "queue_length": waiting}
@@ -213,7 +226,7 @@ class Batcher:
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is queued (dropping cancelled items), then end the worker thread."""
         with self._cond:
-            self._queue.append(_STOP)
+            self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
 
@@ -228,39 +241,51 @@ class Batcher:
         return costs
 
     def _next_batch(self) -> list[_Chunk] | None:
-        """The oldest items up to the bounds, the last one possibly in part; None at the
-        stop marker. A partly taken item goes to the back of the queue."""
+        """Up to ``batch_tokens``: the queued small items (oldest first), then the oldest
+        large items whole while they fit, and at least a chunk of one (so large work always
+        progresses); a partly taken item goes to the back of the large queue. None once
+        stopping with nothing queued."""
         with self._cond:
-            while not self._queue:
+            while not (self._small or self._large or self._stopping):
                 self._cond.wait()
-            if self._queue[0] is _STOP:
+            if not (self._small or self._large):
                 return None
             batch: list[_Chunk] = []
             spent = 0
-            while (self._queue and self._queue[0] is not _STOP
-                   and len(batch) < self.max_batch_requests):
-                item = self._queue[0]
+            small = self._small
+            while (small and len(batch) < self.max_batch_requests
+                   and (not batch or spent + small[0].cost <= self.batch_tokens)):
+                item = small.popleft()
+                batch.append(_Chunk(item, item.pending))
+                item.pending = []
+                spent += item.cost
+            took_large = False
+            while self._large and len(batch) < self.max_batch_requests:
+                item = self._large[0]
                 costs = self._chunk_costs(item)
                 room = self.batch_tokens - spent
                 if sum(costs) <= room:                      # fits whole
-                    self._queue.popleft()
+                    self._large.popleft()
                     batch.append(_Chunk(item, item.pending))
                     item.pending = []
                     spent += sum(costs)
+                    took_large = True
                     continue
-                if batch and (sum(costs) <= self.batch_tokens or room < self.batch_tokens // 2):
-                    break                                   # it starts the next batch
+                if took_large or (sum(costs) <= self.batch_tokens and not item.skipped
+                                  and not item.chunks):
+                    item.skipped += not took_large          # whole in the next batch, rather
+                    break                                   # than split for a little room
                 taken, used = 0, 0                          # a chunk now (at least one op)
                 while taken < len(costs) and (taken == 0 or used + costs[taken] <= room):
                     used += costs[taken]
                     taken += 1
-                self._queue.popleft()
+                self._large.popleft()
                 batch.append(_Chunk(item, item.pending[:taken]))
                 item.pending = item.pending[taken:]
                 item.chunks += 1
                 self.stats["split"] += item.chunks == 1
                 if item.pending:
-                    self._queue.append(item)                # the rest waits its turn
+                    self._large.append(item)                # the rest waits its turn
                 break
             return batch
 
@@ -285,10 +310,11 @@ class Batcher:
         if item.pending:  # the rest is still queued: take it out
             with self._cond:
                 item.pending = []
-                try:
-                    self._queue.remove(item)
-                except ValueError:
-                    pass
+                for queue in (self._small, self._large):
+                    try:
+                        queue.remove(item)
+                    except ValueError:
+                        pass
         self.admission.release(item.cost)
         try:
             item.deliver(item, outcome)

@@ -3,6 +3,7 @@
     moejax serve --model DIR|demo [--host 127.0.0.1] [--port 50051] [model options of score]
                  [--max-queued-tokens N] [--grace-seconds S] [--token T] [--tls-cert F --tls-key F]
     moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl] [--token T] [--tls-ca F]
+                        [--max-line-mib MIB]
     moejax client info --target HOST:PORT
     moejax client health --target HOST:PORT        # exit 0 when SERVING
 
@@ -12,15 +13,18 @@ loaded and calibrated, and on SIGTERM/SIGINT turns health NOT_SERVING, refuses n
 lets in-flight calls finish within ``--grace-seconds`` and exits 0. The token may come from
 the environment variable ``MOEJAX_TOKEN`` instead of ``--token`` (which shows in ``ps``).
 
-``client score`` streams a JSONL file (the format of ``moejax score``) through
-``ScoreStream`` and writes one JSON result per non-blank input line, in input order; a line
-that is not JSON gets an error result. Id-less requests are named by their line's ordinal
-(0-based, blank lines skipped) in error messages.
+``client score`` streams a JSONL file (the format of ``moejax score``, read by the same
+rules: ``serving.jsonl``) through ``ScoreStream`` and writes one JSON result per non-blank
+input line, in input order; a line that is not JSON (or too long, not UTF-8, ...) gets an
+error result. Id-less requests are named by their line number (1-based, blank lines
+counted), as in ``moejax score``: ``"line 3: prompt: is empty"``. The input and ``-o`` are
+checked before connecting (one-line error, exit 2); an RPC failure exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -89,16 +93,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _items(source: Any) -> Iterator[tuple[int, Any]]:
-    """(ordinal, request dict or error ScoreResult) for each non-blank JSONL line."""
-    from serving.cli import read_jsonl_chunks
+def _items(lines: Iterator[Any], order: collections.deque[int]) -> Iterator[tuple[int, Any]]:
+    """(line number, request dict or error ScoreResult) for each non-blank JSONL line. The
+    line number is the request's index on the wire, so the server's and the client's
+    messages name an id-less request ``request #N`` with N its line; each number is queued
+    in ``order`` before it is sent, for writing the results in input order."""
     from serving.requests import ScoreResult
 
-    ordinal = 0
-    for chunk in read_jsonl_chunks(source, 256):
-        for obj, error in chunk:
-            yield ordinal, (ScoreResult(error=error) if error is not None else obj)
-            ordinal += 1
+    for line in lines:
+        order.append(line.number)
+        yield line.number, (ScoreResult(error=line.error) if line.error is not None
+                            else line.request)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -121,39 +126,44 @@ def cmd_client_score(args: argparse.Namespace) -> int:
     """Stream a JSONL file through ScoreStream; results in input order."""
     import grpc
 
-    from serving.cli import count_lines, jsonl_files
+    from serving.jsonl import name_by_line, open_jsonl
 
-    total = count_lines(args.input)
-    show_bar = args.progress if args.progress is not None else sys.stderr.isatty()
-    bar = None
-    if show_bar:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="req", desc=f"scoring via {args.target}", file=sys.stderr)
     pending: dict[int, Any] = {}
+    order: collections.deque[int] = collections.deque()   # line numbers sent, in input order
     written = errors = 0
-    start = time.perf_counter()
     status = 0
-    try:
-        with jsonl_files(args.input, args.output) as (source, sink), _client(args) as client:
-            for index, result in client.stream(_items(source), timeout=args.timeout):
-                pending[index] = result
-                while written in pending:  # write in input order as results complete
-                    done = pending.pop(written)
-                    sink.write(json.dumps(done.to_dict(), ensure_ascii=False) + "\n")
-                    errors += done.error is not None
-                    written += 1
-                    if bar is not None:
-                        bar.update(1)
-        if pending:
-            raise RuntimeError(f"no result for line ordinal {written}")
-    except grpc.RpcError as exc:
-        status = _rpc_failed(exc)
-    except KeyboardInterrupt:
-        status = 130
-    finally:
-        if bar is not None:
-            bar.close()
+    bar = None
+    with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before connecting
+        files.start_output()
+        show_bar = args.progress if args.progress is not None else sys.stderr.isatty()
+        if show_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=files.count(), unit="req", desc=f"scoring via {args.target}",
+                       file=sys.stderr)
+        start = time.perf_counter()
+        try:
+            with _client(args) as client:
+                for number, result in client.stream(_items(files.lines(), order),
+                                                    timeout=args.timeout):
+                    result.error = name_by_line(result.error, number, number)
+                    pending[number] = result
+                    while order and order[0] in pending:  # input order, as results complete
+                        done = pending.pop(order.popleft())
+                        files.write(done.to_dict())
+                        errors += done.error is not None
+                        written += 1
+                        if bar is not None:
+                            bar.update(1)
+            if order:
+                raise RuntimeError(f"no result for line {order[0]}")
+        except grpc.RpcError as exc:
+            status = _rpc_failed(exc)
+        except KeyboardInterrupt:
+            status = 130
+        finally:
+            if bar is not None:
+                bar.close()
     print(f"{written} results written ({errors} with errors) in "
           f"{time.perf_counter() - start:.2f}s via {args.target}"
           + ("" if status == 0 else "; stopped early, the results of the lines before are "
@@ -201,6 +211,8 @@ def _add_connection_options(p: argparse.ArgumentParser, timeout: float | None) -
 def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
                  ) -> None:
     """Register ``serve`` and ``client`` on the ``moejax`` subparsers."""
+    from serving.jsonl import add_line_limit_option
+
     serve = sub.add_parser("serve", help="serve the scoring API over gRPC "
                                          "(with grpc.health.v1 health and reflection)")
     serve.add_argument("--host", default="127.0.0.1",
@@ -208,11 +220,12 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     serve.add_argument("--port", type=int, default=50051,
                        help="port (default 50051; 0 = a free one); printed on stdout")
     serve.add_argument("--max-queued-tokens", type=int, default=262_144,
-                       help="admission bound: estimated tokens queued or being scored; over "
-                            "it, calls get RESOURCE_EXHAUSTED with a retry hint (default 262144)")
+                       help="admission bound: compute queued or being scored, in "
+                            "token-equivalents (prompt sharing counted); over it, calls get "
+                            "RESOURCE_EXHAUSTED with a retry hint (default 262144)")
     serve.add_argument("--batch-tokens", type=int, default=None,
-                       help="estimated tokens gathered per scoring batch "
-                            "(default 4 x --max-batch-tokens)")
+                       help="token-equivalents of compute per model call; larger requests are "
+                            "split (default 4 x --max-batch-tokens)")
     serve.add_argument("--grace-seconds", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, time for in-flight calls (default 30)")
     serve.add_argument("--drain-seconds", type=float, default=0.0,
@@ -225,10 +238,12 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     serve.add_argument("--max-message-mib", type=float, default=16.0,
                        help="largest request message accepted (default 16 MiB)")
-    serve.add_argument("--workers", type=int, default=64,
-                       help="gRPC handler threads (default 64)")
-    serve.add_argument("--max-concurrent-rpcs", type=int, default=256,
-                       help="calls in progress at once; more get RESOURCE_EXHAUSTED (default 256)")
+    serve.add_argument("--workers", type=int, default=4,
+                       help="threads that validate and tokenize requests (default 4; the "
+                            "handlers themselves run on one asyncio loop)")
+    serve.add_argument("--max-concurrent-rpcs", type=int, default=4096,
+                       help="scoring calls in progress at once; more get RESOURCE_EXHAUSTED "
+                            "with a retry hint (default 4096; health is never refused)")
     add_model_options(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -239,6 +254,7 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     score.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
     score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar (default: on when stderr is a terminal)")
+    add_line_limit_option(score)
     _add_connection_options(score, None)
     score.set_defaults(func=cmd_client_score)
     info = calls.add_parser("info", help="print what the server serves (ModelInfo) as JSON")

@@ -7,7 +7,9 @@
 Requests are validated on the client first (``serving.requests.parse_request``, no
 tokenizer needed), so an invalid request gets the same error result as in process without
 a round trip; the rest stream through ``ScoreStream``. Invalid requests are results, not
-exceptions; what does raise is the transport: a ``grpc.RpcError`` for an unreachable
+exceptions (a request that passes validation but cannot be put in a proto message, say
+text that is not UTF-8, gets its error result locally too: one bad request never fails
+the call); what does raise is the transport: a ``grpc.RpcError`` for an unreachable
 server, a wrong token (UNAUTHENTICATED), a deadline (DEADLINE_EXCEEDED), a server shutting
 down (UNAVAILABLE). Results carry the server's ``timings`` plus ``queue_seconds``.
 """
@@ -23,7 +25,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.grpc import convert, scoring_pb2 as pb, scoring_pb2_grpc
-from serving.requests import RequestError, ScoreRequest, ScoreResult, parse_request
+from serving.requests import (RequestError, ScoreRequest, ScoreResult, parse_request,
+                              request_label)
 
 PROGRESS_MIN_REQUESTS = 64  # as the Scorer's default progress_min_requests
 
@@ -32,6 +35,26 @@ def _raw_id(obj: Any) -> Any:
     if isinstance(obj, ScoreRequest):
         return obj.id
     return obj.get("id") if isinstance(obj, Mapping) else None
+
+
+def _printable(text: str) -> str:
+    """``text`` with what is not Unicode text (lone surrogates) escaped, for messages."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _to_message(obj: Any, index: int) -> pb.StreamRequest | ScoreResult:
+    """The stream message of one request, or its error result when it is invalid or the
+    proto refuses it (the error is the request's, never the whole call's)."""
+    try:
+        request = parse_request(obj, index)
+        return pb.StreamRequest(request=convert.request_to_proto(request, index), index=index)
+    except RequestError as exc:
+        return convert.error_result(_raw_id(obj), str(exc))
+    except Exception as exc:  # noqa: BLE001 - raised in gRPC's request thread, it would
+        # end the whole stream with UNKNOWN "Exception iterating requests!"
+        request_id = _raw_id(obj)
+        return convert.error_result(request_id, f"{request_label(request_id, index)}: cannot "
+                                                f"be sent: {_printable(str(exc))}")
 
 
 def _read(value: str | bytes | None) -> bytes | None:
@@ -110,15 +133,11 @@ class Client:
 
         def messages() -> Iterator[pb.StreamRequest]:
             for index, obj in items:
-                if isinstance(obj, ScoreResult):
-                    local.append((index, obj))
+                message = obj if isinstance(obj, ScoreResult) else _to_message(obj, index)
+                if isinstance(message, ScoreResult):
+                    local.append((index, message))
                     continue
-                try:
-                    message = convert.request_to_proto(parse_request(obj, index), index)
-                except RequestError as exc:
-                    local.append((index, convert.error_result(_raw_id(obj), str(exc))))
-                    continue
-                yield pb.StreamRequest(request=message, index=index)
+                yield message
             reading.set()
 
         responses = self._stub.ScoreStream(messages(), timeout=timeout, metadata=self._metadata)

@@ -24,6 +24,7 @@ be prepared (``max_preparing``).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
 import ssl
@@ -155,7 +156,6 @@ class ScoringServer:
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
     def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
         """Run ``coroutine`` on the server's loop and wait for its result."""
@@ -175,10 +175,7 @@ class ScoringServer:
     def start(self) -> int:
         """Bind and start serving health and reflection; returns the bound port."""
         credentials = self._credentials()  # a bad key or certificate fails before binding
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="moejax-grpc-loop",
-                                        daemon=True)
-        self._thread.start()
+        self._loop = _server_loop()
         try:
             port = self._run(self._start(credentials))
         except BaseException:
@@ -260,17 +257,37 @@ class ScoringServer:
         log.info("stopped")
 
     async def _stop(self, grace: float) -> None:
-        # Wait for the scoring calls only: health Watch streams would hold the whole grace.
-        stopping = asyncio.ensure_future(self._server.stop(grace))  # refuses new calls at once
+        # New scoring calls are refused already (service.stopping); wait for the scoring
+        # calls in flight only (health Watch streams would hold the whole grace), then stop
+        # the server once, cancelling what is left.
         deadline = time.monotonic() + grace
         while self.service.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        await self._server.stop(0)  # cancels what is left (watches, calls over the grace)
-        await stopping
+        await self._server.stop(0)
 
     def _close_loop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
-            self._loop = None
+        self._loop = None  # the shared loop lives on, for other servers of this process
+
+
+_LOOP_LOCK = threading.Lock()
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _server_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every ScoringServer of this process runs on (one thread, started on
+    first use): gRPC's asyncio layer expects one loop per process."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            thread = threading.Thread(target=_LOOP.run_forever, name="moejax-grpc-loop",
+                                      daemon=True)
+            thread.start()
+            atexit.register(_stop_loop, _LOOP, thread)
+        return _LOOP
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """At exit: stop the loop between callbacks, so gRPC is not torn down under it."""
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)

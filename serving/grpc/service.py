@@ -37,7 +37,7 @@ from typing import Any, AsyncIterator, Sequence
 import grpc
 
 from serving.grpc import convert, decoding, scoring_pb2 as pb
-from serving.grpc.batcher import Batcher, Cancelled, Expired, Failed, WorkItem
+from serving.grpc.batcher import LARGE_SHARE, Batcher, Cancelled, Expired, Failed, WorkItem
 from serving.requests import RequestError, request_label
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scoring"].full_name
@@ -205,7 +205,8 @@ class ScoringService:
             raise _Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
                            f"than the server's bound of {adm.bound} (max_queued_tokens): "
                            f"split them, or use ScoreStream", None)
-        if not adm.try_acquire(cost):
+        share = 1.0 if cost <= batcher.small_cost else LARGE_SHARE
+        if not adm.try_acquire(cost, share):
             raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
                            f"token-equivalents queued)", batcher.retry_after_ms(cost))
 
@@ -228,7 +229,11 @@ class ScoringService:
                                     f"{label}: {message.describe()}")
             error = self._check_limits(message, 0)
             if error is not None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+                # Set, not raised: an abort's traceback would keep the (huge) message alive
+                # in a reference cycle until the next garbage collection.
+                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                context.set_details(error)
+                return pb.ScoreResult()
             try:
                 refused = self._early_refusal(batcher)
                 if refused is not None:
