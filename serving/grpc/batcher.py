@@ -18,14 +18,14 @@ requests leaves room for small ones; streams wait for room (``acquire``), only w
 queue holds less than half the bound, so bulk streams cannot starve online callers. An
 item costing more than the whole bound is refused outright.
 
-**Batching by cost, never behind a long request.** Small items have a queue of their own
-and go first: a batch takes every queued small item that fits in ``batch_tokens``, then the
-oldest large items whole while they fit, and at least a chunk of one (so large work always
-progresses). An item larger than a batch is split: a batch takes a chunk of its ops and
-the rest goes to the *back* of the large queue, behind items that arrived meanwhile; each
-chunk computes the request's prompt once (``share_prompts``). So a small request waits
-for at most the batch running when it arrives and its own, however much large work is
-queued.
+**Batching by cost, never behind a long request.** Each model call takes the *oldest*
+queued item first — whole, or a chunk of its ops when it is larger than a batch — so every
+item progresses however much cheaper work keeps arriving; then it fills up with the
+*cheapest* queued items (by power-of-two cost class, then age) while they fit in
+``batch_tokens``. A split item's rest goes to the back of the queue, behind items that
+arrived meanwhile, and each chunk computes the request's prompt once (``share_prompts``).
+So a small request waits for the call running when it arrives and is in the next one,
+however much large work is queued ahead of it.
 
 Deadlines: an item whose call has expired, or was cancelled, by the time the worker
 reaches it is dropped, not computed (counted in ``stats``).
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import logging
 import threading
 import time
@@ -83,7 +84,8 @@ class WorkItem:
     timings: dict[Hashable, Any] = dataclasses.field(default_factory=dict)
     chunks: int = 0
     delivered: bool = False
-    skipped: int = 0     # batches that left it for later rather than split it
+    seq: int = 0         # arrival order in the queue (renewed when a split rest re-enters)
+    queued: bool = False
     future: Any = None   # what the caller awaits, when it awaits one
 
     def __post_init__(self) -> None:
@@ -186,11 +188,13 @@ class Batcher:
         self.admission = Admission(max_queued_tokens)
         self.batch_tokens = max(1, int(batch_tokens))
         self.max_batch_requests = max(1, int(max_batch_requests))
-        # Cheap items (at most small_cost) go first: a batch takes every queued small item it
-        # can, then fills up with (a chunk of) the oldest large one.
+        # The queue, ordered twice (lazy deletion: an entry is live while its item is queued
+        # under that seq): by arrival, for the oldest; by cost class, cheapest first.
         self.small_cost = max(1, self.batch_tokens // SMALL_SHARE)
-        self._small: collections.deque[WorkItem] = collections.deque()
-        self._large: collections.deque[WorkItem] = collections.deque()
+        self._by_age: collections.deque[tuple[int, WorkItem]] = collections.deque()
+        self._by_cost: list[tuple[int, int, WorkItem]] = []
+        self._seq = 0
+        self._waiting = 0
         self._stopping = False
         self._cond = threading.Condition()
         self._rate = 0.0  # token-equivalents per second computed (EMA), for retry hints
@@ -204,7 +208,7 @@ class Batcher:
         """Queue admitted items (their cost already acquired from ``admission``)."""
         with self._cond:
             for item in items:
-                (self._small if item.cost <= self.small_cost else self._large).append(item)
+                self._push(item)
             self._cond.notify()
 
     def retry_after_ms(self, tokens: int) -> int:
@@ -218,7 +222,7 @@ class Batcher:
         """Counters plus the admission state (queued, peak, bound, rejected)."""
         adm = self.admission
         with self._cond:
-            waiting = len(self._small) + len(self._large)
+            waiting = self._waiting
         return {**self.stats, "queued_tokens": adm.queued, "peak_queued_tokens": adm.peak,
                 "max_queued_tokens": adm.bound, "rejected": adm.rejected,
                 "queue_length": waiting}
@@ -240,53 +244,67 @@ class Batcher:
             costs[0] = self.scorer.token_equivalents(item.pending[0].flops(self.scorer.config))
         return costs
 
+    def _push(self, item: WorkItem) -> None:
+        """Queue ``item`` (or the rest of a split one) behind everything queued."""
+        self._seq += 1
+        item.seq, item.queued = self._seq, True
+        self._waiting += 1
+        self._by_age.append((item.seq, item))
+        cost_class = sum(self._chunk_costs(item)).bit_length()  # powers of two of its cost
+        heapq.heappush(self._by_cost, (cost_class, item.seq, item))
+
+    @staticmethod
+    def _live(seq: int, item: WorkItem) -> bool:
+        return item.queued and item.seq == seq
+
+    def _oldest(self) -> WorkItem | None:
+        while self._by_age and not self._live(*self._by_age[0]):
+            self._by_age.popleft()
+        return self._by_age[0][1] if self._by_age else None
+
+    def _take(self, item: WorkItem, batch: list[_Chunk], room: int) -> int:
+        """Put ``item`` in the batch: whole when it fits ``room``, else a chunk of its ops
+        that fits (at least one). Returns the token-equivalents taken."""
+        item.queued = False
+        self._waiting -= 1
+        costs = self._chunk_costs(item)
+        if sum(costs) <= room:
+            batch.append(_Chunk(item, item.pending))
+            item.pending = []
+            return sum(costs)
+        taken, used = 0, 0
+        while taken < len(costs) and (taken == 0 or used + costs[taken] <= room):
+            used += costs[taken]
+            taken += 1
+        batch.append(_Chunk(item, item.pending[:taken]))
+        item.pending = item.pending[taken:]
+        item.chunks += 1
+        self.stats["split"] += item.chunks == 1
+        return used   # the rest is queued again once this chunk has run (see _run)
+
     def _next_batch(self) -> list[_Chunk] | None:
-        """Up to ``batch_tokens``: the queued small items (oldest first), then the oldest
-        large items whole while they fit, and at least a chunk of one (so large work always
-        progresses); a partly taken item goes to the back of the large queue. None once
-        stopping with nothing queued."""
+        """Up to ``batch_tokens``: the oldest queued item (whole, or a chunk of it: so every
+        item progresses, however much cheaper work keeps arriving), then the cheapest
+        items (by cost class, then age) whole while they fit. None once stopping with
+        nothing queued."""
         with self._cond:
-            while not (self._small or self._large or self._stopping):
+            while self._oldest() is None and not self._stopping:
                 self._cond.wait()
-            if not (self._small or self._large):
+            oldest = self._oldest()
+            if oldest is None:
                 return None
             batch: list[_Chunk] = []
-            spent = 0
-            small = self._small
-            while (small and len(batch) < self.max_batch_requests
-                   and (not batch or spent + small[0].cost <= self.batch_tokens)):
-                item = small.popleft()
-                batch.append(_Chunk(item, item.pending))
-                item.pending = []
-                spent += item.cost
-            took_large = False
-            while self._large and len(batch) < self.max_batch_requests:
-                item = self._large[0]
-                costs = self._chunk_costs(item)
-                room = self.batch_tokens - spent
-                if sum(costs) <= room:                      # fits whole
-                    self._large.popleft()
-                    batch.append(_Chunk(item, item.pending))
-                    item.pending = []
-                    spent += sum(costs)
-                    took_large = True
+            spent = self._take(oldest, batch, self.batch_tokens)
+            while self._by_cost and len(batch) < self.max_batch_requests:
+                _, seq, item = self._by_cost[0]
+                if not self._live(seq, item):
+                    heapq.heappop(self._by_cost)
                     continue
-                if took_large or (sum(costs) <= self.batch_tokens and not item.skipped
-                                  and not item.chunks):
-                    item.skipped += not took_large          # whole in the next batch, rather
-                    break                                   # than split for a little room
-                taken, used = 0, 0                          # a chunk now (at least one op)
-                while taken < len(costs) and (taken == 0 or used + costs[taken] <= room):
-                    used += costs[taken]
-                    taken += 1
-                self._large.popleft()
-                batch.append(_Chunk(item, item.pending[:taken]))
-                item.pending = item.pending[taken:]
-                item.chunks += 1
-                self.stats["split"] += item.chunks == 1
-                if item.pending:
-                    self._large.append(item)                # the rest waits its turn
-                break
+                cost = sum(self._chunk_costs(item))
+                if spent + cost > self.batch_tokens:
+                    break
+                heapq.heappop(self._by_cost)
+                spent += self._take(item, batch, self.batch_tokens - spent)
             return batch
 
     # ------------------------------------------------------------------ worker
@@ -301,6 +319,11 @@ class Batcher:
                 log.exception("batch of %d requests failed unexpectedly", len(batch))
                 for chunk in batch:
                     self._fail(chunk.item, RuntimeError("the server failed on this batch"))
+            # The rest of a split item queues behind what arrived while its chunk ran.
+            with self._cond:
+                for chunk in batch:
+                    if chunk.item.pending and not chunk.item.delivered:
+                        self._push(chunk.item)
 
     def _finish(self, item: WorkItem, outcome: Outcome) -> None:
         """Deliver ``outcome`` (once) and release the item's admission."""
@@ -310,11 +333,9 @@ class Batcher:
         if item.pending:  # the rest is still queued: take it out
             with self._cond:
                 item.pending = []
-                for queue in (self._small, self._large):
-                    try:
-                        queue.remove(item)
-                    except ValueError:
-                        pass
+                if item.queued:
+                    item.queued = False   # its queue entries are dead now
+                    self._waiting -= 1
         self.admission.release(item.cost)
         try:
             item.deliver(item, outcome)
