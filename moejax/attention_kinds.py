@@ -135,27 +135,53 @@ class PrefixContext:
 class PrefixPooled:
     """:class:`PackedCausal` whose blocks also read cached prefix keys/values from a pool
     ``pool_k``/``pool_v`` [L, S, n_kv, h] (S = blocks · block size token slots), and
-    whose stored rows are written to it layer by layer (in place when donated)."""
+    whose stored rows are written to it: layer by layer (in place when donated), or — with
+    ``defer_writes``, for a fused layer loop — kept in ``stored_k``/``stored_v``
+    [L, W, n_kv, h] and written by :meth:`written` after the loop. A loop that both reads
+    and writes the pool makes XLA copy the whole pool twice per layer (to keep the reads
+    safe); deferred, the loop only reads it (XLA still copies it once per step that reads
+    it). A step never reads rows it stores itself (the prefix plan's levels), so the order
+    does not change what is read."""
 
     packed: PackedCausal
     context: PrefixContext
     pool_k: jax.Array
     pool_v: jax.Array
+    stored_k: jax.Array | None = None
+    stored_v: jax.Array | None = None
 
     @classmethod
     def of(cls, positions: Int[Array, "T"], segment_ids: Int[Array, "T"], attn_block: int,
            context: PrefixContext, pool_k: Float[Array, "L S n_kv h"],
-           pool_v: Float[Array, "L S n_kv h"]) -> "PrefixPooled":
+           pool_v: Float[Array, "L S n_kv h"], *, defer_writes: bool = False
+           ) -> "PrefixPooled":
         # The context attention masks per block: no bias when the pool is read.
         packed = PackedCausal.of(positions, segment_ids, attn_block,
                                  with_bias=not context.reads_pool)
-        return cls(packed=packed, context=context, pool_k=pool_k, pool_v=pool_v)
+        stored_k = stored_v = None
+        if defer_writes:
+            shape = (pool_k.shape[0], context.store_row.shape[0], *pool_k.shape[2:])
+            stored_k, stored_v = jnp.zeros(shape, pool_k.dtype), jnp.zeros(shape, pool_v.dtype)
+        return cls(packed=packed, context=context, pool_k=pool_k, pool_v=pool_v,
+                   stored_k=stored_k, stored_v=stored_v)
 
     def carry(self) -> Any:
+        if self.stored_k is not None:
+            return self.stored_k, self.stored_v
         return self.pool_k, self.pool_v
 
     def with_carry(self, carry: Any) -> "PrefixPooled":
+        if self.stored_k is not None:
+            return dataclasses.replace(self, stored_k=carry[0], stored_v=carry[1])
         return dataclasses.replace(self, pool_k=carry[0], pool_v=carry[1])
+
+    def written(self) -> tuple[jax.Array, jax.Array]:
+        """The pool with this step's stored rows in it (keys, values)."""
+        if self.stored_k is None:
+            return self.pool_k, self.pool_v
+        slots = self.context.store_slot   # slot S: dropped
+        return (self.pool_k.at[:, slots].set(self.stored_k, mode="drop"),
+                self.pool_v.at[:, slots].set(self.stored_v, mode="drop"))
 
     def valid_rows(self, rows: jax.Array | None) -> jax.Array | None:
         return self.packed.valid_rows(rows)
@@ -181,6 +207,10 @@ class PrefixPooled:
                 out = attention.context_attention_at_rows(q, k, v, packed.segment_ids, rows,
                                                           packed.attn_block, ctx_k, ctx_v,
                                                           ctx.ctx_lo, ctx.ctx_hi)
+        if self.stored_k is not None:   # kept for written(), after the loop
+            return out, dataclasses.replace(
+                self, stored_k=self.stored_k.at[layer].set(k[ctx.store_row]),
+                stored_v=self.stored_v.at[layer].set(v[ctx.store_row]))
         # O(W) scatter into the layer's pool slots (slot S drops the row).
         pool_k = self.pool_k.at[layer, ctx.store_slot].set(k[ctx.store_row], mode="drop")
         pool_v = self.pool_v.at[layer, ctx.store_slot].set(v[ctx.store_row], mode="drop")

@@ -21,9 +21,10 @@ def pooled_score(params: Params, batch: PackedBatch, context: PrefixContext, poo
                  *, cfg: ModelConfig, opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
     """The scoring forward with the prefix pool as its attention kind -> (output, pool)."""
     attn = PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
-                           pool.keys, pool.values)
+                           pool.keys, pool.values, defer_writes=True)
     out = model_lib.decoder(cfg, params).score(batch, opts, attn=attn)
-    return (out.logits, out.lse), PrefixPool(keys=out.attn.pool_k, values=out.attn.pool_v)
+    keys, values = out.attn.written()
+    return (out.logits, out.lse), PrefixPool(keys=keys, values=values)
 
 
 class ResidentBackend(Backend):
