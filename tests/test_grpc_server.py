@@ -341,7 +341,7 @@ def test_admission_control_refuses_with_a_retry_hint_and_streams_wait(scorer):
         assert int(hint) > 0 and f"retry after {hint} ms" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
             scoring.ScoreBatch(pb.ScoreBatchRequest(requests=[
-                to_proto({"prompt": "c" * 40, "candidates": [" a"]})] * 3), timeout=T)
+                to_proto({"prompt": "c" * 100, "candidates": [" a"]})] * 3), timeout=T)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "split them" in info.value.details()
         scorer.gate.set()

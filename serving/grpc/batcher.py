@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import heapq
 import logging
+import random
 import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
@@ -151,6 +152,11 @@ class Admission:
                 self._cond.wait(poll)
             return True
 
+    def would_fit(self, tokens: int, share: float = 1.0) -> bool:
+        """Would ``tokens`` be admitted now (within ``share`` of the bound)? Nothing taken."""
+        with self._cond:
+            return self.queued == 0 or self.queued + tokens <= int(self.bound * share)
+
     def try_acquire_share(self, tokens: int, share: float) -> bool:
         """Admit ``tokens`` if they fit in ``share`` of the bound (no waiting, not counted
         as a refusal: a stream polls this)."""
@@ -165,6 +171,7 @@ class Admission:
 
 SMALL_SHARE = 8      # an item costing at most batch_tokens / SMALL_SHARE is small
 LARGE_SHARE = 0.75   # large items are admitted up to this share of the queue's bound
+RATE_BEFORE_FIRST_BATCH = 10_000  # token-equivalents per second assumed for retry hints
 
 
 @dataclasses.dataclass
@@ -212,11 +219,14 @@ class Batcher:
             self._cond.notify()
 
     def retry_after_ms(self, tokens: int) -> int:
-        """A hint for a refused caller: time until ``tokens`` would fit, 10 ms .. 10 s."""
-        excess = self.admission.queued + tokens - self.admission.bound
-        if self._rate <= 0:
-            return 100
-        return int(min(10_000, max(10, 1000 * max(excess, 1) / self._rate)))
+        """A hint for a refused caller, 10 ms .. 10 s: the time until ``tokens`` would fit,
+        plus a random share of the time the queue takes to drain, so that a crowd refused
+        together does not come back together (each retry costs the server a parse)."""
+        queued = self.admission.queued
+        rate = self._rate if self._rate > 0 else RATE_BEFORE_FIRST_BATCH
+        excess = max(queued + tokens - self.admission.bound, 1)
+        seconds = (excess + random.random() * queued) / rate
+        return int(min(10_000, max(10, 1000 * seconds)))
 
     def snapshot(self) -> dict[str, int]:
         """Counters plus the admission state (queued, peak, bound, rejected)."""

@@ -238,8 +238,8 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     serve.add_argument("--max-message-mib", type=float, default=16.0,
                        help="largest request message accepted (default 16 MiB)")
-    serve.add_argument("--workers", type=int, default=4,
-                       help="threads that validate and tokenize requests (default 4; the "
+    serve.add_argument("--workers", type=int, default=2,
+                       help="threads that validate and tokenize requests (default 2; the "
                             "handlers themselves run on one asyncio loop)")
     serve.add_argument("--max-concurrent-rpcs", type=int, default=4096,
                        help="scoring calls in progress at once; more get RESOURCE_EXHAUSTED "

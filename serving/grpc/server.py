@@ -71,9 +71,9 @@ class ServerOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_message_mib: float = 16.0
-    workers: int = 4
+    workers: int = 2
     max_concurrent_rpcs: int = 4096
-    max_preparing: int = 4096
+    max_preparing: int = 256
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -217,7 +217,7 @@ class ScoringServer:
         """Serve ``scorer`` (loaded and calibrated): start its worker; health SERVING."""
         opts = self.options
         scorer_info = scorer.info
-        batch_tokens = opts.batch_tokens or 4 * int(scorer_info["max_batch_tokens"])
+        batch_tokens = opts.batch_tokens or int(scorer_info["max_batch_tokens"])
         self.batcher = Batcher(scorer, max_queued_tokens=opts.max_queued_tokens,
                                batch_tokens=batch_tokens,
                                max_batch_requests=opts.max_batch_requests)

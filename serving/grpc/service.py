@@ -46,6 +46,9 @@ NAN_ERROR = "the model produced NaN logits"
 STREAM_SHARE = 0.5      # a stream waits while the queue holds more than this share of the bound
 STREAM_WINDOW = 1024    # results a stream may have pending (queued, scored but not yet sent)
 ADMISSION_POLL = 0.02   # seconds between a waiting stream's admission attempts
+# The early admission estimate: message bytes per token-equivalent (text runs ~3-4 bytes per
+# token, and a token costs at least one token-equivalent).
+BYTES_PER_TOKEN_EQUIVALENT = 4
 
 
 def _deadline(context: Any) -> float | None:
@@ -119,8 +122,8 @@ class ScoringService:
     scoring calls in progress at once (more are refused with a retry hint);
     ``max_preparing``: requests waiting to be prepared (more: refused likewise)."""
 
-    def __init__(self, *, prepare_threads: int = 4, max_in_flight: int = 4096,
-                 max_preparing: int = 4096) -> None:
+    def __init__(self, *, prepare_threads: int = 2, max_in_flight: int = 4096,
+                 max_preparing: int = 256) -> None:
         self.batcher: Batcher | None = None
         self.scorer: Any = None
         self.info: pb.ModelInfoResponse | None = None
@@ -211,14 +214,19 @@ class ScoringService:
                            f"token-equivalents queued)", batcher.retry_after_ms(cost))
 
     @staticmethod
-    def _early_refusal(batcher: Batcher) -> _Refused | None:
-        """Before any preparing: a queue already at its bound refuses at once."""
-        if batcher.admission.full:
-            batcher.admission.rejected += 1
-            return _Refused(f"the server's queue is full ({batcher.admission.queued} of "
-                            f"{batcher.admission.bound} token-equivalents queued)",
-                            batcher.retry_after_ms(1))
-        return None
+    def _early_refusal(batcher: Batcher, message_bytes: int) -> _Refused | None:
+        """Before any preparing (tokenizing a long prompt takes milliseconds, and a refused
+        crowd retries): refuse at once what would not fit by a rough estimate of its cost,
+        its message's bytes over BYTES_PER_TOKEN_EQUIVALENT. The exact cost is checked
+        after preparing."""
+        adm = batcher.admission
+        estimate = max(1, message_bytes // BYTES_PER_TOKEN_EQUIVALENT)
+        share = 1.0 if estimate <= batcher.small_cost else LARGE_SHARE
+        if estimate > adm.bound or adm.would_fit(estimate, share):
+            return None  # (more than the whole bound: the exact cost decides, after preparing)
+        adm.rejected += 1
+        return _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
+                        f"token-equivalents queued)", batcher.retry_after_ms(estimate))
 
     # ------------------------------------------------------------------ RPCs
     async def Score(self, message: Any, context: Any) -> pb.ScoreResult:
@@ -235,7 +243,7 @@ class ScoringService:
                 context.set_details(error)
                 return pb.ScoreResult()
             try:
-                refused = self._early_refusal(batcher)
+                refused = self._early_refusal(batcher, message.ByteSize())
                 if refused is not None:
                     raise refused
                 prepared = (await self._prepare(batcher, [(0, message)]))[0]
@@ -276,7 +284,7 @@ class ScoringService:
             work = []
             try:
                 if todo:
-                    refused = self._early_refusal(batcher)
+                    refused = self._early_refusal(batcher, sum(m.ByteSize() for _, m in todo))
                     if refused is not None:
                         raise refused
                 for prepared in (await self._prepare(batcher, todo)) if todo else ():
