@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.figures import write_json  # noqa: E402
 
 CONCURRENCY = (1, 8, 32)
-FULL = dict(requests=2000, prompt_words=48, burst=1000, burst_words=600)
+FULL = dict(requests=2000, prompt_words=48, burst=1000, burst_words=300)
 QUICK = dict(requests=256, prompt_words=48, burst=100, burst_words=150)
 BURST_CANDIDATES = 16     # two-token candidates of each large request
 TRICKLE_SECONDS = 0.05    # one small request every ...
