@@ -122,10 +122,14 @@ def burst_workload(count: int, words: int, seed: int = 1) -> list[dict]:
     import numpy as np
 
     rng = np.random.default_rng(seed)
+    span = 1000 - 64    # candidate token ids in [64, 1000): distinct pairs per request
+
+    def candidates() -> list[list[int]]:
+        pairs = rng.choice(span * span, BURST_CANDIDATES, replace=False)
+        return [[int(64 + p // span), int(64 + p % span)] for p in pairs]
+
     return [{"id": f"large-{i}", "prompt": "Review: " + " ".join(rng.choice(WORDS, words))
-             + "\nVerdict:", "candidate_token_ids": [[int(a), int(b)] for a, b in
-                                                       rng.integers(64, 1000, (BURST_CANDIDATES, 2))]}
-            for i in range(count)]
+             + "\nVerdict:", "candidate_token_ids": candidates()} for i in range(count)]
 
 
 def _retry_hint_ms(exc) -> float:
