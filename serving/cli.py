@@ -102,6 +102,16 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-impl", default=None,
                    help="expert computation path: auto (default: chosen per platform and "
                         "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
+    p.add_argument("--share-prompts", choices=["auto", "true", "false"], default=None,
+                   help="compute a request's prompt once for all its candidates (default "
+                        "auto: where the backend holds a prefix pool)")
+    p.add_argument("--max-text-bytes", type=positive_int, default=None,
+                   help="a request's prompt + candidates text, UTF-8 bytes (default: 64 per "
+                        "context token); larger requests get an error result")
+    p.add_argument("--max-token-ids", type=positive_int, default=None,
+                   help="a request's prompt + candidate token ids (default: 16 x the context)")
+    p.add_argument("--max-candidates", type=positive_int, default=None,
+                   help="candidates of one request (default 4096)")
 
 
 def command_compilation_cache(deployment: str | None) -> str:
@@ -122,7 +132,11 @@ def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.window is not None:
         options["backend_options"] = {"window": args.window}
     options.update(engines=args.engines, routing=args.routing, kv_cache_free=args.kv_cache_free,
-                   prefix_cache_blocks=args.prefix_cache_blocks)
+                   prefix_cache_blocks=args.prefix_cache_blocks,
+                   share_prompts={"true": True, "false": False}.get(args.share_prompts,
+                                                                    args.share_prompts),
+                   max_text_bytes=args.max_text_bytes, max_token_ids=args.max_token_ids,
+                   max_candidates=args.max_candidates)
     return options
 
 

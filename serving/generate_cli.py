@@ -22,7 +22,8 @@ from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chun
 
 # Options of the shared model-option block that only the scoring engines implement.
 _SCORING_ONLY = ("max_batch_tokens", "backend", "devices", "window", "deployment", "theta",
-                 "engines", "routing", "prefix_cache_blocks", "kv_cache_free")
+                 "engines", "routing", "prefix_cache_blocks", "kv_cache_free",
+                 "share_prompts", "max_text_bytes", "max_token_ids", "max_candidates")
 
 
 def add_generate_command(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]

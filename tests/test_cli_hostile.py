@@ -452,3 +452,21 @@ def test_a_broken_model_file_is_named(broken, tmp_path, capsys):
     assert proc.returncode == 2 and out.strip().isdigit(), (out, err)
     assert "Traceback" not in err and err.splitlines()[-1].startswith(
         f"moejax: error: {path}: "), err
+
+
+def test_request_limits_and_prompt_sharing_are_command_options(tmp_path, capsys):
+    """--max-text-bytes refuses a line's request before tokenizing it; --share-prompts and
+    the limits reach the Scorer (``moejax info`` shows them)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "Is it good?", "candidates": [" yes", " no"]})
+                   + "\n" + json.dumps({"prompt": "x" * 101, "candidates": [" a"]}) + "\n")
+    assert cli.main(["score", str(src), "-o", str(out), "--max-text-bytes", "100",
+                     "--share-prompts", "false"]) == 0
+    rows = _rows(out)
+    assert rows[0]["error"] is None and len(rows[0]["logprobs"]) == 2
+    assert rows[1]["error"] == ("line 2: prompt: the request's text (prompt and candidates) "
+                                "is over the limit of 100 UTF-8 bytes (max_text_bytes)")
+    capsys.readouterr()
+    assert cli.main(["info", "--max-candidates", "7", "--share-prompts", "false"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["limits"]["max_candidates"] == 7 and info["share_prompts"] is False

@@ -176,10 +176,11 @@ RATE_BEFORE_FIRST_BATCH = 10_000  # token-equivalents per second assumed for ret
 
 @dataclasses.dataclass
 class _Chunk:
-    """Ops of one item in one batch."""
+    """Ops of one item in one batch, and what they cost (token-equivalents)."""
 
     item: WorkItem
     ops: list[PrefillOp]
+    cost: int = 0
 
 
 class Batcher:
@@ -279,14 +280,14 @@ class Batcher:
         self._waiting -= 1
         costs = self._chunk_costs(item)
         if sum(costs) <= room:
-            batch.append(_Chunk(item, item.pending))
+            batch.append(_Chunk(item, item.pending, sum(costs)))
             item.pending = []
             return sum(costs)
         taken, used = 0, 0
         while taken < len(costs) and (taken == 0 or used + costs[taken] <= room):
             used += costs[taken]
             taken += 1
-        batch.append(_Chunk(item, item.pending[:taken]))
+        batch.append(_Chunk(item, item.pending[:taken], used))
         item.pending = item.pending[taken:]
         item.chunks += 1
         self.stats["split"] += item.chunks == 1
@@ -393,8 +394,7 @@ class Batcher:
         start = time.perf_counter()
         raw, timings = self.scorer.run_ops(ops)
         seconds = time.perf_counter() - start
-        tokens = sum(len(chunk.ops) and chunk.item.cost * len(chunk.ops)
-                     // max(1, len(chunk.item.prepared.ops)) for chunk in live)
+        tokens = sum(chunk.cost for chunk in live)
         rate = tokens / max(seconds, 1e-6)
         self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate
         finished, errors = 0, 0

@@ -94,8 +94,8 @@ class _Outcomes:
         self.loop = asyncio.get_running_loop()
         self.gone = threading.Event()  # the caller went away: the worker drops its items
 
-    def item(self, prepared: Any, context: Any, deliver: Any = None) -> WorkItem:
-        return WorkItem(prepared=prepared, deliver=deliver or self._deliver,
+    def item(self, prepared: Any, context: Any) -> WorkItem:
+        return WorkItem(prepared=prepared, deliver=self._deliver,
                         deadline=_deadline(context), cancelled=self.gone.is_set,
                         future=self.loop.create_future())
 
