@@ -141,8 +141,12 @@ def model_eos_ids(model_dir: str, vocab_size: int) -> frozenset[int]:
         path = os.path.join(model_dir, name)
         if not os.path.isfile(path):
             continue
-        with open(path, encoding="utf-8") as fh:
-            eos = json.load(fh).get("eos_token_id")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise ValueError(f"{path}: not a valid JSON file ({exc})") from None
+        eos = config.get("eos_token_id") if isinstance(config, dict) else None
         if eos is None:
             continue
         ids = eos if isinstance(eos, list) else [eos]

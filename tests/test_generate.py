@@ -363,3 +363,13 @@ def test_cli_help_lists_only_the_options_generate_takes(capsys):
     assert "--dtype" in text and "--expert-impl" in text and "--trace-experts" in text
     for refused in ("--max-batch-tokens", "--backend", "--prefix-cache-blocks", "--engines"):
         assert refused not in text, refused
+
+
+def test_a_broken_generation_config_is_named(tmp_path):
+    from serving.generate import model_eos_ids
+
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"generation_config\.json: not a valid JSON file"):
+        model_eos_ids(str(tmp_path), 100)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [3, 500]}')
+    assert model_eos_ids(str(tmp_path), 100) == frozenset({3})
