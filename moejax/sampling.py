@@ -73,7 +73,10 @@ def sample_top_p(logits: Float[Array, "B V"], temperature: Float[Array, "B"],
     top_p is greedy). The draw happens among the kept tokens, in sorted order.
     """
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    probs = jax.nn.softmax(logits / safe_t[:, None], axis=-1)
+    # Shifted first (softmax is shift-invariant): logits / a tiny temperature would
+    # overflow to inf and give NaN probabilities; shifted, they are <= 0.
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(shifted / safe_t[:, None], axis=-1)
     sorted_probs, sorted_ids = jax.lax.top_k(probs, probs.shape[-1])
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep = mass_before < top_p[:, None]

@@ -226,6 +226,15 @@ def test_sampling_distribution(temperature, top_p, expected):
     assert (step1 != tokens).mean() > 0.2   # the step is folded into the key
 
 
+def test_the_smallest_accepted_temperature_samples_the_top_token_without_nan():
+    """1.2e-38 (about the smallest normal float32) passes the request parser: logits over
+    it would overflow to inf; shifted first, the draw is the top token."""
+    logits = jnp.array([[3.0, 7.5, -2.0, 7.0], [0.1, -40.0, 0.2, 0.0]])
+    params = sampling.make_sampling_params([1.2e-38, 1.2e-38], [1.0, 1.0], [0, 1])
+    tokens = np.asarray(_next_tokens(logits, params, jnp.zeros(2, jnp.int32)))
+    np.testing.assert_array_equal(tokens, [1, 2])
+
+
 # ----------------------------------------------------------------------------- stopping
 def test_stop_tokens_and_max_new_tokens(qwen):
     greedy = qwen.greedy[3].token_ids
