@@ -35,7 +35,8 @@ from moejax.ops import OpKey
 from serving.limits import RequestLimits
 from serving.prefix_cache import blocks_for_budget, sharing_flops
 from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest,
-                              ScoreResult, TokenizerAdapter, normalize_requests, request_label)
+                              ScoreResult, TokenizerAdapter, normalize_requests, renamed,
+                              request_label)
 from serving.results import combine_results
 
 log = logging.getLogger("moejax.scorer")
@@ -75,17 +76,6 @@ class PreparedRequest:
     cost: int = 0
     error: str | None = None
     op_costs: tuple[int, ...] = ()
-
-
-def relabel(message: str, request_id: Any, position: int, index: int) -> str:
-    """A message naming an id-less request by ``position`` ("request #3: ...") renamed to
-    ``index``: a request prepared or combined alone is at position 0 of its own list."""
-    if position == index:
-        return message
-    old = request_label(request_id, position) + ":"
-    if old.startswith("request #") and message.startswith(old):
-        return request_label(None, index) + ":" + message[len(old):]
-    return message
 
 
 def attach_timings(results: list[ScoreResult], prepared: Sequence[PreparedRequest],
@@ -255,17 +245,14 @@ class Scorer:
             pass
         ops, errors, prompt_tokens = normalize_requests(
             [request], self.tokenizer, vocab_size=self.config.vocab_size,
-            max_context=self.config.max_context, options=self.normalize_options)
+            max_context=self.config.max_context, options=self.normalize_options, start=index)
         if errors:
-            message = relabel(errors[0], _request_id(request), 0, index)
-            return PreparedRequest(index=index, request=request, error=message)
-        if index != 0:
-            ops = [dataclasses.replace(op, key=OpKey(index, op.candidate_index)) for op in ops]
+            return PreparedRequest(index=index, request=request, error=errors[index])
         flops = (sharing_flops(ops, self.config) if self.shares_prompts
                  else [op.flops(self.config) for op in ops])
         op_costs = tuple(self.token_equivalents(f) for f in flops)
         return PreparedRequest(index=index, request=request, ops=tuple(ops),
-                               prompt_tokens=prompt_tokens[0], cost=sum(op_costs),
+                               prompt_tokens=prompt_tokens[index], cost=sum(op_costs),
                                op_costs=op_costs)
 
     def token_equivalents(self, flops: int) -> int:
@@ -316,11 +303,10 @@ class Scorer:
                 outputs.append(out if isinstance(out, Exception)
                                else OpOutput(logits=out[0], logsumexp=out[1]))
         results = combine_results(requests, ops, outputs, errors, prompt_tokens)
-        for result, prep, position in zip(results, prepared, range(len(prepared))):
-            if result.error is not None and position in errors:
-                continue  # prepared errors already name the request by its index
-            if result.error is not None:
-                result.error = relabel(result.error, result.id, position, prep.index)
+        for position, (result, prep) in enumerate(zip(results, prepared)):
+            if position not in errors and position != prep.index:
+                # combine_results names an id-less request by its position here.
+                result.error = renamed(result.error, position, request_label(None, prep.index))
         return attach_timings(results, prepared, timings or {})
 
     def score(self, requests: Sequence[RequestLike], *, progress: bool | None = None
@@ -349,12 +335,3 @@ class Scorer:
                 bar.close()
         return self.combine(prepared, raw, timings)
 
-
-def _request_id(request: Any) -> Any:
-    """The id of a raw request, when it has a usable one (for naming it)."""
-    try:
-        value = request.get("id") if isinstance(request, Mapping) else getattr(request, "id",
-                                                                                 None)
-    except Exception:  # noqa: BLE001
-        return None
-    return value if request_label(value, None) != "request" else None

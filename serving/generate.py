@@ -289,11 +289,6 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
                         top_p=top_p, seed=seed, stop_token_ids=stop)
 
 
-def _error_id(obj: Any) -> str | int | None:
-    """Best-effort id of a request that failed validation (None unless usable)."""
-    return request_id_of(obj)
-
-
 # ----------------------------------------------------------------------------- generator
 class Generator:
     """Generates text with one model: ``Generator(model, **options).generate(requests)``.
@@ -331,7 +326,7 @@ class Generator:
                     obj, index, self.tokenizer, vocab_size=self.config.vocab_size,
                     max_context=self.config.max_context, default_stop=self.eos_token_ids)
             except RequestError as exc:
-                results[index] = GenerationResult(id=_error_id(obj), error=str(exc))
+                results[index] = GenerationResult(id=request_id_of(obj), error=str(exc))
         indices = list(specs)
         outputs = self.engine.generate([specs[i] for i in indices],
                                        trace=self.options.trace_experts)

@@ -44,6 +44,8 @@ import stat
 import sys
 from typing import Any, BinaryIO, Callable, Iterator, Sequence, TextIO, TypeVar
 
+from serving.requests import renamed
+
 DEFAULT_MAX_LINE_MIB = 16.0
 """Longest input line accepted, in MiB (``--max-line-mib``): a request of a few million
 tokens fits; a runaway line is refused before it is held in memory."""
@@ -235,10 +237,7 @@ def name_by_line(error: str | None, index: int, number: int) -> str | None:
     """The libraries name an id-less request ``request #INDEX`` (its position in the list
     they were given); the commands name it by its input line instead, which the user can
     find: ``"request #0: prompt: is empty"`` -> ``"line 3: prompt: is empty"``."""
-    old = f"request #{index}:"
-    if error is not None and error.startswith(old):
-        return f"line {number}:" + error[len(old):]
-    return error
+    return renamed(error, index, f"line {number}")
 
 
 R = TypeVar("R")

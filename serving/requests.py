@@ -278,6 +278,16 @@ def request_label(request_id: Any, index: int | None) -> str:
     return f"request #{index}" if index is not None else "request"
 
 
+def renamed(message: str | None, index: int, label: str) -> str | None:
+    """``message`` with its leading name of an id-less request, ``"request #INDEX:"`` (the
+    request's position in the list a library was given), replaced by ``label`` (its
+    position in the caller's list, its input line, ...); other messages unchanged."""
+    old = request_label(None, index) + ":"
+    if message is not None and message.startswith(old):
+        return f"{label}:" + message[len(old):]
+    return message
+
+
 def request_id_of(obj: Any) -> str | int | None:
     """The usable id of a request (a dict or a dataclass with ``id``), else None; for the
     result of a request that failed validation, so it never raises."""
@@ -641,18 +651,20 @@ def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size
 
 def normalize_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
                        tokenizer: Tokenizer, *, vocab_size: int, max_context: int,
-                       options: NormalizeOptions = NormalizeOptions(),
+                       options: NormalizeOptions = NormalizeOptions(), start: int = 0,
                        ) -> tuple[list[PrefillOp], dict[int, str], dict[int, int]]:
     """Expand requests into prefill ops.
 
     Returns ``(ops, errors, prompt_tokens)``: ops in request order (siblings
     adjacent), ``errors[i]`` = message for each bad request (which gets no ops),
-    ``prompt_tokens[i]`` = prompt length of each good request.
+    ``prompt_tokens[i]`` = prompt length of each good request. Requests are indexed from
+    ``start`` (keys, ``errors``, ``prompt_tokens`` and the names in messages): a slice of
+    a caller's list keeps the caller's indices.
     """
     ops: list[PrefillOp] = []
     errors: dict[int, str] = {}
     prompt_tokens: dict[int, int] = {}
-    for index, obj in enumerate(requests):
+    for index, obj in enumerate(requests, start=start):
         try:
             req = parse_request(obj, index)
             request_ops, prompt_tokens[index] = _request_ops(index, req, tokenizer,

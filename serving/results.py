@@ -104,12 +104,6 @@ def _multi_result(req: ScoreRequest, pairs: list[tuple[PrefillOp, OpOutput]],
                        selected=selected)
 
 
-def _error_id(obj: Any) -> str | int | None:
-    """Best-effort id of a request that failed validation (for the error result): None
-    unless usable (an id with a lone surrogate could not be written as UTF-8 JSON)."""
-    return request_id_of(obj)
-
-
 def _has_nan(pairs: list[tuple[PrefillOp, OpOutput]]) -> bool:
     """NaN logits mean the forward pass broke; -inf (masked tokens) is legitimate."""
     for _, out in pairs:
@@ -142,7 +136,7 @@ def _failed_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
     failed: dict[int, str] = {}
     for op, out in zip(ops, outputs):
         if isinstance(out, Exception) and op.request_index not in failed:
-            label = request_label(_error_id(requests[op.request_index]), op.request_index)
+            label = request_label(request_id_of(requests[op.request_index]), op.request_index)
             detail = next(iter(str(out).splitlines()), "")
             failed[op.request_index] = (f"{label}: scoring failed ({type(out).__name__}"
                                         f"{': ' + detail if detail else ''})")
@@ -173,7 +167,7 @@ def combine_results(requests: Sequence[ScoreRequest | Mapping[str, Any]],
     results = []
     for index, obj in enumerate(requests):
         if index in errors:
-            results.append(ScoreResult(id=_error_id(obj), error=errors[index]))
+            results.append(ScoreResult(id=request_id_of(obj), error=errors[index]))
             continue
         result = _request_result(parse_request(obj, index), index, pairs_by_request[index])
         if result.error is None:

@@ -30,7 +30,7 @@ import pytest
 from serving import Scorer, ScoreRequest
 from serving.api import resolve_model_dir
 from serving.generate import GenerationRequest, parse_generation_request
-from serving.generate import _error_id as _generation_error_id
+from serving.requests import request_id_of as _generation_error_id  # what the generator uses
 from serving.requests import RequestError, TokenizerAdapter
 
 SEED = 14
@@ -54,10 +54,11 @@ class DictSubclass(dict):
 
 
 class BrokenMapping(Mapping):
-    """A mapping that lists keys it then refuses to give: its own request must fail."""
+    """A mapping that lists keys it then refuses to give (``broken_key``, raising
+    RuntimeError(``message``)): its own request must fail."""
 
-    def __init__(self, data):
-        self.data = data
+    def __init__(self, data, broken_key="prompt", message="broken mapping"):
+        self.data, self.broken_key, self.message = data, broken_key, message
 
     def __iter__(self):
         return iter(self.data)
@@ -66,8 +67,8 @@ class BrokenMapping(Mapping):
         return len(self.data)
 
     def __getitem__(self, key):
-        if key == "prompt":
-            raise RuntimeError("broken mapping")
+        if key == self.broken_key:
+            raise RuntimeError(self.message)
         return self.data[key]
 
 

@@ -429,24 +429,10 @@ def test_odd_but_valid_forms_score_like_plain_ones():
 def test_an_unexpected_exception_fails_only_its_request():
     """A mapping that breaks its own protocol (a value it lists but will not give) gets an
     error result naming it; its neighbours are scored as usual."""
-    from collections.abc import Mapping
+    from test_request_fuzz import BrokenMapping
 
-    class Broken(Mapping):
-        def __init__(self, data):
-            self.data = data
-
-        def __iter__(self):
-            return iter(self.data)
-
-        def __len__(self):
-            return len(self.data)
-
-        def __getitem__(self, key):
-            if key == "candidates":
-                raise RuntimeError("no candidates today\nsecond line")
-            return self.data[key]
-
-    broken = Broken({"id": "b", "prompt": PROMPT, "candidates": [" paris"]})
+    broken = BrokenMapping({"id": "b", "prompt": PROMPT, "candidates": [" paris"]},
+                           broken_key="candidates", message="no candidates today\nsecond line")
     results, ops, errors = run([GOOD, broken])
     assert list(errors) == [1] and {op.request_index for op in ops} == {0}
     assert results[1].id == "b"

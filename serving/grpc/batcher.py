@@ -219,6 +219,11 @@ class Batcher:
                 self._push(item)
             self._cond.notify()
 
+    def admission_share(self, tokens: int) -> float:
+        """The share of the admission bound an item costing ``tokens`` may fill: all of it
+        for a small item (at most ``small_cost``), LARGE_SHARE for a large one."""
+        return 1.0 if tokens <= self.small_cost else LARGE_SHARE
+
     def retry_after_ms(self, tokens: int) -> int:
         """A hint for a refused caller, 10 ms .. 10 s: the time until ``tokens`` would fit,
         plus a random share of the time the queue takes to drain, so that a crowd refused
@@ -273,12 +278,14 @@ class Batcher:
             self._by_age.popleft()
         return self._by_age[0][1] if self._by_age else None
 
-    def _take(self, item: WorkItem, batch: list[_Chunk], room: int) -> int:
+    def _take(self, item: WorkItem, batch: list[_Chunk], room: int,
+              costs: list[int] | None = None) -> int:
         """Put ``item`` in the batch: whole when it fits ``room``, else a chunk of its ops
-        that fits (at least one). Returns the token-equivalents taken."""
+        that fits (at least one). ``costs``: its :meth:`_chunk_costs`, when known. Returns
+        the token-equivalents taken."""
         item.queued = False
         self._waiting -= 1
-        costs = self._chunk_costs(item)
+        costs = self._chunk_costs(item) if costs is None else costs
         if sum(costs) <= room:
             batch.append(_Chunk(item, item.pending, sum(costs)))
             item.pending = []
@@ -311,11 +318,11 @@ class Batcher:
                 if not self._live(seq, item):
                     heapq.heappop(self._by_cost)
                     continue
-                cost = sum(self._chunk_costs(item))
-                if spent + cost > self.batch_tokens:
+                costs = self._chunk_costs(item)
+                if spent + sum(costs) > self.batch_tokens:
                     break
                 heapq.heappop(self._by_cost)
-                spent += self._take(item, batch, self.batch_tokens - spent)
+                spent += self._take(item, batch, self.batch_tokens - spent, costs)
             return batch
 
     # ------------------------------------------------------------------ worker
@@ -385,12 +392,11 @@ class Batcher:
             log.info("batch %d: %d requests, all dropped (expired or cancelled)",
                      self.stats["batches"], len(batch))
             return
-        ops, origin = [], {}
-        for position, chunk in enumerate(live):
-            for op in chunk.ops:
-                key = OpKey(position, op.candidate_index)
-                origin[key] = op.key
-                ops.append(dataclasses.replace(op, key=key) if op.key != key else op)
+        # Keys unique within the call: items of different calls may share an index.
+        keys = [[OpKey(position, op.candidate_index) for op in chunk.ops]
+                for position, chunk in enumerate(live)]
+        ops = [op if op.key == key else dataclasses.replace(op, key=key)
+               for chunk, chunk_keys in zip(live, keys) for op, key in zip(chunk.ops, chunk_keys)]
         start = time.perf_counter()
         raw, timings = self.scorer.run_ops(ops)
         seconds = time.perf_counter() - start
@@ -398,10 +404,9 @@ class Batcher:
         rate = tokens / max(seconds, 1e-6)
         self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate
         finished, errors = 0, 0
-        for position, chunk in enumerate(live):
+        for chunk, chunk_keys in zip(live, keys):
             item = chunk.item
-            for op in chunk.ops:
-                key = OpKey(position, op.candidate_index)
+            for op, key in zip(chunk.ops, chunk_keys):
                 item.outputs[op.key] = raw[key]
                 item.timings[op.key] = timings[key]
             if item.pending:

@@ -58,12 +58,6 @@ def get_id(message: Any) -> str | int | None:
     return _get_id(message)
 
 
-def usable_id(request: Any) -> str | int | None:
-    """The id of a request (a ScoreRequest or dict), when it can name it in a result."""
-    value = request.get("id") if isinstance(request, Mapping) else getattr(request, "id", None)
-    return value if request_label(value, None) != "request" else None
-
-
 class _CandidateIds:
     """``candidate_token_ids`` of a message as a list of id lists, without copying."""
 

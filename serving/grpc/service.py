@@ -37,8 +37,8 @@ from typing import Any, AsyncIterator, Sequence
 import grpc
 
 from serving.grpc import convert, decoding, scoring_pb2 as pb
-from serving.grpc.batcher import LARGE_SHARE, Batcher, Cancelled, Expired, Failed, WorkItem
-from serving.requests import RequestError, request_label
+from serving.grpc.batcher import Batcher, Cancelled, Expired, Failed, WorkItem
+from serving.requests import RequestError, request_id_of, request_label
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scoring"].full_name
 NAN_ERROR = "the model produced NaN logits"
@@ -203,29 +203,27 @@ class ScoringService:
     def _admit(batcher: Batcher, cost: int) -> None:
         """Acquire ``cost`` or raise _Refused."""
         adm = batcher.admission
+        if adm.try_acquire(cost, batcher.admission_share(cost)):
+            return
         if cost > adm.bound:
-            adm.rejected += 1
             raise _Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
                            f"than the server's bound of {adm.bound} (max_queued_tokens): "
                            f"split them, or use ScoreStream", None)
-        share = 1.0 if cost <= batcher.small_cost else LARGE_SHARE
-        if not adm.try_acquire(cost, share):
-            raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
-                           f"token-equivalents queued)", batcher.retry_after_ms(cost))
+        raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
+                       f"token-equivalents queued)", batcher.retry_after_ms(cost))
 
     @staticmethod
-    def _early_refusal(batcher: Batcher, message_bytes: int) -> _Refused | None:
+    def _refuse_early(batcher: Batcher, message_bytes: int) -> None:
         """Before any preparing (tokenizing a long prompt takes milliseconds, and a refused
         crowd retries): refuse at once what would not fit by a rough estimate of its cost,
         its message's bytes over BYTES_PER_TOKEN_EQUIVALENT. The exact cost is checked
         after preparing."""
         adm = batcher.admission
         estimate = max(1, message_bytes // BYTES_PER_TOKEN_EQUIVALENT)
-        share = 1.0 if estimate <= batcher.small_cost else LARGE_SHARE
-        if estimate > adm.bound or adm.would_fit(estimate, share):
-            return None  # (more than the whole bound: the exact cost decides, after preparing)
+        if estimate > adm.bound or adm.would_fit(estimate, batcher.admission_share(estimate)):
+            return  # (more than the whole bound: the exact cost decides, after preparing)
         adm.rejected += 1
-        return _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
+        raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
                         f"token-equivalents queued)", batcher.retry_after_ms(estimate))
 
     # ------------------------------------------------------------------ RPCs
@@ -243,9 +241,7 @@ class ScoringService:
                 context.set_details(error)
                 return pb.ScoreResult()
             try:
-                refused = self._early_refusal(batcher, message.ByteSize())
-                if refused is not None:
-                    raise refused
+                self._refuse_early(batcher, message.ByteSize())
                 prepared = (await self._prepare(batcher, [(0, message)]))[0]
                 if prepared.error is not None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, prepared.error)
@@ -284,13 +280,11 @@ class ScoringService:
             work = []
             try:
                 if todo:
-                    refused = self._early_refusal(batcher, sum(m.ByteSize() for _, m in todo))
-                    if refused is not None:
-                        raise refused
+                    self._refuse_early(batcher, sum(m.ByteSize() for _, m in todo))
                 for prepared in (await self._prepare(batcher, todo)) if todo else ():
                     if prepared.error is not None:
                         results[prepared.index] = convert.error_result(
-                            convert.usable_id(prepared.request), prepared.error)
+                            request_id_of(prepared.request), prepared.error)
                     else:
                         work.append(outcomes.item(prepared, context))
                 if work:
@@ -375,12 +369,12 @@ class _Stream:
                     return False
                 await asyncio.sleep(ADMISSION_POLL)
         if prepared.error is not None:
-            self._error(index, convert.usable_id(prepared.request), prepared.error)
+            self._error(index, request_id_of(prepared.request), prepared.error)
             return True
         admission = self.batcher.admission
         if prepared.cost > admission.bound:
-            self._error(index, convert.usable_id(prepared.request), (
-                f"{request_label(convert.usable_id(prepared.request), index)}: needs "
+            self._error(index, request_id_of(prepared.request), (
+                f"{request_label(request_id_of(prepared.request), index)}: needs "
                 f"~{prepared.cost} token-equivalents of compute, more than the server's bound "
                 f"of {admission.bound} (max_queued_tokens)"))
             return True
