@@ -86,7 +86,7 @@ def prompt_layout(lengths: Int[Array, "B"], prompt_len: int
     return pos.reshape(-1), segments.reshape(-1)
 
 
-def top_k_ids(layer, routing: moe.Routing, valid) -> jax.Array:
+def top_k_ids(layer, routing: moe.Routing, valid, router_input) -> jax.Array:
     """The layer driver's observation for expert tracing: the top-k ids [n, k]."""
     return routing.experts
 
@@ -176,12 +176,19 @@ class SequenceOutput:
     ``finish_reason`` ("stop" or "length"), and expert ids when traced:
     ``prefill_experts`` [L, prompt_len, k] (every prompt token), ``decode_experts``
     [L, len(token_ids) - 1, k] (every generated token that was fed back; the last one
-    never runs through the model)."""
+    never runs through the model), and from the paged runtime also their gate weights
+    (``*_weights``, same shapes, f32) and, when asked, router inputs (``*_router_inputs``
+    [L, n, d]). ``error``: set when the runtime failed the sequence."""
 
     token_ids: list[int]
     finish_reason: str
     prefill_experts: np.ndarray | None = None
     decode_experts: np.ndarray | None = None
+    prefill_weights: np.ndarray | None = None
+    decode_weights: np.ndarray | None = None
+    prefill_router_inputs: np.ndarray | None = None
+    decode_router_inputs: np.ndarray | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass

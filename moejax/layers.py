@@ -36,9 +36,9 @@ from moejax import moe
 from moejax.config import ModelConfig
 
 LayerParams = Mapping[str, jax.Array]
-# Per-layer observation of the fused loop: (layer, routing, valid) -> a pytree that is
-# stacked on a leading [L] axis (e.g. the top-k ids for expert tracing).
-Observer = Callable[[jax.Array, moe.Routing, "jax.Array | None"], Any]
+# Per-layer observation of the fused loop: (layer, routing, valid, router input) -> a
+# pytree that is stacked on a leading [L] axis (e.g. the top-k ids for expert tracing).
+Observer = Callable[[jax.Array, moe.Routing, "jax.Array | None", jax.Array], Any]
 
 
 # --------------------------------------------------------------------- stages
@@ -96,12 +96,33 @@ def layer_slice(layer_params: LayerParams, index) -> dict[str, jax.Array]:
 class LayerOutput:
     """What one layer returns: the residual stream ``x`` ([n, d], or [P, d] at rows), the
     attention kind and dispatcher carry after it (pools, caches, gathered experts, stats),
-    and the layer's routing (top-k ids and weights of the rows it ran)."""
+    the layer's routing (top-k ids and weights of the rows it ran) and the router's input
+    (the normed hidden state the MoE ran on)."""
 
     x: jax.Array
     attn: Any
     moe_carry: Any
     routing: moe.Routing
+    moe_in: jax.Array | None = None
+
+
+def attention_block(p: LayerParams, layer, x: Float[Array, "n d"], attn, cfg: ModelConfig, *,
+                    rows: Int[Array, "r"] | None = None, psum_axis: str | None = None
+                    ) -> tuple[jax.Array, Any, jax.Array, "jax.Array | None"]:
+    """The attention half of a layer: (x + attn(norm(x)), the attention kind after it, the
+    normed MoE input, the valid rows). See :func:`decoder_layer` for the keywords."""
+    h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    heads, attn = attn.attend(p, layer, h_in, rows, cfg)
+    out = heads.reshape(heads.shape[0], -1) @ p["wo"].astype(x.dtype)
+    if psum_axis is not None:
+        out = jax.lax.psum(out, psum_axis)
+    x = (x if rows is None else jnp.take(x, rows, axis=0)) + out
+    return x, attn, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), attn.valid_rows(rows)
+
+
+def route_layer(p: LayerParams, moe_in: Float[Array, "n d"], cfg: ModelConfig) -> moe.Routing:
+    """The layer's router on the normed MoE input."""
+    return moe.route(moe_in, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
 def decoder_layer(p: LayerParams, layer, x: Float[Array, "n d"], attn, dispatcher,
@@ -117,18 +138,13 @@ def decoder_layer(p: LayerParams, layer, x: Float[Array, "n d"], attn, dispatche
     routing instead of the router's (speculative decode). ``psum_axis``: the mesh axis
     over which attention outputs are partial sums (tensor parallelism).
     """
-    h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    heads, attn = attn.attend(p, layer, h_in, rows, cfg)
-    out = heads.reshape(heads.shape[0], -1) @ p["wo"].astype(x.dtype)
-    if psum_axis is not None:
-        out = jax.lax.psum(out, psum_axis)
-    x = (x if rows is None else jnp.take(x, rows, axis=0)) + out
-    valid = attn.valid_rows(rows)
-    moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x, attn, moe_in, valid = attention_block(p, layer, x, attn, cfg, rows=rows,
+                                             psum_axis=psum_axis)
     if routing is None:
-        routing = moe.route(moe_in, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        routing = route_layer(p, moe_in, cfg)
     y, moe_carry = dispatcher.apply(layer, moe_in, routing, valid, moe_carry)
-    return LayerOutput(x=x + y, attn=attn, moe_carry=moe_carry, routing=routing)
+    return LayerOutput(x=x + y, attn=attn, moe_carry=moe_carry, routing=routing,
+                       moe_in=moe_in)
 
 
 def layer(layer_params: LayerParams, index, x: Float[Array, "n d"], attn, dispatcher,
@@ -155,7 +171,7 @@ def run_layers(layer_params: LayerParams, x: Float[Array, "n d"], attn, dispatch
     count = stop - start
     observed = None
     if observe is not None:
-        probe = jax.eval_shape(lambda: observe(jnp.int32(0), _abstract_routing(x, cfg), None))
+        probe = jax.eval_shape(lambda: observe(jnp.int32(0), _abstract_routing(x, cfg), None, x))
         observed = jax.tree.map(lambda s: jnp.zeros((count,) + s.shape, s.dtype), probe)
 
     def body(i, carry):
@@ -163,7 +179,7 @@ def run_layers(layer_params: LayerParams, x: Float[Array, "n d"], attn, dispatch
         out = layer(layer_params, i, x, attn.with_carry(attn_carry), dispatcher, moe_carry,
                     cfg, psum_axis=psum_axis)
         if observe is not None:
-            seen = observe(i, out.routing, out.attn.valid_rows(None))
+            seen = observe(i, out.routing, out.attn.valid_rows(None), out.moe_in)
             observed = jax.tree.map(lambda acc, v: acc.at[i - start].set(v), observed, seen)
         return out.x, out.attn.carry(), out.moe_carry, observed
 

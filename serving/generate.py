@@ -40,15 +40,20 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable, Iterator
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from moejax import checkpoint
+from moejax.decode.programs import StepOptions
+from moejax.decode.runners import make_runner
 from moejax.generate import DecodeEngine, SequenceOutput, SequenceSpec
+from moejax.prefix_hash import BLOCK_SIZE
 from moejax.sampling import MAX_SEED
 from serving.api import resolve_model_dir
 from serving.compilation_cache import enable_compilation_cache
+from serving.continuous import GenerationLoop, Scheduler, SchedulerOptions, SequenceTooLong
 from serving.options import ScorerOptions
 from serving.requests import (RequestError, TokenizerAdapter, id_problem, request_id_of,
                               request_label, show, unexpected_error, unknown_fields)
@@ -96,33 +101,97 @@ class GenerationResult:
         return d
 
 
+BATCHING = ("continuous", "static")
+STEPS = ("auto", "fused", "layerwise")
+DEFAULT_KV_CACHE_MIB = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class GeneratorOptions:
-    """``dtype`` ("float32" | "bfloat16" | "auto": bfloat16 on GPU, float32 on CPU),
-    ``trace_experts``, ``max_batch_size`` (rows decoded together), ``expert_impl`` and
-    ``tile_rows`` (as for the Scorer), ``compilation_cache`` (as for the Scorer: default
-    None leaves JAX's process-wide compilation cache alone)."""
+    """How a :class:`Generator` runs.
+
+    * ``dtype`` ("float32" | "bfloat16" | "auto": bfloat16 on GPU, float32 on CPU);
+    * ``batching``: "continuous" (default: sequences join and leave the running batch at
+      every step, ``serving.continuous``) or "static" (the old baseline: batches of
+      ``max_batch_size`` run to their longest sequence; resident, fused only);
+    * ``step``: "fused" (every layer in one program), "layerwise" (the host drives each
+      layer: it sees the routing between attention and experts) or "auto" (layerwise
+      where the backend needs it, i.e. offload; fused otherwise);
+    * ``backend`` ("resident" | "offload" | "sync_ep"), ``devices`` and
+      ``backend_options`` (a dict of the backend's own options) as for the Scorer;
+    * ``max_batch_size``: sequences decoded together; ``max_prefill_tokens``: prompt
+      tokens prefilled per step (longer prompts take several steps);
+    * ``kv_cache_blocks`` or ``kv_cache_mib`` (at most one): the paged KV pool's size
+      in 16-token blocks or MiB per rank; default: enough for ``max_batch_size``
+      sequences at the model's full context, capped at 1024 MiB;
+    * ``trace_experts`` (every token's top-k ids and gate weights) and
+      ``trace_router_inputs`` (also the router inputs; needs ``trace_experts``);
+    * ``expert_impl`` and ``tile_rows`` (as for the Scorer), ``compilation_cache`` (as
+      for the Scorer: default None leaves JAX's process-wide compilation cache alone).
+    """
 
     dtype: str = "auto"
     trace_experts: bool = False
+    trace_router_inputs: bool = False
+    batching: str = "continuous"
+    step: str = "auto"
+    backend: str = "resident"
+    devices: int = 1
+    backend_options: Mapping[str, Any] | None = None
     max_batch_size: int = 8
+    max_prefill_tokens: int = 512
+    kv_cache_blocks: int | None = None
+    kv_cache_mib: float | None = None
     expert_impl: str = "auto"
     tile_rows: int | None = None
     compilation_cache: str | bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.trace_experts, bool):
-            raise ValueError(f"trace_experts must be true or false, got {self.trace_experts!r}")
-        if (not isinstance(self.max_batch_size, int) or isinstance(self.max_batch_size, bool)
-                or self.max_batch_size < 1):
-            raise ValueError(f"max_batch_size must be a positive integer, "
-                             f"got {self.max_batch_size!r}")
+        for name in ("trace_experts", "trace_router_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.trace_router_inputs and not self.trace_experts:
+            raise ValueError("trace_router_inputs needs trace_experts=True")
+        for name in ("max_batch_size", "max_prefill_tokens", "devices"):
+            _positive_int(name, getattr(self, name))
+        if self.kv_cache_blocks is not None:
+            _positive_int("kv_cache_blocks", self.kv_cache_blocks)
+        if self.kv_cache_mib is not None and (
+                isinstance(self.kv_cache_mib, bool)
+                or not isinstance(self.kv_cache_mib, (int, float)) or not self.kv_cache_mib > 0):
+            raise ValueError(f"kv_cache_mib must be a positive number, got {self.kv_cache_mib!r}")
+        if self.kv_cache_blocks is not None and self.kv_cache_mib is not None:
+            raise ValueError("give kv_cache_blocks or kv_cache_mib, not both")
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {self.batching!r}")
+        if self.step not in STEPS:
+            raise ValueError(f"step must be one of {STEPS}, got {self.step!r}")
+        if self.backend_options is not None and not isinstance(self.backend_options, Mapping):
+            raise ValueError(f"backend_options must be a dict, got "
+                             f"{type(self.backend_options).__name__}")
+        if self.batching == "static" and (self.backend != "resident" or self.step == "layerwise"
+                                          or self.trace_router_inputs):
+            raise ValueError("batching='static' is the resident, fused baseline (no other "
+                             "backend, no layerwise step, no router-input traces); use "
+                             "batching='continuous'")
         self.scorer_view()   # validates dtype, expert_impl, tile_rows as the Scorer does
+
+    def resolved_step(self) -> str:
+        """The step mode: "auto" is layerwise on offload (the host picks the experts to
+        copy each layer), fused elsewhere."""
+        if self.step != "auto":
+            return self.step
+        return "layerwise" if self.backend == "offload" else "fused"
 
     def scorer_view(self) -> ScorerOptions:
         """The options shared with the Scorer, resolved by the same code."""
         return ScorerOptions(dtype=self.dtype, expert_impl=self.expert_impl,
                              tile_rows=self.tile_rows, compilation_cache=self.compilation_cache)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def make_options(options: Mapping[str, Any]) -> GeneratorOptions:
@@ -290,11 +359,25 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
 
 
 # ----------------------------------------------------------------------------- generator
+@dataclasses.dataclass(frozen=True)
+class GenerationEvent:
+    """New tokens of request ``index`` (its position in the ``stream`` call, or the
+    handle's for a loop submission); ``result`` is set on the request's last event."""
+
+    index: int
+    token_ids: list[int]
+    result: GenerationResult | None = None
+
+
 class Generator:
     """Generates text with one model: ``Generator(model, **options).generate(requests)``.
 
     ``model``: ``"demo"`` or a local Hugging Face / converted moejax directory (with
-    ``tokenizer.json``). Options: see :class:`GeneratorOptions`.
+    ``tokenizer.json``). Options: see :class:`GeneratorOptions`. With continuous batching
+    the paged KV pool lives as long as the Generator, so a later call whose prompts start
+    with the same full 16-token blocks (a shared system prompt) reuses their keys/values.
+    A Generator runs one call at a time (``generate``, ``stream``, or a loop from
+    :meth:`start_loop`, not several at once).
     """
 
     def __init__(self, model: str | os.PathLike = "demo", **options: Any):
@@ -306,42 +389,189 @@ class Generator:
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
         self.tokenizer = TokenizerAdapter(tokenizer)
         self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
-        self.engine = DecodeEngine(params, self.config, expert_impl=self.options.expert_impl,
-                                   tile_rows=self.options.tile_rows,
-                                   max_batch_size=self.options.max_batch_size)
-        del params  # the engine holds the device copy
+        opts = self.options
+        self.engine: DecodeEngine | None = None
+        self.scheduler: Scheduler | None = None
+        if opts.batching == "static":
+            self.engine = DecodeEngine(params, self.config, expert_impl=opts.expert_impl,
+                                       tile_rows=opts.tile_rows,
+                                       max_batch_size=opts.max_batch_size)
+        else:
+            runner = make_runner(opts.backend, self.config, params, dtype=dtype,
+                                 devices=opts.devices,
+                                 opts=StepOptions(expert_impl=opts.expert_impl,
+                                                  tile_rows=opts.tile_rows,
+                                                  router_inputs=opts.trace_router_inputs),
+                                 **dict(opts.backend_options or {}))
+            self.scheduler = Scheduler(runner, self.kv_cache_blocks(runner), SchedulerOptions(
+                max_batch_size=opts.max_batch_size, max_prefill_tokens=opts.max_prefill_tokens,
+                step=opts.resolved_step(), trace=opts.trace_experts))
+        del params  # the engine or runner holds the device copy
 
+    def kv_cache_blocks(self, runner: Any) -> int:
+        """The paged pool's blocks per rank (:class:`GeneratorOptions`)."""
+        opts, block = self.options, runner.block_bytes()
+        if opts.kv_cache_blocks is not None:
+            return opts.kv_cache_blocks
+        if opts.kv_cache_mib is not None:
+            blocks = int(opts.kv_cache_mib * 2**20 // block)
+            if blocks < 1:
+                raise ValueError(f"kv_cache_mib={opts.kv_cache_mib} holds no KV block "
+                                 f"({block} bytes each)")
+            return blocks
+        per_rank = -(-opts.max_batch_size // runner.num_ranks)
+        full = per_rank * -(-self.config.max_context // BLOCK_SIZE)
+        return max(1, min(full, DEFAULT_KV_CACHE_MIB * 2**20 // block))
+
+    # ----------------------------------------------------------------- entry points
     def generate(self, requests: Sequence[GenerationRequest | Mapping[str, Any]]
                  ) -> list[GenerationResult]:
         """One result per request, in request order; bad requests get ``error`` set."""
-        if isinstance(requests, (str, bytes, Mapping, GenerationRequest)):
-            raise TypeError("generate() takes a list of requests; wrap a single request in "
-                            "a list")
-        requests = list(requests)
-        results: list[GenerationResult | None] = [None] * len(requests)
+        results: list[GenerationResult | None] = [None] * _count(requests)
+        for event in self.stream(requests):
+            if event.result is not None:
+                results[event.index] = event.result
+        return results
+
+    def stream(self, requests: Sequence[GenerationRequest | Mapping[str, Any]]
+               ) -> Iterator[GenerationEvent]:
+        """Events as tokens are produced (continuous batching: every step; static: each
+        batch's tokens when it finishes). Every request ends with one event whose
+        ``result`` is set; a bad request's comes first."""
+        requests = _as_list(requests)
         specs: dict[int, SequenceSpec] = {}
         for index, obj in enumerate(requests):
             try:
-                specs[index] = parse_generation_request(
-                    obj, index, self.tokenizer, vocab_size=self.config.vocab_size,
-                    max_context=self.config.max_context, default_stop=self.eos_token_ids)
+                specs[index] = self.parse(obj, index)
             except RequestError as exc:
-                results[index] = GenerationResult(id=request_id_of(obj), error=str(exc))
-        indices = list(specs)
-        outputs = self.engine.generate([specs[i] for i in indices],
-                                       trace=self.options.trace_experts)
-        for index, out in zip(indices, outputs):
-            results[index] = self._result(_as_request(requests[index], index), specs[index], out)
-        return results
+                yield GenerationEvent(index, [], GenerationResult(id=request_id_of(obj),
+                                                                  error=str(exc)))
+        if self.engine is not None:
+            indices = list(specs)
+            outputs = self.engine.generate([specs[i] for i in indices],
+                                           trace=self.options.trace_experts)
+            for index, out in zip(indices, outputs):
+                yield GenerationEvent(index, list(out.token_ids),
+                                      self._result(requests[index], index, specs[index], out))
+            return
+        yield from self._stream_continuous(requests, specs)
 
-    def _result(self, req: GenerationRequest, spec: SequenceSpec, out: SequenceOutput
+    def _stream_continuous(self, requests: list[Any], specs: dict[int, SequenceSpec]
+                           ) -> Iterator[GenerationEvent]:
+        scheduler = self.scheduler
+        index_of: dict[int, int] = {}
+        for index, spec in specs.items():
+            try:
+                index_of[scheduler.submit(spec).seq_id] = index
+            except SequenceTooLong as exc:
+                yield GenerationEvent(index, [], GenerationResult(
+                    id=request_id_of(requests[index]),
+                    error=f"{request_label(request_id_of(requests[index]), index)}: "
+                          f"max_new_tokens: {exc}"))
+        try:
+            while scheduler.busy:
+                for event in scheduler.step():
+                    index = index_of[event.sequence.seq_id]
+                    result = None if event.output is None else self._result(
+                        requests[index], index, specs[index], event.output)
+                    yield GenerationEvent(index, event.token_ids, result)
+        finally:   # a consumer that stops early leaves nothing running
+            for seq in list(scheduler.running) + list(scheduler.waiting):
+                scheduler.cancel(seq)
+            while scheduler.busy:
+                scheduler.step()
+
+    def parse(self, obj: Any, index: int) -> SequenceSpec:
+        """One request -> :class:`SequenceSpec` (raises RequestError naming the field)."""
+        return parse_generation_request(obj, index, self.tokenizer,
+                                        vocab_size=self.config.vocab_size,
+                                        max_context=self.config.max_context,
+                                        default_stop=self.eos_token_ids)
+
+    def start_loop(self) -> "GeneratorLoop":
+        """A background loop that many callers submit to (servers, benchmarks)."""
+        if self.scheduler is None:
+            raise ValueError("a generation loop needs batching='continuous'")
+        return GeneratorLoop(self)
+
+    def _result(self, obj: Any, index: int, spec: SequenceSpec, out: SequenceOutput
                 ) -> GenerationResult:
+        req = _as_request(obj, index)
+        if out.error is not None:
+            return GenerationResult(id=req.id, token_ids=list(out.token_ids),
+                                    finish_reason=out.finish_reason, error=out.error,
+                                    prompt_tokens=len(spec.prompt))
         shown = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
         experts = None
         if self.options.trace_experts:
             experts = {"prefill": out.prefill_experts, "decode": out.decode_experts}
+            for name in ("prefill_weights", "decode_weights", "prefill_router_inputs",
+                         "decode_router_inputs"):
+                if getattr(out, name) is not None:
+                    experts[name] = getattr(out, name)
         return GenerationResult(id=req.id, token_ids=list(out.token_ids),
                                 text=self.tokenizer.tokenizer.decode(shown,
                                                                      skip_special_tokens=True),
                                 finish_reason=out.finish_reason, prompt_tokens=len(spec.prompt),
                                 experts=experts)
+
+
+class SubmittedRequest:
+    """A request in a :class:`GeneratorLoop`: ``cancel()`` frees its sequence at the next
+    step (its last event then has finish_reason "cancelled")."""
+
+    def __init__(self, loop: "GeneratorLoop", sequence: Any):
+        self._loop, self.sequence = loop, sequence
+
+    def cancel(self) -> None:
+        self._loop.loop.cancel(self.sequence)
+
+
+class GeneratorLoop:
+    """A :class:`~serving.continuous.GenerationLoop` over a Generator's scheduler that
+    takes requests as :meth:`Generator.generate` does."""
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+        self.loop = GenerationLoop(generator.scheduler)
+
+    def submit(self, request: GenerationRequest | Mapping[str, Any],
+               on_event: Callable[[GenerationEvent], None], index: int = 0
+               ) -> SubmittedRequest:
+        """Queue one request; ``on_event`` gets its :class:`GenerationEvent` s from the
+        loop thread (``index`` is echoed in them). A bad request raises RequestError
+        naming the field (nothing is queued)."""
+        generator = self.generator
+        spec = generator.parse(request, index)
+
+        def deliver(event: Any) -> None:
+            result = None if event.output is None else generator._result(
+                request, index, spec, event.output)
+            on_event(GenerationEvent(index, event.token_ids, result))
+
+        try:
+            sequence = self.loop.submit(spec, deliver)
+        except SequenceTooLong as exc:
+            raise RequestError(f"{request_label(request_id_of(request), index)}: "
+                               f"max_new_tokens: {exc}", index=index,
+                               field="max_new_tokens") from None
+        return SubmittedRequest(self, sequence)
+
+    def occupancy(self) -> int:
+        """KV blocks held by running sequences."""
+        return self.generator.scheduler.occupancy()
+
+    def close(self) -> None:
+        """Finish what was submitted, then stop the thread."""
+        self.loop.close()
+
+
+def _as_list(requests: Any) -> list[Any]:
+    if isinstance(requests, (str, bytes, Mapping, GenerationRequest)):
+        raise TypeError("generate() takes a list of requests; wrap a single request in "
+                        "a list")
+    return list(requests)
+
+
+def _count(requests: Any) -> int:
+    return len(_as_list(requests))

@@ -24,7 +24,9 @@ transformers = pytest.importorskip(
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from tokenizers import decoders  # noqa: E402
 
+from moejax import checkpoint  # noqa: E402
 from moejax import generate as gen_lib  # noqa: E402
+from moejax.decode import programs as decode_programs  # noqa: E402
 from moejax import sampling  # noqa: E402
 from serving.cli import main as cli_main  # noqa: E402
 from serving import GenerationResult, Generator  # noqa: E402
@@ -54,12 +56,13 @@ class Model:
         _word_tokenizer().save(f"{self.path}/tokenizer.json")
         rng = np.random.default_rng(seed)
         self.prompts = [[int(t) for t in rng.integers(3, V, n)] for n in LENGTHS]
-        self.counts_before = gen_lib.compiled_program_counts()
+        self.counts_before = decode_programs.compiled_program_counts()
         self.gen = Generator(self.path, dtype="float32", trace_experts=True,
                              compilation_cache="off")
         self.greedy = self.gen.generate([{"id": i, "prompt_token_ids": p, "max_new_tokens": NEW}
                                          for i, p in enumerate(self.prompts)])
-        self.counts_after = gen_lib.compiled_program_counts()
+        self.counts_after = decode_programs.compiled_program_counts()
+        self.params = checkpoint.load_model_dir(self.path, "float32")[1]
 
     def hf_greedy(self, prompt: list[int], eos: int | None = None) -> list[int]:
         extra = {} if eos is None else {"eos_token_id": eos}
@@ -138,14 +141,36 @@ def test_traced_experts_equal_hf_router_topk(built):
         np.testing.assert_array_equal(np.sort(ours, axis=-1), np.sort(ref, axis=-1))
 
 
-def test_decode_step_compiles_once(built):
-    """One batch of 4 prompts and 11 decode steps: one prefill and one decode program;
-    another batch in the same buckets compiles nothing."""
+def test_continuous_steps_compile_per_bucket_only(built):
+    """4 prompts and 11 decode steps compile one program per (rows, chunk, table) bucket
+    the steps met — at most a few — and another call within those buckets compiles
+    nothing."""
     before, after = built.counts_before, built.counts_after
+    fused = after.get("fused_step", 0) - before.get("fused_step", 0)
+    # Prefill: one chunk bucket of <= 4 rows; decode: 1..4 rows as sequences finish.
+    assert 1 <= fused <= 5
+    lengths = (3, 20, 12, 7)
+    built.gen.generate([{"prompt_token_ids": list(range(3, 3 + n)), "max_new_tokens": NEW}
+                        for n in lengths])
+    warm = decode_programs.compiled_program_counts()
+    built.gen.generate([{"prompt_token_ids": list(range(40, 40 + n)), "max_new_tokens": NEW}
+                        for n in lengths[::-1]])
+    assert decode_programs.compiled_program_counts() == warm
+
+
+def test_static_batching_compiles_once(built):
+    """The static baseline: one batch of 4 prompts and 11 decode steps compile one prefill
+    and one decode program; another batch in the same buckets compiles nothing; its
+    tokens equal continuous batching's."""
+    before = gen_lib.compiled_program_counts()
+    static = Generator(built.path, dtype="float32", batching="static", compilation_cache="off")
+    requests = [{"prompt_token_ids": p, "max_new_tokens": NEW} for p in built.prompts]
+    assert [r.token_ids for r in _run(static, requests)] == [r.token_ids for r in built.greedy]
+    after = gen_lib.compiled_program_counts()
     assert after["decode_step"] - before["decode_step"] == 1
     assert after["prefill"] - before["prefill"] == 1
     others = [[int(t) for t in np.arange(3, 3 + n)] for n in (3, 20, 12)]
-    built.gen.generate([{"prompt_token_ids": p, "max_new_tokens": 7} for p in others])
+    static.generate([{"prompt_token_ids": p, "max_new_tokens": 7} for p in others])
     assert gen_lib.compiled_program_counts() == after
 
 
@@ -153,7 +178,7 @@ def test_shape_buckets(qwen):
     """Batch, prompt and cache sizes are powers of two (the cache capped at the context,
     but never below the prompt bucket, which the attention tiling needs whole)."""
     cfg = dataclasses.replace(qwen.gen.config, max_context=100)
-    engine = gen_lib.DecodeEngine(qwen.gen.engine.params, cfg, max_batch_size=8)
+    engine = gen_lib.DecodeEngine(qwen.params, cfg, max_batch_size=8)
     spec = gen_lib.SequenceSpec
     assert engine.shapes([spec((1,) * 5, 3)] * 3) == (4, 16, 64)
     assert engine.shapes([spec((1,) * 40, 30)] * 5) == (8, 64, 100)
@@ -164,7 +189,7 @@ def test_shape_buckets(qwen):
 
 def test_trace_prefill_experts_function(qwen):
     prompt = qwen.prompts[1]
-    ids = gen_lib.trace_prefill_experts(qwen.gen.engine.params, qwen.gen.config, prompt)
+    ids = gen_lib.trace_prefill_experts(qwen.params, qwen.gen.config, prompt)
     np.testing.assert_array_equal(ids, qwen.greedy[1].experts["prefill"])
     counts = gen_lib.expert_counts(ids, E)
     assert counts.shape == (L, E) and (counts.sum(axis=1) == len(prompt) * K).all()

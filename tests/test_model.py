@@ -270,7 +270,7 @@ def test_single_layer_entry_equals_the_fused_driver(params):
     dispatcher = module.local_dispatcher()
     x0 = module.embed_tokens(jnp.asarray(host.batch.tokens))
     fused, _, _, ids = jax.jit(lambda x: module.run_layers(
-        x, _packed_kind(host), dispatcher, observe=lambda i, r, v: r.experts))(x0)
+        x, _packed_kind(host), dispatcher, observe=lambda i, r, v, h: r.experts))(x0)
     step = jax.jit(lambda i, x: module.layer(i, x, _packed_kind(host), dispatcher))
     x = x0
     for i in range(CFG.num_layers):

@@ -193,7 +193,7 @@ def train_forward(params: Params, tokens: jax.Array, segs: jax.Array, positions:
     valid = batch.segment_ids >= 0
     x, _, _, (aux, counts) = module.run_layers(
         module.embed_tokens(batch.tokens), attn, module.local_dispatcher("ragged_dot"),
-        observe=lambda layer, routing, _: balance_loss(routing, valid, cfg))
+        observe=lambda layer, routing, _valid, _inputs: balance_loss(routing, valid, cfg))
     logits = module.vocab_logits(module.final(x))
     return logits, jnp.mean(aux), counts
 

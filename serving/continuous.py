@@ -1,0 +1,487 @@
+"""Continuous batching over the paged KV cache: the scheduler and its background loop.
+
+:class:`Scheduler` keeps a *running* set of at most ``max_batch_size`` sequences (per
+data-parallel rank: ``max_batch_size`` is the total) and a *waiting* queue. Each
+:meth:`Scheduler.step`:
+
+1. drops cancelled sequences (their blocks go back to the pool at once);
+2. admits waiting sequences, oldest first, while the running set has room and the pool
+   has blocks for their first chunk; a prompt whose leading full blocks are already
+   cached (same chain hash, ``moejax.prefix_hash``) reuses them and skips their prefill;
+3. runs one **prefill** program over the prompt chunks of the sequences still
+   prefilling (at most ``max_prefill_tokens`` tokens in all, oldest first; a long
+   prompt takes several steps), and then one **decode** program over every sequence
+   that is generating (one token each);
+4. retires finished sequences: their token and the finish reason are reported.
+
+When the pool runs out of blocks, the newest running sequence is *preempted*: its
+blocks are freed and it goes back to the front of the queue with the tokens it has
+generated, to be recomputed (prompt + generated tokens, as a prompt) when blocks free
+up. Nothing is lost, and its tokens do not change (greedy, f32), because every row of
+a step is computed independently of the others and a sequence's sampling key depends
+only on its seed and step.
+
+A sequence whose prompt + max_new_tokens cannot fit in the whole pool is refused when
+it is submitted (:class:`SequenceTooLong`).
+
+:class:`GenerationLoop` runs a scheduler on a background thread for servers and
+benchmarks: ``submit(spec, on_event)`` from any thread; ``on_event`` is called from the
+loop thread with each new token and, last, the finished output.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from moejax import prefix_hash, sampling
+from moejax.decode.blocks import BlockManager
+from moejax.decode.paged import PagedKV
+from moejax.decode.programs import PagedBatch, StepResult
+from moejax.decode.runners import DecodeRunner
+from moejax.generate import SequenceOutput, SequenceSpec
+from moejax.kv_cache import bucket
+
+BLOCK = prefix_hash.BLOCK_SIZE
+# Block tables are padded to a power of two of at least this many blocks: fewer
+# compiled shapes, for attention over at most this much padding at short contexts.
+MIN_TABLE_BLOCKS = 8
+log = logging.getLogger(__name__)
+
+
+class SequenceTooLong(ValueError):
+    """A sequence needs more KV blocks than the whole pool holds."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOptions:
+    """``max_batch_size``: running sequences (all ranks); ``max_prefill_tokens``: prompt
+    tokens per step; ``step``: "fused" | "layerwise"; ``trace``: keep every token's
+    routing (and the router inputs, where the runner's step options compute them)."""
+
+    max_batch_size: int = 16
+    max_prefill_tokens: int = 512
+    step: str = "fused"
+    trace: bool = False
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """One sequence in the scheduler (host side)."""
+
+    seq_id: int
+    spec: SequenceSpec
+    on_event: Callable[["TokenEvent"], None] | None
+    output: SequenceOutput = dataclasses.field(
+        default_factory=lambda: SequenceOutput([], "length"))
+    rank: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[bytes] = dataclasses.field(default_factory=list)
+    computed: int = 0            # tokens whose keys/values are in the pool
+    traced: int = 0              # tokens whose routing has been recorded
+    routing: list[tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+    finished: bool = False
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the model reads: the prompt, then the generated tokens."""
+        return list(self.spec.prompt) + self.output.token_ids
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to run through the model (1: decoding)."""
+        return len(self.spec.prompt) + len(self.output.token_ids) - self.computed
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """New tokens of one sequence; ``output`` is set on its last event (finished,
+    cancelled or failed)."""
+
+    sequence: SequenceState
+    token_ids: list[int]
+    output: SequenceOutput | None = None
+
+
+@dataclasses.dataclass
+class _Rows:
+    """The work of one program of a step: (sequence, first position, token count) each."""
+
+    work: list[tuple[SequenceState, int, int]]
+
+
+class Scheduler:
+    """Continuous batching of :class:`SequenceSpec` s over a runner (module docstring)."""
+
+    def __init__(self, runner: DecodeRunner, num_blocks: int, options: SchedulerOptions):
+        if options.max_batch_size < 1 or options.max_prefill_tokens < 1:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        runner.check_step(options.step)
+        self.runner = runner
+        self.options = options
+        self.ranks = runner.num_ranks
+        self.managers = [BlockManager(num_blocks) for _ in range(self.ranks)]
+        self.kv: PagedKV = runner.make_kv(num_blocks)
+        self.num_blocks = num_blocks
+        self.per_rank = max(1, -(-options.max_batch_size // self.ranks))
+        self.max_table = -(-runner.cfg.max_context // BLOCK)
+        self.waiting: collections.deque[SequenceState] = collections.deque()
+        self.running: list[SequenceState] = []
+        self._ids = itertools.count()
+        self.stats = collections.Counter()
+
+    # ----------------------------------------------------------------- intake
+    def submit(self, spec: SequenceSpec, on_event: Callable[[TokenEvent], None] | None = None
+               ) -> SequenceState:
+        """Queue one sequence; raises :class:`SequenceTooLong` if it can never fit."""
+        needed = -(-(len(spec.prompt) + spec.max_new_tokens) // BLOCK)
+        if needed > self.num_blocks:
+            raise SequenceTooLong(
+                f"prompt ({len(spec.prompt)} tokens) + max_new_tokens ({spec.max_new_tokens}) "
+                f"needs {needed} KV blocks of {BLOCK} tokens; the pool holds {self.num_blocks}")
+        seq = SequenceState(seq_id=next(self._ids), spec=spec, on_event=on_event)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: SequenceState) -> None:
+        """Stop ``seq``: it is dropped (blocks freed) at the start of the next step.
+        Thread-safe (a flag)."""
+        seq.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def occupancy(self) -> int:
+        """KV blocks held by sequences, over every rank."""
+        return sum(m.num_in_use for m in self.managers)
+
+    # ----------------------------------------------------------------- a step
+    def step(self) -> list[TokenEvent]:
+        """One scheduling step (module docstring); the events it produced."""
+        events: list[TokenEvent] = []
+        self._drop_cancelled(events)
+        self._admit()
+        prefill, decode = self._plan()
+        if prefill.work:
+            self._run(prefill, events)
+        if decode.work:
+            self._run(decode, events)
+        self.running = [s for s in self.running if not s.finished]
+        self.stats["steps"] += 1
+        return events
+
+    def run_until_idle(self, sink: Callable[[TokenEvent], None] | None = None) -> None:
+        """Step until nothing waits or runs; events go to ``sink`` too."""
+        while self.busy:
+            for event in self.step():
+                if sink is not None:
+                    sink(event)
+
+    # ----------------------------------------------------------------- bookkeeping
+    def _drop_cancelled(self, events: list[TokenEvent]) -> None:
+        for seq in [s for s in self.running if s.cancelled]:
+            self._free(seq)
+            self.running.remove(seq)
+            self._finish(seq, "cancelled", events)
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            self._finish(seq, "cancelled", events)
+
+    def _finish(self, seq: SequenceState, reason: str, events: list[TokenEvent],
+                tokens: Sequence[int] = ()) -> None:
+        seq.finished = True
+        seq.output.finish_reason = reason
+        if self.options.trace:
+            _attach_trace(seq, len(seq.spec.prompt))
+        events.append(TokenEvent(seq, list(tokens), seq.output))
+
+    def _free(self, seq: SequenceState) -> None:
+        self.managers[seq.rank].release(seq.blocks)
+        seq.blocks = []
+        seq.computed = 0
+
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            rank = self._rank_for(seq)
+            if rank is None:
+                return
+            self.waiting.popleft()
+            seq.rank = rank
+            manager = self.managers[rank]
+            tokens = seq.tokens
+            # At least the last token is computed (its logits choose the next token).
+            reusable = (len(tokens) - 1) // BLOCK
+            seq.hashes = prefix_hash.block_hashes(np.asarray(tokens[:reusable * BLOCK]))
+            hits = manager.cached_prefix(seq.hashes)
+            manager.acquire(hits)
+            seq.blocks = list(hits)
+            seq.computed = len(hits) * BLOCK
+            self.stats["prefix_hit_tokens"] += seq.computed
+            self.running.append(seq)
+
+    def _rank_for(self, seq: SequenceState) -> int | None:
+        """The rank with room (running rows, blocks for the first chunk) and the fewest
+        running sequences, or None."""
+        first = min(len(seq.tokens), self.options.max_prefill_tokens)
+        need = -(-first // BLOCK)
+        counts = [0] * self.ranks
+        for s in self.running:
+            counts[s.rank] += 1
+        open_ranks = [r for r in range(self.ranks) if counts[r] < self.per_rank
+                      and self.managers[r].num_available >= need]
+        return min(open_ranks, key=lambda r: counts[r]) if open_ranks else None
+
+    def _plan(self) -> tuple[_Rows, _Rows]:
+        """This step's prefill chunks and decode rows, with their blocks allocated
+        (preempting the newest sequences where blocks run out)."""
+        budget = self.options.max_prefill_tokens
+        prefill, decode = _Rows([]), _Rows([])
+        for seq in sorted(self.running, key=lambda s: s.seq_id):
+            if seq not in self.running:          # preempted for an older one
+                continue
+            if seq.pending > 1:
+                count = min(seq.pending, budget)
+                if count == 0 or not self._reserve(seq, seq.computed + count):
+                    continue
+                budget -= count
+                prefill.work.append((seq, seq.computed, count))
+            elif self._reserve(seq, seq.computed + 1):
+                decode.work.append((seq, seq.computed, 1))
+        prefill.work = [w for w in prefill.work if w[0] in self.running]
+        decode.work = [w for w in decode.work if w[0] in self.running]
+        return prefill, decode
+
+    def _reserve(self, seq: SequenceState, length: int) -> bool:
+        """Blocks for ``seq``'s first ``length`` tokens; preempts the newest running
+        sequences (possibly ``seq`` itself) until they fit. False if ``seq`` was
+        preempted."""
+        manager = self.managers[seq.rank]
+        need = -(-length // BLOCK) - len(seq.blocks)
+        while need > manager.num_available:
+            victim = max((s for s in self.running if s.rank == seq.rank),
+                         key=lambda s: s.seq_id)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.blocks += manager.allocate(need)
+        return True
+
+    def _preempt(self, seq: SequenceState) -> None:
+        """Free ``seq``'s blocks and queue it first, to be recomputed (prompt + generated
+        tokens) when blocks free up."""
+        self._free(seq)
+        self.running.remove(seq)
+        seq.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(seq)
+
+    # ----------------------------------------------------------------- running
+    def _run(self, rows: _Rows, events: list[TokenEvent]) -> None:
+        batch, samp, row_of = self._batch(rows)
+        self.kv, result = self.runner.run(self.kv, batch, samp, self.options.step)
+        tokens = np.asarray(result.tokens)
+        routing = _host_routing(result, self.options.trace)
+        for (seq, start, count), row in zip(rows.work, row_of):
+            if routing is not None:
+                _record_routing(seq, routing, row * batch.chunk, start, count)
+            seq.computed = start + count
+            self._name_full_blocks(seq)
+            if seq.pending == 0:       # its last token ran: the next one is sampled
+                self._accept(seq, int(tokens[row]), events)
+
+    def _accept(self, seq: SequenceState, token: int, events: list[TokenEvent]) -> None:
+        out, spec = seq.output, seq.spec
+        out.token_ids.append(token)
+        if token in spec.stop_token_ids or len(out.token_ids) >= spec.max_new_tokens:
+            self._free(seq)
+            self._finish(seq, "stop" if token in spec.stop_token_ids else "length", events,
+                         [token])
+        else:
+            events.append(TokenEvent(seq, [token]))
+
+    def _name_full_blocks(self, seq: SequenceState) -> None:
+        """Name every block that is now fully written (prompt or generated tokens), so
+        that a later sequence with the same prefix — or this one after a preemption —
+        reuses it."""
+        full = min(seq.computed // BLOCK, len(seq.blocks))
+        if len(seq.hashes) < full:
+            tokens = seq.tokens
+            parent = seq.hashes[-1] if seq.hashes else prefix_hash.ROOT_HASH
+            seq.hashes += prefix_hash.block_hashes(
+                np.asarray(tokens[len(seq.hashes) * BLOCK:full * BLOCK]), parent=parent)
+        manager = self.managers[seq.rank]
+        for block, digest in zip(seq.blocks[:full], seq.hashes[:full]):
+            manager.name(block, digest)
+
+    def _batch(self, rows: _Rows) -> tuple[PagedBatch, sampling.SamplingParams, list[int]]:
+        """The step's arrays (ranks × B rows × C tokens, rank-major), and the row of each
+        work item."""
+        per_rank: list[list[tuple[SequenceState, int, int]]] = [[] for _ in range(self.ranks)]
+        for work in rows.work:
+            per_rank[work[0].rank].append(work)
+        longest = max(count for _, _, count in rows.work)
+        chunk = 1 if longest == 1 else bucket(longest, BLOCK,
+                                              bucket(self.options.max_prefill_tokens, BLOCK))
+        batch = bucket(max(len(r) for r in per_rank), 1, self.per_rank)
+        table = bucket(max(len(s.blocks) for s, _, _ in rows.work), MIN_TABLE_BLOCKS,
+                       self.max_table)
+        total = self.ranks * batch
+        slots_per_rank = self.num_blocks * BLOCK
+        tokens = np.zeros((total, chunk), np.int32)
+        positions = np.zeros((total, chunk), np.int32)
+        valid = np.zeros((total, chunk), bool)
+        write = np.full((total, chunk), slots_per_rank, np.int32)
+        tables = np.zeros((total, table), np.int32)
+        context = np.zeros(total, np.int32)
+        last = np.arange(total, dtype=np.int32) * chunk
+        counters = np.zeros(total, np.int32)
+        temperature, top_p, seeds = [0.0] * total, [1.0] * total, [0] * total
+        row_of: dict[int, int] = {}
+        for rank, works in enumerate(per_rank):
+            for b, (seq, start, count) in enumerate(works):
+                row = rank * batch + b
+                row_of[seq.seq_id] = row
+                pos = np.arange(start, start + count)
+                seq_tokens = seq.tokens
+                tokens[row, :count] = seq_tokens[start:start + count]
+                positions[row, :count] = pos
+                valid[row, :count] = True
+                blocks = np.asarray(seq.blocks, np.int32)
+                write[row, :count] = blocks[pos // BLOCK] * BLOCK + pos % BLOCK
+                tables[row, :len(blocks)] = blocks
+                context[row] = start
+                last[row] = row * chunk + count - 1
+                counters[row] = len(seq.output.token_ids)
+                temperature[row], top_p[row] = seq.spec.temperature, seq.spec.top_p
+                seeds[row] = seq.spec.seed
+        flat = lambda a: a.reshape(-1)   # noqa: E731
+        return (PagedBatch(tokens=flat(tokens), positions=flat(positions), valid=flat(valid),
+                           write_slots=flat(write), block_tables=tables, context_len=context,
+                           last=last, counters=counters),
+                sampling.make_sampling_params(temperature, top_p, seeds),
+                [row_of[seq.seq_id] for seq, _, _ in rows.work])
+
+
+# ----------------------------------------------------------------------------- tracing
+def _host_routing(result: StepResult, trace: bool) -> tuple[np.ndarray, ...] | None:
+    if not trace:
+        return None
+    arrays = (result.experts, result.weights)
+    if result.router_inputs is not None:
+        arrays += (result.router_inputs,)
+    return tuple(np.asarray(a) for a in arrays)
+
+
+def _record_routing(seq: SequenceState, routing: tuple[np.ndarray, ...], offset: int,
+                    start: int, count: int) -> None:
+    """Keep the routing [L, n, ...] of the tokens at positions [start, start + count) not
+    recorded yet (a recomputed token keeps its first routing)."""
+    skip = max(0, seq.traced - start)
+    if skip >= count:
+        return
+    seq.routing.append(tuple(a[:, offset + skip:offset + count] for a in routing))
+    seq.traced = start + count
+
+
+def _attach_trace(seq: SequenceState, prompt_len: int) -> None:
+    """Split the recorded routing into the output's prefill and decode parts."""
+    if not seq.routing:
+        return
+    parts = [np.concatenate(arrays, axis=1) for arrays in zip(*seq.routing)]
+    out = seq.output
+    out.prefill_experts, out.decode_experts = parts[0][:, :prompt_len], parts[0][:, prompt_len:]
+    out.prefill_weights, out.decode_weights = parts[1][:, :prompt_len], parts[1][:, prompt_len:]
+    if len(parts) > 2:
+        out.prefill_router_inputs = parts[2][:, :prompt_len]
+        out.decode_router_inputs = parts[2][:, prompt_len:]
+
+
+# ----------------------------------------------------------------------------- the loop
+class GenerationLoop:
+    """A scheduler stepping on a background thread (module docstring)."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._lock = threading.Condition()
+        self._incoming: list[SequenceState] = []
+        self._closed = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="moejax-generation",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: SequenceSpec, on_event: Callable[[TokenEvent], None]
+               ) -> SequenceState:
+        """Queue ``spec``; ``on_event`` gets its tokens (from the loop thread). Raises
+        SequenceTooLong, or RuntimeError once the loop is closed or has failed."""
+        with self._lock:
+            if self._closed or self.error is not None:
+                raise RuntimeError("the generation loop is closed"
+                                   + (f" (it failed: {self.error})" if self.error else ""))
+            seq = self.scheduler.submit(spec, on_event)
+            self._lock.notify()
+            return seq
+
+    def cancel(self, seq: SequenceState) -> None:
+        """Stop ``seq`` at the next step (its blocks are freed then)."""
+        self.scheduler.cancel(seq)
+        with self._lock:
+            self._lock.notify()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join()
+
+    def _main(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            with self._lock:
+                while not scheduler.busy and not self._closed:
+                    self._lock.wait()
+                if self._closed and not scheduler.busy:
+                    return
+                try:
+                    events = scheduler.step()
+                except BaseException as exc:  # noqa: BLE001  (reported to every waiter)
+                    log.exception("generation step failed")
+                    self.error = exc
+                    events = self._fail_all(exc)
+            for event in events:
+                self._deliver(event)
+            if self.error is not None:
+                return
+
+    def _fail_all(self, exc: BaseException) -> list[TokenEvent]:
+        scheduler = self.scheduler
+        events = []
+        for seq in list(scheduler.running) + list(scheduler.waiting):
+            seq.finished = True
+            seq.output.finish_reason = "error"
+            seq.output.error = f"generation failed: {type(exc).__name__}: {exc}"
+            events.append(TokenEvent(seq, [], seq.output))
+        scheduler.running, scheduler.waiting = [], collections.deque()
+        return events
+
+    @staticmethod
+    def _deliver(event: TokenEvent) -> None:
+        callback = event.sequence.on_event
+        if callback is None:
+            return
+        try:
+            callback(event)
+        except Exception:  # noqa: BLE001  (one listener's failure is its own)
+            log.exception("a generation event callback failed")
