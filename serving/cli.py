@@ -5,6 +5,7 @@
     moejax convert HF_DIR OUT_DIR [--dtype bfloat16]
     moejax info [--model DIR|demo]
     moejax generate IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--trace-experts]
+    moejax trace IN.jsonl -o OUT.npz [--model DIR|demo] [--max-new-tokens N] [--router-inputs]
     moejax serve [--model DIR|demo] [--host 127.0.0.1] [--port 50051] [--token T] [--tls-cert F]
     moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl]   (also: client info, health)
 
@@ -225,6 +226,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``moejax`` argument parser with every subcommand."""
     from serving.generate_cli import add_generate_command
+    from serving.trace_cli import add_trace_command
     from serving.grpc.cli import add_commands as add_grpc_commands
 
     parser = argparse.ArgumentParser(prog="moejax", description=__doc__.split("\n\n")[0])
@@ -253,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(info)
     info.set_defaults(func=cmd_info)
     add_generate_command(sub, add_model_options)
+    add_trace_command(sub, add_model_options)
     add_grpc_commands(sub, add_model_options)
     return parser
 
