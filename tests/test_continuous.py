@@ -1,0 +1,257 @@
+"""The decode runtime on the shipped demo model: continuous batching equals one-by-one
+generation (mixed lengths, staggered arrivals, forced preemption, a cached prompt
+prefix), fused == layerwise, offload == resident, the layer hook, cancellation, the
+block manager, and the Generator's options.
+
+The reference for "alone" is the same runtime with one sequence and a fresh pool; the
+static batcher (another attention algorithm over a dense cache) must agree too.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from moejax import checkpoint
+from moejax.decode.blocks import BlockManager, OutOfBlocks
+from moejax.decode.programs import StepOptions
+from moejax.decode.runners import make_runner
+from moejax.generate import DecodeEngine, SequenceSpec
+from moejax.prefix_hash import block_hashes
+from serving import Generator
+from serving.api import resolve_model_dir
+from serving.continuous import Scheduler, SchedulerOptions, SequenceTooLong
+
+LENGTHS_NEW = [(5, 7), (40, 12), (17, 3), (70, 9), (33, 1), (3, 10)]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    cfg, params, _ = checkpoint.load_model_dir(resolve_model_dir("demo")[0], "float32")
+    rng = np.random.default_rng(0)
+    specs = [SequenceSpec(prompt=tuple(int(t) for t in rng.integers(3, 1024, n)),
+                          max_new_tokens=m) for n, m in LENGTHS_NEW]
+    resident = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
+    alone = [_run(resident, [spec], blocks=64, batch=1)[0] for spec in specs]
+    return cfg, params, specs, resident, alone
+
+
+def _scheduler(runner, blocks=64, batch=4, prefill=32, step="fused", trace=False):
+    return Scheduler(runner, blocks, SchedulerOptions(max_batch_size=batch,
+                                                      max_prefill_tokens=prefill, step=step,
+                                                      trace=trace))
+
+
+def _run(runner, specs, **kwargs):
+    scheduler = _scheduler(runner, **kwargs)
+    seqs = [scheduler.submit(s) for s in specs]
+    scheduler.run_until_idle()
+    assert scheduler.occupancy() == 0
+    return [s.output for s in seqs]
+
+
+def _tokens(outputs):
+    return [o.token_ids for o in outputs]
+
+
+def test_alone_equals_static_batching(demo):
+    cfg, params, specs, _, alone = demo
+    static = DecodeEngine(params, cfg, max_batch_size=8).generate(specs)
+    assert _tokens(alone) == _tokens(static)
+    assert [len(o.token_ids) for o in alone] == [m for _, m in LENGTHS_NEW]
+
+
+def test_staggered_arrivals_in_any_order_equal_one_by_one(demo):
+    """Requests join a running batch at different steps, in a shuffled order; long
+    prompts are prefilled over several steps (max_prefill_tokens=32)."""
+    _, _, specs, runner, alone = demo
+    order = [3, 0, 5, 1, 4, 2]
+    scheduler = _scheduler(runner, batch=3)
+    seqs = {}
+    for i in order:
+        seqs[i] = scheduler.submit(specs[i])
+        scheduler.step()
+    scheduler.run_until_idle()
+    assert [seqs[i].output.token_ids for i in range(len(specs))] == _tokens(alone)
+    assert scheduler.stats["steps"] > max(m for _, m in LENGTHS_NEW)
+
+
+def test_forced_preemption_loses_nothing(demo):
+    """A pool of 10 blocks for 4 running sequences of up to 79 tokens: the newest are
+    preempted (blocks freed, recomputed later) and every sequence still ends with the
+    tokens it gets alone."""
+    _, _, specs, runner, alone = demo
+    scheduler = _scheduler(runner, blocks=10, batch=4)
+    seqs = [scheduler.submit(s) for s in specs]
+    scheduler.run_until_idle()
+    assert scheduler.stats["preemptions"] > 0
+    assert [s.output.token_ids for s in seqs] == _tokens(alone)
+    assert max(s.preemptions for s in seqs) > 0 and scheduler.occupancy() == 0
+
+
+def test_a_cached_prompt_prefix_is_reused(demo):
+    """A second request starting with the same 40 tokens reuses the first's two full
+    blocks (32 tokens) and gives the tokens it gets alone."""
+    _, _, specs, runner, _ = demo
+    system = specs[1].prompt            # 40 tokens
+    first = SequenceSpec(prompt=system + (7, 8, 9), max_new_tokens=4)
+    second = SequenceSpec(prompt=system + (11, 12), max_new_tokens=5)
+    scheduler = _scheduler(runner)
+    scheduler.submit(first)
+    scheduler.run_until_idle()
+    assert scheduler.stats["prefix_hit_tokens"] == 0
+    seq = scheduler.submit(second)
+    scheduler.run_until_idle()
+    assert scheduler.stats["prefix_hit_tokens"] == 32
+    assert seq.output.token_ids == _run(runner, [second])[0].token_ids
+
+
+def test_fused_equals_layerwise_and_offload_equals_resident(demo):
+    cfg, params, specs, resident, alone = demo
+    offload = make_runner("offload", cfg, params, dtype="float32", opts=StepOptions())
+    fused = _run(resident, specs, trace=True)
+    layerwise = _run(resident, specs, step="layerwise", trace=True)
+    streamed = _run(offload, specs, step="layerwise", trace=True)
+    assert _tokens(fused) == _tokens(layerwise) == _tokens(streamed) == _tokens(alone)
+    for a, b, c in zip(fused, layerwise, streamed):
+        for name in ("prefill_experts", "decode_experts"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+            np.testing.assert_array_equal(getattr(a, name), getattr(c, name))
+        np.testing.assert_allclose(a.decode_weights, c.decode_weights, rtol=1e-5, atol=1e-6)
+    # Offload copies at most the experts a step's rows chose, never all of them each layer.
+    assert 0 < offload.experts_copied
+    with pytest.raises(Exception, match="layerwise"):
+        _scheduler(offload, step="fused")
+
+
+def test_traces_have_every_token_once(demo):
+    """Prefill routing of every prompt token, decode routing of every fed-back token, also
+    across preemption (recomputed tokens are not recorded twice)."""
+    cfg, _, specs, runner, _ = demo
+    for outputs in (_run(runner, specs, trace=True),
+                    _run(runner, specs, blocks=10, trace=True)):
+        for spec, out in zip(specs, outputs):
+            k = cfg.num_experts_per_tok
+            assert out.prefill_experts.shape == (cfg.num_layers, len(spec.prompt), k)
+            assert out.decode_experts.shape == (cfg.num_layers, len(out.token_ids) - 1, k)
+            np.testing.assert_allclose(out.prefill_weights.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_layer_hook_sees_and_overrides_routing(demo):
+    cfg, params, specs, _, alone = demo
+    runner = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
+    seen = []
+
+    def observe(layer, routing):
+        seen.append((layer, np.asarray(routing.experts).shape))
+        return None
+
+    runner.layer_hook = observe
+    assert _tokens(_run(runner, specs[:2], step="layerwise")) == _tokens(alone[:2])
+    assert [layer for layer, _ in seen[:cfg.num_layers]] == list(range(cfg.num_layers))
+
+    def force_expert_zero(layer, routing):
+        return type(routing)(weights=routing.weights, experts=routing.experts * 0,
+                             probs=routing.probs)
+
+    runner.layer_hook = force_expert_zero
+    forced = _run(runner, specs[:2], step="layerwise", trace=True)
+    assert _tokens(forced) != _tokens(alone[:2])
+    # The trace keeps the router's own choice, not the override.
+    assert forced[0].prefill_experts.max() > 0
+
+
+def test_cancel_frees_blocks_at_the_next_step(demo):
+    _, _, specs, runner, _ = demo
+    scheduler = _scheduler(runner)
+    keep = scheduler.submit(specs[0])
+    drop = scheduler.submit(SequenceSpec(prompt=specs[3].prompt, max_new_tokens=50))
+    for _ in range(4):
+        scheduler.step()
+    assert scheduler.occupancy() > 0 and not drop.finished
+    scheduler.cancel(drop)
+    events = scheduler.step()
+    assert drop.finished and drop.output.finish_reason == "cancelled"
+    assert any(e.sequence is drop and e.output is not None for e in events)
+    scheduler.run_until_idle()
+    assert keep.output.finish_reason == "length" and scheduler.occupancy() == 0
+
+
+def test_a_sequence_longer_than_the_pool_is_refused(demo):
+    _, _, specs, runner, _ = demo
+    scheduler = _scheduler(runner, blocks=4)
+    with pytest.raises(SequenceTooLong, match="needs 5 KV blocks"):
+        scheduler.submit(SequenceSpec(prompt=specs[3].prompt, max_new_tokens=9))
+
+
+# ----------------------------------------------------------------------------- blocks
+def test_block_manager_states():
+    blocks = BlockManager(3)
+    a = blocks.allocate(2)
+    assert blocks.num_in_use == 2 and blocks.num_available == 1
+    digest = block_hashes(list(range(16)))[0]
+    blocks.name(a[0], digest)
+    blocks.release(a)
+    assert blocks.num_cached == 1 and blocks.num_available == 3
+    assert blocks.cached_prefix([digest, b"x" * 16]) == [a[0]]
+    blocks.acquire([a[0]])                       # reused: back in use, not evictable
+    assert blocks.num_cached == 0 and blocks.refs[a[0]] == 1
+    blocks.release([a[0]])
+    fresh = blocks.allocate(3)                   # free ones first, then the cached one
+    assert fresh[-1] == a[0] and blocks.cached_prefix([digest]) == []
+    with pytest.raises(OutOfBlocks, match="asked for 1"):
+        blocks.allocate(1)
+    blocks.release(fresh)
+    with pytest.raises(ValueError, match="released more often"):
+        blocks.release([fresh[0]])
+
+
+# ----------------------------------------------------------------------------- Generator
+def test_generator_options_and_kv_budget():
+    gen = Generator("demo", dtype="float32", kv_cache_mib=1, compilation_cache="off")
+    block = gen.scheduler.runner.block_bytes()
+    assert block == 2 * 4 * 16 * 2 * 32 * 4           # K+V, 4 layers, 16 tokens, 2×32, f32
+    assert gen.scheduler.num_blocks == 2**20 // block
+    with pytest.raises(ValueError, match="not both"):
+        Generator("demo", kv_cache_mib=1, kv_cache_blocks=4)
+    with pytest.raises(ValueError, match="static"):
+        Generator("demo", batching="static", backend="offload")
+    with pytest.raises(ValueError, match="step must be"):
+        Generator("demo", step="sideways")
+    small = Generator("demo", dtype="float32", kv_cache_blocks=2, compilation_cache="off")
+    [bad, good] = small.generate([{"prompt_token_ids": [5] * 30, "max_new_tokens": 8},
+                                  {"prompt_token_ids": [5, 6], "max_new_tokens": 2}])
+    assert "max_new_tokens" in bad.error and "KV blocks" in bad.error
+    assert good.error is None and len(good.token_ids) == 2
+
+
+def test_generation_loop_serves_threads(demo):
+    """Requests submitted from several threads share the loop; each gets its tokens as
+    events and a final result equal to generating it alone."""
+    _, _, specs, _, alone = demo
+    gen = Generator("demo", dtype="float32", compilation_cache="off")
+    loop = gen.start_loop()
+    done = {}
+    events: dict[int, list[int]] = {}
+    finished = threading.Event()
+
+    def on_event(event):
+        events.setdefault(event.index, []).extend(event.token_ids)
+        if event.result is not None:
+            done[event.index] = event.result
+            if len(done) == 3:
+                finished.set()
+
+    threads = [threading.Thread(target=loop.submit, args=(
+        {"prompt_token_ids": list(specs[i].prompt), "max_new_tokens": specs[i].max_new_tokens,
+         "stop_token_ids": []}, on_event, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert finished.wait(120)
+    loop.close()
+    for i in range(3):
+        assert done[i].token_ids == events[i] == alone[i].token_ids
