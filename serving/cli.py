@@ -5,6 +5,9 @@
     moejax convert HF_DIR OUT_DIR [--dtype bfloat16]
     moejax info [--model DIR|demo]
     moejax generate IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--trace-experts]
+                 [--batching continuous|static] [--step auto|fused|layerwise]
+                 [--backend resident|offload|sync_ep] [--devices G] [--max-batch-size N]
+                 [--max-prefill-tokens N] [--kv-cache-blocks N | --kv-cache-mib MIB]
     moejax trace IN.jsonl -o OUT.npz [--model DIR|demo] [--max-new-tokens N] [--router-inputs]
     moejax serve [--model DIR|demo] [--host 127.0.0.1] [--port 50051] [--token T] [--tls-cert F]
     moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl]   (also: client info, health)

@@ -1,5 +1,12 @@
 """``Generator``: the Python entry point for text generation (prefill + KV-cache decode).
 
+By default requests run on the decode runtime (``moejax.decode``): a paged KV pool of
+16-token blocks and continuous batching (``serving.continuous``), on the ``resident``,
+``offload`` or ``sync_ep`` backend, with fused or layer-by-layer steps
+(:class:`GeneratorOptions`). ``batching="static"`` keeps the older baseline (batches of
+``max_batch_size`` over a dense cache, run to their longest sequence). ``stream`` yields
+tokens as they are produced; ``start_loop`` serves many callers from a background thread.
+
     from serving import Generator
     gen = Generator("demo")                        # or a local Hugging Face / converted dir
     [result] = gen.generate([{"prompt": "2+2=", "max_new_tokens": 8}])

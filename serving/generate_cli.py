@@ -21,7 +21,7 @@ from serving.cli import command_compilation_cache, positive_int
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
 # Options of the shared model-option block that only the scoring engines implement.
-_SCORING_ONLY = ("max_batch_tokens", "backend", "devices", "window", "deployment", "theta",
+SCORING_ONLY = ("max_batch_tokens", "window", "deployment", "theta",
                  "engines", "routing", "prefix_cache_blocks", "kv_cache_free",
                  "share_prompts", "max_text_bytes", "max_token_ids", "max_candidates")
 
@@ -32,7 +32,8 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
     adds the shared --model / --dtype / --expert-impl ... block."""
     p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
                        description=__doc__.split("\n\n")[1],
-                       epilog="Of the model options, generate uses --model, --dtype and "
+                       epilog="Of the model options, generate uses --model, --dtype, "
+                              "--backend (resident, offload, sync_ep), --devices and "
                               "--expert-impl; the scoring-engine ones (not listed) are "
                               "refused.")
     p.add_argument("input", help="JSONL requests ('-' for stdin)")
@@ -41,19 +42,56 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
                    help="add each request's top-k expert ids per layer (prefill and decode)")
     p.add_argument("--max-batch-size", type=positive_int, default=None,
                    help="requests decoded together (default 8)")
+    add_decode_runtime_options(p)
     p.add_argument("--chunk-size", type=positive_int, default=256,
                    help="requests read per chunk; results are written after each chunk")
     add_line_limit_option(p)
     add_model_options(p)
     for action in p._actions:   # refused below, so not offered in --help either
-        if action.dest in _SCORING_ONLY:
+        if action.dest in SCORING_ONLY:
             action.help = argparse.SUPPRESS
     p.set_defaults(func=cmd_generate)
     return p
 
 
-def _scoring_only_given(args: argparse.Namespace) -> list[str]:
-    return ["--" + name.replace("_", "-") for name in _SCORING_ONLY
+def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
+    """The decode runtime's flags (``serving.generate.GeneratorOptions``); the shared
+    --backend and --devices choose the decode backend."""
+    p.add_argument("--batching", choices=["continuous", "static"], default=None,
+                   help="continuous (default: sequences join and leave at every step) or "
+                        "static (batches run to their longest sequence)")
+    p.add_argument("--step", choices=["auto", "fused", "layerwise"], default=None,
+                   help="decode step: all layers in one program, or driven layer by layer "
+                        "(auto: layerwise on offload, fused otherwise)")
+    p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
+                   help="prompt tokens prefilled per step (default 512)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-blocks", type=positive_int, default=None,
+                      help="paged KV pool size in 16-token blocks (per rank)")
+    size.add_argument("--kv-cache-mib", type=float, default=None,
+                      help="paged KV pool size in MiB (per rank; default: enough for "
+                           "--max-batch-size sequences at full context, at most 1024)")
+    p.add_argument("--replicas", type=float, default=None,
+                   help="sync_ep: expert replication factor (e.g. 1.5)")
+    p.add_argument("--replica-router", choices=["metro", "eplb_even"], default=None,
+                   help="sync_ep: how tokens pick among an expert's replicas")
+
+
+def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Generator keywords of the flags given (absent ones keep the defaults)."""
+    options = {name: getattr(args, name) for name in
+               ("batching", "step", "max_prefill_tokens", "kv_cache_blocks", "kv_cache_mib",
+                "backend", "devices") if getattr(args, name, None) is not None}
+    backend_options = {key: getattr(args, flag) for key, flag in
+                       (("replicas", "replicas"), ("router", "replica_router"))
+                       if getattr(args, flag, None) is not None}
+    if backend_options:
+        options["backend_options"] = backend_options
+    return options
+
+
+def scoring_only_given(args: argparse.Namespace) -> list[str]:
+    return ["--" + name.replace("_", "-") for name in SCORING_ONLY
             if getattr(args, name, None) is not None]
 
 
@@ -69,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Run the ``generate`` subcommand; returns the exit status."""
     from serving.generate import Generator
 
-    refused = _scoring_only_given(args)
+    refused = scoring_only_given(args)
     if refused:
         raise ValueError(f"generate does not take {', '.join(refused)} (scoring-engine "
                          f"options)")
@@ -77,7 +115,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
                               trace_experts=args.trace_experts,
                               max_batch_size=args.max_batch_size,
-                              compilation_cache=command_compilation_cache(None))
+                              compilation_cache=command_compilation_cache(None),
+                              **decode_runtime_options(args))
         files.start_output()
         count = errors = tokens = 0
         start = time.perf_counter()

@@ -372,8 +372,10 @@ def test_cli_round_trip(qwen, tmp_path, monkeypatch, capsys):
     src.write_text("\n".join(lines) + "\n")
     cache_dir = jax.config.jax_compilation_cache_dir
     try:
+        # A small pool and prefill budget, layer by layer: still the same tokens.
         code = cli_main(["generate", str(src), "-o", str(dst), "--model", qwen.path,
-                         "--dtype", "float32", "--trace-experts"])
+                         "--dtype", "float32", "--trace-experts", "--step", "layerwise",
+                         "--kv-cache-blocks", "5", "--max-prefill-tokens", "16"])
     finally:   # the CLI turns on the persistent compilation cache; leave no trace of it
         jax.config.update("jax_compilation_cache_dir", cache_dir)
     assert code == 0
@@ -387,7 +389,9 @@ def test_cli_round_trip(qwen, tmp_path, monkeypatch, capsys):
     assert out[4]["token_ids"] == qwen.greedy[3].token_ids
     assert "generated" in capsys.readouterr().err
     refused = cli_main(["generate", str(src), "--model", qwen.path, "--backend", "tp"])
-    assert refused == 2 and "--backend" in capsys.readouterr().err
+    assert refused == 2 and "'tp' cannot decode" in capsys.readouterr().err
+    refused = cli_main(["generate", str(src), "--model", qwen.path, "--window", "2"])
+    assert refused == 2 and "--window" in capsys.readouterr().err
 
 
 def test_cli_help_lists_only_the_options_generate_takes(capsys):
@@ -395,7 +399,9 @@ def test_cli_help_lists_only_the_options_generate_takes(capsys):
         cli_main(["generate", "--help"])
     text = capsys.readouterr().out
     assert "--dtype" in text and "--expert-impl" in text and "--trace-experts" in text
-    for refused in ("--max-batch-tokens", "--backend", "--prefix-cache-blocks", "--engines"):
+    for offered in ("--backend", "--batching", "--step", "--kv-cache-mib", "--replicas"):
+        assert offered in text, offered
+    for refused in ("--max-batch-tokens", "--window", "--prefix-cache-blocks", "--engines"):
         assert refused not in text, refused
 
 
