@@ -139,20 +139,24 @@ FUSED_STEP = jax.jit(fused_step, static_argnames=("cfg", "opts"))
 # ----------------------------------------------------------------------------- layerwise
 def begin_program(params: Params, kv: PagedKV, batch: PagedBatch, *, cfg: ModelConfig
                   ) -> tuple[jax.Array, PagedRows]:
-    """The embedded tokens [B·C, d] and the attention kind of a layerwise step."""
+    """The embedded tokens [B·C, d] and the attention kind of a layerwise step, without
+    the pool (a program output is a new buffer: returning the pool would copy it)."""
     _COMPILES["layerwise_begin"] += 1
-    return model.decoder(cfg, params).embed_tokens(batch.tokens), _attention_kind(kv, batch)
+    attn = dataclasses.replace(_attention_kind(kv, batch), pool_keys=None, pool_values=None)
+    return model.decoder(cfg, params).embed_tokens(batch.tokens), attn
 
 
 def attention_program(params: Params, layer: Int[Array, ""], x: Float[Array, "BC d"],
-                      attn: PagedRows, *, cfg: ModelConfig
-                      ) -> tuple[jax.Array, PagedRows, jax.Array, moe.Routing]:
-    """Layer ``layer``'s attention half and router: (x after attention, the kind with the
-    layer's keys/values kept, the normed MoE input, the routing)."""
+                      kv: PagedKV, attn: PagedRows, *, cfg: ModelConfig
+                      ) -> tuple[jax.Array, Any, jax.Array, moe.Routing]:
+    """Layer ``layer``'s attention half and router over the pool ``kv``: (x after
+    attention, the kind's carry with the layer's keys/values kept, the normed MoE input,
+    the routing)."""
     _COMPILES["layerwise_attention"] += 1
     p = layers_lib.layer_slice(params["layers"], layer)
+    attn = dataclasses.replace(attn, pool_keys=kv.keys, pool_values=kv.values)
     x, attn, moe_in, _ = layers_lib.attention_block(p, layer, x, attn, cfg)
-    return x, attn, moe_in, layers_lib.route_layer(p, moe_in, cfg)
+    return x, attn.carry(), moe_in, layers_lib.route_layer(p, moe_in, cfg)
 
 
 def moe_program(experts: dict[str, jax.Array], layer: Int[Array, ""], x: Float[Array, "BC d"],

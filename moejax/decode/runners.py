@@ -105,8 +105,9 @@ class DecodeRunner(abc.ABC):
         state = LayerwiseStep(*programs.BEGIN(dense, kv, batch, cfg=cfg))
         for layer in range(cfg.num_layers):
             index = np.int32(layer)
-            x, state.attn, moe_in, routing = programs.ATTENTION(dense, index, state.x,
-                                                                state.attn, cfg=cfg)
+            x, carry, moe_in, routing = programs.ATTENTION(dense, index, state.x, kv,
+                                                           state.attn, cfg=cfg)
+            state.attn = state.attn.with_carry(carry)
             state.experts.append(routing.experts)
             state.weights.append(routing.weights)
             if opts.router_inputs:
