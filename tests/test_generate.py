@@ -115,6 +115,29 @@ def test_greedy_equals_hugging_face_generate(built):
     assert len({tuple(r.token_ids) for r in built.greedy}) == len(LENGTHS)
 
 
+def test_continuous_batching_under_pressure_equals_hugging_face(built):
+    """Staggered arrivals, prompts sharing a 32-token prefix (reused from the pool), a
+    16-token prefill budget and a pool too small for all of them (preemption): every
+    request still gets Hugging Face's greedy tokens."""
+    gen = Generator(built.path, dtype="float32", kv_cache_blocks=6, max_prefill_tokens=16,
+                    max_batch_size=4, compilation_cache="off")
+    shared = built.prompts[3][:32]
+    prompts = [shared + [5, 6, 7], built.prompts[1], shared + [9], built.prompts[0],
+               shared + built.prompts[2]]
+    scheduler = gen.scheduler
+    sequences = []
+    for prompt in prompts:
+        spec = gen.parse({"prompt_token_ids": prompt, "max_new_tokens": NEW,
+                          "stop_token_ids": []}, 0)
+        sequences.append(scheduler.submit(spec))
+        scheduler.step()
+    scheduler.run_until_idle()
+    assert scheduler.stats["preemptions"] > 0 and scheduler.stats["prefix_hit_tokens"] >= 32
+    for prompt, seq in zip(prompts, sequences):
+        assert seq.output.token_ids == built.hf_greedy(prompt), prompt
+    assert scheduler.occupancy() == 0
+
+
 def test_stop_token_equals_hugging_face_eos(built):
     """A stop token that some rows generate mid-way: HF generate with it as EOS stops at
     the same place and includes it, like us; the other rows run to max_new_tokens."""
