@@ -1,15 +1,15 @@
 """Optional shared-secret auth: a bearer token in the ``authorization`` metadata.
 
-Calls to the Scoring service must carry ``authorization: Bearer <token>``; others get
-``UNAUTHENTICATED``. Health checks and reflection stay open, since load balancers and
-orchestrators probe health without credentials (and reflection only describes the API).
-The token travels in clear text unless TLS is on.
+Calls to the Scoring and Generation services must carry ``authorization: Bearer <token>``;
+others get ``UNAUTHENTICATED``. Health checks and reflection stay open, since load
+balancers and orchestrators probe health without credentials (and reflection only
+describes the API). The token travels in clear text unless TLS is on.
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 
@@ -33,14 +33,14 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls to methods under ``protected`` (a "/package.Service/" prefix) that do
-    not carry the token."""
+    """Refuses calls to methods under ``protected`` (a "/package.Service/" prefix, or a
+    sequence of them) that do not carry the token."""
 
-    def __init__(self, token: str, protected: str):
+    def __init__(self, token: str, protected: str | Sequence[str]):
         if not token:
             raise ValueError("the auth token must not be empty")
         self._expected = f"Bearer {token}".encode("utf-8")
-        self._protected = protected
+        self._protected = (protected,) if isinstance(protected, str) else tuple(protected)
 
     async def intercept_service(self, continuation: Callable[[Any], Any],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:

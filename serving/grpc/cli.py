@@ -2,8 +2,10 @@
 
     moejax serve --model DIR|demo [--host 127.0.0.1] [--port 50051] [model options of score]
                  [--max-queued-tokens N] [--grace-seconds S] [--token T] [--tls-cert F --tls-key F]
+                 [--no-generation | --generation-batch-size N --max-generation-streams N]
     moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl] [--token T] [--tls-ca F]
                         [--max-line-mib MIB]
+    moejax client generate IN.jsonl --target HOST:PORT [-o OUT.jsonl] [--concurrency N]
     moejax client info --target HOST:PORT
     moejax client health --target HOST:PORT        # exit 0 when SERVING
 
@@ -19,6 +21,19 @@ input line, in input order; a line that is not JSON (or too long, not UTF-8, ...
 error result. Id-less requests are named by their line number (1-based, blank lines
 counted), as in ``moejax score``: ``"line 3: prompt: is empty"``. The input and ``-o`` are
 checked before connecting (one-line error, exit 2); an RPC failure exits 1.
+
+``serve`` also serves ``moejax.v1.Generation`` (a :class:`serving.Generator` of the same
+model, loaded after the Scorer: a second copy of the weights) unless ``--no-generation``,
+or unless ``--backend`` names a backend that cannot decode (a warning; with
+``--generation`` given explicitly, an error). The Generator takes ``--dtype``,
+``--expert-impl``, ``--backend`` / ``--devices`` (resident, offload, sync_ep) and
+``--generation-batch-size`` (its ``max_batch_size``).
+
+``client generate`` sends each request of a JSONL file (the format of ``moejax generate``)
+as one ``Generate`` call, ``--concurrency`` at once, a chunk (``--chunk-size`` lines) at a
+time, and writes one JSON result per non-blank input line, in input order (the fields of
+``GenerationResult.to_dict``); bad lines and invalid requests get error results naming
+their line, as ``moejax generate`` writes them. ``--timeout`` bounds each chunk.
 """
 
 from __future__ import annotations
@@ -45,6 +60,33 @@ class _Interrupted(Exception):
     """A stop signal while the model was loading."""
 
 
+DECODE_BACKENDS = ("resident", "offload", "sync_ep")  # what serving.Generator runs on
+
+
+def _serves_generation(args: argparse.Namespace) -> bool:
+    """Whether ``serve`` runs a Generator (see the module docstring); ValueError when
+    ``--generation`` is asked for on a backend that cannot decode."""
+    if args.generation is False:
+        return False
+    if args.backend is None or args.backend in DECODE_BACKENDS:
+        return True
+    if args.generation:
+        raise ValueError(f"--generation: backend {args.backend!r} cannot decode (generation "
+                         f"runs on {', '.join(DECODE_BACKENDS)}); drop --generation")
+    logging.getLogger("moejax.grpc").warning(
+        "backend %r cannot decode: serving scoring only (no moejax.v1.Generation)",
+        args.backend)
+    return False
+
+
+def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
+    from serving.cli import command_compilation_cache
+
+    return {"dtype": args.dtype, "expert_impl": args.expert_impl, "backend": args.backend,
+            "devices": args.devices, "max_batch_size": args.generation_batch_size,
+            "compilation_cache": command_compilation_cache(args.deployment)}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (see the module docstring)."""
     from serving import Scorer
@@ -52,12 +94,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serving.grpc.server import ScoringServer, ServerOptions
 
     logging.getLogger("moejax.grpc").setLevel(logging.INFO)
-    server = ScoringServer(ServerOptions(
-        host=args.host, port=args.port, max_queued_tokens=args.max_queued_tokens,
-        batch_tokens=args.batch_tokens, grace_seconds=args.grace_seconds,
-        drain_seconds=args.drain_seconds, token=_token(args), tls_cert=args.tls_cert,
-        tls_key=args.tls_key, max_message_mib=args.max_message_mib, workers=args.workers,
-        max_concurrent_rpcs=args.max_concurrent_rpcs))
+    try:
+        generation = _serves_generation(args)
+        options = ServerOptions(
+            host=args.host, port=args.port, max_queued_tokens=args.max_queued_tokens,
+            batch_tokens=args.batch_tokens, grace_seconds=args.grace_seconds,
+            drain_seconds=args.drain_seconds, token=_token(args), tls_cert=args.tls_cert,
+            tls_key=args.tls_key, max_message_mib=args.max_message_mib, workers=args.workers,
+            max_concurrent_rpcs=args.max_concurrent_rpcs, generation=generation,
+            max_generation_streams=args.max_generation_streams)
+    except ValueError as exc:
+        print(f"moejax serve: error: {exc}", file=sys.stderr)
+        return 2
+    server = ScoringServer(options)
     stop = threading.Event()
     loading = threading.Event()
 
@@ -78,6 +127,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         loading.set()
         scorer = None if stop.is_set() else Scorer(args.model, **scorer_options(args))
+        generator = None
+        if generation and not stop.is_set():
+            from serving.generate import Generator
+
+            generator = Generator(args.model, **_generator_options(args))
         loading.clear()
     except _Interrupted:
         scorer = None
@@ -86,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.stop(0)
         raise
     if scorer is not None and not stop.is_set():
-        server.attach(scorer)
+        server.attach(scorer, generator)
     while not stop.wait(1.0):
         pass
     server.stop(args.grace_seconds)
@@ -173,6 +227,45 @@ def cmd_client_score(args: argparse.Namespace) -> int:
     return status
 
 
+def cmd_client_generate(args: argparse.Namespace) -> int:
+    """Send a JSONL file of generation requests, one Generate call each; results in input
+    order."""
+    import grpc
+
+    from serving.generate import GenerationResult
+    from serving.jsonl import open_jsonl, run_chunk
+
+    written = errors = tokens = 0
+    status = 0
+    with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before connecting
+        files.start_output()
+        start = time.perf_counter()
+        try:
+            with _client(args) as client:
+                def run(requests: list[Any]) -> list[Any]:
+                    return client.generate(requests, timeout=args.timeout,
+                                           max_concurrency=args.concurrency)
+
+                for chunk in files.chunks(args.chunk_size):
+                    for result in run_chunk(chunk, run, lambda e: GenerationResult(error=e)):
+                        files.write(result.to_dict())
+                        errors += result.error is not None
+                        tokens += len(result.token_ids)
+                        written += 1
+                    files.flush()
+        except grpc.RpcError as exc:
+            status = _rpc_failed(exc)
+        except KeyboardInterrupt:
+            status = 130
+    print(f"{written} results written ({errors} with errors, {tokens} tokens generated) in "
+          f"{time.perf_counter() - start:.2f}s via {args.target}"
+          + ("" if status == 0 else "; stopped early, the results of the chunks before are "
+                                    "written")
+          + (f", results in {args.output}" if args.output not in (None, "-") else ""),
+          file=sys.stderr)
+    return status
+
+
 def cmd_client_info(args: argparse.Namespace) -> int:
     """Print the server's ModelInfo as JSON."""
     try:
@@ -211,6 +304,7 @@ def _add_connection_options(p: argparse.ArgumentParser, timeout: float | None) -
 def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
                  ) -> None:
     """Register ``serve`` and ``client`` on the ``moejax`` subparsers."""
+    from serving.cli import positive_int
     from serving.jsonl import add_line_limit_option
 
     serve = sub.add_parser("serve", help="serve the scoring API over gRPC "
@@ -244,6 +338,14 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     serve.add_argument("--max-concurrent-rpcs", type=int, default=4096,
                        help="scoring calls in progress at once; more get RESOURCE_EXHAUSTED "
                             "with a retry hint (default 4096; health is never refused)")
+    serve.add_argument("--generation", action=argparse.BooleanOptionalAction, default=None,
+                       help="also serve moejax.v1.Generation with a Generator of the same "
+                            "model (default: on, unless --backend cannot decode)")
+    serve.add_argument("--generation-batch-size", type=positive_int, default=None,
+                       help="sequences the Generator decodes together (default 8)")
+    serve.add_argument("--max-generation-streams", type=positive_int, default=None,
+                       help="generation streams at once; more get RESOURCE_EXHAUSTED with a "
+                            "retry hint (default 4 x --generation-batch-size)")
     add_model_options(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -257,6 +359,19 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     add_line_limit_option(score)
     _add_connection_options(score, None)
     score.set_defaults(func=cmd_client_score)
+    generate = calls.add_parser("generate", help="generate for a JSONL file of requests "
+                                                 "through the server (one stream each)")
+    generate.add_argument("input", help="JSONL generation requests ('-' for stdin)")
+    generate.add_argument("-o", "--output", default=None,
+                          help="JSONL results (default: stdout)")
+    generate.add_argument("--concurrency", type=positive_int, default=32,
+                          help="Generate calls at once (default 32)")
+    generate.add_argument("--chunk-size", type=positive_int, default=256,
+                          help="lines read per chunk; results are written after each chunk "
+                               "(default 256)")
+    add_line_limit_option(generate)
+    _add_connection_options(generate, None)
+    generate.set_defaults(func=cmd_client_generate)
     info = calls.add_parser("info", help="print what the server serves (ModelInfo) as JSON")
     _add_connection_options(info, 10.0)
     info.set_defaults(func=cmd_client_info)

@@ -1,8 +1,12 @@
-"""``Client``: score over gRPC with the same requests and results as ``Scorer.score``.
+"""``Client``: score and generate over gRPC with the same requests and results as
+``Scorer.score`` and ``Generator.generate``.
 
     from serving.grpc import Client
     with Client("127.0.0.1:50051", token=None) as client:
         results = client.score([{"id": "r1", "prompt": "...", "candidates": [" yes", " no"]}])
+        generated = client.generate([{"id": "g1", "prompt": "2+2=", "max_new_tokens": 8}])
+        for event in client.generate_stream({"prompt": "Once", "max_new_tokens": 64}):
+            print(event.token_ids, event.result)   # result: set on the last event
 
 Requests are validated on the client first (``serving.requests.parse_request``, no
 tokenizer needed), so an invalid request gets the same error result as in process without
@@ -12,13 +16,25 @@ text that is not UTF-8, gets its error result locally too: one bad request never
 the call); what does raise is the transport: a ``grpc.RpcError`` for an unreachable
 server, a wrong token (UNAUTHENTICATED), a deadline (DEADLINE_EXCEEDED), a server shutting
 down (UNAVAILABLE). Results carry the server's ``timings`` plus ``queue_seconds``.
+
+Generation: one ``Generation.Generate`` call per request (``generate`` runs up to
+``max_concurrency`` of them at once, from threads: they share the server's continuous
+batch), results in request order, as :class:`serving.generate.GenerationResult`. The
+server validates generation requests (the client has no tokenizer); an invalid one gets a
+result whose ``error`` is the server's INVALID_ARGUMENT message, with an id-less request
+named by its position in the list, as ``Generator.generate`` names it. A refusal for
+overload (RESOURCE_EXHAUSTED with ``retry-after-ms``) is retried after the hint, within
+the timeout. Leaving ``generate_stream`` early (``break``, ``close()``) cancels the call:
+the server frees the sequence at its next step.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import sys
 import threading
+import time
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import grpc
@@ -26,9 +42,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.grpc import convert, scoring_pb2 as pb, scoring_pb2_grpc
 from serving.requests import (RequestError, ScoreRequest, ScoreResult, parse_request,
-                              request_label)
+                              renamed, request_id_of, request_label)
 
 PROGRESS_MIN_REQUESTS = 64  # as the Scorer's default progress_min_requests
+GENERATE_CONCURRENCY = 32   # Generate calls one ``generate`` runs at once (default)
 
 
 def _raw_id(obj: Any) -> Any:
@@ -55,6 +72,40 @@ def _to_message(obj: Any, index: int) -> pb.StreamRequest | ScoreResult:
         request_id = _raw_id(obj)
         return convert.error_result(request_id, f"{request_label(request_id, index)}: cannot "
                                                 f"be sent: {_printable(str(exc))}")
+
+
+def _retry_hint_seconds(error: grpc.RpcError) -> float | None:
+    """The server's ``retry-after-ms`` of an overload refusal (None: no hint)."""
+    try:
+        value = dict(error.trailing_metadata() or ()).get("retry-after-ms")
+        return None if value is None else max(0.0, int(value) / 1000)
+    except (TypeError, ValueError):
+        return None
+
+
+class _Calls:
+    """The Generate calls of one ``generate``: cancelled all at once when one fails."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: set[Any] = set()
+        self.stopped = threading.Event()
+
+    def add(self, call: Any) -> None:
+        with self._lock:
+            if self.stopped.is_set():
+                call.cancel()
+            self._calls.add(call)
+
+    def discard(self, call: Any) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped.set()
+            for call in self._calls:
+                call.cancel()
 
 
 def _read(value: str | bytes | None) -> bytes | None:
@@ -88,6 +139,7 @@ class Client:
         self.target = target
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = scoring_pb2_grpc.ScoringStub(self._channel)
+        self._generation = scoring_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     # ------------------------------------------------------------------ scoring
@@ -153,6 +205,115 @@ class Client:
             raise RuntimeError("the server ended the stream before reading every request")
         while local:
             yield local.popleft()
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, requests: Sequence[Any], *, timeout: float | None = None,
+                 max_concurrency: int = GENERATE_CONCURRENCY) -> list[Any]:
+        """One :class:`serving.generate.GenerationResult` per request, in order, as
+        :meth:`serving.Generator.generate` returns them (bad requests: ``error`` set).
+
+        ``timeout``: seconds for the whole call (every Generate call's deadline is its
+        end). Raises ``grpc.RpcError`` for a transport failure (the other calls are then
+        cancelled)."""
+        from serving.generate import GenerationRequest
+
+        if isinstance(requests, (str, bytes, Mapping, GenerationRequest)):
+            raise TypeError("generate() takes a list of requests; wrap a single request in "
+                            "a list")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        requests = list(requests)
+        if not requests:
+            return []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        calls = _Calls()
+
+        def one(index: int, obj: Any) -> Any:
+            for event in self._events(obj, index, deadline, calls):
+                if event.result is not None:
+                    return event.result
+            raise RuntimeError(f"no result for request {index}")
+
+        with concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(max_concurrency, len(requests)),
+                thread_name_prefix="moejax-client-generate") as pool:
+            futures = [pool.submit(one, i, obj) for i, obj in enumerate(requests)]
+            try:
+                return [future.result() for future in futures]
+            except BaseException:
+                calls.stop()
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def generate_stream(self, request: Any, *, timeout: float | None = None
+                        ) -> Iterator[Any]:
+        """:class:`serving.generate.GenerationEvent` s of one request as its tokens arrive
+        (``token_ids``: the new ones); the last has ``result`` set (a bad request: only
+        that one, with ``error``). Stopping the iteration early cancels the call."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        yield from self._events(request, 0, deadline, None)
+
+    def _events(self, obj: Any, index: int, deadline: float | None,
+                calls: _Calls | None) -> Iterator[Any]:
+        """The events of one request (see :meth:`generate_stream`); an overload refusal
+        before any token is retried after the server's hint, within the deadline."""
+        from serving.generate import GenerationEvent, GenerationResult
+
+        def failed(error: str) -> GenerationEvent:
+            return GenerationEvent(index, [], GenerationResult(id=request_id_of(obj),
+                                                               error=error))
+
+        try:
+            message = convert.generation_request_to_proto(obj, index)
+        except RequestError as exc:
+            yield failed(str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001  (the proto refuses a value: this request's)
+            request_id = request_id_of(obj)
+            yield failed(f"{request_label(request_id, index)}: cannot be sent: "
+                         f"{_printable(str(exc))}")
+            return
+        tokens: list[int] = []
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = self._generation.Generate(message, timeout=remaining,
+                                             metadata=self._metadata)
+            if calls is not None:
+                calls.add(call)
+            try:
+                for response in call:
+                    tokens.extend(response.token_ids)
+                    if not response.HasField("finish_reason"):
+                        yield GenerationEvent(index, list(response.token_ids))
+                        continue
+                    yield GenerationEvent(index, list(response.token_ids), GenerationResult(
+                        id=convert.get_id(response), token_ids=tokens,
+                        text=response.text if response.HasField("text") else None,
+                        finish_reason=response.finish_reason,
+                        prompt_tokens=response.prompt_tokens))
+                    return
+                raise RuntimeError("the server ended the stream without a finish_reason")
+            except grpc.RpcError as exc:
+                if tokens:
+                    raise
+                code = exc.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    # The server names an id-less request "request #0" (one per call).
+                    yield failed(renamed(exc.details(), 0, request_label(None, index)))
+                    return
+                wait = _retry_hint_seconds(exc)
+                if (code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait is None
+                        or (deadline is not None and time.monotonic() + wait >= deadline)):
+                    raise
+                if calls is None:
+                    time.sleep(wait)
+                elif calls.stopped.wait(wait):  # another call of the batch failed
+                    raise
+            finally:
+                call.cancel()  # a no-op once it ended; else (left early) frees the sequence
+                if calls is not None:
+                    calls.discard(call)
 
     # ------------------------------------------------------------------ service info
     def info(self, *, timeout: float | None = 10.0) -> dict[str, Any]:

@@ -12,11 +12,17 @@ beyond it, is refused with an error naming the field).
 Results: :class:`serving.ScoreResult` <-> ``moejax.v1.ScoreResult``; ``selected`` keeps the
 difference between None (not a "multi" request) and [] (nothing selected); ``timings``
 gains ``queue_seconds``, the time the request waited in the server's queue.
+
+Generation: a request dict (or :class:`serving.GenerationRequest`) <->
+``moejax.v1.GenerateRequest``, only the fields that are set (``prompt_token_ids`` and
+``stop_token_ids`` are ``TokenIds`` messages, so "an empty list" and "not given" differ on
+the wire); a :class:`serving.generate.GenerationResult` -> the last ``GenerateResponse``.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Any, Mapping, Sequence
 
 from serving.grpc import scoring_pb2 as pb
@@ -194,8 +200,148 @@ def info_to_proto(info: Mapping[str, Any], *, max_queued_tokens: int,
 
 def info_from_proto(message: pb.ModelInfoResponse) -> dict[str, Any]:
     """The server's ``Scorer.info`` dict plus its limits (``max_queued_tokens``,
-    ``max_message_bytes``)."""
+    ``max_message_bytes``) and whether it serves generation (``generation``,
+    ``max_generation_streams``)."""
     info = json.loads(message.info_json) if message.info_json else {}
     info.update(max_queued_tokens=message.max_queued_tokens,
-                max_message_bytes=message.max_message_bytes)
+                max_message_bytes=message.max_message_bytes, generation=message.generation,
+                max_generation_streams=message.max_generation_streams)
     return info
+
+
+# ----------------------------------------------------------------------------- generation
+# Generation requests: a dict (or serving.GenerationRequest) <-> moejax.v1.GenerateRequest.
+# Only what the wire cannot carry is refused here (a value of the wrong type, an integer
+# past its proto type's range); everything else is validated by the server's Generator,
+# whose messages are those of serving.Generator.generate.
+GENERATION_FIELDS = ("id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature",
+                     "top_p", "seed", "stop_token_ids")
+UINT64_END = 1 << 64   # seeds lie in [0, 2**64) (moejax.sampling.MAX_SEED), a proto uint64
+
+
+def _is_int(value: Any) -> bool:
+    """An integer (numpy's included), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _generation_fields(obj: Any, index: int) -> dict[str, Any]:
+    """The fields of a generation request (a Mapping or a dataclass with the fields) that
+    are set, or RequestError for an object that is neither, or has unknown keys."""
+    from serving.requests import show, unknown_fields
+
+    if isinstance(obj, Mapping):
+        unknown = unknown_fields(obj, GENERATION_FIELDS)
+        if unknown:
+            raise RequestError(f"{request_label(_safe_id(obj.get('id')), index)}: unknown "
+                               f"field(s) {', '.join(show(k) for k in unknown)} (accepted: "
+                               f"{', '.join(GENERATION_FIELDS)})", index=index, field=unknown[0])
+        return {name: obj[name] for name in GENERATION_FIELDS if obj.get(name) is not None}
+    if all(hasattr(obj, name) for name in GENERATION_FIELDS) and not isinstance(obj, type):
+        return {name: getattr(obj, name) for name in GENERATION_FIELDS
+                if getattr(obj, name) is not None}
+    raise RequestError(f"{request_label(None, index)}: expected an object (dict), got "
+                       f"{type(obj).__name__}", index=index)
+
+
+def _safe_id(request_id: Any) -> Any:
+    from serving.requests import id_problem
+
+    return request_id if id_problem(request_id) is None else None
+
+
+def generation_request_to_proto(obj: Any, index: int = 0) -> pb.GenerateRequest:
+    """The proto of a generation request; raises RequestError naming the field for what a
+    proto cannot carry (the rest is the server's to check)."""
+    from serving.requests import id_problem, show
+
+    fields = _generation_fields(obj, index)
+    request_id = fields.get("id")
+    problem = id_problem(request_id)
+    if problem is not None:
+        raise _fail(None, index, "id", problem)
+    request_id = _safe_id(request_id)
+    message = pb.GenerateRequest()
+    _set_id(message, request_id, index)
+
+    def integer(name: str, value: Any, low: int, end: int, what: str) -> int:
+        if not _is_int(value):
+            raise _fail(request_id, index, name, f"must be an integer, got {type(value).__name__}")
+        value = int(value)
+        if not low <= value < end:
+            raise _fail(request_id, index, name, f"{what}, got {show(value)}")
+        return value
+
+    def token_ids(name: str, value: Any) -> list[int]:
+        if not isinstance(value, (list, tuple)):
+            raise _fail(request_id, index, name,
+                        f"must be a list of integers, got {type(value).__name__}")
+        return [integer(f"{name}[{i}]", v, INT64_MIN, INT64_MAX + 1,
+                        "does not fit in 64 bits (gRPC int64)") for i, v in enumerate(value)]
+
+    if "prompt" in fields:
+        if not isinstance(fields["prompt"], str):
+            raise _fail(request_id, index, "prompt",
+                        f"must be a str, got {type(fields['prompt']).__name__}")
+        message.prompt = fields["prompt"]
+    if "prompt_token_ids" in fields:
+        message.prompt_token_ids.SetInParent()   # present, even when empty
+        message.prompt_token_ids.ids.extend(token_ids("prompt_token_ids",
+                                                      fields["prompt_token_ids"]))
+    if "stop_token_ids" in fields:
+        message.stop_token_ids.SetInParent()
+        message.stop_token_ids.ids.extend(token_ids("stop_token_ids", fields["stop_token_ids"]))
+    if "max_new_tokens" in fields:
+        message.max_new_tokens = integer("max_new_tokens", fields["max_new_tokens"], INT64_MIN,
+                                         INT64_MAX + 1, "does not fit in 64 bits (gRPC int64)")
+    if "seed" in fields:
+        message.seed = integer("seed", fields["seed"], 0, UINT64_END,
+                               f"must be in [0, {UINT64_END})")
+    for name in ("temperature", "top_p"):
+        if name not in fields:
+            continue
+        value = fields[name]
+        if not _is_number(value):
+            raise _fail(request_id, index, name, f"must be a number, got {type(value).__name__}")
+        try:
+            setattr(message, name, float(value))
+        except OverflowError:
+            raise _fail(request_id, index, name, f"must fit in float32, got {show(value)}"
+                        ) from None
+    return message
+
+
+def generation_request_from_proto(message: pb.GenerateRequest) -> dict[str, Any]:
+    """The request dict of a proto (the fields it sets; not validated: the Generator
+    does that)."""
+    request: dict[str, Any] = {}
+    request_id = _get_id(message)
+    if request_id is not None:
+        request["id"] = request_id
+    if message.HasField("prompt"):
+        request["prompt"] = message.prompt
+    for name in ("prompt_token_ids", "stop_token_ids"):
+        if message.HasField(name):
+            request[name] = list(getattr(message, name).ids)
+    for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+        if message.HasField(name):
+            request[name] = getattr(message, name)
+    return request
+
+
+def generation_response(token_ids: Sequence[int], result: Any = None) -> pb.GenerateResponse:
+    """One response message: new tokens, and for the last one (``result``: a
+    :class:`serving.generate.GenerationResult`) the finish reason, text, prompt length
+    and id."""
+    message = pb.GenerateResponse(token_ids=token_ids)
+    if result is not None:
+        message.finish_reason = result.finish_reason
+        if result.text is not None:
+            message.text = result.text
+        message.prompt_tokens = result.prompt_tokens
+        _set_id(message, result.id, None)
+    return message

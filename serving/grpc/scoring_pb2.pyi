@@ -103,7 +103,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "max_context", "num_layers", "num_experts", "experts_per_token", "dtype", "backend", "devices", "device", "theta_flops", "theta_source", "max_batch_tokens", "engines", "demo", "max_queued_tokens", "max_message_bytes", "info_json", "model_name", "max_text_bytes", "max_token_ids", "max_candidates")
+    __slots__ = ("architecture", "vocab_size", "max_context", "num_layers", "num_experts", "experts_per_token", "dtype", "backend", "devices", "device", "theta_flops", "theta_source", "max_batch_tokens", "engines", "demo", "max_queued_tokens", "max_message_bytes", "info_json", "model_name", "max_text_bytes", "max_token_ids", "max_candidates", "generation", "max_generation_streams")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class ModelInfoResponse(_message.Message):
     MAX_TEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_GENERATION_STREAMS_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     max_context: int
@@ -148,4 +150,44 @@ class ModelInfoResponse(_message.Message):
     max_text_bytes: int
     max_token_ids: int
     max_candidates: int
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[int] = ..., device: _Optional[str] = ..., theta_flops: _Optional[float] = ..., theta_source: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., engines: _Optional[int] = ..., demo: _Optional[bool] = ..., max_queued_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., info_json: _Optional[str] = ..., model_name: _Optional[str] = ..., max_text_bytes: _Optional[int] = ..., max_token_ids: _Optional[int] = ..., max_candidates: _Optional[int] = ...) -> None: ...
+    generation: bool
+    max_generation_streams: int
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[int] = ..., device: _Optional[str] = ..., theta_flops: _Optional[float] = ..., theta_source: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., engines: _Optional[int] = ..., demo: _Optional[bool] = ..., max_queued_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., info_json: _Optional[str] = ..., model_name: _Optional[str] = ..., max_text_bytes: _Optional[int] = ..., max_token_ids: _Optional[int] = ..., max_candidates: _Optional[int] = ..., generation: _Optional[bool] = ..., max_generation_streams: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+    STRING_ID_FIELD_NUMBER: _ClassVar[int]
+    INT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    string_id: str
+    int_id: int
+    prompt: str
+    prompt_token_ids: TokenIds
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_token_ids: TokenIds
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "text", "prompt_tokens", "string_id", "int_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STRING_ID_FIELD_NUMBER: _ClassVar[int]
+    INT_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    text: str
+    prompt_tokens: int
+    string_id: str
+    int_id: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., text: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., string_id: _Optional[str] = ..., int_id: _Optional[int] = ...) -> None: ...

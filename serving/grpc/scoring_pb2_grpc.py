@@ -233,3 +233,87 @@ class Scoring:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class GenerationStub:
+    """Text generation (serving.Generator): every call's sequence joins the server's one
+    continuous batch, shared by all callers.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/moejax.v1.Generation/Generate',
+                request_serializer=serving_dot_grpc_dot_scoring__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=serving_dot_grpc_dot_scoring__pb2.GenerateResponse.FromString,
+                _registered_method=True)
+
+
+class GenerationServicer:
+    """Text generation (serving.Generator): every call's sequence joins the server's one
+    continuous batch, shared by all callers.
+    """
+
+    def Generate(self, request, context):
+        """One request; its tokens stream back as they are generated (one message per
+        scheduler step, or a few steps' tokens together when the client reads slower),
+        the last message carrying finish_reason, text, prompt_tokens and id. An invalid
+        request fails with INVALID_ARGUMENT "request 'ID': FIELD: problem"; too many
+        streams with RESOURCE_EXHAUSTED and the trailing metadata retry-after-ms.
+        Cancelling the call (or disconnecting) frees its sequence at the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_GenerationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=serving_dot_grpc_dot_scoring__pb2.GenerateRequest.FromString,
+                    response_serializer=serving_dot_grpc_dot_scoring__pb2.GenerateResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'moejax.v1.Generation', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('moejax.v1.Generation', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Generation:
+    """Text generation (serving.Generator): every call's sequence joins the server's one
+    continuous batch, shared by all callers.
+    """
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/moejax.v1.Generation/Generate',
+            serving_dot_grpc_dot_scoring__pb2.GenerateRequest.SerializeToString,
+            serving_dot_grpc_dot_scoring__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,24 +1,30 @@
-"""The gRPC server: the Scoring service, standard health and reflection, auth, TLS, and a
-graceful shutdown.
+"""The gRPC server: the Scoring and Generation services, standard health and reflection,
+auth, TLS, and a graceful shutdown.
 
 Lifecycle (what ``moejax serve`` does)::
 
     server = ScoringServer(ServerOptions(port=0))
-    port = server.start()        # listening; health NOT_SERVING, scoring calls UNAVAILABLE
-    server.attach(Scorer(...))   # model loaded and calibrated: health SERVING
+    port = server.start()        # listening; health NOT_SERVING, calls UNAVAILABLE
+    server.attach(Scorer(...), Generator(...))   # models loaded: health SERVING
     ...
     server.stop()                # health NOT_SERVING, (drain delay), refuse new calls,
                                  # finish in-flight ones within the grace period
 
-Health (``grpc.health.v1.Health``) answers for the overall server ("") and for
-``moejax.v1.Scoring``. Threads: the server is asyncio (``grpc.aio``) on one event-loop
-thread of its own, which serves health and reflection and runs the handlers' cheap parts
-(size limits, admission, waiting); a call waiting for its result holds no thread, so no
-number of calls in flight can starve a health check. ``workers`` threads prepare requests
+Health (``grpc.health.v1.Health``) answers for the overall server ("", the scorer), for
+``moejax.v1.Scoring`` and, unless ``generation=False``, for ``moejax.v1.Generation``
+(SERVING once a Generator is attached; without ``generation`` the service is not
+registered at all, and gRPC answers its calls UNIMPLEMENTED).
+
+Threads: the server is asyncio (``grpc.aio``) on one event-loop thread of its own, which
+serves health and reflection and runs the handlers' cheap parts (size limits, admission,
+waiting); a call waiting for its result holds no thread, so no number of calls in flight
+can starve a health check. ``workers`` threads prepare requests
 (parse, tokenize), and one worker thread owns the model (:mod:`serving.grpc.batcher`).
 Every refusal under load is the server's own, with a retry hint: the queue's cost bound
 (``max_queued_tokens``), calls in progress (``max_concurrent_rpcs``), requests waiting to
-be prepared (``max_preparing``).
+be prepared (``max_preparing``), generation streams (``max_generation_streams``). The
+Generator's own loop thread runs the continuous batch that every Generate call joins
+(:mod:`serving.grpc.generation`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from grpc_reflection.v1alpha import reflection
 from serving.grpc import convert, decoding, scoring_pb2 as pb
 from serving.grpc.auth import BearerTokenInterceptor
 from serving.grpc.batcher import Batcher
+from serving.grpc.generation import GENERATION_SERVICE_NAME, GenerationService
 from serving.grpc.service import SERVICE_NAME, ScoringService
 
 log = logging.getLogger("moejax.grpc")
@@ -53,11 +60,16 @@ class ServerOptions:
     (default 4 x the Scorer's ``max_batch_tokens``; larger requests are split).
     ``grace_seconds``: how long in-flight calls may run after a stop. ``drain_seconds``:
     time between health NOT_SERVING and refusing new calls (for load balancers to notice).
-    ``token``: require ``authorization: Bearer <token>`` on Scoring calls. ``tls_cert`` /
-    ``tls_key``: PEM files; TLS when both are set. ``max_message_mib``: largest request
-    message accepted. ``workers``: threads that prepare (parse, tokenize) requests.
+    ``token``: require ``authorization: Bearer <token>`` on Scoring and Generation calls.
+    ``tls_cert`` / ``tls_key``: PEM files; TLS when both are set. ``max_message_mib``:
+    largest request message accepted. ``workers``: threads that prepare (parse, tokenize)
+    requests (and as many validate and tokenize generation requests).
     ``max_concurrent_rpcs``: scoring calls in progress at once; ``max_preparing``: requests
     waiting to be prepared (past either: RESOURCE_EXHAUSTED with a retry hint).
+    ``generation``: serve ``moejax.v1.Generation`` (with a Generator given to
+    :meth:`ScoringServer.attach`); ``max_generation_streams``: generation streams at once
+    (default 4 x the Generator's ``max_batch_size``; more: RESOURCE_EXHAUSTED with a retry
+    hint).
     """
 
     host: str = "127.0.0.1"
@@ -74,6 +86,8 @@ class ServerOptions:
     workers: int = 2
     max_concurrent_rpcs: int = 4096
     max_preparing: int = 256
+    generation: bool = True
+    max_generation_streams: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -82,6 +96,8 @@ class ServerOptions:
                self.max_concurrent_rpcs, self.max_batch_requests, self.max_preparing) <= 0:
             raise ValueError("max_queued_tokens, max_message_mib, workers, max_concurrent_rpcs, "
                              "max_preparing and max_batch_requests must be positive")
+        if self.max_generation_streams is not None and self.max_generation_streams <= 0:
+            raise ValueError("max_generation_streams must be positive")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
 
@@ -141,6 +157,15 @@ def _method_handlers(service: ScoringService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+def _generation_handlers(service: GenerationService) -> grpc.GenericRpcHandler:
+    """The Generation method (its deserializer names non-UTF-8 fields, as Scoring's)."""
+    return grpc.method_handlers_generic_handler(GENERATION_SERVICE_NAME, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate,
+            request_deserializer=lambda data: decoding.parse(pb.GenerateRequest, data),
+            response_serializer=pb.GenerateResponse.SerializeToString)})
+
+
 class ScoringServer:
     """A gRPC server of one Scorer (see the module docstring). Its methods are called from
     ordinary threads; the server itself runs on an event loop in a thread of its own."""
@@ -151,6 +176,8 @@ class ScoringServer:
         self.service = ScoringService(prepare_threads=opts.workers,
                                       max_in_flight=opts.max_concurrent_rpcs,
                                       max_preparing=opts.max_preparing)
+        self.generation = GenerationService(workers=opts.workers,
+                                            max_streams=opts.max_generation_streams)
         self.health: Any = None
         self.batcher: Batcher | None = None
         self.port: int | None = None
@@ -161,8 +188,14 @@ class ScoringServer:
         """Run ``coroutine`` on the server's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
-    async def _set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
+    def _services(self) -> tuple[str, ...]:
+        """The moejax services this server registers."""
+        return (SERVICE_NAME, GENERATION_SERVICE_NAME) if self.options.generation else (
+            SERVICE_NAME,)
+
+    async def _set_health(self, status: int, names: tuple[str, ...] = ("", SERVICE_NAME)
+                          ) -> None:
+        for name in names:
             await self.health.set(name, status)
 
     def _credentials(self) -> grpc.ServerCredentials | None:
@@ -189,19 +222,23 @@ class ScoringServer:
 
     async def _start(self, credentials: grpc.ServerCredentials | None) -> int:
         opts = self.options
-        interceptors = ([BearerTokenInterceptor(opts.token, f"/{SERVICE_NAME}/")]
+        interceptors = ([BearerTokenInterceptor(opts.token,
+                                                [f"/{name}/" for name in self._services()])]
                         if opts.token else [])
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", opts.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
         server.add_generic_rpc_handlers((_method_handlers(self.service),))
+        if opts.generation:
+            server.add_generic_rpc_handlers((_generation_handlers(self.generation),))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            (*self._services(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING,
+                               ("", *self._services()))
         try:
             port = (server.add_secure_port(opts.address, credentials) if credentials
                     else server.add_insecure_port(opts.address))
@@ -213,9 +250,16 @@ class ScoringServer:
         self._server, self.port = server, port
         return port
 
-    def attach(self, scorer: Any) -> None:
-        """Serve ``scorer`` (loaded and calibrated): start its worker; health SERVING."""
+    def attach(self, scorer: Any, generator: Any = None) -> None:
+        """Serve ``scorer`` (loaded and calibrated): start its worker; health SERVING. With
+        ``generator`` (a :class:`serving.Generator`, continuous batching; the server then
+        owns it: its loop runs until :meth:`stop`), serve Generation too."""
         opts = self.options
+        if generator is not None and not opts.generation:
+            raise ValueError("a Generator was given to a server started with generation=False")
+        if generator is not None:
+            self.generation.max_text_bytes = int(scorer.info["limits"]["max_text_bytes"])
+            self.generation.attach(generator)
         scorer_info = scorer.info
         batch_tokens = opts.batch_tokens or int(scorer_info["max_batch_tokens"])
         self.batcher = Batcher(scorer, max_queued_tokens=opts.max_queued_tokens,
@@ -223,10 +267,17 @@ class ScoringServer:
                                max_batch_requests=opts.max_batch_requests)
         info = convert.info_to_proto(scorer_info, max_queued_tokens=opts.max_queued_tokens,
                                      max_message_bytes=opts.max_message_bytes)
+        if generator is not None:
+            info.generation = True
+            info.max_generation_streams = self.generation.max_streams
         self.service.attach(self.batcher, scorer, info)
-        self._run(self._set_health(health_pb2.HealthCheckResponse.SERVING))
-        log.info("serving %s (%s, %s backend); health SERVING", info.architecture,
-                 scorer_info.get("model_name", "?"), info.backend)
+        self._run(self._set_health(health_pb2.HealthCheckResponse.SERVING,
+                                   ("", SERVICE_NAME) + ((GENERATION_SERVICE_NAME,)
+                                                         if generator is not None else ())))
+        log.info("serving %s (%s, %s backend%s); health SERVING", info.architecture,
+                 scorer_info.get("model_name", "?"), info.backend,
+                 f", generation: up to {info.max_generation_streams} streams"
+                 if generator is not None else "")
 
     def stats(self) -> dict[str, int]:
         """The batcher's counters (batches, scored, dropped_expired, peak_queued_tokens, ...)
@@ -234,7 +285,9 @@ class ScoringServer:
         if self.batcher is None:
             return {}
         return {**self.batcher.snapshot(), "refused_overload": self.service.refused,
-                "in_flight": self.service.in_flight}
+                "in_flight": self.service.in_flight,
+                "generation_streams": self.generation.streams,
+                "generation_refused": self.generation.refused}
 
     def stop(self, grace: float | None = None) -> None:
         """Health NOT_SERVING, wait ``drain_seconds``, refuse new calls, let in-flight calls
@@ -246,24 +299,28 @@ class ScoringServer:
         if self.options.drain_seconds > 0:
             time.sleep(self.options.drain_seconds)
         self.service.stopping.set()
+        self.generation.stopping = True
         log.info("stopping: refusing new calls, %.1f s for %d in-flight ones", grace,
-                 self.service.in_flight)
+                 self.service.in_flight + self.generation.streams)
         self._run(self._stop(grace))
         if self.batcher is not None:
             self.batcher.stop(timeout=max(grace, 1.0))
         self.service.close()
+        self.generation.close()
         self._close_loop()
         self._server = None
         log.info("stopped")
 
     async def _stop(self, grace: float) -> None:
-        # New scoring calls are refused already (service.stopping); wait for the scoring
-        # calls in flight only (health Watch streams would hold the whole grace), then stop
-        # the server once, cancelling what is left.
+        # New calls are refused already (stopping); wait for the scoring calls and the
+        # generation streams in flight only (health Watch streams would hold the whole
+        # grace), then stop the server once, cancelling what is left.
         deadline = time.monotonic() + grace
-        while self.service.in_flight > 0 and time.monotonic() < deadline:
+        while ((self.service.in_flight > 0 or self.generation.streams > 0)
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.02)
         await self._server.stop(0)
+        self.generation.cancel_all()  # (the handlers' own cancels, in case one was missed)
 
     def _close_loop(self) -> None:
         self._loop = None  # the shared loop lives on, for other servers of this process

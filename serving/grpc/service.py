@@ -1,5 +1,8 @@
 """The RPC handlers of ``moejax.v1.Scoring`` (asyncio): requests in, work items to the
-batcher, outcomes back as results or status codes.
+batcher, outcomes back as results or status codes. (``moejax.v1.Generation``'s handler,
+with its own status codes, is :mod:`serving.grpc.generation`: the same conventions —
+INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED with ``retry-after-ms``,
+DEADLINE_EXCEEDED, UNAVAILABLE while loading or stopping, the same bearer-token auth.)
 
 Threads: the handlers run on the server's event loop, which also serves health and
 reflection, and does only cheap things there — size limits (lengths, no parsing), the
