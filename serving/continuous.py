@@ -37,7 +37,6 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 

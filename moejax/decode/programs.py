@@ -119,18 +119,32 @@ def _next_tokens(module: model.MoEDecoder, x: Float[Array, "BC d"], batch: Paged
 
 
 # ----------------------------------------------------------------------------- fused
+def paged_forward(module: model.MoEDecoder, kv: PagedKV, batch: PagedBatch,
+                  samp: sampling.SamplingParams, dispatcher: Any, opts: StepOptions
+                  ) -> tuple[StepResult, Any]:
+    """Every layer of one paged step with the MoE seam ``dispatcher`` (local experts, or an
+    all-to-all transport inside a shard_map) -> (the result, the dispatcher's carry)."""
+    x, attn, moe_carry, seen = module.run_layers(
+        module.embed_tokens(batch.tokens), _attention_kind(kv, batch), dispatcher,
+        observe=_observer(opts.router_inputs))
+    result = StepResult(tokens=_next_tokens(module, x, batch, samp), new_keys=attn.new_keys,
+                        new_values=attn.new_values, experts=seen[0], weights=seen[1],
+                        router_inputs=seen[2] if opts.router_inputs else None)
+    return result, moe_carry
+
+
+def count_compile(program: str) -> None:
+    """Count one trace of ``program`` (its body runs in Python once per compile)."""
+    _COMPILES[program] += 1
+
+
 def fused_step(params: Params, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams,
                *, cfg: ModelConfig, opts: StepOptions) -> StepResult:
-    """Every layer of one paged step in one program."""
-    _COMPILES["fused_step"] += 1
+    """Every layer of one paged step in one program, experts resident."""
+    count_compile("fused_step")
     module = model.decoder(cfg, params)
-    x, attn, _, seen = module.run_layers(
-        module.embed_tokens(batch.tokens), _attention_kind(kv, batch),
-        module.local_dispatcher(opts.expert_impl, opts.tile_rows),
-        observe=_observer(opts.router_inputs))
-    return StepResult(tokens=_next_tokens(module, x, batch, samp), new_keys=attn.new_keys,
-                      new_values=attn.new_values, experts=seen[0], weights=seen[1],
-                      router_inputs=seen[2] if opts.router_inputs else None)
+    dispatcher = module.local_dispatcher(opts.expert_impl, opts.tile_rows)
+    return paged_forward(module, kv, batch, samp, dispatcher, opts)[0]
 
 
 FUSED_STEP = jax.jit(fused_step, static_argnames=("cfg", "opts"))
