@@ -8,10 +8,11 @@ data-parallel rank: ``max_batch_size`` is the total) and a *waiting* queue. Each
 2. admits waiting sequences, oldest first, while the running set has room and the pool
    has blocks for their first chunk; a prompt whose leading full blocks are already
    cached (same chain hash, ``moejax.prefix_hash``) reuses them and skips their prefill;
-3. runs one **prefill** program over the prompt chunks of the sequences still
-   prefilling (at most ``max_prefill_tokens`` tokens in all, oldest first; a long
-   prompt takes several steps), and then one **decode** program over every sequence
-   that is generating (one token each);
+3. runs the **prefill** of the prompt chunks of the sequences still prefilling (at
+   most ``max_prefill_tokens`` tokens in all, oldest first; a chunk past 16 tokens is a
+   power of two, so a long prompt takes several steps; one program per chunk size, so
+   short chunks are not padded to long ones), and then one **decode** program over every
+   sequence that is generating (one token each);
 4. retires finished sequences: their token and the finish reason are reported.
 
 When the pool runs out of blocks, the newest running sequence is *preempted*: its
@@ -171,8 +172,8 @@ class Scheduler:
         self._drop_cancelled(events)
         self._admit()
         prefill, decode = self._plan()
-        if prefill.work:
-            self._run(prefill, events)
+        for group in _by_chunk(prefill):
+            self._run(group, events)
         if decode.work:
             self._run(decode, events)
         self.running = [s for s in self.running if not s.finished]
@@ -250,7 +251,7 @@ class Scheduler:
             if seq not in self.running:          # preempted for an older one
                 continue
             if seq.pending > 1:
-                count = min(seq.pending, budget)
+                count = _chunk_length(min(seq.pending, budget))
                 if count == 0 or not self._reserve(seq, seq.computed + count):
                     continue
                 budget -= count
@@ -371,6 +372,22 @@ class Scheduler:
                            last=last, counters=counters),
                 sampling.make_sampling_params(temperature, top_p, seeds),
                 [row_of[seq.seq_id] for seq, _, _ in rows.work])
+
+
+def _chunk_length(count: int) -> int:
+    """A prefill chunk's length: past one block, a power of two (the rest of the prompt
+    comes in later steps), so that no chunk is padded to the next power of two."""
+    return count if count <= BLOCK else 1 << (count.bit_length() - 1)
+
+
+def _by_chunk(rows: _Rows) -> list[_Rows]:
+    """Prefill work split into one program per chunk bucket: rows of one program are
+    padded to its longest chunk, so mixing a 512-token chunk with 16-token ones would
+    compute mostly padding."""
+    groups: dict[int, list[tuple[SequenceState, int, int]]] = {}
+    for work in rows.work:
+        groups.setdefault(bucket(work[2], BLOCK), []).append(work)
+    return [_Rows(works) for _, works in sorted(groups.items(), reverse=True)]
 
 
 # ----------------------------------------------------------------------------- tracing
