@@ -88,3 +88,16 @@ def typechecks_off():
         yield
     finally:
         jaxtyping.config.update("jaxtyping_disable", before)
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_compilation_cache_setting():
+    """A test that runs a command turns on JAX's persistent compilation cache (what the
+    ``moejax`` entry points do); put the process-wide setting back afterwards, so that
+    later tests do not write every program they compile to some test's cache."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -138,6 +138,18 @@ def test_continuous_batching_under_pressure_equals_hugging_face(built):
     assert scheduler.occupancy() == 0
 
 
+def test_offload_and_layerwise_decode_equal_resident(built):
+    """The offload backend (experts copied per layer from host buffers, layerwise) and the
+    resident layerwise step give the fused resident tokens and routing."""
+    requests = [{"prompt_token_ids": p, "max_new_tokens": NEW} for p in built.prompts]
+    for options in ({"backend": "offload"}, {"step": "layerwise"}):
+        gen = Generator(built.path, dtype="float32", trace_experts=True,
+                        compilation_cache="off", **options)
+        for ours, ref in zip(_run(gen, requests), built.greedy):
+            assert ours.token_ids == ref.token_ids, options
+            np.testing.assert_array_equal(ours.experts["decode"], ref.experts["decode"])
+
+
 def test_stop_token_equals_hugging_face_eos(built):
     """A stop token that some rows generate mid-way: HF generate with it as EOS stops at
     the same place and includes it, like us; the other rows run to max_new_tokens."""
