@@ -94,10 +94,18 @@ def typechecks_off():
 def _keep_the_compilation_cache_setting():
     """A test that runs a command turns on JAX's persistent compilation cache (what the
     ``moejax`` entry points do); put the process-wide setting back afterwards, so that
-    later tests do not write every program they compile to some test's cache."""
+    later tests do not write every program they compile to some test's cache (a later
+    cache write segfaulted XLA:CPU in test_prefix_cache)."""
     import jax
+
+    from jax.experimental.compilation_cache import compilation_cache
 
     before = jax.config.jax_compilation_cache_dir
     yield
     if jax.config.jax_compilation_cache_dir != before:
         jax.config.update("jax_compilation_cache_dir", before)
+    if not before:
+        # JAX decides once per process that the cache is in use, and keeps writing to
+        # the directory it opened (a test's, since deleted) even after the setting is
+        # put back (as some tests do themselves); a reset makes it look again.
+        compilation_cache.reset_cache()
