@@ -109,3 +109,18 @@ def _keep_the_compilation_cache_setting():
         # the directory it opened (a test's, since deleted) even after the setting is
         # put back (as some tests do themselves); a reset makes it look again.
         compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module: the whole suite compiles
+    thousands of programs in one process, and keeping them all alive ended in a
+    segfault inside an XLA:CPU compile late in the suite (test_prefix_cache), which
+    passes on its own."""
+    import gc
+
+    import jax
+
+    yield
+    jax.clear_caches()
+    gc.collect()
