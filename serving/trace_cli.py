@@ -26,7 +26,10 @@ import time
 from typing import Any, Callable
 
 from serving.cli import command_compilation_cache, positive_int
-from serving.generate_cli import SCORING_ONLY, scoring_only_given
+from serving.generate_cli import SCORING_ONLY
+
+# trace runs the default (resident) decode runtime: the backend flags are refused too.
+REFUSED = SCORING_ONLY + ("backend", "devices")
 from serving.jsonl import CommandError, JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 from serving.requests import request_label
 
@@ -58,7 +61,7 @@ def add_trace_command(sub: Any, add_model_options: Callable[[argparse.ArgumentPa
     add_line_limit_option(p)
     add_model_options(p)
     for action in p._actions:   # refused below, so not offered in --help either
-        if action.dest in SCORING_ONLY:
+        if action.dest in REFUSED:
             action.help = argparse.SUPPRESS
     p.set_defaults(func=cmd_trace)
     return p
@@ -154,7 +157,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from moejax.traces import Trace, save
     from serving.generate import Generator
 
-    refused = scoring_only_given(args)
+    refused = ["--" + name.replace("_", "-") for name in REFUSED
+               if getattr(args, name, None) is not None]
     if refused:
         raise ValueError(f"trace does not take {', '.join(refused)} (scoring-engine options)")
     if args.output == "-":
