@@ -26,7 +26,9 @@ backends, and the Hugging Face `transformers` reference, each replaying the same
 
 **Configurations** (``--configs``, default all; every moejax one with float32,
 ``max_batch_size`` — full 16, quick 8 —, ``compilation_cache="off"`` unless
-``--compilation-cache`` names one):
+``--compilation-cache`` names one; the continuous ones with ``precompile=True``, as a
+server runs: every step program is compiled when the Generator is built, timed as
+``<config>_startup_s``):
 
 * ``static``: ``Generator(batching="static")``: takes up to max_batch_size waiting
   requests and runs them to completion before taking more;
@@ -92,7 +94,7 @@ tokens / (last token time − first arrival).
 JSON keys (flat): per configuration ``<config>_tokens_per_s``, ``_ttft_p50_ms``,
 ``_ttft_p99_ms``, ``_tpot_p50_ms``, ``_tpot_p99_ms``, ``_output_tokens``, ``_seconds``
 (first arrival to last token), ``_warmup_s``, ``_warmup_passes``, and for moejax
-``_compiles_in_replay``, ``_compile_s_in_replay`` and ``_step`` (the step mode it
+``_startup_s``, ``_compiles_in_replay``, ``_compile_s_in_replay`` and ``_step`` (the step mode it
 resolved to). Ratios: ``continuous_over_static_throughput`` (target ≥ 2),
 ``continuous_over_transformers_throughput`` (over the faster `transformers`
 configuration; target ≥ 3), ``continuous_over_transformers_padded_throughput``,
@@ -388,8 +390,10 @@ class MoejaxRunner:
         self.max_batch_size = max_batch_size
         base = dict(dtype="float32", max_batch_size=max_batch_size,
                     **{k: v for k, v in extra.items() if v is not None})
+        start = time.perf_counter()
         try:
             self.generator = Generator(model, **base, **MOEJAX_CONFIGS[name])
+            self.startup_s = time.perf_counter() - start
         except (TypeError, ValueError, NotImplementedError) as exc:
             raise ConfigUnavailable(f"Generator refuses {MOEJAX_CONFIGS[name]}: {exc}")
         self.step = self.generator.options.resolved_step()
@@ -645,7 +649,7 @@ def make_runner(name: str, args: argparse.Namespace, model_dir: str, shape: dict
         extra = {"compilation_cache": args.compilation_cache}
         if name != "static":    # continuous-batching options
             extra.update(max_prefill_tokens=args.max_prefill_tokens,
-                         kv_cache_blocks=args.kv_cache_blocks)
+                         kv_cache_blocks=args.kv_cache_blocks, precompile=True)
         return MoejaxRunner(name, args.model, batch, extra)
     if name == "transformers_padded":
         return TransformersPaddedRunner(model_dir, batch)
@@ -756,6 +760,7 @@ def main(argv: list[str] | None = None) -> dict:
         summary["warmup_s"] = warmup_s
         summary["warmup_passes"] = passes
         if name in MOEJAX_CONFIGS:
+            summary["startup_s"] = current.startup_s
             summary["compiles_in_replay"] = compiles
             summary["compile_s_in_replay"] = compile_s
             summary["step"] = current.step

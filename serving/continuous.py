@@ -8,11 +8,11 @@ data-parallel rank: ``max_batch_size`` is the total) and a *waiting* queue. Each
 2. admits waiting sequences, oldest first, while the running set has room and the pool
    has blocks for their first chunk; a prompt whose leading full blocks are already
    cached (same chain hash, ``moejax.prefix_hash``) reuses them and skips their prefill;
-3. runs the **prefill** of the prompt chunks of the sequences still prefilling (at
-   most ``max_prefill_tokens`` tokens in all, oldest first; a chunk past 16 tokens is a
-   power of two, so a long prompt takes several steps; one program per chunk size, so
-   short chunks are not padded to long ones), and then one **decode** program over every
-   sequence that is generating (one token each);
+3. runs the **prefill** of the prompt chunks of the sequences still prefilling, packed
+   into one program of rows of ``prefill_row_tokens`` (a chunk spans as many rows as
+   it needs; rows of one sequence attend to each other), at most ``max_prefill_tokens``
+   tokens of rows in all, oldest first, so a long prompt takes several steps; and then
+   one **decode** program over every sequence that is generating (one token each);
 4. retires finished sequences: their token and the finish reason are reported.
 
 When the pool runs out of blocks, the newest running sequence is *preempted*: its
@@ -24,6 +24,12 @@ only on its seed and step.
 
 A sequence whose prompt + max_new_tokens cannot fit in the whole pool is refused when
 it is submitted (:class:`SequenceTooLong`).
+
+Compiled shapes: a step program's shape is its row count (a power of two up to the
+running set, or up to ``max_prefill_tokens / prefill_row_tokens`` for prefill) and its
+row width (1 or ``prefill_row_tokens``); block tables always have the context's full
+width (the attention loops only over the context a step has). So a scheduler runs a
+handful of programs, and :meth:`Scheduler.precompile` compiles all of them up front.
 
 :class:`GenerationLoop` runs a scheduler on a background thread for servers and
 benchmarks: ``submit(spec, on_event)`` from any thread; ``on_event`` is called from the
@@ -50,9 +56,6 @@ from moejax.generate import SequenceOutput, SequenceSpec
 from moejax.kv_cache import bucket
 
 BLOCK = prefix_hash.BLOCK_SIZE
-# Block tables are padded to a power of two of at least this many blocks: fewer
-# compiled shapes, for attention over at most this much padding at short contexts.
-MIN_TABLE_BLOCKS = 8
 log = logging.getLogger(__name__)
 
 
@@ -63,11 +66,16 @@ class SequenceTooLong(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SchedulerOptions:
     """``max_batch_size``: running sequences (all ranks); ``max_prefill_tokens``: prompt
-    tokens per step; ``step``: "fused" | "layerwise"; ``trace``: keep every token's
-    routing (and the router inputs, where the runner's step options compute them)."""
+    tokens per step (rows included: a row only partly filled counts whole);
+    ``prefill_row_tokens``: the width of a prefill row (capped at max_prefill_tokens);
+    ``step``: "fused" | "layerwise"; ``trace``: keep every token's routing (and the
+    router inputs, where the runner's step options compute them)."""
 
     max_batch_size: int = 16
     max_prefill_tokens: int = 512
+    # Wide enough for efficient matmuls, narrow enough that a short prompt's one partly
+    # filled row wastes little.
+    prefill_row_tokens: int = 64
     step: str = "fused"
     trace: bool = False
 
@@ -123,8 +131,10 @@ class Scheduler:
     """Continuous batching of :class:`SequenceSpec` s over a runner (module docstring)."""
 
     def __init__(self, runner: DecodeRunner, num_blocks: int, options: SchedulerOptions):
-        if options.max_batch_size < 1 or options.max_prefill_tokens < 1:
-            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        if min(options.max_batch_size, options.max_prefill_tokens,
+               options.prefill_row_tokens) < 1:
+            raise ValueError("max_batch_size, max_prefill_tokens and prefill_row_tokens "
+                             "must be >= 1")
         runner.check_step(options.step)
         self.runner = runner
         self.options = options
@@ -134,6 +144,8 @@ class Scheduler:
         self.num_blocks = num_blocks
         self.per_rank = max(1, -(-options.max_batch_size // self.ranks))
         self.max_table = -(-runner.cfg.max_context // BLOCK)
+        self.row_tokens = min(options.prefill_row_tokens, options.max_prefill_tokens)
+        self.prefill_rows = max(1, options.max_prefill_tokens // self.row_tokens)
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
@@ -172,13 +184,28 @@ class Scheduler:
         self._drop_cancelled(events)
         self._admit()
         prefill, decode = self._plan()
-        for group in _by_chunk(prefill):
-            self._run(group, events)
+        if prefill.work:
+            self._run(prefill, self.row_tokens, events)
         if decode.work:
-            self._run(decode, events)
+            self._run(decode, 1, events)
         self.running = [s for s in self.running if not s.finished]
         self.stats["steps"] += 1
         return events
+
+    def program_shapes(self) -> list[tuple[int, int]]:
+        """(rows per rank, row width) of every step program this scheduler can run."""
+        return ([(rows, 1) for rows in _buckets(self.per_rank)]
+                + [(rows, self.row_tokens) for rows in _buckets(self.prefill_rows)])
+
+    def precompile(self) -> int:
+        """Compile every step program (:meth:`program_shapes`) by running each once on
+        rows that are all padding (nothing is read or written), so that no later step
+        stalls on a compile. Returns how many programs ran."""
+        shapes = self.program_shapes()
+        for rows, width in shapes:
+            batch, samp, _, _ = self._batch([[] for _ in range(self.ranks)], rows, width)
+            self.kv, _ = self.runner.run(self.kv, batch, samp, self.options.step)
+        return len(shapes)
 
     def run_until_idle(self, sink: Callable[[TokenEvent], None] | None = None) -> None:
         """Step until nothing waits or runs; events go to ``sink`` too."""
@@ -245,16 +272,16 @@ class Scheduler:
     def _plan(self) -> tuple[_Rows, _Rows]:
         """This step's prefill chunks and decode rows, with their blocks allocated
         (preempting the newest sequences where blocks run out)."""
-        budget = self.options.max_prefill_tokens
+        rows_left = self.prefill_rows
         prefill, decode = _Rows([]), _Rows([])
         for seq in sorted(self.running, key=lambda s: s.seq_id):
             if seq not in self.running:          # preempted for an older one
                 continue
             if seq.pending > 1:
-                count = _chunk_length(min(seq.pending, budget))
+                count = min(seq.pending, rows_left * self.row_tokens)
                 if count == 0 or not self._reserve(seq, seq.computed + count):
                     continue
-                budget -= count
+                rows_left -= -(-count // self.row_tokens)
                 prefill.work.append((seq, seq.computed, count))
             elif self._reserve(seq, seq.computed + 1):
                 decode.work.append((seq, seq.computed, 1))
@@ -288,18 +315,26 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ----------------------------------------------------------------- running
-    def _run(self, rows: _Rows, events: list[TokenEvent]) -> None:
-        batch, samp, row_of = self._batch(rows)
+    def _run(self, rows: _Rows, width: int, events: list[TokenEvent]) -> None:
+        """One program over ``rows`` (rows of ``width`` tokens), then its bookkeeping."""
+        per_rank: list[list[tuple[SequenceState, int, int]]] = [[] for _ in range(self.ranks)]
+        for work in rows.work:
+            per_rank[work[0].rank].append(work)
+        needed = max(sum(-(-count // width) for _, _, count in works) for works in per_rank)
+        cap = self.per_rank if width == 1 else self.prefill_rows
+        batch, samp, first_rows, last_rows = self._batch(per_rank, bucket(needed, 1, cap),
+                                                         width)
         self.kv, result = self.runner.run(self.kv, batch, samp, self.options.step)
         tokens = np.asarray(result.tokens)
         routing = _host_routing(result, self.options.trace)
-        for (seq, start, count), row in zip(rows.work, row_of):
+        works = [work for rank_works in per_rank for work in rank_works]
+        for (seq, start, count), first, last in zip(works, first_rows, last_rows):
             if routing is not None:
-                _record_routing(seq, routing, row * batch.chunk, start, count)
+                _record_routing(seq, routing, first * width, start, count)
             seq.computed = start + count
             self._name_full_blocks(seq)
             if seq.pending == 0:       # its last token ran: the next one is sampled
-                self._accept(seq, int(tokens[row]), events)
+                self._accept(seq, int(tokens[last]), events)
 
     def _accept(self, seq: SequenceState, token: int, events: list[TokenEvent]) -> None:
         out, spec = seq.output, seq.spec
@@ -325,69 +360,61 @@ class Scheduler:
         for block, digest in zip(seq.blocks[:full], seq.hashes[:full]):
             manager.name(block, digest)
 
-    def _batch(self, rows: _Rows) -> tuple[PagedBatch, sampling.SamplingParams, list[int]]:
-        """The step's arrays (ranks × B rows × C tokens, rank-major), and the row of each
-        work item."""
-        per_rank: list[list[tuple[SequenceState, int, int]]] = [[] for _ in range(self.ranks)]
-        for work in rows.work:
-            per_rank[work[0].rank].append(work)
-        longest = max(count for _, _, count in rows.work)
-        chunk = 1 if longest == 1 else bucket(longest, BLOCK,
-                                              bucket(self.options.max_prefill_tokens, BLOCK))
-        batch = bucket(max(len(r) for r in per_rank), 1, self.per_rank)
-        table = bucket(max(len(s.blocks) for s, _, _ in rows.work), MIN_TABLE_BLOCKS,
-                       self.max_table)
-        total = self.ranks * batch
+    def _batch(self, per_rank: list[list[tuple[SequenceState, int, int]]], rows: int,
+               width: int) -> tuple[PagedBatch, sampling.SamplingParams, list[int], list[int]]:
+        """The step's arrays: ranks × ``rows`` rows of ``width`` tokens, rank-major; each
+        work item (sequence, first position, token count) fills as many consecutive rows
+        as it needs. Also the first and the last row of each work item (rank order)."""
+        total = self.ranks * rows
         slots_per_rank = self.num_blocks * BLOCK
-        tokens = np.zeros((total, chunk), np.int32)
-        positions = np.zeros((total, chunk), np.int32)
-        valid = np.zeros((total, chunk), bool)
-        write = np.full((total, chunk), slots_per_rank, np.int32)
-        tables = np.zeros((total, table), np.int32)
+        tokens = np.zeros((total, width), np.int32)
+        positions = np.zeros((total, width), np.int32)
+        valid = np.zeros((total, width), bool)
+        write = np.full((total, width), slots_per_rank, np.int32)
+        segments = np.full(total, -1, np.int32)
+        tables = np.zeros((total, self.max_table), np.int32)
         context = np.zeros(total, np.int32)
-        last = np.arange(total, dtype=np.int32) * chunk
+        last = np.arange(total, dtype=np.int32) * width
         counters = np.zeros(total, np.int32)
         temperature, top_p, seeds = [0.0] * total, [1.0] * total, [0] * total
-        row_of: dict[int, int] = {}
+        first_rows: list[int] = []
+        last_rows: list[int] = []
         for rank, works in enumerate(per_rank):
-            for b, (seq, start, count) in enumerate(works):
-                row = rank * batch + b
-                row_of[seq.seq_id] = row
-                pos = np.arange(start, start + count)
-                seq_tokens = seq.tokens
-                tokens[row, :count] = seq_tokens[start:start + count]
-                positions[row, :count] = pos
-                valid[row, :count] = True
+            row = rank * rows
+            for segment, (seq, start, count) in enumerate(works):
+                first_rows.append(row)
+                seq_tokens = np.asarray(seq.tokens[start:start + count], np.int32)
                 blocks = np.asarray(seq.blocks, np.int32)
-                write[row, :count] = blocks[pos // BLOCK] * BLOCK + pos % BLOCK
-                tables[row, :len(blocks)] = blocks
-                context[row] = start
-                last[row] = row * chunk + count - 1
+                pos = np.arange(start, start + count, dtype=np.int32)
+                for offset in range(0, count, width):
+                    n = min(width, count - offset)
+                    part = pos[offset:offset + n]
+                    tokens[row, :n] = seq_tokens[offset:offset + n]
+                    positions[row, :n] = part
+                    valid[row, :n] = True
+                    write[row, :n] = blocks[part // BLOCK] * BLOCK + part % BLOCK
+                    segments[row] = segment
+                    tables[row, :len(blocks)] = blocks
+                    context[row] = start
+                    row += 1
+                row -= 1
+                last[row] = row * width + (count - 1) % width
                 counters[row] = len(seq.output.token_ids)
                 temperature[row], top_p[row] = seq.spec.temperature, seq.spec.top_p
                 seeds[row] = seq.spec.seed
+                last_rows.append(row)
+                row += 1
         flat = lambda a: a.reshape(-1)   # noqa: E731
         return (PagedBatch(tokens=flat(tokens), positions=flat(positions), valid=flat(valid),
-                           write_slots=flat(write), block_tables=tables, context_len=context,
-                           last=last, counters=counters),
+                           write_slots=flat(write), segments=segments, block_tables=tables,
+                           context_len=context, last=last, counters=counters),
                 sampling.make_sampling_params(temperature, top_p, seeds),
-                [row_of[seq.seq_id] for seq, _, _ in rows.work])
+                first_rows, last_rows)
 
 
-def _chunk_length(count: int) -> int:
-    """A prefill chunk's length: past one block, a power of two (the rest of the prompt
-    comes in later steps), so that no chunk is padded to the next power of two."""
-    return count if count <= BLOCK else 1 << (count.bit_length() - 1)
-
-
-def _by_chunk(rows: _Rows) -> list[_Rows]:
-    """Prefill work split into one program per chunk bucket: rows of one program are
-    padded to its longest chunk, so mixing a 512-token chunk with 16-token ones would
-    compute mostly padding."""
-    groups: dict[int, list[tuple[SequenceState, int, int]]] = {}
-    for work in rows.work:
-        groups.setdefault(bucket(work[2], BLOCK), []).append(work)
-    return [_Rows(works) for _, works in sorted(groups.items(), reverse=True)]
+def _buckets(cap: int) -> list[int]:
+    """Every row count :func:`bucket` gives for 1 .. cap rows."""
+    return sorted({bucket(n, 1, cap) for n in range(1, cap + 1)})
 
 
 # ----------------------------------------------------------------------------- tracing

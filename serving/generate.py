@@ -127,7 +127,11 @@ class GeneratorOptions:
     * ``backend`` ("resident" | "offload" | "sync_ep"), ``devices`` and
       ``backend_options`` (a dict of the backend's own options) as for the Scorer;
     * ``max_batch_size``: sequences decoded together; ``max_prefill_tokens``: prompt
-      tokens prefilled per step (longer prompts take several steps);
+      tokens prefilled per step (longer prompts take several steps), in rows of
+      ``prefill_row_tokens`` (default 64) packed from several prompts;
+    * ``precompile``: compile every step program when the Generator is built (a few
+      seconds per program on CPU; no request then waits on a compile); continuous
+      batching only;
     * ``kv_cache_blocks`` or ``kv_cache_mib`` (at most one): the paged KV pool's size
       in 16-token blocks or MiB per rank; default: enough for ``max_batch_size``
       sequences at the model's full context, capped at 1024 MiB;
@@ -147,6 +151,8 @@ class GeneratorOptions:
     backend_options: Mapping[str, Any] | None = None
     max_batch_size: int = 8
     max_prefill_tokens: int = 512
+    prefill_row_tokens: int = 64
+    precompile: bool = False
     kv_cache_blocks: int | None = None
     kv_cache_mib: float | None = None
     expert_impl: str = "auto"
@@ -154,12 +160,12 @@ class GeneratorOptions:
     compilation_cache: str | bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("trace_experts", "trace_router_inputs"):
+        for name in ("trace_experts", "trace_router_inputs", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.trace_router_inputs and not self.trace_experts:
             raise ValueError("trace_router_inputs needs trace_experts=True")
-        for name in ("max_batch_size", "max_prefill_tokens", "devices"):
+        for name in ("max_batch_size", "max_prefill_tokens", "prefill_row_tokens", "devices"):
             _positive_int(name, getattr(self, name))
         if self.kv_cache_blocks is not None:
             _positive_int("kv_cache_blocks", self.kv_cache_blocks)
@@ -181,6 +187,9 @@ class GeneratorOptions:
             raise ValueError("batching='static' is the resident, fused baseline (no other "
                              "backend, no layerwise step, no router-input traces); use "
                              "batching='continuous'")
+        if self.batching == "static" and self.precompile:
+            raise ValueError("precompile applies to batching='continuous' (static batches "
+                             "compile per prompt length)")
         self.scorer_view()   # validates dtype, expert_impl, tile_rows as the Scorer does
 
     def resolved_step(self) -> str:
@@ -412,7 +421,10 @@ class Generator:
                                  **dict(opts.backend_options or {}))
             self.scheduler = Scheduler(runner, self.kv_cache_blocks(runner), SchedulerOptions(
                 max_batch_size=opts.max_batch_size, max_prefill_tokens=opts.max_prefill_tokens,
-                step=opts.resolved_step(), trace=opts.trace_experts))
+                prefill_row_tokens=opts.prefill_row_tokens, step=opts.resolved_step(),
+                trace=opts.trace_experts))
+            if opts.precompile:
+                self.scheduler.precompile()
         del params  # the engine or runner holds the device copy
 
     def kv_cache_blocks(self, runner: Any) -> int:

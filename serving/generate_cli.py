@@ -65,6 +65,10 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
                         "(auto: layerwise on offload, fused otherwise)")
     p.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                    help="prompt tokens prefilled per step (default 512)")
+    p.add_argument("--prefill-row-tokens", type=positive_int, default=None,
+                   help="width of a packed prefill row (default 64)")
+    p.add_argument("--precompile", action="store_true", default=None,
+                   help="compile every step program at start-up (continuous batching)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--kv-cache-blocks", type=positive_int, default=None,
                       help="paged KV pool size in 16-token blocks (per rank)")
@@ -80,8 +84,8 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
 def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     """Generator keywords of the flags given (absent ones keep the defaults)."""
     options = {name: getattr(args, name) for name in
-               ("batching", "step", "max_prefill_tokens", "kv_cache_blocks", "kv_cache_mib",
-                "backend", "devices") if getattr(args, name, None) is not None}
+               ("batching", "step", "max_prefill_tokens", "prefill_row_tokens", "precompile",
+                "kv_cache_blocks", "kv_cache_mib", "backend", "devices") if getattr(args, name, None) is not None}
     backend_options = {key: getattr(args, flag) for key, flag in
                        (("replicas", "replicas"), ("router", "replica_router"))
                        if getattr(args, flag, None) is not None}

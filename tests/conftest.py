@@ -31,6 +31,7 @@ TYPECHECKED_MODULES = [
     "moejax.model",
     "moejax.generate",
     "moejax.ops",
+    "moejax.decode.paged",
 ]
 # PEP 484's numeric tower (an int passes a ``float`` hint), as static checkers read hints.
 TYPECHECKER = "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))"

@@ -16,7 +16,7 @@ import pytest
 
 from moejax import checkpoint
 from moejax.decode.blocks import BlockManager, OutOfBlocks
-from moejax.decode.programs import StepOptions
+from moejax.decode.programs import StepOptions, compiled_program_counts
 from moejax.decode.runners import make_runner
 from moejax.generate import DecodeEngine, SequenceSpec
 from moejax.prefix_hash import block_hashes
@@ -38,10 +38,10 @@ def demo():
     return cfg, params, specs, resident, alone
 
 
-def _scheduler(runner, blocks=64, batch=4, prefill=32, step="fused", trace=False):
+def _scheduler(runner, blocks=64, batch=4, prefill=32, step="fused", trace=False, row=64):
     return Scheduler(runner, blocks, SchedulerOptions(max_batch_size=batch,
                                                       max_prefill_tokens=prefill, step=step,
-                                                      trace=trace))
+                                                      trace=trace, prefill_row_tokens=row))
 
 
 def _run(runner, specs, **kwargs):
@@ -124,6 +124,38 @@ def test_fused_equals_layerwise_and_offload_equals_resident(demo):
     assert 0 < offload.experts_copied
     with pytest.raises(Exception, match="layerwise"):
         _scheduler(offload, step="fused")
+
+
+def test_packed_prefill_rows_equal_one_by_one(demo):
+    """Prefill rows of 8 tokens, 4 per step: a prompt chunk spans several rows, several
+    sequences share one prefill program (attention stays inside each), and the traced
+    routing of every prompt token is the one it gets alone."""
+    cfg, _, specs, runner, _ = demo
+    packed = _run(runner, specs, row=8, trace=True)
+    alone = [_run(runner, [spec], batch=1, trace=True)[0] for spec in specs]
+    assert _tokens(packed) == _tokens(alone)
+    for a, b in zip(packed, alone):
+        np.testing.assert_array_equal(a.prefill_experts, b.prefill_experts)
+        np.testing.assert_array_equal(a.decode_experts, b.decode_experts)
+
+
+def test_precompile_covers_every_program(demo):
+    """After precompile (which leaves the pool untouched), a run of mixed prompts and
+    batch sizes compiles nothing. A context loop of 2 blocks per iteration (a fresh
+    compile key) also reads the 70-token prompt's context over several iterations."""
+    cfg, params, specs, _, alone = demo
+    runner = make_runner("resident", cfg, params, dtype="float32",
+                         opts=StepOptions(pool_chunk_blocks=2))
+    scheduler = _scheduler(runner, row=8)
+    assert scheduler.program_shapes() == [(1, 1), (2, 1), (4, 1), (1, 8), (2, 8), (4, 8)]
+    before = compiled_program_counts().get("fused_step", 0)
+    assert scheduler.precompile() == 6
+    assert compiled_program_counts()["fused_step"] == before + 6
+    assert not np.asarray(scheduler.kv.keys).any() and scheduler.occupancy() == 0
+    seqs = [scheduler.submit(s) for s in specs]
+    scheduler.run_until_idle()
+    assert [s.output.token_ids for s in seqs] == _tokens(alone)
+    assert compiled_program_counts()["fused_step"] == before + 6
 
 
 def test_traces_have_every_token_once(demo):
@@ -220,6 +252,10 @@ def test_generator_options_and_kv_budget():
         Generator("demo", batching="static", backend="offload")
     with pytest.raises(ValueError, match="step must be"):
         Generator("demo", step="sideways")
+    with pytest.raises(ValueError, match="precompile applies to batching='continuous'"):
+        Generator("demo", batching="static", precompile=True)
+    with pytest.raises(ValueError, match="prefill_row_tokens"):
+        Generator("demo", prefill_row_tokens=0)
     small = Generator("demo", dtype="float32", kv_cache_blocks=2, compilation_cache="off")
     [bad, good] = small.generate([{"prompt_token_ids": [5] * 30, "max_new_tokens": 8},
                                   {"prompt_token_ids": [5, 6], "max_new_tokens": 2}])

@@ -407,10 +407,12 @@ def test_cli_round_trip(qwen, tmp_path, monkeypatch, capsys):
     src.write_text("\n".join(lines) + "\n")
     cache_dir = jax.config.jax_compilation_cache_dir
     try:
-        # A small pool and prefill budget, layer by layer: still the same tokens.
+        # A small pool and prefill budget in rows of 4 tokens, layer by layer: still the
+        # same tokens.
         code = cli_main(["generate", str(src), "-o", str(dst), "--model", qwen.path,
                          "--dtype", "float32", "--trace-experts", "--step", "layerwise",
-                         "--kv-cache-blocks", "5", "--max-prefill-tokens", "16"])
+                         "--kv-cache-blocks", "5", "--max-prefill-tokens", "16",
+                         "--prefill-row-tokens", "4"])
     finally:   # the CLI turns on the persistent compilation cache; leave no trace of it
         jax.config.update("jax_compilation_cache_dir", cache_dir)
     assert code == 0
@@ -434,7 +436,8 @@ def test_cli_help_lists_only_the_options_generate_takes(capsys):
         cli_main(["generate", "--help"])
     text = capsys.readouterr().out
     assert "--dtype" in text and "--expert-impl" in text and "--trace-experts" in text
-    for offered in ("--backend", "--batching", "--step", "--kv-cache-mib", "--replicas"):
+    for offered in ("--backend", "--batching", "--step", "--kv-cache-mib", "--replicas",
+                    "--precompile", "--prefill-row-tokens"):
         assert offered in text, offered
     for refused in ("--max-batch-tokens", "--window", "--prefix-cache-blocks", "--engines"):
         assert refused not in text, refused

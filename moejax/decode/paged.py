@@ -6,17 +6,19 @@ sequence owns a *block table*: its token at position p lives in slot
 ``table[p // 16] * 16 + p % 16``. The host owns the tables and the free list
 (:mod:`moejax.decode.blocks`); the device only reads and writes slots.
 
-A step runs B rows of C tokens each (C = 1 for decode, a prompt chunk for prefill).
-Row b's tokens sit at positions ``context_len[b] + c``; every position below
-``context_len[b]`` is already in the pool. The step *reads* the pool and keeps its own
-new keys/values apart (the :class:`PagedRows` carry, [L, B·C, n_kv, h]); the host
-writes them into the pool afterwards (:func:`write_rows`, one scatter in place). A
-layer loop that both read and wrote the pool would make XLA copy the whole pool per
-layer; reading only, it copies nothing.
+A step runs B rows of C tokens each (C = 1 for decode, a fixed row width for prefill;
+a long prompt chunk spans several consecutive rows of one *segment*). A row's tokens
+have their own positions; every position below ``context_len[b]`` is already in the
+pool. The step *reads* the pool and keeps its own new keys/values apart (the
+:class:`PagedRows` carry, [L, B·C, n_kv, h]); the host writes them into the pool
+afterwards (:func:`write_rows`, one scatter in place). A layer loop that both read and
+wrote the pool would make XLA copy the whole pool per layer; reading only, it copies
+nothing.
 
-Attention of query (b, c): the pool slots of row b below ``context_len[b]`` and the
-step's own rows (b, c') with c' <= c — a softmax over both, in float32, grouped-query
-as in :mod:`moejax.attention`.
+Attention of a query: its row's pool slots below ``context_len[b]``, read a chunk at a
+time up to the step's longest context (:func:`paged_attention`), and the step's new
+keys of the same segment at positions up to its own — one softmax over both, in
+float32, grouped-query as in :mod:`moejax.attention`.
 """
 
 from __future__ import annotations
@@ -70,31 +72,88 @@ def table_slots(block_tables: Int[Array, "B MB"]) -> Int[Array, "B W"]:
     return slots.reshape(block_tables.shape[0], -1)
 
 
-def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "B W n_kv h"],
-                    pool_values: Float[Array, "B W n_kv h"], context_len: Int[Array, "B"],
-                    new_keys: Float[Array, "B C n_kv h"], new_values: Float[Array, "B C n_kv h"],
-                    new_valid: Bool[Array, "B C"]) -> Float[Array, "B C n_q h"]:
-    """Attention of each row's C queries over its pooled context (slots < context_len)
-    and its own new keys (causal within the row, valid ones only)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SoftmaxState:
+    """A running softmax over key chunks (flash-attention style), per query:
+    ``peak`` [..., C] the largest score so far, ``total`` [..., C] the sum of
+    exp(score - peak), ``acc`` [..., C, h] the exp-weighted sum of values."""
+
+    peak: jax.Array
+    total: jax.Array
+    acc: jax.Array
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], head_dim: int) -> "SoftmaxState":
+        return cls(peak=jnp.full(shape, MASK_VALUE, jnp.float32),
+                   total=jnp.zeros(shape, jnp.float32),
+                   acc=jnp.zeros((*shape, head_dim), jnp.float32))
+
+    def add(self, scores: Float[Array, "... C W"], visible: Bool[Array, "..."],
+            values_of: Any) -> "SoftmaxState":
+        """Fold in one chunk of scores (masked by ``visible``, which broadcasts to them);
+        ``values_of(probs)`` gives
+        the chunk's probability-weighted values [..., C, h]."""
+        peak = jnp.maximum(self.peak, jnp.max(jnp.where(visible, scores, MASK_VALUE), -1))
+        # Masked scores weigh exactly 0 (not exp(MASK - MASK) = 1 in an empty chunk).
+        probs = jnp.where(visible, jnp.exp(scores - peak[..., None]), 0.0)
+        rescale = jnp.exp(self.peak - peak)
+        return SoftmaxState(peak=peak, total=self.total * rescale + probs.sum(-1),
+                            acc=self.acc * rescale[..., None] + values_of(probs))
+
+    def result(self) -> jax.Array:
+        """The attention output [..., C, h] (0 for a query that saw no key)."""
+        return self.acc / jnp.maximum(self.total, jnp.finfo(jnp.float32).tiny)[..., None]
+
+
+def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n_kv h"],
+                    pool_values: Float[Array, "L S n_kv h"], layer: Int[Array, ""],
+                    context_slots: Int[Array, "B W"], context_len: Int[Array, "B"],
+                    new_keys: Float[Array, "T n_kv h"], new_values: Float[Array, "T n_kv h"],
+                    segments: Int[Array, "B"], positions: Int[Array, "B C"],
+                    new_valid: Bool[Array, "T"], chunk_slots: int
+                    ) -> Float[Array, "B C n_q h"]:
+    """Attention of each row's C queries (at ``positions``) over its pooled context and
+    the step's new keys, one softmax over both, in float32, grouped-query.
+
+    * Pooled context: the slots ``context_slots[b, :context_len[b]]`` of layer ``layer``,
+      read ``chunk_slots`` at a time in a loop that stops at the step's longest context
+      (a dynamic trip count: one compiled program serves every context length, and a
+      step pays for the context it has, not for the table's width).
+    * New keys (T = B·C, row-major): those of rows in the same ``segments`` (one sequence
+      may span several rows of a prefill step), at a position <= the query's, valid.
+    """
     b, c, n_q, h = q.shape
     n_kv = pool_keys.shape[2]
-    queries = q.reshape(b, c, n_kv, n_q // n_kv, h)
-    scale = 1.0 / math.sqrt(h)
-    pooled = jnp.einsum("bckgh,bwkh->bkgcw", queries, pool_keys,
-                        preferred_element_type=jnp.float32) * scale
-    fresh = jnp.einsum("bckgh,bjkh->bkgcj", queries, new_keys,
-                       preferred_element_type=jnp.float32) * scale
-    in_context = jnp.arange(pool_keys.shape[1])[None, :] < context_len[:, None]      # [B, W]
-    causal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]                          # [C, C]
-    visible_new = causal[None] & new_valid[:, None, :]                                  # [B, C, C]
-    pooled = jnp.where(in_context[:, None, None, None, :], pooled, MASK_VALUE)
-    fresh = jnp.where(visible_new[:, None, None], fresh, MASK_VALUE)
-    probs = jax.nn.softmax(jnp.concatenate([pooled, fresh], axis=-1), axis=-1)
-    width = pool_keys.shape[1]
-    out = (jnp.einsum("bkgcw,bwkh->bckgh", probs[..., :width].astype(pool_values.dtype),
-                      pool_values, preferred_element_type=jnp.float32)
-           + jnp.einsum("bkgcj,bjkh->bckgh", probs[..., width:].astype(new_values.dtype),
-                        new_values, preferred_element_type=jnp.float32))
+    groups = n_q // n_kv
+    queries = q.reshape(b, c, n_kv, groups, h) * (1.0 / math.sqrt(h))
+    slot_offsets = jnp.arange(chunk_slots)
+
+    def pooled_chunk(i, state: SoftmaxState) -> SoftmaxState:
+        start = i * chunk_slots
+        slots = jax.lax.dynamic_slice_in_dim(context_slots, start, chunk_slots, axis=1)
+        keys, values = pool_keys[layer, slots], pool_values[layer, slots]      # [B, w, n_kv, h]
+        scores = jnp.einsum("bckgh,bwkh->bkgcw", queries, keys,
+                            preferred_element_type=jnp.float32)
+        visible = (start + slot_offsets)[None, :] < context_len[:, None]       # [B, w]
+        return state.add(scores, visible[:, None, None, None, :],
+                         lambda p: jnp.einsum("bkgcw,bwkh->bkgch", p.astype(values.dtype),
+                                              values, preferred_element_type=jnp.float32))
+
+    trips = (jnp.max(context_len) + chunk_slots - 1) // chunk_slots
+    state = jax.lax.fori_loop(0, trips, pooled_chunk,
+                              SoftmaxState.empty((b, n_kv, groups, c), h))
+    token_segments = jnp.repeat(segments, c)                                   # [T]
+    token_positions = positions.reshape(-1)
+    visible_new = ((token_segments[None, None, :] == segments[:, None, None])
+                   & (token_positions[None, None, :] <= positions[:, :, None])
+                   & new_valid[None, None, :])                                  # [B, C, T]
+    scores = jnp.einsum("bckgh,tkh->bkgct", queries, new_keys,
+                        preferred_element_type=jnp.float32)
+    state = state.add(scores, visible_new[:, None, None],
+                      lambda p: jnp.einsum("bkgct,tkh->bkgch", p.astype(new_values.dtype),
+                                           new_values, preferred_element_type=jnp.float32))
+    out = jnp.moveaxis(state.result(), 3, 1)                                   # [B, C, n_kv, g, h]
     return out.reshape(b, c, n_q, h).astype(q.dtype)
 
 
@@ -104,13 +163,17 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "B W n
 class PagedRows:
     """The attention kind of a paged step: B rows of ``chunk`` tokens, flattened [B·C].
 
-    positions, valid: [B·C]; context_slots [B, W]: the pool slots of each row's block
-    table; context_len [B]: positions already in the pool; pool_keys/values: the pool
-    (read only); new_keys/new_values [L, B·C, n_kv, h]: this step's keys and values,
-    the carry (written to the pool by :func:`write_rows` after the step)."""
+    positions, valid: [B·C]; segments [B]: the sequence of each row (a prefill step may
+    give one sequence several consecutive rows); context_slots [B, W]: the pool slots of
+    each row's block table; context_len [B]: positions already in the pool (the same for
+    every row of a sequence); pool_keys/values: the pool (read only); new_keys/new_values
+    [L, B·C, n_kv, h]: this step's keys and values, the carry (written to the pool by
+    :func:`write_rows` after the step). ``chunk_slots``: pool slots read per iteration of
+    the attention's context loop."""
 
     positions: jax.Array
     valid: jax.Array
+    segments: jax.Array
     context_slots: jax.Array
     context_len: jax.Array
     pool_keys: jax.Array
@@ -118,17 +181,24 @@ class PagedRows:
     new_keys: jax.Array
     new_values: jax.Array
     chunk: int = dataclasses.field(metadata=_STATIC)
+    chunk_slots: int = dataclasses.field(metadata=_STATIC)
 
     @classmethod
     def of(cls, kv: PagedKV, positions: Int[Array, "BC"], valid: Bool[Array, "BC"],
-           block_tables: Int[Array, "B MB"], context_len: Int[Array, "B"]) -> "PagedRows":
+           segments: Int[Array, "B"], block_tables: Int[Array, "B MB"],
+           context_len: Int[Array, "B"], chunk_blocks: int) -> "PagedRows":
         rows = positions.shape[0]
         shape = (kv.keys.shape[0], rows, *kv.keys.shape[2:])
-        return cls(positions=positions, valid=valid, context_slots=table_slots(block_tables),
-                   context_len=context_len, pool_keys=kv.keys, pool_values=kv.values,
+        # The context loop reads whole chunks: pad the table to a multiple of one (the
+        # padding lies past every context_len, so it is never visible).
+        pad = -block_tables.shape[1] % chunk_blocks
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+        return cls(positions=positions, valid=valid, segments=segments,
+                   context_slots=table_slots(block_tables), context_len=context_len,
+                   pool_keys=kv.keys, pool_values=kv.values,
                    new_keys=jnp.zeros(shape, kv.keys.dtype),
                    new_values=jnp.zeros(shape, kv.values.dtype),
-                   chunk=rows // block_tables.shape[0])
+                   chunk=rows // block_tables.shape[0], chunk_slots=chunk_blocks * BLOCK_SIZE)
 
     def carry(self) -> Any:
         return self.new_keys, self.new_values
@@ -147,11 +217,11 @@ class PagedRows:
         k, v = project_kv(p, h_in, self.positions, cfg)
         batch = self.context_len.shape[0]
         split = lambda a: a.reshape(batch, self.chunk, *a.shape[1:])   # noqa: E731
-        # Gathered from the pool directly: slicing the layer out first would copy it.
-        pool_k = self.pool_keys[layer, self.context_slots]
-        pool_v = self.pool_values[layer, self.context_slots]
-        out = paged_attention(split(q), pool_k, pool_v, self.context_len, split(k), split(v),
-                              split(self.valid))
+        # The pool is gathered per chunk inside the attention, from the whole pool:
+        # slicing the layer out first would copy it.
+        out = paged_attention(split(q), self.pool_keys, self.pool_values, layer,
+                              self.context_slots, self.context_len, k, v, self.segments,
+                              split(self.positions), self.valid, self.chunk_slots)
         kind = dataclasses.replace(self, new_keys=self.new_keys.at[layer].set(k),
                                    new_values=self.new_values.at[layer].set(v))
         return out.reshape(q.shape), kind

@@ -45,6 +45,9 @@ class StepOptions:
     expert_impl: ExpertImpl = "auto"
     tile_rows: int | tuple[int, int] | None = None
     router_inputs: bool = False
+    # KV blocks the paged attention reads per iteration of its context loop: one
+    # iteration per 128 tokens of the step's longest context.
+    pool_chunk_blocks: int = 8
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -54,15 +57,19 @@ class PagedBatch:
     """One step's rows, built on the host (NumPy) and placed by the runner.
 
     tokens, positions, valid, write_slots: [B·C] (row-major: row b's tokens at
-    b·C .. b·C + C - 1; write slot S = not written); block_tables [B, MB]; context_len,
-    last, counters: [B] (``last``: the flat index of the token whose logits choose row
-    b's next token; ``counters``: tokens row b has generated, its sampling key's step).
+    b·C .. b·C + C - 1; write slot S = not written); segments [B]: the sequence of each
+    row (consecutive rows of one sequence's prompt chunk share it; attention within a
+    step stays inside a segment); block_tables [B, MB]; context_len, last, counters: [B]
+    (``last``: the flat index of the token whose logits choose row b's next token;
+    ``counters``: tokens row b has generated, its sampling key's step; only the last
+    row of a segment's are used).
     """
 
     tokens: jax.Array
     positions: jax.Array
     valid: jax.Array
     write_slots: jax.Array
+    segments: jax.Array
     block_tables: jax.Array
     context_len: jax.Array
     last: jax.Array
@@ -108,8 +115,9 @@ def _observer(router_inputs: bool):
     return observe
 
 
-def _attention_kind(kv: PagedKV, batch: PagedBatch) -> PagedRows:
-    return PagedRows.of(kv, batch.positions, batch.valid, batch.block_tables, batch.context_len)
+def _attention_kind(kv: PagedKV, batch: PagedBatch, opts: StepOptions) -> PagedRows:
+    return PagedRows.of(kv, batch.positions, batch.valid, batch.segments, batch.block_tables,
+                        batch.context_len, opts.pool_chunk_blocks)
 
 
 def _next_tokens(module: model.MoEDecoder, x: Float[Array, "BC d"], batch: PagedBatch,
@@ -125,7 +133,7 @@ def paged_forward(module: model.MoEDecoder, kv: PagedKV, batch: PagedBatch,
     """Every layer of one paged step with the MoE seam ``dispatcher`` (local experts, or an
     all-to-all transport inside a shard_map) -> (the result, the dispatcher's carry)."""
     x, attn, moe_carry, seen = module.run_layers(
-        module.embed_tokens(batch.tokens), _attention_kind(kv, batch), dispatcher,
+        module.embed_tokens(batch.tokens), _attention_kind(kv, batch, opts), dispatcher,
         observe=_observer(opts.router_inputs))
     result = StepResult(tokens=_next_tokens(module, x, batch, samp), new_keys=attn.new_keys,
                         new_values=attn.new_values, experts=seen[0], weights=seen[1],
@@ -151,12 +159,13 @@ FUSED_STEP = jax.jit(fused_step, static_argnames=("cfg", "opts"))
 
 
 # ----------------------------------------------------------------------------- layerwise
-def begin_program(params: Params, kv: PagedKV, batch: PagedBatch, *, cfg: ModelConfig
-                  ) -> tuple[jax.Array, PagedRows]:
+def begin_program(params: Params, kv: PagedKV, batch: PagedBatch, *, cfg: ModelConfig,
+                  opts: StepOptions) -> tuple[jax.Array, PagedRows]:
     """The embedded tokens [B·C, d] and the attention kind of a layerwise step, without
     the pool (a program output is a new buffer: returning the pool would copy it)."""
     _COMPILES["layerwise_begin"] += 1
-    attn = dataclasses.replace(_attention_kind(kv, batch), pool_keys=None, pool_values=None)
+    attn = dataclasses.replace(_attention_kind(kv, batch, opts), pool_keys=None,
+                               pool_values=None)
     return model.decoder(cfg, params).embed_tokens(batch.tokens), attn
 
 
@@ -192,7 +201,7 @@ def head_program(params: Params, x: Float[Array, "BC d"], batch: PagedBatch,
     return _next_tokens(model.decoder(cfg, params, with_experts=False), x, batch, samp)
 
 
-BEGIN = jax.jit(begin_program, static_argnames=("cfg",))
+BEGIN = jax.jit(begin_program, static_argnames=("cfg", "opts"))
 ATTENTION = jax.jit(attention_program, static_argnames=("cfg",))
 MOE = jax.jit(moe_program, static_argnames=("opts",))
 HEAD = jax.jit(head_program, static_argnames=("cfg",))

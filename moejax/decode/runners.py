@@ -102,7 +102,7 @@ class DecodeRunner(abc.ABC):
                   ) -> StepResult:
         """The host drives the layers: attention + router, (hook), experts, per layer."""
         dense, cfg, opts = self.dense_params, self.cfg, self.opts
-        state = LayerwiseStep(*programs.BEGIN(dense, kv, batch, cfg=cfg))
+        state = LayerwiseStep(*programs.BEGIN(dense, kv, batch, cfg=cfg, opts=opts))
         for layer in range(cfg.num_layers):
             index = np.int32(layer)
             x, carry, moe_in, routing = programs.ATTENTION(dense, index, state.x, kv,

@@ -2,7 +2,8 @@
 
     moejax serve --model DIR|demo [--host 127.0.0.1] [--port 50051] [model options of score]
                  [--max-queued-tokens N] [--grace-seconds S] [--token T] [--tls-cert F --tls-key F]
-                 [--no-generation | --generation-batch-size N --max-generation-streams N]
+                 [--no-generation | --generation-batch-size N --max-generation-streams N
+                  --precompile]
     moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl] [--token T] [--tls-ca F]
                         [--max-line-mib MIB]
     moejax client generate IN.jsonl --target HOST:PORT [-o OUT.jsonl] [--concurrency N]
@@ -27,7 +28,8 @@ model, loaded after the Scorer: a second copy of the weights) unless ``--no-gene
 or unless ``--backend`` names a backend that cannot decode (a warning; with
 ``--generation`` given explicitly, an error). The Generator takes ``--dtype``,
 ``--expert-impl``, ``--backend`` / ``--devices`` (resident, offload, sync_ep) and
-``--generation-batch-size`` (its ``max_batch_size``).
+``--generation-batch-size`` (its ``max_batch_size``); ``--precompile`` compiles its step
+programs before the server reports SERVING (no stream then waits on a compile).
 
 ``client generate`` sends each request of a JSONL file (the format of ``moejax generate``)
 as one ``Generate`` call, ``--concurrency`` at once, a chunk (``--chunk-size`` lines) at a
@@ -84,6 +86,7 @@ def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
 
     return {"dtype": args.dtype, "expert_impl": args.expert_impl, "backend": args.backend,
             "devices": args.devices, "max_batch_size": args.generation_batch_size,
+            "precompile": args.precompile,
             "compilation_cache": command_compilation_cache(args.deployment)}
 
 
@@ -343,6 +346,8 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
                             "model (default: on, unless --backend cannot decode)")
     serve.add_argument("--generation-batch-size", type=positive_int, default=None,
                        help="sequences the Generator decodes together (default 8)")
+    serve.add_argument("--precompile", action="store_true",
+                       help="compile the Generator's step programs at start-up")
     serve.add_argument("--max-generation-streams", type=positive_int, default=None,
                        help="generation streams at once; more get RESOURCE_EXHAUSTED with a "
                             "retry hint (default 4 x --generation-batch-size)")
