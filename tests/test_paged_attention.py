@@ -63,10 +63,10 @@ def test_paged_attention_matches_float64_reference():
     got = paged_attention(
         jnp.asarray(q, jnp.float32), jnp.asarray(pool_k, jnp.float32),
         jnp.asarray(pool_v, jnp.float32), jnp.int32(layer),
-        table_slots(jnp.asarray(tables)), jnp.asarray(context_len),
+        jnp.asarray(tables), jnp.asarray(context_len),
         jnp.asarray(new_k, jnp.float32), jnp.asarray(new_v, jnp.float32),
         jnp.asarray(segments), jnp.asarray(positions), jnp.asarray(valid.reshape(-1)),
-        chunk_slots=16)
+        chunk_blocks=1)
     want = _reference(q, pool_k, pool_v, layer, tables, context_len, new_k, new_v, segments,
                       positions, valid.reshape(-1))
     got = np.asarray(got)

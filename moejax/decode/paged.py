@@ -108,31 +108,40 @@ class SoftmaxState:
 
 def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n_kv h"],
                     pool_values: Float[Array, "L S n_kv h"], layer: Int[Array, ""],
-                    context_slots: Int[Array, "B W"], context_len: Int[Array, "B"],
+                    block_tables: Int[Array, "B MB"], context_len: Int[Array, "B"],
                     new_keys: Float[Array, "T n_kv h"], new_values: Float[Array, "T n_kv h"],
                     segments: Int[Array, "B"], positions: Int[Array, "B C"],
-                    new_valid: Bool[Array, "T"], chunk_slots: int
+                    new_valid: Bool[Array, "T"], chunk_blocks: int
                     ) -> Float[Array, "B C n_q h"]:
     """Attention of each row's C queries (at ``positions``) over its pooled context and
     the step's new keys, one softmax over both, in float32, grouped-query.
 
-    * Pooled context: the slots ``context_slots[b, :context_len[b]]`` of layer ``layer``,
-      read ``chunk_slots`` at a time in a loop that stops at the step's longest context
+    * Pooled context: positions below ``context_len[b]`` through row b's block table, at
+      layer ``layer``; read ``chunk_blocks`` whole blocks at a time (a block's keys are
+      contiguous: one gather of 16 slots each) in a loop that stops at the step's longest
+      context
       (a dynamic trip count: one compiled program serves every context length, and a
       step pays for the context it has, not for the table's width).
     * New keys (T = B·C, row-major): those of rows in the same ``segments`` (one sequence
-      may span several rows of a prefill step), at a position <= the query's, valid.
+      may span several consecutive rows of a prefill step), at a position <= the
+      query's, valid; read one row offset at a time (:func:`_attend_new_rows`).
     """
     b, c, n_q, h = q.shape
     n_kv = pool_keys.shape[2]
     groups = n_q // n_kv
     queries = q.reshape(b, c, n_kv, groups, h) * (1.0 / math.sqrt(h))
+    chunk_slots = chunk_blocks * BLOCK_SIZE
     slot_offsets = jnp.arange(chunk_slots)
+    # [L, blocks, 16, n_kv, h]: a view (no copy) whose rows are whole blocks.
+    block_keys = pool_keys.reshape(pool_keys.shape[0], -1, BLOCK_SIZE, *pool_keys.shape[2:])
+    block_values = pool_values.reshape(block_keys.shape)
 
     def pooled_chunk(i, state: SoftmaxState) -> SoftmaxState:
         start = i * chunk_slots
-        slots = jax.lax.dynamic_slice_in_dim(context_slots, start, chunk_slots, axis=1)
-        keys, values = pool_keys[layer, slots], pool_values[layer, slots]      # [B, w, n_kv, h]
+        blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_blocks, chunk_blocks,
+                                              axis=1)
+        keys = block_keys[layer, blocks].reshape(b, chunk_slots, n_kv, h)
+        values = block_values[layer, blocks].reshape(b, chunk_slots, n_kv, h)
         scores = jnp.einsum("bckgh,bwkh->bkgcw", queries, keys,
                             preferred_element_type=jnp.float32)
         visible = (start + slot_offsets)[None, :] < context_len[:, None]       # [B, w]
@@ -143,18 +152,39 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n
     trips = (jnp.max(context_len) + chunk_slots - 1) // chunk_slots
     state = jax.lax.fori_loop(0, trips, pooled_chunk,
                               SoftmaxState.empty((b, n_kv, groups, c), h))
-    token_segments = jnp.repeat(segments, c)                                   # [T]
-    token_positions = positions.reshape(-1)
-    visible_new = ((token_segments[None, None, :] == segments[:, None, None])
-                   & (token_positions[None, None, :] <= positions[:, :, None])
-                   & new_valid[None, None, :])                                  # [B, C, T]
-    scores = jnp.einsum("bckgh,tkh->bkgct", queries, new_keys,
-                        preferred_element_type=jnp.float32)
-    state = state.add(scores, visible_new[:, None, None],
-                      lambda p: jnp.einsum("bkgct,tkh->bkgch", p.astype(new_values.dtype),
-                                           new_values, preferred_element_type=jnp.float32))
+    return _attend_new_rows(state, queries, new_keys.reshape(b, c, n_kv, h),
+                            new_values.reshape(b, c, n_kv, h), segments, positions,
+                            new_valid.reshape(b, c)).astype(q.dtype)
+
+
+def _attend_new_rows(state: SoftmaxState, queries: Float[Array, "B C n_kv g h"],
+                     keys: Float[Array, "B C n_kv h"], values: Float[Array, "B C n_kv h"],
+                     segments: Int[Array, "B"], positions: Int[Array, "B C"],
+                     valid: Bool[Array, "B C"]) -> Float[Array, "B C n_q h"]:
+    """Fold the step's new keys into ``state`` and finish: row b sees rows b, b-1, ...
+    of its own segment (a segment's rows are consecutive), one row offset per loop
+    iteration, as many as the longest segment has rows. Rows of other segments cost
+    nothing: a step of one-row segments (every decode step) makes one iteration."""
+    b, c, n_kv, groups, h = queries.shape
+    row_ids = jnp.arange(b)
+    first_row = jnp.argmax(segments[None, :] == segments[:, None], axis=1)
+    span = jnp.max(jnp.where(segments >= 0, row_ids - first_row + 1, 0))
+
+    def row_offset(j, state: SoftmaxState) -> SoftmaxState:
+        source = jnp.maximum(row_ids - j, 0)          # the row whose keys row b sees now
+        visible = (((row_ids >= j) & (segments[source] == segments))[:, None, None]
+                   & (positions[source][:, None, :] <= positions[:, :, None])
+                   & valid[source][:, None, :])                                 # [B, Cq, Ck]
+        scores = jnp.einsum("bckgh,bjkh->bkgcj", queries, keys[source],
+                            preferred_element_type=jnp.float32)
+        return state.add(scores, visible[:, None, None],
+                         lambda p: jnp.einsum("bkgcj,bjkh->bkgch",
+                                              p.astype(values.dtype), values[source],
+                                              preferred_element_type=jnp.float32))
+
+    state = jax.lax.fori_loop(0, span, row_offset, state)
     out = jnp.moveaxis(state.result(), 3, 1)                                   # [B, C, n_kv, g, h]
-    return out.reshape(b, c, n_q, h).astype(q.dtype)
+    return out.reshape(b, c, n_kv * groups, h)
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -164,24 +194,24 @@ class PagedRows:
     """The attention kind of a paged step: B rows of ``chunk`` tokens, flattened [B·C].
 
     positions, valid: [B·C]; segments [B]: the sequence of each row (a prefill step may
-    give one sequence several consecutive rows); context_slots [B, W]: the pool slots of
-    each row's block table; context_len [B]: positions already in the pool (the same for
+    give one sequence several consecutive rows); block_tables [B, MB]: each row's block
+    table (padded to a multiple of ``chunk_blocks``); context_len [B]: positions already in the pool (the same for
     every row of a sequence); pool_keys/values: the pool (read only); new_keys/new_values
     [L, B·C, n_kv, h]: this step's keys and values, the carry (written to the pool by
-    :func:`write_rows` after the step). ``chunk_slots``: pool slots read per iteration of
+    :func:`write_rows` after the step). ``chunk_blocks``: KV blocks read per iteration of
     the attention's context loop."""
 
     positions: jax.Array
     valid: jax.Array
     segments: jax.Array
-    context_slots: jax.Array
+    block_tables: jax.Array
     context_len: jax.Array
     pool_keys: jax.Array
     pool_values: jax.Array
     new_keys: jax.Array
     new_values: jax.Array
     chunk: int = dataclasses.field(metadata=_STATIC)
-    chunk_slots: int = dataclasses.field(metadata=_STATIC)
+    chunk_blocks: int = dataclasses.field(metadata=_STATIC)
 
     @classmethod
     def of(cls, kv: PagedKV, positions: Int[Array, "BC"], valid: Bool[Array, "BC"],
@@ -194,11 +224,11 @@ class PagedRows:
         pad = -block_tables.shape[1] % chunk_blocks
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
         return cls(positions=positions, valid=valid, segments=segments,
-                   context_slots=table_slots(block_tables), context_len=context_len,
+                   block_tables=block_tables, context_len=context_len,
                    pool_keys=kv.keys, pool_values=kv.values,
                    new_keys=jnp.zeros(shape, kv.keys.dtype),
                    new_values=jnp.zeros(shape, kv.values.dtype),
-                   chunk=rows // block_tables.shape[0], chunk_slots=chunk_blocks * BLOCK_SIZE)
+                   chunk=rows // block_tables.shape[0], chunk_blocks=chunk_blocks)
 
     def carry(self) -> Any:
         return self.new_keys, self.new_values
@@ -220,8 +250,8 @@ class PagedRows:
         # The pool is gathered per chunk inside the attention, from the whole pool:
         # slicing the layer out first would copy it.
         out = paged_attention(split(q), self.pool_keys, self.pool_values, layer,
-                              self.context_slots, self.context_len, k, v, self.segments,
-                              split(self.positions), self.valid, self.chunk_slots)
+                              self.block_tables, self.context_len, k, v, self.segments,
+                              split(self.positions), self.valid, self.chunk_blocks)
         kind = dataclasses.replace(self, new_keys=self.new_keys.at[layer].set(k),
                                    new_values=self.new_values.at[layer].set(v))
         return out.reshape(q.shape), kind
