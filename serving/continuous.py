@@ -54,6 +54,7 @@ from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.generate import SequenceOutput, SequenceSpec
 from moejax.kv_cache import bucket
+from serving.prefix_share import ScorerPrefixSource
 
 BLOCK = prefix_hash.BLOCK_SIZE
 log = logging.getLogger(__name__)
@@ -127,6 +128,18 @@ class _Rows:
     work: list[tuple[SequenceState, int, int]]
 
 
+@dataclasses.dataclass
+class _Launch:
+    """A dispatched program: its work items (rank order), row width, each item's first
+    and last row, and the (not yet read) result."""
+
+    works: list[tuple[SequenceState, int, int]]
+    width: int
+    first_rows: list[int]
+    last_rows: list[int]
+    result: StepResult
+
+
 class Scheduler:
     """Continuous batching of :class:`SequenceSpec` s over a runner (module docstring)."""
 
@@ -150,6 +163,8 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
         self.stats = collections.Counter()
+        # Where else cached prompt blocks may be found (serving.prefix_share; one rank).
+        self.prefix_source: ScorerPrefixSource | None = None
 
     # ----------------------------------------------------------------- intake
     def submit(self, spec: SequenceSpec, on_event: Callable[[TokenEvent], None] | None = None
@@ -173,6 +188,14 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def share_prefix_cache(self, source: ScorerPrefixSource) -> None:
+        """Admit prompts whose leading blocks ``source`` holds by copying those blocks
+        instead of prefilling them (:mod:`serving.prefix_share`)."""
+        if self.ranks != 1:
+            raise ValueError(f"sharing cached prompt blocks needs a one-rank decode backend "
+                             f"(this one has {self.ranks} ranks)")
+        self.prefix_source = source
+
     def occupancy(self) -> int:
         """KV blocks held by sequences, over every rank."""
         return sum(m.num_in_use for m in self.managers)
@@ -184,10 +207,13 @@ class Scheduler:
         self._drop_cancelled(events)
         self._admit()
         prefill, decode = self._plan()
-        if prefill.work:
-            self._run(prefill, self.row_tokens, events)
-        if decode.work:
-            self._run(decode, 1, events)
+        # Both programs are dispatched before either result is read: the decode rows do
+        # not depend on this step's prefill (other sequences), so the host builds the
+        # decode batch while the prefill runs (the pool carries the order on the device).
+        launched = [self._launch(rows, width)
+                    for rows, width in ((prefill, self.row_tokens), (decode, 1)) if rows.work]
+        for launch in launched:
+            self._collect(launch, events)
         self.running = [s for s in self.running if not s.finished]
         self.stats["steps"] += 1
         return events
@@ -253,9 +279,23 @@ class Scheduler:
             hits = manager.cached_prefix(seq.hashes)
             manager.acquire(hits)
             seq.blocks = list(hits)
-            seq.computed = len(hits) * BLOCK
-            self.stats["prefix_hit_tokens"] += seq.computed
+            self.stats["prefix_hit_tokens"] += len(hits) * BLOCK
+            if self.prefix_source is not None and len(hits) < len(seq.hashes):
+                self._copy_shared_prefix(seq, manager)
+            seq.computed = len(seq.blocks) * BLOCK
             self.running.append(seq)
+
+    def _copy_shared_prefix(self, seq: SequenceState, manager: BlockManager) -> None:
+        """Extend ``seq``'s cached blocks with those the prefix source holds (copied into
+        blocks of this pool, named: cached here from now on)."""
+        missing = seq.hashes[len(seq.blocks):]
+        self.kv, blocks = self.prefix_source.copy_into(
+            missing, self.kv, lambda n: manager.allocate(min(n, manager.num_available)),
+            self.runner.device)
+        for block, digest in zip(blocks, missing):
+            manager.name(block, digest)
+        seq.blocks += blocks
+        self.stats["shared_prefix_tokens"] += len(blocks) * BLOCK
 
     def _rank_for(self, seq: SequenceState) -> int | None:
         """The rank with room (running rows, blocks for the first chunk) and the fewest
@@ -315,8 +355,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ----------------------------------------------------------------- running
-    def _run(self, rows: _Rows, width: int, events: list[TokenEvent]) -> None:
-        """One program over ``rows`` (rows of ``width`` tokens), then its bookkeeping."""
+    def _launch(self, rows: _Rows, width: int) -> "_Launch":
+        """Dispatch one program over ``rows`` (rows of ``width`` tokens); its result is
+        read by :meth:`_collect`."""
         per_rank: list[list[tuple[SequenceState, int, int]]] = [[] for _ in range(self.ranks)]
         for work in rows.work:
             per_rank[work[0].rank].append(work)
@@ -325,12 +366,17 @@ class Scheduler:
         batch, samp, first_rows, last_rows = self._batch(per_rank, bucket(needed, 1, cap),
                                                          width)
         self.kv, result = self.runner.run(self.kv, batch, samp, self.options.step)
-        tokens = np.asarray(result.tokens)
-        routing = _host_routing(result, self.options.trace)
         works = [work for rank_works in per_rank for work in rank_works]
-        for (seq, start, count), first, last in zip(works, first_rows, last_rows):
+        return _Launch(works, width, first_rows, last_rows, result)
+
+    def _collect(self, launch: "_Launch", events: list[TokenEvent]) -> None:
+        """A dispatched program's tokens (and routing) into its sequences."""
+        tokens = np.asarray(launch.result.tokens)
+        routing = _host_routing(launch.result, self.options.trace)
+        for (seq, start, count), first, last in zip(launch.works, launch.first_rows,
+                                                    launch.last_rows):
             if routing is not None:
-                _record_routing(seq, routing, first * width, start, count)
+                _record_routing(seq, routing, first * launch.width, start, count)
             seq.computed = start + count
             self._name_full_blocks(seq)
             if seq.pending == 0:       # its last token ran: the next one is sampled

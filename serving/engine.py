@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -71,6 +72,10 @@ class Engine:
         self.kv_cache_free = kv_cache_free
         self.last_cache_events: tuple[list[bytes], list[bytes]] = ([], [])
         self.prefix_cache: PrefixCache | None = None
+        # Held while the cache or its pool changes (a run, a reset): another thread
+        # (generation reading cached prompt blocks, serving.prefix_share) must not look
+        # blocks up or read the pool meanwhile (blocks get evicted, the pool is donated).
+        self.prefix_lock = threading.RLock()
         if prefix_cache_blocks:
             self.prefix_cache = PrefixCache(prefix_cache_blocks)
             # The backend places the pool (BackendError where it cannot hold one).
@@ -117,9 +122,10 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the pool's contents become unreachable)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache = PrefixCache(self.prefix_cache.num_blocks,
-                                            self.prefix_cache.block_size)
+        with self.prefix_lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache = PrefixCache(self.prefix_cache.num_blocks,
+                                                self.prefix_cache.block_size)
 
     def run(self, ops: Sequence[PrefillOp],
             on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
@@ -142,6 +148,12 @@ class Engine:
                                ) -> dict[Hashable, SequenceOutput]:
         """Run the levels of the prefix plan (serving/prefix_cache.py): each op continues
         the cached blocks and the shared tokens earlier levels stored."""
+        with self.prefix_lock:
+            return self._run_levels(ops, on_batch_done)
+
+    def _run_levels(self, ops: Sequence[PrefillOp],
+                    on_batch_done: Callable[[int], None] | None
+                    ) -> dict[Hashable, SequenceOutput]:
         cache = self.prefix_cache
         plan = plan_run(ops, cache, self.kv_cache_free)
         slots = cache.num_slots

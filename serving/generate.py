@@ -62,6 +62,7 @@ from serving.api import resolve_model_dir
 from serving.compilation_cache import enable_compilation_cache
 from serving.continuous import GenerationLoop, Scheduler, SchedulerOptions, SequenceTooLong
 from serving.options import ScorerOptions
+from serving.prefix_share import ScorerPrefixSource
 from serving.requests import (RequestError, TokenizerAdapter, id_problem, request_id_of,
                               request_label, show, unexpected_error, unknown_fields)
 
@@ -426,6 +427,18 @@ class Generator:
             if opts.precompile:
                 self.scheduler.precompile()
         del params  # the engine or runner holds the device copy
+
+    def share_prefix_cache(self, scorer: Any) -> None:
+        """Reuse the prompt blocks ``scorer`` (a :class:`serving.Scorer` of the same model
+        and dtype, with its prefix cache on) has cached: a generation prompt that starts
+        with a prompt scored earlier copies those blocks' keys/values instead of
+        prefilling them (:mod:`serving.prefix_share`; the copied tokens are counted in
+        ``scheduler.stats["shared_prefix_tokens"]``). Continuous batching on a one-rank
+        backend (resident, offload) only."""
+        if self.scheduler is None:
+            raise ValueError("sharing the Scorer's prefix cache needs batching='continuous'")
+        self.scheduler.share_prefix_cache(ScorerPrefixSource(
+            scorer, self.config, self.scheduler.runner.dtype))
 
     def kv_cache_blocks(self, runner: Any) -> int:
         """The paged pool's blocks per rank (:class:`GeneratorOptions`)."""

@@ -29,7 +29,10 @@ or unless ``--backend`` names a backend that cannot decode (a warning; with
 ``--generation`` given explicitly, an error). The Generator takes ``--dtype``,
 ``--expert-impl``, ``--backend`` / ``--devices`` (resident, offload, sync_ep) and
 ``--generation-batch-size`` (its ``max_batch_size``); ``--precompile`` compiles its step
-programs before the server reports SERVING (no stream then waits on a compile).
+programs before the server reports SERVING (no stream then waits on a compile). With the
+Scorer's prefix cache on (``--prefix-cache-blocks``), a generation prompt that starts with
+a prompt scored earlier copies its cached blocks instead of prefilling them
+(``serving.prefix_share``; one-rank decode backends).
 
 ``client generate`` sends each request of a JSONL file (the format of ``moejax generate``)
 as one ``Generate`` call, ``--concurrency`` at once, a chunk (``--chunk-size`` lines) at a
@@ -90,6 +93,19 @@ def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
             "compilation_cache": command_compilation_cache(args.deployment)}
 
 
+def _share_prefix_cache(generator: Any, scorer: Any) -> None:
+    """Let generation reuse the prompt blocks scoring cached, where both can."""
+    from serving.prefix_share import caching_engines
+
+    if scorer is None or not caching_engines(scorer):
+        return
+    try:
+        generator.share_prefix_cache(scorer)
+    except ValueError as exc:
+        logging.getLogger("moejax.grpc").warning(
+            "generation will not reuse the prompt blocks scoring cached: %s", exc)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (see the module docstring)."""
     from serving import Scorer
@@ -135,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from serving.generate import Generator
 
             generator = Generator(args.model, **_generator_options(args))
+            _share_prefix_cache(generator, scorer)
         loading.clear()
     except _Interrupted:
         scorer = None
