@@ -228,6 +228,7 @@ class Scheduler:
         rows that are all padding (nothing is read or written), so that no later step
         stalls on a compile. Returns how many programs ran."""
         shapes = self.program_shapes()
+        self.runner.precompile()
         for rows, width in shapes:
             batch, samp, _, _ = self._batch([[] for _ in range(self.ranks)], rows, width)
             self.kv, _ = self.runner.run(self.kv, batch, samp, self.options.step)

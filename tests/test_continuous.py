@@ -158,6 +158,34 @@ def test_precompile_covers_every_program(demo):
     assert compiled_program_counts()["fused_step"] == before + 6
 
 
+def test_precompiled_offload_compiles_nothing_later(demo):
+    """Offload (layerwise, expert copies): after precompile no backend compile happens
+    while generating (the slot copy included; a fresh compile key: pool_chunk_blocks=4)."""
+    import jax.monitoring
+
+    cfg, params, specs, _, alone = demo
+    runner = make_runner("offload", cfg, params, dtype="float32",
+                         opts=StepOptions(pool_chunk_blocks=4))
+    scheduler = _scheduler(runner, step="layerwise")
+    scheduler.precompile()
+    assert runner.experts_copied == 0 and all(
+        held is None for slots in runner.slot_buffers for held in slots.held)
+    compiles = []
+
+    def listener(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        seqs = [scheduler.submit(s) for s in specs[:3]]
+        scheduler.run_until_idle()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [s.output.token_ids for s in seqs] == _tokens(alone[:3])
+    assert compiles == [] and runner.experts_copied > 0
+
+
 def test_traces_have_every_token_once(demo):
     """Prefill routing of every prompt token, decode routing of every fed-back token, also
     across preemption (recomputed tokens are not recorded twice)."""

@@ -72,6 +72,10 @@ class DecodeRunner(abc.ABC):
         """A zeroed pool of ``num_blocks`` blocks per rank."""
         return empty_paged_kv(self.cfg, num_blocks, self.dtype, self.device)
 
+    def precompile(self) -> None:
+        """Compile what a step runs besides its programs (the scheduler's ``precompile``
+        runs the programs themselves on padding rows)."""
+
     def check_step(self, step: str) -> None:
         if step not in self.steps:
             raise BackendError(f"backend {self.name!r} runs decode steps "
@@ -238,6 +242,14 @@ class OffloadRunner(DecodeRunner):
     @property
     def device(self) -> Any:
         return self._device
+
+    def precompile(self) -> None:
+        """Compile the slot copy (padding rows copy no expert) by loading one expert into
+        each buffer; the buffers then count as empty again."""
+        for slots in self.slot_buffers:
+            slots.load(0, np.zeros(1, np.int64), self.host_experts, self._on_device,
+                       self.cfg.num_experts)
+            slots.held = [None] * len(slots.held)
 
     def layer_experts(self, layer: int, routing: moe.Routing, valid: jax.Array
                       ) -> tuple[dict[str, jax.Array], int, moe.Routing]:
