@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -67,6 +68,7 @@ from serving.requests import (RequestError, TokenizerAdapter, id_problem, reques
                               request_label, show, unexpected_error, unknown_fields)
 
 DEFAULT_MAX_NEW_TOKENS = 16
+log = logging.getLogger(__name__)
 _FLOAT32 = np.finfo(np.float32)
 
 
@@ -395,15 +397,23 @@ class Generator:
     with the same full 16-token blocks (a shared system prompt) reuses their keys/values.
     A Generator runs one call at a time (``generate``, ``stream``, or a loop from
     :meth:`start_loop`, not several at once).
+
+    ``weights_of=scorer`` decodes with a :class:`serving.Scorer`'s weights instead of a
+    second copy, where it can use them as they are (the same model, both resident on
+    one device, one dtype, continuous batching; otherwise it loads its own and logs
+    why). ``moejax serve`` does this.
     """
 
-    def __init__(self, model: str | os.PathLike = "demo", **options: Any):
+    def __init__(self, model: str | os.PathLike = "demo", *, weights_of: Any = None,
+                 **options: Any):
         self.options = make_options(options)
         shared = self.options.scorer_view()
         enable_compilation_cache(shared.compilation_cache)
         self.model_dir, self.is_demo = resolve_model_dir(model)
         dtype = shared.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
+        if weights_of is not None:
+            params = self._shared_weights(weights_of, params, dtype)
         self.tokenizer = TokenizerAdapter(tokenizer)
         self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
         opts = self.options
@@ -427,6 +437,27 @@ class Generator:
             if opts.precompile:
                 self.scheduler.precompile()
         del params  # the engine or runner holds the device copy
+
+    def _shared_weights(self, scorer: Any, params: Any, dtype: Any) -> Any:
+        """The weights of ``scorer`` (``weights_of=``) when this Generator can decode with
+        them as they are — the same model, a resident Scorer with one engine, a resident
+        continuous Generator, one dtype — so that a server holds one copy; else
+        ``params`` (logged)."""
+        engines = scorer.engines
+        backend = engines[0].backend
+        why = None
+        if scorer.config != self.config:
+            why = "it serves another model configuration"
+        elif len(engines) != 1 or backend.name != "resident":
+            why = "its weights are not on one resident engine"
+        elif self.options.backend != "resident" or self.options.batching != "continuous":
+            why = "this Generator does not decode resident with continuous batching"
+        elif np.dtype(backend.dtype) != np.dtype(dtype):
+            why = f"it computes in {np.dtype(backend.dtype).name}, this in {np.dtype(dtype).name}"
+        if why is not None:
+            log.info("the Generator keeps its own copy of the weights: %s", why)
+            return params
+        return backend.params
 
     def share_prefix_cache(self, scorer: Any) -> None:
         """Reuse the prompt blocks ``scorer`` (a :class:`serving.Scorer` of the same model

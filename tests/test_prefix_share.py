@@ -1,6 +1,7 @@
 """Generation reuses the prompt blocks that scoring cached (``serving.prefix_share``):
 copied blocks hold the keys/values generation computes itself, the tokens do not change,
-an engine busy scoring is skipped (never waited on), and mismatched pairs are refused."""
+an engine busy scoring is skipped (never waited on), and mismatched pairs are refused.
+Also the other thing a server shares between the two: the weights (``weights_of``)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,23 @@ def test_serve_shares_where_it_can(pair, caplog):
     other = Generator("demo", dtype="bfloat16", compilation_cache="off")
     _share_prefix_cache(other, scorer)                          # warns, serves anyway
     assert other.scheduler.prefix_source is None and "bfloat16" in caplog.text
+
+
+def test_a_generator_decodes_with_the_scorers_weights(pair, caplog):
+    """``weights_of=scorer``: the runner holds the Scorer's very arrays (one copy in a
+    server), and the tokens are a Generator's own; where it cannot (another dtype) it
+    keeps its own copy and says why."""
+    import jax
+
+    scorer, _, plain, system = pair
+    gen = Generator("demo", weights_of=scorer, **OPTS)
+    theirs = jax.tree.leaves(scorer.engine.backend.params)
+    ours = jax.tree.leaves(gen.scheduler.runner.params)
+    assert len(ours) == len(theirs) and all(a is b for a, b in zip(ours, theirs))
+    request = _request(system[:20], new=5)
+    assert gen.generate([request])[0].token_ids == plain.generate([request])[0].token_ids
+    caplog.set_level("INFO", logger="serving.generate")
+    own = Generator("demo", weights_of=scorer, dtype="bfloat16", compilation_cache="off")
+    assert not any(a is b for a, b in zip(jax.tree.leaves(own.scheduler.runner.params),
+                                          theirs))
+    assert "own copy" in caplog.text and "bfloat16" in caplog.text

@@ -31,6 +31,7 @@ import numpy as np
 
 from moejax import moe, sampling
 from moejax.backends.base import BackendError, require_devices, validated
+from moejax.model import check_params
 from moejax.backends.streamed import host_memory_kind
 from moejax.config import ModelConfig
 from moejax.decode import programs
@@ -127,6 +128,17 @@ class DecodeRunner(abc.ABC):
     dense_params: Params
 
 
+def placed_params(params: Params, cfg: ModelConfig, dtype: Any, device: Any) -> Params:
+    """``params`` in ``dtype`` on ``device``: used as they are when every leaf already is
+    (a Scorer's resident weights on the same device: no second copy), else cast and
+    placed."""
+    if all(isinstance(a, jax.Array) and a.dtype == dtype and a.devices() == {device}
+           for a in jax.tree.leaves(params)):
+        check_params(params, cfg)
+        return params
+    return jax.device_put(validated(params, cfg, dtype), device)
+
+
 class ResidentRunner(DecodeRunner):
     """Every weight on one device."""
 
@@ -139,7 +151,7 @@ class ResidentRunner(DecodeRunner):
             raise BackendError(f"backend 'resident' decodes on one device, got "
                                f"devices={devices}; use sync_ep for several")
         self._device = require_devices(self.name, 1)[0]
-        self.params = jax.device_put(validated(params, cfg, self.dtype), self._device)
+        self.params = placed_params(params, cfg, self.dtype, self._device)
         self.dense_params = programs.dense_params(self.params)
         self.experts = {k: self.params["layers"][k] for k in EXPERT_KEYS}
 

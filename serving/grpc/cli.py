@@ -24,7 +24,8 @@ counted), as in ``moejax score``: ``"line 3: prompt: is empty"``. The input and 
 checked before connecting (one-line error, exit 2); an RPC failure exits 1.
 
 ``serve`` also serves ``moejax.v1.Generation`` (a :class:`serving.Generator` of the same
-model, loaded after the Scorer: a second copy of the weights) unless ``--no-generation``,
+model, loaded after the Scorer; it decodes with the Scorer's weights where both are
+resident on one device in one dtype, else it holds a second copy) unless ``--no-generation``,
 or unless ``--backend`` names a backend that cannot decode (a warning; with
 ``--generation`` given explicitly, an error). The Generator takes ``--dtype``,
 ``--expert-impl``, ``--backend`` / ``--devices`` (resident, offload, sync_ep) and
@@ -150,7 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if generation and not stop.is_set():
             from serving.generate import Generator
 
-            generator = Generator(args.model, **_generator_options(args))
+            generator = Generator(args.model, weights_of=scorer, **_generator_options(args))
             _share_prefix_cache(generator, scorer)
         loading.clear()
     except _Interrupted:
