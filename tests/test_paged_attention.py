@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
-from moejax.decode.paged import BLOCK_SIZE, paged_attention, table_slots
+from moejax.decode.paged import BLOCK_SIZE, paged_attention
 
 LAYERS, BLOCKS, N_KV, GROUPS, H = 2, 12, 2, 2, 8
 
@@ -17,7 +17,7 @@ def _reference(q, pool_k, pool_v, layer, tables, context_len, new_k, new_v, segm
     """Per query: softmax over its row's pooled slots below context_len and the step's
     new keys of its segment at positions <= its own (valid ones), in float64."""
     b, c, n_q, h = q.shape
-    slots = np.asarray(table_slots(jnp.asarray(tables)))
+    slots = (tables[:, :, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(len(tables), -1)
     flat_pos, flat_seg = positions.reshape(-1), np.repeat(segments, c)
     out = np.zeros((b, c, n_q, h))
     for row in range(b):

@@ -65,13 +65,6 @@ def empty_paged_kv(cfg: ModelConfig, num_blocks: int, dtype: Any, device: Any = 
                    values=jnp.zeros(shape, dtype, device=device))
 
 
-def table_slots(block_tables: Int[Array, "B MB"]) -> Int[Array, "B W"]:
-    """Pool slot of every position 0 .. MB·16 - 1 of each row's block table."""
-    offsets = jnp.arange(BLOCK_SIZE, dtype=block_tables.dtype)
-    slots = block_tables[:, :, None] * BLOCK_SIZE + offsets[None, None, :]
-    return slots.reshape(block_tables.shape[0], -1)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SoftmaxState:
@@ -92,8 +85,7 @@ class SoftmaxState:
     def add(self, scores: Float[Array, "... C W"], visible: Bool[Array, "..."],
             values_of: Any) -> "SoftmaxState":
         """Fold in one chunk of scores (masked by ``visible``, which broadcasts to them);
-        ``values_of(probs)`` gives
-        the chunk's probability-weighted values [..., C, h]."""
+        ``values_of(probs)`` gives the chunk's probability-weighted values [..., C, h]."""
         peak = jnp.maximum(self.peak, jnp.max(jnp.where(visible, scores, MASK_VALUE), -1))
         # Masked scores weigh exactly 0 (not exp(MASK - MASK) = 1 in an empty chunk).
         probs = jnp.where(visible, jnp.exp(scores - peak[..., None]), 0.0)
@@ -119,9 +111,8 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n
     * Pooled context: positions below ``context_len[b]`` through row b's block table, at
       layer ``layer``; read ``chunk_blocks`` whole blocks at a time (a block's keys are
       contiguous: one gather of 16 slots each) in a loop that stops at the step's longest
-      context
-      (a dynamic trip count: one compiled program serves every context length, and a
-      step pays for the context it has, not for the table's width).
+      context (a dynamic trip count: one compiled program serves every context length,
+      and a step pays for the context it has, not for the table's width).
     * New keys (T = B·C, row-major): those of rows in the same ``segments`` (one sequence
       may span several consecutive rows of a prefill step), at a position <= the
       query's, valid; read one row offset at a time (:func:`_attend_new_rows`).
@@ -195,8 +186,8 @@ class PagedRows:
 
     positions, valid: [B·C]; segments [B]: the sequence of each row (a prefill step may
     give one sequence several consecutive rows); block_tables [B, MB]: each row's block
-    table (padded to a multiple of ``chunk_blocks``); context_len [B]: positions already in the pool (the same for
-    every row of a sequence); pool_keys/values: the pool (read only); new_keys/new_values
+    table (padded to a multiple of ``chunk_blocks``); context_len [B]: positions already
+    in the pool (the same for every row of a sequence); pool_keys/values: the pool (read only); new_keys/new_values
     [L, B·C, n_kv, h]: this step's keys and values, the carry (written to the pool by
     :func:`write_rows` after the step). ``chunk_blocks``: KV blocks read per iteration of
     the attention's context loop."""
