@@ -72,7 +72,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -222,10 +221,14 @@ def locality_figures(traces: np.ndarray, domains: np.ndarray, num_domains: int, 
 
 def analyse(prefill_ids: list[np.ndarray], decode_ids: np.ndarray, domains: np.ndarray,
             num_domains: int, num_experts: int, batch_sizes: Sequence[int], count: int,
-            seed: int, first_eos: np.ndarray | None = None) -> dict[str, Any]:
+            seed: int, first_eos: np.ndarray | None = None,
+            router: tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None
+            ) -> dict[str, Any]:
     """Every figure of one model. ``prefill_ids``: per request [L, P, k];
     ``decode_ids`` [R, L, S, k]; ``domains`` [R] domain index of each request;
-    ``first_eos`` [R]: decode steps before each request's first EOS (default: all)."""
+    ``first_eos`` [R]: decode steps before each request's first EOS (default: all);
+    ``router``: the router weights [L, d, E] and, per phase, the traced router inputs
+    [L, n, d] and expert ids [L, n, k] (for the next-layer recall)."""
     from moejax.generate import expert_counts
 
     rng = np.random.default_rng(seed)
@@ -277,6 +280,14 @@ def analyse(prefill_ids: list[np.ndarray], decode_ids: np.ndarray, domains: np.n
                          axis=0)
         out[f"tv_between_domains_{name}"] = between
         out[f"tv_between_halves_{name}"] = within
+        out[f"divergence_by_domain_{name}"] = usage_divergence_by_domain(counts, domains,
+                                                                         num_domains)
+    if router is not None:
+        router_w, phases = router
+        k = decode_ids.shape[-1]
+        out["next_layer_recall"] = {phase: next_layer_recall(inputs, ids, router_w, k)
+                                    for phase, (inputs, ids) in phases.items()}
+        out["next_layer_recall_chance"] = k / num_experts
     return out
 
 
@@ -315,101 +326,80 @@ def flat_figures(result: dict[str, Any], domains: Sequence[str], primary: int, s
             f[f"usage_tv_between_{kind}_{phase}"] = float(np.mean(per_layer))
             for layer, value in enumerate(per_layer):
                 f[f"usage_tv_between_{kind}_{phase}_layer{layer}"] = float(value)
+    for name, per_layer in zip(domains, result["divergence_by_domain_decode"]):
+        f[f"usage_divergence_{name}"] = float(np.mean(per_layer))
+        for layer, value in enumerate(per_layer):
+            f[f"usage_divergence_{name}_layer{layer}"] = float(value)
+    for name, per_layer in zip(domains, result["divergence_by_domain_prefill"]):
+        f[f"usage_divergence_{name}_prefill"] = float(np.mean(per_layer))
+    if "next_layer_recall" in result:
+        f["next_layer_recall_chance"] = result["next_layer_recall_chance"]
+        for phase, per_layer in result["next_layer_recall"].items():
+            key = "next_layer_recall_router_baseline" + ("" if phase == "decode" else "_prefill")
+            f[key] = float(np.mean(per_layer))
+            for layer, value in enumerate(per_layer):
+                f[f"{key}_layer{layer}"] = float(value)
     return {key + suffix: value for key, value in f.items()}
 
 
 # ------------------------------------------------------------------------------ models
-def domain_prompts(src, tokenizer, domain: str, count: int, length: int,
-                   rng: np.random.Generator) -> list[list[int]]:
-    """``count`` prompts of exactly ``length`` token ids: held-out texts of ``domain``
-    joined by newlines, cut."""
-    prompts = []
-    for _ in range(count):
-        text, ids = "", []
-        while len(ids) < length:
-            text = f"{text}\n{src.text(domain, rng)}" if text else src.text(domain, rng)
-            ids = tokenizer.encode(text)
-        prompts.append(ids[:length])
-    return prompts
-
-
-def untrained_model_dir(model_dir: str, out_dir: str) -> int:
-    """Write the untrained twin of ``model_dir`` into ``out_dir``: the training script's
-    seeded init (seed from ``train_log.json``, else the demo's), as bfloat16 safetensors
-    in the Hugging Face layout, with the model's config and tokenizer. Returns the seed.
-
-    The export inverts the loader's plan slot by slot and is checked by loading it back."""
-    import jax
-    import ml_dtypes
-
-    from moejax import checkpoint
-    from moejax.config import load_config
-    from moejax.demo import train
-    from moejax.safetensors_io import write_safetensors
-
-    cfg = load_config(model_dir)
-    seed = train.TrainConfig().seed
-    log_path = os.path.join(model_dir, "train_log.json")
-    if os.path.isfile(log_path):
-        with open(log_path, encoding="utf-8") as fh:
-            seed = int(json.load(fh).get("train_config", {}).get("seed", seed))
-    params = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32),
-                                    train.init_params(cfg, seed))
-    tensors = {}
-    for slot in checkpoint.hf_tensor_plan(cfg, set()):
-        (write,) = slot.writes
-        leaf: Any = params
-        for key in write.key:
-            leaf = leaf[key]
-        value = np.asarray(leaf[write.index], np.float32)
-        probe = np.empty((2, 3))
-        swapped = write.transform(probe).shape == (3, 2)      # the loader's HF -> moejax step
-        tensor = np.swapaxes(value, -1, -2) if swapped else value
-        if tensor.shape != slot.shape:
-            raise RuntimeError(f"{slot.name}: param slice {value.shape} does not fit {slot.shape}")
-        tensors[slot.name] = np.ascontiguousarray(tensor).astype(ml_dtypes.bfloat16)
-    os.makedirs(out_dir, exist_ok=True)
-    for name in ("config.json", "tokenizer.json", "generation_config.json"):
-        if os.path.isfile(os.path.join(model_dir, name)):
-            shutil.copyfile(os.path.join(model_dir, name), os.path.join(out_dir, name))
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors,
-                      metadata={"format": "pt", "notice": f"untrained init, seed {seed}"})
-    _, loaded, _ = checkpoint.load_model_dir(out_dir, "float32")
-    bf16 = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)
-    same = jax.tree_util.tree_map(lambda a, b: bool(np.array_equal(bf16(a), b)), params, loaded)
-    if not all(jax.tree_util.tree_leaves(same)):
-        raise RuntimeError("the untrained export does not load back as the init params")
-    return seed
-
-
 def first_stop(token_ids: Sequence[int], stop: Sequence[int] | frozenset) -> int:
     """Index of the first token of ``token_ids`` in ``stop`` (``len(token_ids)`` if none):
     the decode steps before it are the request's answer proper."""
     return next((i for i, t in enumerate(token_ids) if t in stop), len(token_ids))
 
 
-def trace_model(model_dir: str, prompts: list[list[int]], new_tokens: int, batch: int
-                ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, float]:
-    """Greedy generation with expert tracing: per request prefill ids [L, P, k], decode ids
-    [R, L, new_tokens - 1, k], the index of each request's first EOS (``new_tokens`` if
-    none), and wall seconds."""
-    from serving import Generator
+def trace_arrays(trace, eos_ids: frozenset[int] | Sequence[int]) -> dict[str, Any]:
+    """What :func:`analyse` reads from a ``moejax.traces.Trace`` whose requests all decoded
+    the same number of steps: per request prefill ids [L, P, k], decode ids
+    [R, L, S, k], the index of each request's first EOS (its generated-token count if
+    none), the domain labels and, if recorded, the router inputs [L, tokens, d] of both
+    phases with each token's request."""
+    requests = trace.requests
+    steps = {r.decode_experts.shape[1] for r in requests}
+    if len(steps) != 1:
+        raise ValueError(f"the trace's requests decoded different step counts {sorted(steps)}; "
+                         "write it with stop_token_ids=[] (benchmarks/expert_traces.py does)")
+    if any(r.domain is None for r in requests):
+        raise ValueError("every request of the trace needs a domain label")
+    stop = frozenset(int(t) for t in eos_ids)
+    out = {"prefill": [r.prefill_experts for r in requests],
+           "decode": np.stack([r.decode_experts for r in requests]),
+           "first_eos": np.array([first_stop([int(t) for t in r.generated_token_ids], stop)
+                                  for r in requests]),
+           "labels": [r.domain for r in requests]}
+    if trace.has_router_inputs:
+        out["router_inputs"] = {phase: (trace.arrays[f"{phase}_router_inputs"],
+                                        trace.arrays[f"{phase}_experts"])
+                                for phase in ("prefill", "decode")}
+    return out
 
-    generator = Generator(model_dir, dtype="float32", trace_experts=True, max_batch_size=batch)
-    eos = generator.eos_token_ids
-    requests = [{"id": i, "prompt_token_ids": p, "max_new_tokens": new_tokens,
-                 "stop_token_ids": []} for i, p in enumerate(prompts)]
-    start = time.perf_counter()
-    results = generator.generate(requests)
-    seconds = time.perf_counter() - start
-    for r in results:
-        if r.error is not None:
-            raise RuntimeError(f"request {r.id}: {r.error}")
-    decode = np.stack([r.experts["decode"] for r in results])
-    if decode.shape[2] != new_tokens - 1:
-        raise RuntimeError(f"expected {new_tokens - 1} traced decode steps, got {decode.shape[2]}")
-    first_eos = np.array([first_stop(r.token_ids, eos) for r in results])
-    return [r.experts["prefill"] for r in results], decode, first_eos, seconds
+
+def next_layer_recall(router_inputs: np.ndarray, experts: np.ndarray, router_w: np.ndarray,
+                      k: int) -> np.ndarray:
+    """Per layer l < L-1, recall@k of predicting layer l+1's top-k experts by applying
+    layer l+1's router to layer l's router input (its normed residual): ``router_inputs``
+    [L, n, d], ``experts`` [L, n, k] (what the tokens chose), ``router_w`` [L, d, E].
+    Returns [L-1]: the mean over tokens of |predicted ∩ chosen| / k (chance: k / E)."""
+    out = []
+    for layer in range(router_inputs.shape[0] - 1):
+        logits = router_inputs[layer].astype(np.float64) @ router_w[layer + 1].astype(np.float64)
+        predicted = np.argsort(-logits, axis=-1, kind="stable")[:, :k]            # [n, k]
+        hits = (predicted[:, :, None] == experts[layer + 1][:, None, :]).any(axis=-1)
+        out.append(float(hits.sum(axis=-1).mean() / k))
+    return np.array(out)
+
+
+def usage_divergence_by_domain(counts: np.ndarray, domains: np.ndarray, num_domains: int
+                               ) -> np.ndarray:
+    """Per domain and layer, the TV distance between the domain's expert usage and that of
+    every other domain pooled: counts [R, L, E] -> [D, L]."""
+    out = []
+    for d in range(num_domains):
+        own = usage_fractions(counts[domains == d].sum(axis=0))
+        rest = usage_fractions(counts[domains != d].sum(axis=0))
+        out.append(tv_distance(own, rest))
+    return np.array(out)
 
 
 def print_model(name: str, result: dict[str, Any], domains: Sequence[str], primary: int,
@@ -444,6 +434,62 @@ def print_model(name: str, result: dict[str, Any], domains: Sequence[str], prima
         print(f"usage TV distance ({phase} tokens) per layer: between domains "
               + " ".join(f"{v:.3f}" for v in between) + "; between halves of a domain "
               + " ".join(f"{v:.3f}" for v in within))
+    print("usage divergence of each domain from the others (decode, TV per layer):")
+    for name, per_layer in zip(domains, result["divergence_by_domain_decode"]):
+        print(f"  {name:>10}: " + " ".join(f"{v:.3f}" for v in per_layer))
+    if "next_layer_recall" in result:
+        for phase, per_layer in result["next_layer_recall"].items():
+            print(f"next-layer recall@k, layer l+1's router on layer l's router input "
+                  f"({phase}), per layer l: " + " ".join(f"{v:.3f}" for v in per_layer)
+                  + f" (chance {result['next_layer_recall_chance']:.3f})")
+
+
+def router_weights(model_dir: str) -> np.ndarray:
+    """The model's router weights [L, d, E] in float32."""
+    from moejax import checkpoint
+
+    _, params, _ = checkpoint.load_model_dir(model_dir, "float32")
+    return np.asarray(params["layers"]["router"], np.float32)
+
+
+def model_traces(args: argparse.Namespace, shape: dict[str, Any], model_dir: str,
+                 domains: Sequence[str], tmp: str) -> list[tuple[str, str, str, Any]]:
+    """(label, model dir, JSON suffix, trace) of the model and its untrained twin: read
+    from ``--traces DIR`` (``DIR/<model>.npz``, ``DIR/<twin>.npz``), else generated here
+    by ``benchmarks/expert_traces.py``'s code on the same prompts. A model without a
+    built-in twin gets one written to ``tmp`` (:func:`untrained_model_dir`)."""
+    from benchmarks import expert_traces
+    from moejax import traces
+    from serving.api import resolve_model_dir
+    from serving.requests import TokenizerAdapter
+
+    twin = expert_traces.twin_name(args.model)
+    if twin is not None:
+        twin_dir, _ = resolve_model_dir(twin)
+        twin_label = f"untrained twin {twin}"
+    else:
+        seed = expert_traces.untrained_model_dir(model_dir, tmp)
+        twin, twin_dir, twin_label = tmp, tmp, f"untrained (init seed {seed})"
+    models = [("trained", args.model, model_dir, ""), (twin_label, twin, twin_dir, "_untrained")]
+    if args.traces:
+        out = []
+        for label, name, path, suffix in models:
+            file = os.path.join(args.traces, expert_traces.trace_file_name(args.model, bool(suffix)))
+            if not os.path.isfile(file):
+                raise SystemExit(f"--traces {args.traces}: no trace {file} (write them with "
+                                 f"benchmarks/expert_traces.py --model {args.model})")
+            out.append((label, path, suffix, traces.load(file)))
+        return out
+    tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
+    prompts, labels = expert_traces.held_out_prompts(tokenizer, domains, shape["per_domain"],
+                                                     shape["prompt_tokens"], args.seed)
+    out = []
+    for label, name, path, suffix in models:
+        trace, seconds = expert_traces.make_trace(name, prompts, labels, shape["new_tokens"],
+                                                  router_inputs=True, batch=args.gen_batch)
+        print(f"{label}: generated {len(prompts)} traced requests in {seconds:.1f} s")
+        out.append((label, path, suffix, trace))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -452,12 +498,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="16 requests per domain, 32-token prompts, 16 new tokens")
     parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
     parser.add_argument("--model", default="demo",
-                        help="model directory, or 'demo' (the built-in model; default)")
+                        help="model directory, or a built-in model: demo (default), demo-e32")
+    parser.add_argument("--traces", default=None,
+                        help="read the traces benchmarks/expert_traces.py wrote to this "
+                             "directory instead of generating them")
     parser.add_argument("--per-domain", type=int, help="requests per domain (default 64)")
     parser.add_argument("--prompt-tokens", type=int, help="prompt length (default 64)")
     parser.add_argument("--new-tokens", type=int, help="greedy tokens decoded (default 32)")
-    parser.add_argument("--batch", type=int, default=4, help="headline batch size (default 4)")
-    parser.add_argument("--batch-sizes", default="2,4,8", help="batch sizes of the sweep")
+    parser.add_argument("--batch", type=int, default=8, help="headline batch size (default 8)")
+    parser.add_argument("--batch-sizes", default="2,4,8,16",
+                        help="batch sizes of the sweep (default 2,4,8,16; sizes above half "
+                             "the requests per domain are left out, with a note)")
     parser.add_argument("--batches", type=int, help="batches drawn per configuration "
                                                     "(default 400)")
     parser.add_argument("--gen-batch", type=int, default=16,
@@ -468,66 +519,78 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key in ("per_domain", "prompt_tokens", "new_tokens", "batches"):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
-    sizes = sorted({int(s) for s in args.batch_sizes.split(",") if s.strip()} | {args.batch})
-    if shape["new_tokens"] < 2 or shape["prompt_tokens"] < 1 or min(sizes) < 1:
-        parser.error("--new-tokens must be >= 2, --prompt-tokens and batch sizes >= 1")
-    if shape["per_domain"] < 2 * max(sizes):
-        parser.error(f"--per-domain must be at least twice the largest batch size "
-                     f"({2 * max(sizes)}): the noise floor draws batches from half a domain")
+    if args.traces:     # the traces decide the request counts and lengths
+        shape = {"batches": shape["batches"]}
+    asked = sorted({int(s) for s in args.batch_sizes.split(",") if s.strip()} | {args.batch})
+    if "new_tokens" in shape and (shape["new_tokens"] < 2 or shape["prompt_tokens"] < 1):
+        parser.error("--new-tokens must be >= 2, --prompt-tokens >= 1")
+    if min(asked) < 1:
+        parser.error("batch sizes must be >= 1")
 
     run_start = time.perf_counter()
+    from benchmarks import expert_traces
     from moejax.config import load_config
-    from moejax.demo import corpus
     from serving.api import resolve_model_dir
-    from serving.requests import TokenizerAdapter
+    from serving.generate import model_eos_ids
 
     logging.getLogger("moejax.scorer").setLevel(logging.ERROR)
     model_dir, is_demo = resolve_model_dir(args.model)
     if is_demo:
-        from moejax.demo import DEMO_NOTICE
+        from moejax.demo import demo_model
 
-        print(f"note: {DEMO_NOTICE}")
+        print(f"note: {demo_model(args.model).notice}")
     cfg = load_config(model_dir)
-    tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
-    src = corpus.sources("eval")
-    domains = corpus.DOMAINS
-    prompts, labels = [], []
-    for d, domain in enumerate(domains):
-        rng = np.random.default_rng(args.seed * 1000 + d)
-        prompts += domain_prompts(src, tokenizer, domain, shape["per_domain"],
-                                  shape["prompt_tokens"], rng)
-        labels += [d] * shape["per_domain"]
-    labels = np.array(labels)
-    print(f"expert specialization: {args.model} ({cfg.num_layers} layers, {cfg.num_experts} "
-          f"experts top-{cfg.num_experts_per_tok}), float32; {shape['per_domain']} held-out "
-          f"requests x {len(domains)} domains ({', '.join(domains)}), {shape['prompt_tokens']}-"
-          f"token prompts, {shape['new_tokens']} greedy tokens (EOS ignored); {shape['batches']} "
-          f"batches per configuration, batch sizes {sizes} (headline {args.batch}); "
-          f"load average {os.getloadavg()[0]:.2f}")
-
+    domains = expert_traces.model_domains(args.model, model_dir)
+    eos = model_eos_ids(model_dir, cfg.vocab_size)
     figures: dict[str, Any] = {"model": args.model, **shape, "batch": args.batch,
-                               "batch_sizes": sizes, "seed": args.seed}
+                               "seed": args.seed}
     with tempfile.TemporaryDirectory(prefix="moejax-untrained-") as tmp:
-        init_seed = untrained_model_dir(model_dir, tmp)
-        figures["untrained_init_seed"] = init_seed
-        for name, path, suffix in (("trained", model_dir, ""),
-                                   (f"untrained (init seed {init_seed})", tmp, "_untrained")):
-            pre, dec, first_eos, seconds = trace_model(path, prompts, shape["new_tokens"],
-                                                       args.gen_batch)
-            result = analyse(pre, dec, labels, len(domains), cfg.num_experts, sizes,
-                             shape["batches"], args.seed, first_eos)
-            print_model(name, result, domains, args.batch, cfg.num_experts)
-            print(f"  {result['eos_fraction']:.0%} of requests generated EOS within "
-                  f"{shape['new_tokens']} tokens (decoding went on past it); correlation over "
-                  f"the tokens before EOS only: {result['correlation_before_eos']:.3f} "
-                  f"({result['answered_fraction']:.0%} of requests have such tokens); "
-                  f"generation took {seconds:.1f} s")
+        runs = model_traces(args, shape, model_dir, domains, tmp)
+        for label, path, suffix, trace in runs:
+            data = trace_arrays(trace, eos)
+            per_domain = min(data["labels"].count(d) for d in domains)
+            sizes = [n for n in asked if 2 * n <= per_domain]
+            if args.batch not in sizes:
+                raise SystemExit(f"the headline batch {args.batch} needs at least "
+                                 f"{2 * args.batch} requests per domain (the noise floor draws "
+                                 f"batches from half a domain); the trace has {per_domain}")
+            if sizes != asked:
+                print(f"note: batch sizes {sorted(set(asked) - set(sizes))} left out: they "
+                      f"need more than {per_domain} requests per domain")
+            if not suffix:
+                decode_steps = data["decode"].shape[2]
+                print(f"expert specialization: {args.model} ({cfg.num_layers} layers, "
+                      f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}), float32; "
+                      f"{per_domain} held-out requests x {len(domains)} domains "
+                      f"({', '.join(domains)}), {data['prefill'][0].shape[1]}-token prompts, "
+                      f"{decode_steps + 1} greedy tokens (EOS ignored); {shape['batches']} "
+                      f"batches per configuration, batch sizes {sizes} (headline "
+                      f"{args.batch}); load average {os.getloadavg()[0]:.2f}")
+                figures.update(per_domain=per_domain, prompt_tokens=data["prefill"][0].shape[1],
+                               new_tokens=decode_steps + 1, batch_sizes=sizes)
+            labels = np.array([domains.index(d) for d in data["labels"]])
+            router = None
+            if "router_inputs" in data:
+                router = (router_weights(path), data["router_inputs"])
+            result = analyse(data["prefill"], data["decode"], labels, len(domains),
+                             cfg.num_experts, sizes, shape["batches"], args.seed,
+                             data["first_eos"], router)
+            print_model(label, result, domains, args.batch, cfg.num_experts)
+            print(f"  {result['eos_fraction']:.0%} of requests generated EOS (decoding went "
+                  f"on past it); correlation over the tokens before EOS only: "
+                  f"{result['correlation_before_eos']:.3f} ({result['answered_fraction']:.0%} "
+                  f"of requests have such tokens)")
             figures.update(flat_figures(result, domains, args.batch, suffix))
     print("\nheadline (trained / untrained / noise floor):")
     for key in ("same_domain_expert_reduction", "prefill_decode_correlation"):
         print(f"  {key}: {figures[key]:.3f} / {figures[key + '_untrained']:.3f} / "
               f"{figures[key + '_noise_floor']:.3f} (untrained floor "
               f"{figures[key + '_noise_floor_untrained']:.3f})")
+    if "next_layer_recall_router_baseline" in figures:
+        print(f"  next_layer_recall_router_baseline: "
+              f"{figures['next_layer_recall_router_baseline']:.3f} / "
+              f"{figures['next_layer_recall_router_baseline_untrained']:.3f} / chance "
+              f"{figures['next_layer_recall_chance']:.3f}")
     print("  (ELDR: 17-21% fewer experts for task domains; correlation 0.70-0.92)")
     figures["total_seconds"] = time.perf_counter() - run_start
     print(f"total {figures['total_seconds']:.0f} s")

@@ -19,8 +19,8 @@ from jaxtyping import Array, Bool, Float
 from kernels_pallas import gmm as pallas_gmm
 from moejax import grouped_gemm as gmm_lib
 
-ExpertImpl = Literal["auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense"]
-EXPERT_IMPLS = ("auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense")
+ExpertImpl = Literal["auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense", "blocks"]
+EXPERT_IMPLS = ("auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense", "blocks")
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -107,6 +107,8 @@ def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"], w_up: Float
         return gmm_lib.grouped_swiglu_tiles(x, w_gate, w_up, w_down, sizes, tile_rows=tile_rows)
     if impl == "dense":
         return gmm_lib.swiglu_dense(x, w_gate, w_up, w_down, sizes)
+    if impl == "blocks":
+        return gmm_lib.swiglu_blocks(x, w_gate, w_up, w_down, sizes)
     if impl in ("gmm", "ragged_dot"):
         matmul = gmm_lib.gmm if impl == "gmm" else gmm_lib.ragged_dot_gmm
         kwargs = {"tile_rows": tile_rows} if impl == "gmm" else {}

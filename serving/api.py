@@ -45,17 +45,20 @@ RequestLike = ScoreRequest | Mapping[str, Any]
 
 
 def resolve_model_dir(model: str | os.PathLike) -> tuple[str, bool]:
-    """``"demo"`` -> the built-in demo model (created on first use); else a local directory.
+    """A built-in model's name (``"demo"``, ``"demo-e32"``, ``"demo-e32-init"``: created
+    in the cache on first use) -> its directory; else a local directory.
 
-    Returns (path, is_demo)."""
-    if os.fspath(model) == "demo":
-        from moejax import demo
+    Returns (path, is_demo). A built-in name wins over a local directory of that name
+    (write ``./demo`` for the directory)."""
+    from moejax import demo
 
-        return demo.ensure_demo_model(), True
     path = os.fspath(model)
+    if path in demo.MODELS:
+        return demo.ensure_demo_model(name=path), True
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist (give a local Hugging "
-                                f"Face model directory, a converted moejax directory, or 'demo')")
+                                f"Face model directory, a converted moejax directory, or a "
+                                f"built-in model: {', '.join(sorted(demo.MODELS))})")
     return path, False
 
 
@@ -112,10 +115,11 @@ class Scorer:
         self.options: ScorerOptions = load_options(options, deployment=deployment)
         enable_compilation_cache(self.options.compilation_cache)
         self.model_dir, self.is_demo = resolve_model_dir(model)
-        if self.is_demo:
-            from moejax.demo import DEMO_NOTICE
+        self.demo_name = os.fspath(model) if self.is_demo else None
+        if self.demo_name is not None:
+            from moejax.demo import demo_model
 
-            log.warning(DEMO_NOTICE)
+            log.warning(demo_model(self.demo_name).notice)
         dtype = self.options.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
         self.tokenizer = TokenizerAdapter(tokenizer)
@@ -229,9 +233,9 @@ class Scorer:
 
     @property
     def model_name(self) -> str:
-        """The model's name, safe to show a remote caller: "demo", or the name of its
-        directory (never the path)."""
-        return "demo" if self.is_demo else os.path.basename(os.path.normpath(self.model_dir))
+        """The model's name, safe to show a remote caller: a built-in model's name
+        ("demo", "demo-e32"), or the name of its directory (never the path)."""
+        return self.demo_name or os.path.basename(os.path.normpath(self.model_dir))
 
     def prepare(self, request: RequestLike, index: int = 0) -> PreparedRequest:
         """Validate, tokenize and expand one request (``index``: its position in the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -106,7 +107,8 @@ def test_shipped_weights_are_bfloat16_and_small():
 
 
 def test_missing_shipped_weights_are_reported(tmp_path, monkeypatch):
-    monkeypatch.setattr(demo, "WEIGHTS_DIR", tmp_path / "nothing")
+    monkeypatch.setitem(demo.MODELS, "demo", dataclasses.replace(
+        demo.MODELS["demo"], weights_dir=tmp_path / "nothing"))
     with pytest.raises(FileNotFoundError, match="python -m moejax.demo.train"):
         demo.ensure_demo_model(tmp_path / "cache")
     assert os.listdir(tmp_path / "cache") == []   # the temporary copy is cleaned up

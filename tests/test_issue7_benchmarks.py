@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import numpy as np
 import pytest
 
 from benchmarks import expert_specialization as es
+from benchmarks import expert_traces
 from benchmarks import reformulation_accuracy as ra
 from serving.requests import NormalizeOptions, OpKey, PrefillOp, normalize_requests
 
@@ -227,6 +229,38 @@ def test_analyse_on_disjoint_domain_experts():
         "usage_tv_between_halves_prefill_layer0_x", "usage_tv_between_halves_prefill_layer1_x"}
 
 
+def test_next_layer_recall_by_hand_and_against_float64():
+    # L=2 layers, E=4 experts, k=2, d=2; layer 1's router picks experts from the input's sign
+    router_w = np.zeros((2, 2, 4))
+    router_w[1] = [[1.0, -1.0, 0.0, 0.0], [0.0, 0.0, 1.0, -1.0]]
+    inputs = np.zeros((2, 3, 2))
+    inputs[0] = [[1.0, 2.0], [-1.0, -2.0], [2.0, -1.0]]   # predicted {0,2}, {1,3}, {0,3}
+    chosen = np.zeros((2, 3, 2), np.int64)
+    chosen[1] = [[2, 0], [1, 0], [1, 2]]                   # hits 2, 1, 0 of 2 each
+    recall = es.next_layer_recall(inputs, chosen, router_w, 2)
+    assert recall.shape == (1,) and recall[0] == pytest.approx((2 + 1 + 0) / 6)
+    # random data: the same as a float64 top-k by brute force
+    rng = np.random.default_rng(0)
+    router_w = rng.standard_normal((3, 5, 8))
+    inputs = rng.standard_normal((3, 40, 5)).astype(np.float32)
+    chosen = np.stack([np.argsort(-rng.random((40, 8)), axis=1)[:, :3] for _ in range(3)])
+    want = []
+    for layer in range(2):
+        top = np.argsort(-(inputs[layer].astype(np.float64) @ router_w[layer + 1]), axis=1)[:, :3]
+        want.append(np.mean([len(set(top[t]) & set(chosen[layer + 1, t])) / 3 for t in range(40)]))
+    np.testing.assert_allclose(es.next_layer_recall(inputs, chosen, router_w, 3), want)
+
+
+def test_usage_divergence_by_domain():
+    # R=3 requests, L=1, E=2: domain 0 uses expert 0 only, domain 1 expert 1 only
+    counts = np.array([[[4, 0]], [[2, 0]], [[0, 5]]])
+    domains = np.array([0, 0, 1])
+    out = es.usage_divergence_by_domain(counts, domains, 2)
+    assert out.shape == (2, 1) and out.tolist() == [[1.0], [1.0]]
+    same = es.usage_divergence_by_domain(np.array([[[1, 1]], [[2, 2]]]), np.array([0, 1]), 2)
+    assert same.tolist() == [[0.0], [0.0]]
+
+
 # ------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
@@ -239,15 +273,15 @@ def tiny_model(tmp_path_factory):
     config = {**demo.demo_config_dict(), "num_hidden_layers": 2}
     (base / "config.json").write_text(json.dumps(config))
     out = tmp_path_factory.mktemp("tiny")
-    assert es.untrained_model_dir(str(base), str(out)) == 0   # no train_log: the default seed
+    assert expert_traces.untrained_model_dir(str(base), str(out)) == 0   # no train_log: seed 0
     return str(out)
 
 
 def test_expert_specialization_end_to_end(tiny_model, tmp_path):
     path = tmp_path / "es.json"
     figures = es.main(["--quick", "--model", tiny_model, "--json", str(path), "--per-domain",
-                       "8", "--prompt-tokens", "16", "--new-tokens", "6", "--batch-sizes",
-                       "2,4", "--batches", "20"])
+                       "8", "--prompt-tokens", "16", "--new-tokens", "6", "--batch", "2",
+                       "--batch-sizes", "2,4", "--batches", "20"])
     saved = json.loads(path.read_text())
     assert saved["same_domain_expert_reduction"] == figures["same_domain_expert_reduction"]
     for key in ("same_domain_expert_reduction", "prefill_decode_correlation"):
@@ -258,6 +292,40 @@ def test_expert_specialization_end_to_end(tiny_model, tmp_path):
     assert saved["prefill_decode_correlation"] == saved["prefill_decode_correlation_untrained"]
     assert 1.0 <= saved["distinct_experts_same_domain"] <= saved["distinct_experts_mixed"] + 1
     assert saved["prefill_union_distinct_mixed"] <= 8
+    # the twin's router on the same traced inputs: the same recall per layer (L=2: one)
+    assert 0.0 <= saved["next_layer_recall_router_baseline_layer0"] <= 1.0
+    assert saved["next_layer_recall_router_baseline"] == saved[
+        "next_layer_recall_router_baseline_layer0"] == saved[
+        "next_layer_recall_router_baseline_untrained"]
+    assert saved["next_layer_recall_chance"] == 2 / 8
+    for domain in ("code", "prose", "math", "data"):
+        assert 0.0 <= saved[f"usage_divergence_{domain}_layer1"] <= 1.0
+
+
+def test_expert_traces_are_deterministic_and_feed_expert_specialization(tiny_model, tmp_path):
+    """Writing the reference traces twice gives the same arrays; the specialization
+    benchmark reads them instead of generating (the same figures as generating)."""
+    from moejax import traces
+
+    shape = dict(per_domain=4, prompt_tokens=12, new_tokens=4, router_inputs=True)
+    first = expert_traces.write_reference_traces(tiny_model, str(tmp_path / "a"), **shape)
+    expert_traces.write_reference_traces(tiny_model, str(tmp_path / "b"), **shape)
+    base = os.path.basename(tiny_model)
+    for name in (f"{base}.npz", f"{base}-init.npz"):
+        a, b = traces.load(tmp_path / "a" / name), traces.load(tmp_path / "b" / name)
+        assert sorted(a.arrays) == sorted(b.arrays)
+        for key in a.arrays:
+            np.testing.assert_array_equal(a.arrays[key], b.arrays[key], err_msg=key)
+        assert a.domains == [d for d in ("code", "prose", "math", "data") for _ in range(4)]
+        assert a.num_decode_tokens == 16 * 3 and a.has_router_inputs
+    assert first["requests"] == 16
+    args = ["--batch", "2", "--batch-sizes", "2", "--batches", "10"]
+    read = es.main(["--model", tiny_model, "--traces", str(tmp_path / "a")] + args)
+    made = es.main(["--model", tiny_model, "--per-domain", "4", "--prompt-tokens", "12",
+                    "--new-tokens", "4"] + args)
+    for key in ("same_domain_expert_reduction", "prefill_decode_correlation",
+                "next_layer_recall_router_baseline_untrained", "usage_divergence_math_layer0"):
+        assert read[key] == made[key], key
 
 
 @pytest.mark.slow      # ~8 s with a cold compilation cache (the decode-step compile)

@@ -90,6 +90,7 @@ def _swiglu_tiles(x, wg, wu, wd, sizes, tile_rows):
 
 
 _swiglu_dense = jax.jit(gg.swiglu_dense)
+_swiglu_blocks = jax.jit(functools.partial(gg.swiglu_blocks, block_rows=4))
 
 
 # Group-size cases over E = 5 experts and M = 18 rows (one shape, so one compile per
@@ -142,7 +143,7 @@ def test_gmm_tile_rows_do_not_change_result():
 
 @pytest.mark.parametrize("case", list(GROUP_CASES))
 @pytest.mark.parametrize("dtype,tol", [(np.float32, 1e-5), (BF16, 2e-2)], ids=["f32", "bf16"])
-@pytest.mark.parametrize("impl", ["tiles", "dense"])
+@pytest.mark.parametrize("impl", ["tiles", "dense", "blocks"])
 def test_grouped_swiglu_vs_numpy(case, dtype, tol, impl):
     sizes = np.asarray(GROUP_CASES[case], np.int32)
     m = M_ROWS
@@ -154,6 +155,8 @@ def test_grouped_swiglu_vs_numpy(case, dtype, tol, impl):
     wd = (rng.standard_normal((NUM_E, f, d)) / np.sqrt(f)).astype(dtype)
     if impl == "tiles":
         out = _swiglu_tiles(x, wg, wu, wd, sizes, tile_rows=TILE)
+    elif impl == "blocks":
+        out = _swiglu_blocks(x, wg, wu, wd, sizes)
     else:
         out = _swiglu_dense(x, wg, wu, wd, sizes)
     assert out.shape == (m, d) and out.dtype == jnp.dtype(dtype)
@@ -163,6 +166,27 @@ def test_grouped_swiglu_vs_numpy(case, dtype, tol, impl):
     if routed:
         # bf16: the [rows, f] intermediate is rounded to bf16 before the down projection.
         assert rel_err(out, np_grouped_swiglu(x, wg, wu, wd, sizes)) <= tol
+
+
+@pytest.mark.parametrize("case", ["random_with_zeros", "one_expert_all_rows", "full_no_tail"])
+def test_swiglu_blocks_gradients_equal_dense(case):
+    """Training differentiates the blocked path: its gradients (inputs and every weight)
+    equal those of the masked dense reference, which does the same math E x over."""
+    sizes = jnp.asarray(GROUP_CASES[case], jnp.int32)
+    rng = np.random.default_rng(4)
+    d, f = 8, 6
+    x = rng.standard_normal((M_ROWS, d)).astype(np.float32)
+    ws = [(rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+          for shape in ((NUM_E, d, f), (NUM_E, d, f), (NUM_E, f, d))]
+    probe = rng.standard_normal((M_ROWS, d)).astype(np.float32)
+
+    def loss(fn):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a, sizes) * probe), argnums=(0, 1, 2, 3)))
+
+    blocked = loss(functools.partial(gg.swiglu_blocks, block_rows=4))(x, *ws)
+    dense = loss(gg.swiglu_dense)(x, *ws)
+    for got, want in zip(blocked, dense):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -270,7 +294,7 @@ def _moe_block(x, router, wg, wu, wd, valid, impl, norm_topk_prob, with_valid=Tr
                          valid=valid if with_valid else None, impl=impl, tile_rows=4)
 
 
-@pytest.mark.parametrize("impl", ["fused_tiles", "pallas", "gmm", "dense", "ragged_dot"])
+@pytest.mark.parametrize("impl", ["fused_tiles", "pallas", "gmm", "dense", "ragged_dot", "blocks"])
 def test_moe_block_padding(impl):
     router, wg, wu, wd = _moe_weights(1)
     rng = np.random.default_rng(7)

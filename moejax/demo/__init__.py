@@ -15,6 +15,12 @@ directory, so ``Scorer("demo")`` goes through the ordinary loading path.
 ``python -m moejax.demo.train --out DIR`` rebuilds them.
 
 It is a toy: it answers its own task formats on its own domains and nothing else.
+
+A second demo, ``demo-e32`` (``configs/demo-e32.yaml``: 6 layers, 32 experts at top-4),
+is trained the same way on eight domains (:data:`moejax.demo.corpus.DOMAINS_E32`) so that
+expert routing has structure to study; its untrained twin ``demo-e32-init`` is the same
+seeded init exported the same way, generated on first use. :data:`MODELS` names them;
+``Scorer(name)``, ``Generator(name)`` and ``--model name`` load any of them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,11 +43,61 @@ DEMO_NOTICE = ("moejax demo model: a tiny toy MoE (about 2M parameters) trained 
 
 DEMO_NAME = "demo-v5"  # bump when the shipped files change, so old caches are not reused
 DEMO_SEED = 0
-DEMO_CONFIG_PATH = Path(__file__).resolve().parent.parent.parent / "configs" / "demo.yaml"
+CONFIGS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+DEMO_CONFIG_PATH = CONFIGS_DIR / "demo.yaml"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+
+E32_NOTICE = ("moejax demo-e32: a small toy MoE (6 layers, 32 experts at top-4, about 5M "
+              "parameters) trained here on a CPU on eight domains (Python, C headers, shell "
+              "scripts, English prose, configuration files, Debian changelogs and man pages, "
+              "generated arithmetic, generated JSON/CSV), to study expert routing. It "
+              "answers its own task formats and nothing else; do not evaluate anything with "
+              "it.")
+E32_INIT_NOTICE = ("moejax demo-e32-init: the UNTRAINED twin of demo-e32 (its seeded init, "
+                   "exported the same way). Its outputs are noise; it exists so that routing "
+                   "figures can be compared with a model that learned nothing.")
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A built-in model: ``name`` as users type it, ``cache_name`` its versioned directory
+    in the cache (bump when the files change), its shape file and shipped weights, the
+    corpus domains it was trained on, and the notice shown when it is loaded. ``init_of``
+    names the trained model whose seeded init this one is (generated, not shipped)."""
+
+    name: str
+    cache_name: str
+    config_path: Path
+    weights_dir: Path
+    domains: tuple[str, ...]
+    notice: str
+    init_of: str | None = None
+
+
+MODELS: dict[str, DemoModel] = {
+    "demo": DemoModel("demo", DEMO_NAME, DEMO_CONFIG_PATH, WEIGHTS_DIR,
+                      ("code", "prose", "math", "data"), DEMO_NOTICE),
+    "demo-e32": DemoModel("demo-e32", "demo-e32-v1", CONFIGS_DIR / "demo-e32.yaml",
+                          Path(__file__).resolve().parent / "weights_e32",
+                          ("python", "c", "shell", "prose", "config", "debian", "math", "data"),
+                          E32_NOTICE),
+}
+MODELS["demo-e32-init"] = DemoModel("demo-e32-init", "demo-e32-init-v1",
+                                    MODELS["demo-e32"].config_path, MODELS["demo-e32"].weights_dir,
+                                    MODELS["demo-e32"].domains, E32_INIT_NOTICE,
+                                    init_of="demo-e32")
+
+
+def demo_model(name: str) -> DemoModel:
+    """The :class:`DemoModel` called ``name``; a clear error naming the known ones."""
+    if name not in MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; the built-in models are "
+                         f"{sorted(MODELS)}")
+    return MODELS[name]
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 # Answers a scoring prompt typically uses; the tokenizer corpus makes each (with its
-# leading space) one BPE token, so single-token candidate scoring applies to them.
+# leading space) one BPE token, so single-token candidate scoring applies to them. The
+# domain names of the model's corpus are added to these.
 ANSWER_WORDS = ("yes", "no", "Yes", "No", "true", "false", "True", "False",
                 "A", "B", "C", "D", "code", "prose", "math", "data",
                 "positive", "negative", "neutral")
@@ -49,39 +106,45 @@ TOKENIZER_EXAMPLES = 20000
 
 
 # =========================================================================== config
-def demo_config_dict() -> dict[str, Any]:
-    """``configs/demo.yaml`` as a dict (HF config.json keys)."""
+def demo_config_dict(name: str = "demo") -> dict[str, Any]:
+    """The built-in model's shape file (``configs/demo.yaml``, ...) as a dict (HF keys)."""
     import yaml
 
-    if not DEMO_CONFIG_PATH.is_file():
-        raise FileNotFoundError(f"demo model shape file {DEMO_CONFIG_PATH} is missing")
-    with open(DEMO_CONFIG_PATH, encoding="utf-8") as fh:
+    path = demo_model(name).config_path
+    if not path.is_file():
+        raise FileNotFoundError(f"demo model shape file {path} is missing")
+    with open(path, encoding="utf-8") as fh:
         return yaml.safe_load(fh)
 
 
-def demo_config() -> ModelConfig:
-    """The demo model's :class:`ModelConfig` (from ``configs/demo.yaml``)."""
-    return from_hf_dict(demo_config_dict())
+def demo_config(name: str = "demo") -> ModelConfig:
+    """The built-in model's :class:`ModelConfig` (from its ``configs/*.yaml``)."""
+    return from_hf_dict(demo_config_dict(name))
 
 
 # =========================================================================== tokenizer
-def tokenizer_corpus(seed: int = DEMO_SEED, examples: int = TOKENIZER_EXAMPLES) -> Iterator[str]:
+def tokenizer_corpus(seed: int = DEMO_SEED, examples: int = TOKENIZER_EXAMPLES,
+                     domains: tuple[str, ...] = MODELS["demo"].domains) -> Iterator[str]:
     """The tokenizer's training texts: the head of the training stream, then each answer
-    word in an answer position, and each number below 50, often enough to become one
-    token (so every sum and choice option of the arithmetic tasks is a single token)."""
+    word (and domain name) in an answer position, and each number below 50, often enough
+    to become one token (so every sum and choice option of the arithmetic tasks is a
+    single token)."""
     import itertools
 
     from moejax.demo import corpus
 
-    for ex in itertools.islice(corpus.stream(corpus.sources("train"), seed), examples):
+    mixture = None if domains == corpus.DOMAINS else corpus.for_domains(corpus.MIXTURE, domains)
+    for ex in itertools.islice(corpus.stream(corpus.sources("train", domains), seed, mixture),
+                               examples):
         yield ex.text
-    for word in ANSWER_WORDS:
+    for word in ANSWER_WORDS + tuple(d for d in domains if d not in ANSWER_WORDS):
         yield "\n".join(f"Answer: {word}" for _ in range(400))
     yield "\n".join(" ".join(str(n) for n in range(50)) for _ in range(400))
 
 
 def build_demo_tokenizer(vocab_size: int = 1024, seed: int = DEMO_SEED,
-                         examples: int = TOKENIZER_EXAMPLES):
+                         examples: int = TOKENIZER_EXAMPLES,
+                         domains: tuple[str, ...] = MODELS["demo"].domains):
     """A byte-level BPE ``tokenizers.Tokenizer`` with :data:`SPECIAL_TOKENS` at ids 0..3."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -94,7 +157,7 @@ def build_demo_tokenizer(vocab_size: int = 1024, seed: int = DEMO_SEED,
         special_tokens=list(SPECIAL_TOKENS),
         # all 256 bytes, so any text encodes, whatever the corpus held
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(tokenizer_corpus(seed, examples), trainer=trainer)
+    tokenizer.train_from_iterator(tokenizer_corpus(seed, examples, domains), trainer=trainer)
     return tokenizer
 
 
@@ -120,43 +183,94 @@ def _complete(path: str | os.PathLike) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in _FILES)
 
 
-def write_demo_model(out_dir: str) -> None:
-    """Copy the three shipped demo files into the existing directory ``out_dir``."""
-    if not _complete(WEIGHTS_DIR):
+def init_seed(name: str) -> int:
+    """The init seed recorded in the trained model's ``train_log.json``."""
+    import json
+
+    spec = demo_model(name)
+    log_path = spec.weights_dir / "train_log.json"
+    if not log_path.is_file():
+        raise FileNotFoundError(f"{log_path} is missing: the init seed of {name} is recorded there")
+    with open(log_path, encoding="utf-8") as fh:
+        return int(json.load(fh)["train_config"]["seed"])
+
+
+def write_untrained_twin(model_dir: str | os.PathLike, out_dir: str, seed: int,
+                         notice: str = "") -> None:
+    """Write the untrained twin of the model in ``model_dir`` into ``out_dir``: its
+    config, tokenizer (and generation config), and the training script's seeded init
+    (:func:`moejax.demo.train.init_params`) in bfloat16, exported as trained weights are."""
+    import ml_dtypes
+    import numpy as np
+
+    from moejax.config import load_config
+    from moejax.demo import train
+    from moejax.safetensors_io import write_safetensors
+
+    for file in ("config.json", "tokenizer.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(model_dir, file)):
+            shutil.copyfile(os.path.join(model_dir, file), os.path.join(out_dir, file))
+    cfg = load_config(os.fspath(model_dir))
+    params = train.init_params(cfg, seed)
+    write_safetensors(os.path.join(out_dir, "model.safetensors"),
+                      train.params_to_hf(params, cfg, np.dtype(ml_dtypes.bfloat16)),
+                      metadata={"format": "pt", "init_seed": str(seed),
+                                "notice": notice or f"untrained init, seed {seed}"})
+
+
+def write_init_model(name: str, out_dir: str) -> None:
+    """Write the untrained twin of built-in model ``name`` (the seed its
+    ``train_log.json`` records) into ``out_dir``."""
+    spec = demo_model(name)
+    twin = next((m for m in MODELS.values() if m.init_of == name), None)
+    write_untrained_twin(spec.weights_dir, out_dir, init_seed(name),
+                         twin.notice if twin else "")
+
+
+def write_demo_model(out_dir: str, name: str = "demo") -> None:
+    """Write built-in model ``name`` into the existing directory ``out_dir``: the three
+    shipped files, or for an untrained twin its generated init."""
+    spec = demo_model(name)
+    if spec.init_of is not None:
+        write_init_model(spec.init_of, out_dir)
+        return
+    if not _complete(spec.weights_dir):
         raise FileNotFoundError(
-            f"the trained demo weights are missing from {WEIGHTS_DIR}; rebuild them with "
-            f"`python -m moejax.demo.train --out {WEIGHTS_DIR}`")
-    for name in _FILES:
-        shutil.copyfile(WEIGHTS_DIR / name, os.path.join(out_dir, name))
+            f"the trained {name} weights are missing from {spec.weights_dir}; rebuild them "
+            f"with `python -m moejax.demo.train --model {name} --out {spec.weights_dir}`")
+    for file in _FILES:
+        shutil.copyfile(spec.weights_dir / file, os.path.join(out_dir, file))
 
 
-def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> str:
-    """Path of the demo model directory ``<cache>/demo-v5``, creating it on first use.
+def ensure_demo_model(cache_dir: str | os.PathLike | None = None, name: str = "demo") -> str:
+    """Path of built-in model ``name``'s directory ``<cache>/<cache_name>`` (``demo-v5``
+    for the demo), creating it on first use.
 
     ``cache_dir`` is the cache root (default :func:`default_cache_root`). The files are
-    copied into a temporary sibling and renamed into place, so concurrent first uses are
+    written into a temporary sibling and renamed into place, so concurrent first uses are
     safe: one rename wins and the others discard their copy.
     """
+    spec = demo_model(name)
     root = os.path.abspath(os.fspath(cache_dir) if cache_dir is not None else default_cache_root())
-    final = os.path.join(root, DEMO_NAME)
+    final = os.path.join(root, spec.cache_name)
     # Existence first: the directory only ever appears by an atomic rename of a complete
     # copy, so once it exists its contents are final (checking completeness first would
     # race with a concurrent first use renaming in between the two checks).
     if os.path.exists(final):
         if _complete(final):
             return final
-        raise RuntimeError(f"{final} exists but is not a complete demo model; delete it and "
+        raise RuntimeError(f"{final} exists but is not a complete {name} model; delete it and "
                            "try again")
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{DEMO_NAME}.tmp-", dir=root)
+    tmp = tempfile.mkdtemp(prefix=f".{spec.cache_name}.tmp-", dir=root)
     try:
-        write_demo_model(tmp)
+        write_demo_model(tmp, name)
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache may be shared
         try:
             os.rename(tmp, final)
         except OSError:
             if not _complete(final):  # not a lost race: something else sits at ``final``
-                raise RuntimeError(f"{final} exists but is not a complete demo model; "
+                raise RuntimeError(f"{final} exists but is not a complete {name} model; "
                                    "delete it and try again") from None
     finally:
         if os.path.exists(tmp):

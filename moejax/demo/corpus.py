@@ -1,12 +1,18 @@
-"""The demo model's training data: a four-domain corpus plus labelled task text.
+"""The demo models' training data: a four- or eight-domain corpus plus labelled task text.
 
-Domains, all taken from what ships with Python and Debian or generated here:
+The small demo's domains (:data:`DOMAINS`), all taken from what ships with Python and
+Debian or generated here:
 
 * ``code``  -- windows of lines from the Python standard library's top-level ``*.py`` files;
 * ``prose`` -- English docstrings of those files (via ``ast``) and the licence texts in
   ``/usr/share/common-licenses``;
 * ``math``  -- generated arithmetic (``12 + 9 = 21``);
 * ``data``  -- generated JSON records and CSV tables.
+
+demo-e32's eight domains (:data:`DOMAINS_E32`): ``python`` (the ``code`` texts), ``c``,
+``shell``, ``prose``, ``config``, ``debian`` (read from the system by
+:mod:`moejax.demo.system_texts`), ``math`` and ``data``. A :class:`Sources` holds one
+split of one domain set; the tasks ask about the domains of their ``Sources``.
 
 Tasks, each with a fixed answer format that matches the scoring API's templates
 (``serving.requests.NormalizeOptions``), so "classify", "choice" and "multi" requests
@@ -41,6 +47,7 @@ import numpy as np
 
 Split = Literal["train", "eval"]
 DOMAINS = ("code", "prose", "math", "data")
+DOMAINS_E32 = ("python", "c", "shell", "prose", "config", "debian", "math", "data")
 HELD_OUT_EVERY = 7
 LICENCE_DIR = Path("/usr/share/common-licenses")
 MAX_OPERAND = 15          # a + b with 0 <= a, b <= MAX_OPERAND: a table a tiny model can learn
@@ -191,25 +198,38 @@ def data_chunk(rng: np.random.Generator) -> str:
 
 
 # ====================================================================== tasks
-class Sources:
-    """The split's domain texts; ``snippet`` draws one short text of a domain."""
+GENERATED = {"math": math_chunk, "data": data_chunk}
 
-    def __init__(self, split: Split):
-        self.split = split
-        self.code = code_chunks(split)
-        self.prose = prose_chunks(split)
-        if not self.code or not self.prose:
-            raise RuntimeError(f"no {split} code or prose found under {stdlib_dir()} and "
-                               f"{LICENCE_DIR}: the demo corpus needs them")
+
+class Sources:
+    """One split's texts of the ``domains``; ``snippet`` draws one short text of a domain."""
+
+    def __init__(self, split: Split, domains: tuple[str, ...] = DOMAINS):
+        from moejax.demo import system_texts
+
+        self.split, self.domains = split, tuple(domains)
+        self.chunks: dict[str, list[str]] = {}
+        for domain in self.domains:
+            if domain in ("code", "python"):
+                self.chunks[domain] = code_chunks(split)
+            elif domain == "prose":
+                self.chunks[domain] = prose_chunks(split)
+            elif domain in system_texts.FINDERS:
+                self.chunks[domain] = system_texts.domain_chunks(domain, split)
+            elif domain not in GENERATED:
+                raise ValueError(f"unknown demo corpus domain {domain!r}")
+        empty = [d for d, chunks in self.chunks.items() if not chunks]
+        if empty:
+            raise RuntimeError(f"no {split} texts found for the demo corpus domains {empty} "
+                               f"(read from {stdlib_dir()}, {LICENCE_DIR} and the system)")
 
     def text(self, domain: str, rng: np.random.Generator) -> str:
-        if domain == "code":
-            return self.code[int(rng.integers(len(self.code)))]
-        if domain == "prose":
-            return self.prose[int(rng.integers(len(self.prose)))]
-        if domain == "math":
-            return math_chunk(rng)
-        return data_chunk(rng)
+        if domain in GENERATED:
+            return GENERATED[domain](rng)
+        if domain not in self.chunks:
+            raise ValueError(f"domain {domain!r} is not one of these sources' {self.domains}")
+        chunks = self.chunks[domain]
+        return chunks[int(rng.integers(len(chunks)))]
 
     def snippet(self, domain: str, rng: np.random.Generator, max_chars: int = 180) -> str:
         """A text of ``domain`` cut to ``max_chars`` at a line or word boundary."""
@@ -237,11 +257,11 @@ def _wrong_sum(rng: np.random.Generator, total: int) -> int:
 
 
 def domain_task(src: Sources, rng: np.random.Generator) -> Example:
-    domain = _pick(rng, DOMAINS)
+    domain = _pick(rng, src.domains)
     prompt = f"Text: {src.snippet(domain, rng)}{DOMAIN_QUESTION}"
     answer = " " + domain
     return Example("domain_question", domain, prompt + answer, prompt, answer,
-                   tuple(" " + d for d in DOMAINS))
+                   tuple(" " + d for d in src.domains))
 
 
 def yes_no_task(src: Sources, rng: np.random.Generator) -> Example:
@@ -313,12 +333,12 @@ def lookup_drill_task(src: Sources, rng: np.random.Generator) -> Example:
 def multi_task(src: Sources, rng: np.random.Generator) -> Example:
     """One binary sibling of a kind "multi" request: is ``candidate`` among the domains
     of a text that joins one or two domains' snippets?"""
-    present = [_pick(rng, DOMAINS)]
+    present = [_pick(rng, src.domains)]
     if rng.integers(2):
-        present.append(_pick(rng, tuple(d for d in DOMAINS if d != present[0])))
+        present.append(_pick(rng, tuple(d for d in src.domains if d != present[0])))
     body = "\n".join(src.snippet(d, rng, 180 // len(present)) for d in present)
     # Ask about a present domain half the time, so "yes" and "no" are balanced.
-    candidate = _pick(rng, tuple(present)) if rng.integers(2) else _pick(rng, DOMAINS)
+    candidate = _pick(rng, tuple(present)) if rng.integers(2) else _pick(rng, src.domains)
     prompt = f"Text: {body}{MULTI_QUESTION}\nCandidate: {candidate}\nRelevant (yes/no):"
     answer = " yes" if candidate in present else " no"
     return Example("multi_selection", "+".join(present), prompt + answer, prompt, answer,
@@ -373,10 +393,26 @@ DRILL_MIXTURE: dict[str, float] = {"code": 0.02, "prose": 0.02, "math": 0.04, "d
                                    "multi_selection": 0.03}
 
 
-@functools.lru_cache(maxsize=2)
-def sources(split: Split) -> Sources:
+def for_domains(mixture: dict[str, float], domains: tuple[str, ...],
+                text_share: float | None = None) -> dict[str, float]:
+    """``mixture`` (written for :data:`DOMAINS`) over another domain set: its plain-text
+    share other than math (or ``text_share``) spread evenly over the non-math domains,
+    math and every task kept. Key order: the domains, then the tasks (the seeded draw
+    indexes it)."""
+    tasks = {k: v for k, v in mixture.items() if k in TASKS}
+    text = sum(v for k, v in mixture.items() if k not in TASKS and k != "math")
+    text = text if text_share is None else text_share
+    others = [d for d in domains if d != "math"]
+    out = {d: round(text / len(others), 6) for d in others}
+    if "math" in domains:
+        out["math"] = mixture.get("math", 0.0)
+    return {**out, **tasks}
+
+
+@functools.lru_cache(maxsize=4)
+def sources(split: Split, domains: tuple[str, ...] = DOMAINS) -> Sources:
     """The split's :class:`Sources`, read once per process (parsing takes seconds)."""
-    return Sources(split)
+    return Sources(split, tuple(domains))
 
 
 def plain_example(src: Sources, domain: str, rng: np.random.Generator) -> Example:
@@ -405,9 +441,21 @@ def task_items(src: Sources, task: str, count: int, seed: int) -> list[Example]:
     return [TASKS[task](src, rng) for _ in range(count)]
 
 
-def corpus_fingerprint() -> dict[str, object]:
-    """What the corpus was built from (recorded in the training log)."""
-    return {"stdlib": os.fspath(stdlib_dir()),
-            "code_files": {s: len(code_files(s)) for s in ("train", "eval")},
-            "licences": sorted(p.name for p in LICENCE_DIR.iterdir()) if LICENCE_DIR.is_dir()
-            else []}
+def corpus_fingerprint(domains: tuple[str, ...] = DOMAINS) -> dict[str, object]:
+    """What the corpus was built from (recorded in the training log): for the small demo
+    the standard library and licence names; for system-text domains also every file read
+    and each split's chunk count."""
+    from moejax.demo import system_texts
+
+    out: dict[str, object] = {
+        "stdlib": os.fspath(stdlib_dir()),
+        "code_files": {s: len(code_files(s)) for s in ("train", "eval")},
+        "licences": sorted(p.name for p in LICENCE_DIR.iterdir()) if LICENCE_DIR.is_dir()
+        else []}
+    system = [d for d in domains if d in system_texts.FINDERS]
+    if system:
+        out["domains"] = list(domains)
+        out["files"] = {d: list(system_texts.domain_files(d)) for d in system}
+        out["chunks"] = {d: {s: len(sources(s, domains).chunks[d]) for s in ("train", "eval")}
+                         for d in domains if d not in GENERATED}
+    return out

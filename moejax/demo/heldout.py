@@ -4,11 +4,12 @@ Every request is built from the evaluation split of :mod:`moejax.demo.corpus` (h
 source files and licences, held-out operand pairs for the sum tasks, seeds the training
 stream never uses), in the scoring API's own request kinds:
 
-* ``domain_question``   -- "classify" over `` code``/`` prose``/`` math``/`` data``;
+* ``domain_question``   -- "classify" over the domain names (`` code``/`` prose``/`` math``/
+  `` data`` for the demo, the eight of :data:`moejax.demo.corpus.DOMAINS_E32` for demo-e32);
 * ``arithmetic_yes_no`` -- "classify" over `` yes``/`` no``;
 * ``arithmetic_claim``  -- "classify" over `` true``/`` false``;
 * ``multiple_choice``   -- "choice" (the API renders ``A. ...`` lines and ``Answer:``);
-* ``multi_selection``   -- "multi" over the four domain names (``selected`` is scored);
+* ``multi_selection``   -- "multi" over the domain names (``selected`` is scored);
 * ``product``           -- "classify" with multi-token candidates: products of one-digit
   numbers from 54 up (`` 56``) are two tokens, so the sequence log-probabilities decide.
   (The 81 products are not held out, only these items are new.)
@@ -69,27 +70,30 @@ def _from_example(task: str, ex: corpus.Example, rid: str) -> Item:
 
 
 def _multi_item(src: corpus.Sources, rng: np.random.Generator, rid: str) -> Item:
-    """A whole "multi" request: a text of one or two domains, all four domains as candidates."""
-    present = [corpus.DOMAINS[int(rng.integers(4))]]
+    """A whole "multi" request: a text of one or two domains, every domain a candidate."""
+    domains = src.domains
+    present = [domains[int(rng.integers(len(domains)))]]
     if rng.integers(2):
-        others = [d for d in corpus.DOMAINS if d != present[0]]
-        present.append(others[int(rng.integers(3))])
+        others = [d for d in domains if d != present[0]]
+        present.append(others[int(rng.integers(len(others)))])
     body = "\n".join(src.snippet(d, rng, 180 // len(present)) for d in present)
     request = {"id": rid, "kind": "multi", "prompt": f"Text: {body}{corpus.MULTI_QUESTION}",
-               "candidates": list(corpus.DOMAINS)}
+               "candidates": list(domains)}
     return Item("multi_selection", request,
-                selected=tuple(sorted(corpus.DOMAINS.index(d) for d in present)))
+                selected=tuple(sorted(domains.index(d) for d in present)))
 
 
 def heldout_items(task: str, count: int, seed: int = HELDOUT_SEED,
-                  src: corpus.Sources | None = None) -> list[Item]:
-    """``count`` held-out items of ``task`` (deterministic for a seed)."""
+                  src: corpus.Sources | None = None,
+                  domains: tuple[str, ...] = corpus.DOMAINS) -> list[Item]:
+    """``count`` held-out items of ``task`` (deterministic for a seed) over ``domains``
+    (the held-out split of those domains unless ``src`` is given)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of {TASKS}")
     rng = np.random.default_rng(seed + TASKS.index(task))
     if task == "product":
         return [_product_item(rng, f"product-{i}") for i in range(count)]
-    src = src or corpus.sources("eval")
+    src = src or corpus.sources("eval", tuple(domains))
     if task == "multi_selection":
         return [_multi_item(src, rng, f"multi-{i}") for i in range(count)]
     return [_from_example(task, corpus.TASKS[task](src, rng), f"{task}-{i}")

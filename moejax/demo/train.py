@@ -84,6 +84,23 @@ class TrainConfig:
     drill_steps: int = 2000
     drill_peak_lr: float = 2e-3
     drill_warmup_steps: int = 100
+    # The differentiable expert path: "ragged_dot" (the small demo was trained with it) or
+    # "blocks" (moejax.grouped_gemm.swiglu_blocks: routed work only, 4.5x faster per step
+    # at 32 experts on the 2-core CPU).
+    expert_impl: str = "ragged_dot"
+    # Stage 1's plain-text share over the non-math domains of an eight-domain corpus
+    # (0: the share corpus.MIXTURE gives code, prose and data).
+    text_share: float = 0.0
+
+
+# demo-e32 (configs/demo-e32.yaml): the small demo's curriculum with a larger stage-1
+# text share (routing structure is learnt from plain text of eight domains), fewer steps in
+# the later stages, and the blocked expert path; about 70 minutes on the 2-core CPU.
+TRAIN_DEFAULTS: dict[str, TrainConfig] = {
+    "demo": TrainConfig(),
+    "demo-e32": TrainConfig(steps=2500, task_steps=1000, check_steps=500, lookup_steps=1200,
+                            drill_steps=1500, expert_impl="blocks", text_share=0.42),
+}
 
 
 # =========================================================================== batches
@@ -179,12 +196,13 @@ def balance_loss(routing: moe.Routing, valid: jax.Array, cfg: ModelConfig
 
 
 def train_forward(params: Params, tokens: jax.Array, segs: jax.Array, positions: jax.Array,
-                  cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  cfg: ModelConfig, expert_impl: str = "ragged_dot"
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Logits [B*S, V] of rows [B, S], mean balance loss over layers, counts [L, E].
 
     The inference model itself (``MoEDecoder.run_layers``: the same layer, attention kind
-    and dispatcher as scoring), with ``ragged_dot`` experts because they are
-    differentiable (the tiled kernels loop over dynamic bounds, which reverse-mode
+    and dispatcher as scoring), with ``ragged_dot`` or ``blocks`` experts because they
+    are differentiable (the tiled kernels loop over dynamic bounds, which reverse-mode
     autodiff cannot do), and the balance loss observed at every layer.
     """
     batch = _packed(tokens, segs, positions)
@@ -192,7 +210,7 @@ def train_forward(params: Params, tokens: jax.Array, segs: jax.Array, positions:
     attn = PackedCausal.of(batch.positions, batch.segment_ids, tokens.shape[1])
     valid = batch.segment_ids >= 0
     x, _, _, (aux, counts) = module.run_layers(
-        module.embed_tokens(batch.tokens), attn, module.local_dispatcher("ragged_dot"),
+        module.embed_tokens(batch.tokens), attn, module.local_dispatcher(expert_impl),
         observe=lambda layer, routing, _valid, _inputs: balance_loss(routing, valid, cfg))
     logits = module.vocab_logits(module.final(x))
     return logits, jnp.mean(aux), counts
@@ -213,9 +231,9 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array, segs: jax.Array,
 
 
 def loss_fn(params: Params, tokens, segs, positions, weights, cfg: ModelConfig,
-            aux_coef: float):
+            aux_coef: float, expert_impl: str = "ragged_dot"):
     """Weighted cross-entropy + aux_coef * balance loss; also the plain cross-entropy."""
-    logits, aux, counts = train_forward(params, tokens, segs, positions, cfg)
+    logits, aux, counts = train_forward(params, tokens, segs, positions, cfg, expert_impl)
     total, n = next_token_loss(logits, tokens, segs, weights)
     plain, count = next_token_loss(logits, tokens, segs)
     objective = total / jnp.maximum(n, 1.0) + aux_coef * aux
@@ -253,29 +271,31 @@ def init_params(cfg: ModelConfig, seed: int) -> Params:
 
 
 # =========================================================================== evaluation
-def held_out_loss(params: Params, cfg: ModelConfig, batches: Sequence[tuple]) -> float:
+def held_out_loss(params: Params, cfg: ModelConfig, batches: Sequence[tuple],
+                  expert_impl: str = "ragged_dot") -> float:
     """Token-weighted next-token cross-entropy over fixed held-out batches."""
     total, count = 0.0, 0.0
     for tokens, segs, positions, _ in batches:
-        logits, _, _ = _eval_forward(params, tokens, segs, positions, cfg)
+        logits, _, _ = _eval_forward(params, tokens, segs, positions, cfg, expert_impl)
         t, n = next_token_loss(logits, tokens, segs)
         total, count = total + float(t), count + float(n)
     return total / max(count, 1.0)
 
 
-_eval_forward = jax.jit(train_forward, static_argnums=(4,))
+_eval_forward = jax.jit(train_forward, static_argnums=(4, 5))
 
 
 def expert_usage(params: Params, cfg: ModelConfig, tokenizer, src: corpus.Sources,
-                 seed: int, rows: int = 16, seq_len: int = 128) -> dict[str, list[list[float]]]:
-    """Per domain, the fraction of that domain's routed slots going to each expert,
-    per layer ([L][E], rows sum to 1), over held-out plain text of the domain."""
+                 seed: int, rows: int = 16, seq_len: int = 128,
+                 expert_impl: str = "ragged_dot") -> dict[str, list[list[float]]]:
+    """Per domain of ``src``, the fraction of that domain's routed slots going to each
+    expert, per layer ([L][E], rows sum to 1), over held-out plain text of the domain."""
     usage = {}
-    for d, domain in enumerate(corpus.DOMAINS):
+    for d, domain in enumerate(src.domains):
         rng = np.random.default_rng(seed + d)
         texts = (corpus.plain_example(src, domain, rng) for _ in iter(int, 1))
         batch = pack_rows(token_stream(tokenizer, texts, seq_len), rows, seq_len)
-        _, _, counts = _eval_forward(params, *batch[:3], cfg)
+        _, _, counts = _eval_forward(params, *batch[:3], cfg, expert_impl)
         counts = np.asarray(counts)
         usage[domain] = (counts / counts.sum(axis=1, keepdims=True)).round(4).tolist()
     return usage
@@ -284,12 +304,13 @@ def expert_usage(params: Params, cfg: ModelConfig, tokenizer, src: corpus.Source
 def usage_summary(usage: dict[str, list[list[float]]]) -> dict[str, Any]:
     """Per layer: each domain's most used expert and its share, and the share of
     routed slots the domain sends to experts that are its own top choice among domains."""
-    arr = np.array([usage[d] for d in corpus.DOMAINS])                       # [D, L, E]
+    domains = list(usage)
+    arr = np.array([usage[d] for d in domains])                              # [D, L, E]
     layers = []
     for layer in range(arr.shape[1]):
         per = arr[:, layer]
         layers.append({d: {"top_expert": int(per[i].argmax()), "share": round(float(per[i].max()), 3)}
-                       for i, d in enumerate(corpus.DOMAINS)})
+                       for i, d in enumerate(domains)})
     # Mean total-variation distance between two domains' expert distributions, per layer:
     # 0 = every domain uses the experts alike, 1 = disjoint experts.
     tv = [round(float(np.mean([0.5 * np.abs(arr[i, l] - arr[j, l]).sum()
@@ -349,7 +370,7 @@ def train(hf_config: dict[str, Any], tc: TrainConfig, tokenizer, src_train: corp
     @jax.jit
     def step(params, opt_state, tokens, segs, positions, weights):
         grads, (ce, aux, counts) = jax.grad(loss_fn, has_aux=True)(
-            params, tokens, segs, positions, weights, cfg, tc.aux_coef)
+            params, tokens, segs, positions, weights, cfg, tc.aux_coef, tc.expert_impl)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ce, aux, optax.tree.norm(grads), counts
 
@@ -359,12 +380,14 @@ def train(hf_config: dict[str, Any], tc: TrainConfig, tokenizer, src_train: corp
     eval_batches = [pack_rows(eval_tokens, tc.batch_rows, tc.seq_len) for _ in range(tc.eval_batches)]
     log: dict[str, Any] = {"curve": []}
     start, window = time.time(), []
+    batch = pack_rows(train_tokens, tc.batch_rows, tc.seq_len)
     for i in range(tc.steps):
-        batch = pack_rows(train_tokens, tc.batch_rows, tc.seq_len)
         params, opt_state, ce, aux, gnorm, counts = step(params, opt_state, *batch)
-        window.append((float(ce), float(aux)))
+        # The step runs asynchronously: pack the next batch while it does.
+        batch = pack_rows(train_tokens, tc.batch_rows, tc.seq_len) if i + 1 < tc.steps else None
+        window.append((ce, aux))
         if (i + 1) % tc.log_every == 0 or i == 0 or i + 1 == tc.steps:
-            ce_m, aux_m = np.mean(window, axis=0)
+            ce_m, aux_m = np.mean([(float(c), float(a)) for c, a in window], axis=0)
             load = np.asarray(counts, np.float64)
             load = load / load.sum(axis=1, keepdims=True)
             entry = {"step": i + 1, "loss": round(float(ce_m), 4), "aux": round(float(aux_m), 4),
@@ -377,8 +400,9 @@ def train(hf_config: dict[str, Any], tc: TrainConfig, tokenizer, src_train: corp
                 print(json.dumps(entry), flush=True)
     log["train_seconds"] = round(time.time() - start, 1)
     log["final_train_loss"] = log["curve"][-1]["loss"]
-    log["held_out_loss"] = round(held_out_loss(params, cfg, eval_batches), 4)
-    usage = expert_usage(params, cfg, tokenizer, src_eval, tc.seed + 100)
+    log["held_out_loss"] = round(held_out_loss(params, cfg, eval_batches, tc.expert_impl), 4)
+    usage = expert_usage(params, cfg, tokenizer, src_eval, tc.seed + 100,
+                         expert_impl=tc.expert_impl)
     log["expert_usage_by_domain"] = usage
     log["expert_usage_summary"] = usage_summary(usage)
     return params, log
@@ -406,25 +430,31 @@ class Stage:
     answer_weight: float
 
 
-def stages(tc: TrainConfig) -> tuple[Stage, ...]:
+def stages(tc: TrainConfig, domains: tuple[str, ...] = corpus.DOMAINS) -> tuple[Stage, ...]:
     """Every stage of the demo's training, in order.
 
     1. the mixed corpus; 2. task-heavy (answer tokens weigh ``answer_weight``); 3-4. the
     sum checks (``corpus.CHECK_MIXTURE``, ``corpus.CHOICE_MIXTURE``); 5. the option lookup
     that multiple choice needs (``corpus.LOOKUP_MIXTURE``); 6. lookup drills at a higher
-    learning rate (``corpus.DRILL_MIXTURE``).
+    learning rate (``corpus.DRILL_MIXTURE``). Another domain set gets each mixture
+    through ``corpus.for_domains`` (stage 1 with ``tc.text_share`` when set).
     """
+    def mix(mixture: dict[str, float], text_share: float | None = None) -> dict[str, float]:
+        return mixture if domains == corpus.DOMAINS else corpus.for_domains(
+            mixture, domains, text_share)
+
     checks = dict(steps=tc.check_steps, peak_lr=tc.check_peak_lr,
                   warmup_steps=tc.check_warmup_steps, answer_weight=tc.answer_weight)
     return (
-        Stage("stage1", corpus.MIXTURE, 0, tc.steps, tc.peak_lr, tc.warmup_steps, 1.0),
-        Stage("stage2", corpus.TASK_MIXTURE, 2, tc.task_steps, tc.task_peak_lr,
+        Stage("stage1", mix(corpus.MIXTURE, tc.text_share or None), 0, tc.steps, tc.peak_lr,
+              tc.warmup_steps, 1.0),
+        Stage("stage2", mix(corpus.TASK_MIXTURE), 2, tc.task_steps, tc.task_peak_lr,
               tc.warmup_steps, tc.answer_weight),
-        Stage("stage3", corpus.CHECK_MIXTURE, 7, **checks),
-        Stage("stage4", corpus.CHOICE_MIXTURE, 8, **checks),
-        Stage("stage5", corpus.LOOKUP_MIXTURE, 9, tc.lookup_steps, tc.check_peak_lr,
+        Stage("stage3", mix(corpus.CHECK_MIXTURE), 7, **checks),
+        Stage("stage4", mix(corpus.CHOICE_MIXTURE), 8, **checks),
+        Stage("stage5", mix(corpus.LOOKUP_MIXTURE), 9, tc.lookup_steps, tc.check_peak_lr,
               tc.check_warmup_steps, tc.answer_weight),
-        Stage("stage6", corpus.DRILL_MIXTURE, 10, tc.drill_steps, tc.drill_peak_lr,
+        Stage("stage6", mix(corpus.DRILL_MIXTURE), 10, tc.drill_steps, tc.drill_peak_lr,
               tc.drill_warmup_steps, tc.answer_weight),
     )
 
@@ -447,27 +477,59 @@ def run_stage(stage: Stage, hf_config: dict[str, Any], tc: TrainConfig, tokenize
 STAGE_LOG_KEYS = ("curve", "train_seconds", "final_train_loss", "held_out_loss")
 
 
+def params_digest(params: Params, cfg: ModelConfig) -> str:
+    """sha256 of the bfloat16 HF tensors of ``params`` in the loader's order: what a
+    twin generated later must reproduce."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(params_to_hf(params, cfg, np.dtype(ml_dtypes.bfloat16)).items()):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(tensor).view(np.uint16).tobytes())
+    return digest.hexdigest()
+
+
+def _stage_logs(init_dir: str, done: list[str]) -> dict[str, Any]:
+    """The logs of the stages ``done`` recorded in ``init_dir/train_log.json``."""
+    with open(os.path.join(init_dir, "train_log.json"), encoding="utf-8") as fh:
+        earlier = json.load(fh)
+    logs = {name: earlier[name] for name in done if name in earlier}
+    if "stage1" in done and "stage1" not in logs:   # a stage-1-only export's log
+        logs["stage1"] = earlier
+    missing = [name for name in done if name not in logs]
+    if missing:
+        raise RuntimeError(f"{init_dir}/train_log.json has no log of {missing}")
+    return logs
+
+
 def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
         progress: bool = True, init_dir: str | None = None,
-        start_stage: str = "stage1") -> dict[str, Any]:
-    """Build the tokenizer and corpus, train the stages from ``start_stage`` on, write the
-    model dir and ``train_log.json``. Starting later than stage 1 needs ``init_dir``: an
-    export of the stage before (its weights, and its ``train_log.json`` for the log of
-    the stages it ran)."""
+        start_stage: str = "stage1", model: str = "demo",
+        stage_dir: str | None = None) -> dict[str, Any]:
+    """Build the tokenizer and corpus of built-in model ``model``, train the stages from
+    ``start_stage`` on, write the model dir and ``train_log.json``.
+
+    Starting later than stage 1 needs ``init_dir``: an export of the stage before (its
+    weights, and its ``train_log.json`` for the log of the stages it ran). With
+    ``stage_dir`` every stage is exported to ``stage_dir/<stage>`` as it ends (with the
+    logs so far), so a stopped run resumes from the last one.
+    """
     from moejax import checkpoint as ck
     from moejax import demo
 
-    plan = stages(tc)
+    spec = demo.demo_model(model)
+    domains = spec.domains
+    plan = stages(tc, domains)
     names = [stage.name for stage in plan]
     if start_stage not in names:
         raise ValueError(f"unknown stage {start_stage!r}; the stages are {names}")
     if start_stage != names[0] and init_dir is None:
         raise ValueError(f"starting at {start_stage} needs init_dir (the export of "
                          f"{names[names.index(start_stage) - 1]})")
-    hf_config = hf_config or demo.demo_config_dict()
-    tokenizer = demo.build_demo_tokenizer(hf_config["vocab_size"], tc.seed)
+    hf_config = hf_config or demo.demo_config_dict(model)
+    tokenizer = demo.build_demo_tokenizer(hf_config["vocab_size"], tc.seed, domains=domains)
     demo.check_tokenizer(tokenizer, hf_config)
-    src_train, src_eval = corpus.sources("train"), corpus.sources("eval")
+    src_train, src_eval = corpus.sources("train", domains), corpus.sources("eval", domains)
     cfg = from_hf_dict(hf_config)
     params, logs = None, {}
     if start_stage != names[0]:
@@ -475,37 +537,40 @@ def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
             raise RuntimeError(f"{init_dir} was trained with another tokenizer")
         _, loaded, _ = ck.load_model_dir(init_dir, "float32")
         params = jax.tree_util.tree_map(jnp.asarray, loaded)
-        with open(os.path.join(init_dir, "train_log.json"), encoding="utf-8") as fh:
-            earlier = json.load(fh)
-        done = names[:names.index(start_stage)]
-        logs = {name: earlier[name] for name in done if name in earlier}
-        if "stage1" in done and "stage1" not in logs:   # a stage-1-only export's log
-            logs["stage1"] = earlier
-        missing = [name for name in done if name not in logs]
-        if missing:
-            raise RuntimeError(f"{init_dir}/train_log.json has no log of {missing}")
+        logs = _stage_logs(init_dir, names[:names.index(start_stage)])
     for stage in plan[names.index(start_stage):]:
         params, logs[stage.name] = run_stage(stage, hf_config, tc, tokenizer, src_train,
                                              src_eval, params, progress)
-    save_model_dir(out_dir, params, hf_config, tokenizer, demo.DEMO_NOTICE)
+        if stage_dir is not None:
+            export = os.path.join(stage_dir, stage.name)
+            save_model_dir(export, params, hf_config, tokenizer, spec.notice)
+            with open(os.path.join(export, "train_log.json"), "w", encoding="utf-8") as fh:
+                json.dump(logs, fh, indent=1)
+    save_model_dir(out_dir, params, hf_config, tokenizer, spec.notice)
     last = logs[names[-1]]
-    log = {"train_config": dataclasses.asdict(tc), "model": hf_config,
+    log = {"model_name": model, "train_config": dataclasses.asdict(tc), "model": hf_config,
            "parameters": int(sum(np.size(a) for a in jax.tree_util.tree_leaves(params))),
            "routed_experts_active": f"{cfg.num_experts_per_tok} of {cfg.num_experts}",
-           "corpus": corpus.corpus_fingerprint(),
+           "init": {"seed": tc.seed,
+                    "bf16_sha256": params_digest(init_params(cfg, tc.seed), cfg)},
+           "corpus": corpus.corpus_fingerprint(domains),
            "mixture": {stage.name: stage.mixture for stage in plan},
            "stages": {stage.name: {"steps": stage.steps, "peak_lr": stage.peak_lr,
                                    "warmup_steps": stage.warmup_steps,
                                    "answer_weight": stage.answer_weight,
-                                   "stream_seed": tc.seed + stage.stream_offset}
+                                   "stream_seed": tc.seed + stage.stream_offset,
+                                   "tokens_seen": stage.steps * tc.batch_rows * tc.seq_len,
+                                   "train_seconds": logs[stage.name]["train_seconds"]}
                       for stage in plan},
            "platform": {"python": platform.python_version(), "jax": jax.__version__,
-                        "machine": platform.machine()},
+                        "machine": platform.machine(), "device": jax.devices()[0].device_kind,
+                        "cpu_count": os.cpu_count()},
            "stage1": {k: v for k, v in logs["stage1"].items()
                       if k in STAGE_LOG_KEYS or k.startswith("expert")},
            **{name: {k: v for k, v in logs[name].items() if k in STAGE_LOG_KEYS}
               for name in names[1:]},
            "train_seconds": round(sum(logs[name]["train_seconds"] for name in names), 1),
+           "tokens_seen": sum(stage.steps for stage in plan) * tc.batch_rows * tc.seq_len,
            "final_train_loss": last["final_train_loss"],
            "held_out_loss_stage1_mixture": logs["stage1"]["held_out_loss"],
            "held_out_loss_stage2_mixture": logs["stage2"]["held_out_loss"],
@@ -519,19 +584,30 @@ def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    defaults = TrainConfig()
+    from moejax import demo
+
     ap = argparse.ArgumentParser(prog="python -m moejax.demo.train", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output model directory")
+    ap.add_argument("--model", default="demo", choices=sorted(TRAIN_DEFAULTS),
+                    help="which built-in model to train (its shape, corpus and defaults)")
     ap.add_argument("--start-stage", default="stage1",
                     help="first stage to train (stage1 ... stage6); later ones need --init-dir")
     ap.add_argument("--init-dir", default=None,
                     help="the export of the stage before --start-stage (weights and train_log.json)")
+    ap.add_argument("--stage-dir", default=None,
+                    help="export every stage here as it ends (resume with --init-dir DIR/stageN)")
     for field in dataclasses.fields(TrainConfig):
-        ap.add_argument("--" + field.name.replace("_", "-"), type=field.type if callable(field.type)
-                        else type(getattr(defaults, field.name)), default=getattr(defaults, field.name))
+        kind = type(getattr(TrainConfig(), field.name))
+        ap.add_argument("--" + field.name.replace("_", "-"), type=kind, default=None,
+                        help=f"default: the model's ({field.name} of TRAIN_DEFAULTS)")
     args = ap.parse_args(argv)
-    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    log = run(args.out, tc, init_dir=args.init_dir, start_stage=args.start_stage)
+    defaults = TRAIN_DEFAULTS[args.model]
+    tc = TrainConfig(**{f.name: (getattr(args, f.name) if getattr(args, f.name) is not None
+                                 else getattr(defaults, f.name))
+                        for f in dataclasses.fields(TrainConfig)})
+    demo.demo_model(args.model)
+    log = run(args.out, tc, init_dir=args.init_dir, start_stage=args.start_stage,
+              model=args.model, stage_dir=args.stage_dir)
     print(f"done in {log['train_seconds']} s: train loss {log['final_train_loss']}, "
           f"held-out loss {log['held_out_loss']}; wrote {args.out}", file=sys.stderr)
     return 0
