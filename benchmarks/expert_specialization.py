@@ -1,24 +1,26 @@
 """Expert specialization by domain, and how well prefill routing predicts decode routing.
 
-The two measurements of the ELDR seed (``shared/seeds/eldr-expert-locality-decode-routing.txt``)
-that decide whether expert-locality routing can pay off on a model:
+The measurements of the ELDR seed (``shared/seeds/eldr-expert-locality-decode-routing.txt``)
+that decide whether expert-locality routing can pay off on a model, and the one the
+prefetch issue starts from:
 
 1. **Distinct experts per decode step, same-domain vs mixed batch.** A decode step of a
    batch of N requests runs one token per request; per layer it must load every expert that
-   any of those N tokens picked (its top-k). For each domain of the demo corpus (code, prose,
-   math, data: ``moejax.demo.corpus``, held-out split) ``--per-domain`` requests are decoded
-   greedily for ``--new-tokens`` tokens with ``serving.Generator(trace_experts=True)``; a
-   token's routing does not depend on its batch-mates, so the experts a batch *would*
-   activate at step t are the union of its members' traced top-k ids at step t. Batches are
-   drawn ``--batches`` times: same-domain (N distinct requests of one domain) and mixed (N/4
-   of each domain; N = 2 takes two different domains). Distinct experts are averaged over
-   layers, steps and batches; ``reduction = 1 - same / mixed`` (ELDR: 17-21% fewer for task
-   domains). The headline is N = ``--batch`` (4: with 8 experts top-2 a batch of 4 random
-   tokens activates about 5.5 of 8, far from both bounds); the sweep over
-   ``--batch-sizes`` is printed and kept. The same statistic over prompt tokens at the same
-   position (``*_prefill_positions``) is printed too; over whole prompts a batch's union is
-   all E experts for any composition (``prefill_union_*``), so prefill batching has no
-   locality to gain on such a model.
+   any of those N tokens picked (its top-k). For each domain of the model's corpus
+   (``moejax.demo.corpus``, held-out split: code, prose, math, data for ``demo``; the eight
+   of ``DOMAINS_E32`` for ``demo-e32``) ``--per-domain`` requests are decoded greedily for
+   ``--new-tokens`` tokens with expert tracing (``benchmarks/expert_traces.py``'s code, or
+   its files with ``--traces DIR``); a token's routing does not depend on its batch-mates,
+   so the experts a batch *would* activate at step t are the union of its members' traced
+   top-k ids at step t. Batches are drawn ``--batches`` times: same-domain (N distinct
+   requests of one domain) and mixed (N/D of each of the D domains, the remainder from
+   random distinct domains). Distinct experts are averaged over layers, steps and batches;
+   ``reduction = 1 - same / mixed`` (ELDR: 17-21% fewer for task domains). The headline is
+   N = ``--batch`` (8: with 32 experts top-4 a batch of 8 random tokens activates about 21
+   of 32); the sweep over ``--batch-sizes`` (2, 4, 8, 16) is printed and kept. The same
+   statistic over prompt tokens at the same position (``*_prefill_positions``) is printed
+   too; over whole prompts a batch's union is nearly all E experts for any composition
+   (``prefill_union_*``).
 
 2. **Prefill-decode correlation.** Per request, Pearson's r between its per-(layer, expert)
    prefill counts and its decode counts (``moejax.generate.expert_counts``, flattened [L, E]),
@@ -29,16 +31,24 @@ that decide whether expert-locality routing can pay off on a model:
    vector minus the mean over all requests, as usage fractions) that keeps only what is
    specific to the request.
 
-Every figure is computed for the model AND for the same-shaped untrained model (the
-training script's own seeded init, ``moejax.demo.train.init_params`` with the seed in the
-model's ``train_log.json``, written to a temporary model directory in bfloat16 like the
-trained weights, tokenizer and config copied), and beside a **noise floor**: each domain's
-requests split into two random halves used as if they were two domains -- the reduction of
-a half-A batch against a half-A + half-B batch (should be ~0), and the per-layer
-total-variation distance between the expert-usage distributions of two domains (half A of
-each) against that between the two halves of one domain (same token counts). Routing
-differences that the untrained model shows too come from token statistics, not training;
-differences not above the halves' floor are sampling noise.
+3. **Next-layer predictability** (``next_layer_recall_router_baseline``, per layer l):
+   recall@k of applying layer l+1's router to layer l's router input (its normed
+   residual) against the experts layer l+1 really chose, over decode tokens (and prefill
+   tokens, ``_prefill``); chance is k/E. Needs router inputs in the traces.
+
+4. **Usage divergence per domain and layer** (``usage_divergence_{domain}_layer{l}``): the
+   total-variation distance between a domain's expert usage (decode tokens) and that of
+   all other domains pooled; plus the mean TV distance between two domains
+   (``usage_tv_between_domains_*``) beside that between two halves of one domain.
+
+Every figure is computed for the model AND its untrained twin (a built-in model's
+``demo-e32-init``; for a model directory the training script's seeded init with the seed
+in its ``train_log.json``, written to a temporary directory in bfloat16 like the trained
+weights), on the same prompts, and beside a **noise floor**: each domain's requests split
+into two random halves used as if they were two domains -- the reduction of a half-A batch
+against a half-A + half-B batch (should be ~0), and the per-layer TV distance between two
+halves of one domain. Routing differences that the untrained model shows too come from
+token statistics, not training; differences not above the halves' floor are sampling noise.
 
 Prompts: held-out texts of one domain joined by newlines and cut to exactly
 ``--prompt-tokens`` tokens (so every domain has the same prompt length and the model
@@ -48,12 +58,12 @@ printed (after it the model starts a new text, which can leave the domain), and 
 correlation is also given over each request's decode tokens before its first EOS only
 (``prefill_decode_correlation_before_eos``; requests whose first token is EOS left out).
 
-    python benchmarks/expert_specialization.py [--quick] [--json PATH] [--model DIR|demo]
-        [--per-domain N] [--prompt-tokens N] [--new-tokens N] [--batch N]
-        [--batch-sizes 2,4,8] [--batches N] [--seed N]
+    python benchmarks/expert_specialization.py [--quick] [--json PATH]
+        [--model demo|demo-e32|DIR] [--traces DIR] [--per-domain N] [--prompt-tokens N]
+        [--new-tokens N] [--batch N] [--batch-sizes 2,4,8,16] [--batches N] [--seed N]
 
-JSON keys (flat; every key also exists with the suffix ``_untrained`` for the untrained
-model): same_domain_expert_reduction, same_domain_expert_reduction_noise_floor,
+JSON keys (flat; every key also exists with the suffix ``_untrained`` for the twin):
+same_domain_expert_reduction, same_domain_expert_reduction_noise_floor,
 same_domain_expert_reduction_{domain}, distinct_experts_same_domain, distinct_experts_mixed,
 same_domain_expert_reduction_b{N}, same_domain_expert_reduction_noise_floor_b{N},
 same_domain_expert_reduction_prefill_positions(_noise_floor),
@@ -63,13 +73,14 @@ different domain), prefill_decode_correlation_other_same_domain,
 prefill_decode_correlation_centered, prefill_decode_correlation_centered_noise_floor,
 prefill_decode_correlation_before_eos, prefill_decode_correlation_{domain},
 usage_tv_between_domains_{prefill,decode}, usage_tv_between_halves_{prefill,decode} (and
-``_layer{l}``), eos_fraction; plus the run's settings.
+``_layer{l}``), usage_divergence_{domain} (and ``_layer{l}``, ``_prefill``),
+next_layer_recall_router_baseline (and ``_layer{l}``, ``_prefill``),
+next_layer_recall_chance, eos_fraction; plus the run's settings.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys

@@ -77,8 +77,9 @@ def _cache_blocks(text: str) -> int | str:
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """The model options shared by score, info, serve (and, in part, generate)."""
     p.add_argument("--model", default="demo",
-                   help="local Hugging Face model directory, converted moejax directory, or "
-                        "'demo' (built-in toy model trained here; default)")
+                   help="local Hugging Face model directory, converted moejax directory, or a "
+                        "built-in toy model trained here: 'demo' (default), 'demo-e32' "
+                        "(32 experts, eight domains) or its untrained twin 'demo-e32-init'")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=None,
                    help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-batch-tokens", type=positive_int, default=None,

@@ -391,7 +391,8 @@ class GenerationEvent:
 class Generator:
     """Generates text with one model: ``Generator(model, **options).generate(requests)``.
 
-    ``model``: ``"demo"`` or a local Hugging Face / converted moejax directory (with
+    ``model``: a built-in model (``"demo"``, ``"demo-e32"``, ``"demo-e32-init"``) or a
+    local Hugging Face / converted moejax directory (with
     ``tokenizer.json``). Options: see :class:`GeneratorOptions`. With continuous batching
     the paged KV pool lives as long as the Generator, so a later call whose prompts start
     with the same full 16-token blocks (a shared system prompt) reuses their keys/values.
