@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from hf_parity import assert_transformers_agrees
 from moejax import checkpoint as ck
 from moejax import demo
 from moejax.demo import corpus, heldout, system_texts, train
@@ -117,23 +118,7 @@ def test_heldout_accuracy(scorer, task, count, minimum):
 
 def test_transformers_loads_e32_and_agrees(e32_dir):
     """Hugging Face's own Qwen3-MoE reads the files and computes the same logits."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from moejax import model as mdl
-
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        e32_dir, output_loading_info=True, dtype=torch.float32)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
-    cfg, params, tokenizer = ck.load_model_dir(e32_dir, "float32")
-    ids = tokenizer.encode("#include <stdio.h>\nint main(void) {\n  return 0;\n}").ids
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].numpy()
-    n = len(ids)
-    batch = mdl.PackedBatch(tokens=np.array(ids, np.int32), positions=np.arange(n, dtype=np.int32),
-                            segment_ids=np.zeros(n, np.int32), score_positions=np.zeros(1, np.int32),
-                            score_token_ids=np.zeros((1, 1), np.int32))
-    ours = np.asarray(mdl.full_logits(params, batch, cfg, mdl.ForwardOptions(attn_block=n)))
-    np.testing.assert_allclose(ours, logits, atol=2e-3, rtol=2e-3)
+    assert_transformers_agrees(e32_dir, "#include <stdio.h>\nint main(void) {\n  return 0;\n}")
 
 
 # ------------------------------------------------------------------------------ twin
