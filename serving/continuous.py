@@ -277,11 +277,14 @@ class Scheduler:
             # At least the last token is computed (its logits choose the next token).
             reusable = (len(tokens) - 1) // BLOCK
             seq.hashes = prefix_hash.block_hashes(np.asarray(tokens[:reusable * BLOCK]))
-            hits = manager.cached_prefix(seq.hashes)
+            # A traced request computes every token: a prefix hit would skip the routing
+            # of the tokens it covers, and the trace must hold all of them.
+            hits = [] if self.options.trace else manager.cached_prefix(seq.hashes)
             manager.acquire(hits)
             seq.blocks = list(hits)
             self.stats["prefix_hit_tokens"] += len(hits) * BLOCK
-            if self.prefix_source is not None and len(hits) < len(seq.hashes):
+            if (self.prefix_source is not None and not self.options.trace
+                    and len(hits) < len(seq.hashes)):
                 self._copy_shared_prefix(seq, manager)
             seq.computed = len(seq.blocks) * BLOCK
             self.running.append(seq)

@@ -199,6 +199,33 @@ def test_traces_have_every_token_once(demo):
             np.testing.assert_allclose(out.prefill_weights.sum(-1), 1.0, rtol=1e-5)
 
 
+def test_traced_requests_sharing_a_prompt_prefix_trace_every_prompt_token(demo):
+    """A prompt whose blocks are already cached is still prefilled in full when traced (a
+    prefix hit would skip the routing of the tokens it covers): both copies of a shared
+    40-token prefix get the same routing, and every prompt token is recorded."""
+    cfg, _, specs, runner, _ = demo
+    shared = specs[3].prompt[:40]
+    twins = [SequenceSpec(prompt=shared + tail, max_new_tokens=3) for tail in ((5,), (6, 7))]
+    scheduler = _scheduler(runner, trace=True)
+    first = scheduler.submit(twins[0])
+    scheduler.run_until_idle()
+    second = scheduler.submit(twins[1])     # its first two blocks are cached by now
+    scheduler.run_until_idle()
+    assert scheduler.stats["prefix_hit_tokens"] == 0
+    for spec, seq in zip(twins, (first, second)):
+        out = seq.output
+        assert out.prefill_experts.shape == (cfg.num_layers, len(spec.prompt),
+                                             cfg.num_experts_per_tok)
+        assert out.decode_experts.shape[1] == len(out.token_ids) - 1
+    np.testing.assert_array_equal(first.output.prefill_experts[:, :40],
+                                  second.output.prefill_experts[:, :40])
+    untraced = _scheduler(runner)
+    for spec in twins:
+        untraced.submit(spec)
+        untraced.run_until_idle()
+    assert untraced.stats["prefix_hit_tokens"] == 32      # untraced, the blocks are reused
+
+
 def test_layer_hook_sees_and_overrides_routing(demo):
     cfg, params, specs, _, alone = demo
     runner = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())

@@ -106,7 +106,21 @@ def scorer() -> Scorer:
 
 
 def test_scorer_names_the_builtin_model(scorer):
-    assert scorer.model_name == "demo-e32" and scorer.info()["demo"] is True
+    assert scorer.model_name == "demo-e32" and scorer.info["demo"] is True
+
+
+def test_cli_and_generator_load_it_by_name(capsys):
+    from serving import Generator
+    from serving.cli import main
+
+    assert main(["info", "--model", "demo-e32", "--dtype", "float32"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model_name"] == "demo-e32" and info["params"] == demo.demo_config(
+        "demo-e32").num_params()
+    gen = Generator("demo-e32", dtype="float32", max_batch_size=2)
+    (result,) = gen.generate([{"prompt": "#include <stdio.h>\n", "max_new_tokens": 5,
+                               "stop_token_ids": []}])
+    assert result.error is None and len(result.token_ids) == 5
 
 
 @pytest.mark.parametrize("task,count,minimum", THRESHOLDS, ids=[t[0] for t in THRESHOLDS])

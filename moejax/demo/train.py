@@ -545,7 +545,8 @@ def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
             export = os.path.join(stage_dir, stage.name)
             save_model_dir(export, params, hf_config, tokenizer, spec.notice)
             with open(os.path.join(export, "train_log.json"), "w", encoding="utf-8") as fh:
-                json.dump(logs, fh, indent=1)
+                json.dump({**logs, "train_config": dataclasses.asdict(tc),
+                           "corpus": {"domains": list(domains)}}, fh, indent=1)
     save_model_dir(out_dir, params, hf_config, tokenizer, spec.notice)
     last = logs[names[-1]]
     log = {"model_name": model, "train_config": dataclasses.asdict(tc), "model": hf_config,
