@@ -29,7 +29,11 @@ prefetch issue starts from:
    decode counts of *another* request of the same domain and of a *different* domain (the
    noise floor: the correlation popularity alone gives), and a *centered* r (each count
    vector minus the mean over all requests, as usage fractions) that keeps only what is
-   specific to the request.
+   specific to the request. Two more forms are printed beside it: the *sampling ceiling*
+   (the r a request would reach if its decode slots were drawn from its own prefill usage:
+   a request decodes far fewer tokens than E x L cells, so sampling noise alone keeps r
+   below 1) and the *domain aggregate* (each domain's summed prefill counts against its
+   summed decode counts, the workload-level form closer to ELDR's per-expert figure).
 
 3. **Next-layer predictability** (``next_layer_recall_router_baseline``, per layer l):
    recall@k of applying layer l+1's router to layer l's router input (its normed
@@ -72,6 +76,8 @@ prefill_decode_correlation, prefill_decode_correlation_noise_floor (another requ
 different domain), prefill_decode_correlation_other_same_domain,
 prefill_decode_correlation_centered, prefill_decode_correlation_centered_noise_floor,
 prefill_decode_correlation_before_eos, prefill_decode_correlation_{domain},
+prefill_decode_correlation_sampling_ceiling, prefill_decode_correlation_domain_aggregate
+(and ``_noise_floor``),
 usage_tv_between_domains_{prefill,decode}, usage_tv_between_halves_{prefill,decode} (and
 ``_layer{l}``), usage_divergence_{domain} (and ``_layer{l}``, ``_prefill``),
 next_layer_recall_router_baseline (and ``_layer{l}``, ``_prefill``),
@@ -281,6 +287,9 @@ def analyse(prefill_ids: list[np.ndarray], decode_ids: np.ndarray, domains: np.n
         out["eos_fraction"] = float(np.mean(first_eos < decode_ids.shape[2] + 1))
     out["correlation_by_domain"] = [float(np.nanmean(paired_correlations(pc, dc, own)[domains == d]))
                                     for d in range(num_domains)]
+    out["correlation_domain_aggregate"], out["correlation_domain_aggregate_noise_floor"] = (
+        domain_aggregate_correlation(pc, dc, domains, num_domains))
+    out["correlation_sampling_ceiling"] = sampling_ceiling(pc, dc, rng)
 
     for name, counts in (("prefill", pc), ("decode", dc)):
         half_a = [usage_fractions(counts[a].sum(axis=0)) for a, _ in split]
@@ -331,6 +340,10 @@ def flat_figures(result: dict[str, Any], domains: Sequence[str], primary: int, s
     f["prefill_decode_correlation_centered_noise_floor"] = result["correlation_centered_noise_floor"]
     for name, value in zip(domains, result["correlation_by_domain"]):
         f[f"prefill_decode_correlation_{name}"] = value
+    f["prefill_decode_correlation_domain_aggregate"] = result["correlation_domain_aggregate"]
+    f["prefill_decode_correlation_domain_aggregate_noise_floor"] = result[
+        "correlation_domain_aggregate_noise_floor"]
+    f["prefill_decode_correlation_sampling_ceiling"] = result["correlation_sampling_ceiling"]
     for phase in ("prefill", "decode"):
         for kind in ("domains", "halves"):
             per_layer = result[f"tv_between_{kind}_{phase}"]
@@ -401,6 +414,32 @@ def next_layer_recall(router_inputs: np.ndarray, experts: np.ndarray, router_w: 
     return np.array(out)
 
 
+def domain_aggregate_correlation(prefill: np.ndarray, decode: np.ndarray, domains: np.ndarray,
+                                 num_domains: int) -> tuple[float, float]:
+    """Pearson's r between a domain's summed prefill counts and its summed decode counts
+    ([R, L, E] each), averaged over domains, and the same against other domains' decode
+    counts (the floor): the workload-level form of the prefill-decode correlation."""
+    pre = [prefill[domains == d].sum(axis=0) for d in range(num_domains)]
+    dec = [decode[domains == d].sum(axis=0) for d in range(num_domains)]
+    own = float(np.mean([pearson(pre[d], dec[d]) for d in range(num_domains)]))
+    other = float(np.mean([pearson(pre[d], dec[e]) for d in range(num_domains)
+                           for e in range(num_domains) if e != d]))
+    return own, other
+
+
+def sampling_ceiling(prefill: np.ndarray, decode: np.ndarray, rng: np.random.Generator
+                     ) -> float:
+    """The mean r a request would reach if its decode slots were drawn from its own
+    prefill usage per layer (as many slots as it decoded): how far sampling noise alone
+    keeps the per-request correlation below 1. ``prefill``, ``decode`` [R, L, E]."""
+    out = []
+    for pc, dc in zip(prefill, decode):
+        slots = dc.sum(axis=-1)                                              # [L]
+        drawn = np.stack([rng.multinomial(n, p) for n, p in zip(slots, usage_fractions(pc))])
+        out.append(pearson(pc, drawn))
+    return float(np.nanmean(out))
+
+
 def usage_divergence_by_domain(counts: np.ndarray, domains: np.ndarray, num_domains: int
                                ) -> np.ndarray:
     """Per domain and layer, the TV distance between the domain's expert usage and that of
@@ -439,6 +478,10 @@ def print_model(name: str, result: dict[str, Any], domains: Sequence[str], prima
                                       zip(domains, result["correlation_by_domain"]))
           + f"; centered (minus mean usage): {result['correlation_centered']:.3f} "
             f"(another domain: {result['correlation_centered_noise_floor']:.3f})")
+    print(f"  ceiling from sampling alone (decode slots drawn from the request's own prefill "
+          f"usage): {result['correlation_sampling_ceiling']:.3f}; per domain, summed over its "
+          f"requests: {result['correlation_domain_aggregate']:.3f} (against another domain's "
+          f"decode: {result['correlation_domain_aggregate_noise_floor']:.3f})")
     for phase in ("prefill", "decode"):
         between = result[f"tv_between_domains_{phase}"]
         within = result[f"tv_between_halves_{phase}"]

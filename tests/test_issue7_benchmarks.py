@@ -251,6 +251,19 @@ def test_next_layer_recall_by_hand_and_against_float64():
     np.testing.assert_allclose(es.next_layer_recall(inputs, chosen, router_w, 3), want)
 
 
+def test_domain_aggregate_correlation_and_sampling_ceiling():
+    rng = np.random.default_rng(0)
+    # two domains with opposite usage; decode follows prefill exactly
+    prefill = np.array([[[9, 1, 0]], [[8, 2, 0]], [[0, 1, 9]], [[0, 2, 8]]], np.float64)
+    domains = np.array([0, 0, 1, 1])
+    own, other = es.domain_aggregate_correlation(prefill, prefill, domains, 2)
+    assert own == pytest.approx(1.0) and other < 0
+    # many decode slots: the ceiling approaches 1; a handful: well below
+    many = es.sampling_ceiling(prefill, prefill * 1000, rng)
+    few = es.sampling_ceiling(prefill, np.ones_like(prefill), rng)
+    assert many > 0.99 and few < many
+
+
 def test_usage_divergence_by_domain():
     # R=3 requests, L=1, E=2: domain 0 uses expert 0 only, domain 1 expert 1 only
     counts = np.array([[[4, 0]], [[2, 0]], [[0, 5]]])
