@@ -60,7 +60,10 @@ def test_mixtures_over_eight_domains_keep_the_task_shares():
     assert text == pytest.approx(corpus.TASK_MIXTURE["code"] + corpus.TASK_MIXTURE["prose"]
                                  + corpus.TASK_MIXTURE["data"], abs=1e-5)
     plan = train.stages(train.TRAIN_DEFAULTS["demo-e32"], E32.domains)
+    assert [stage.name for stage in plan] == [f"stage{i}" for i in range(1, 8)]
+    assert len({stage.stream_offset for stage in plan}) == 7
     assert sum(plan[0].mixture[d] for d in E32.domains if d != "math") == pytest.approx(0.42)
+    assert max(plan[-1].mixture, key=plan[-1].mixture.get) == "multi_selection"
     for stage in plan:
         assert set(stage.mixture) <= set(corpus.TASKS) | set(E32.domains), stage.name
 

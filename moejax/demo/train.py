@@ -91,6 +91,8 @@ class TrainConfig:
     # Stage 1's plain-text share over the non-math domains of an eight-domain corpus
     # (0: the share corpus.MIXTURE gives code, prose and data).
     text_share: float = 0.0
+    # Stage 7 (corpus.MULTI_MIXTURE, the check stages' learning rate): only when > 0.
+    multi_steps: int = 0
 
 
 # demo-e32 (configs/demo-e32.yaml): the small demo's curriculum with a larger stage-1
@@ -99,7 +101,8 @@ class TrainConfig:
 TRAIN_DEFAULTS: dict[str, TrainConfig] = {
     "demo": TrainConfig(),
     "demo-e32": TrainConfig(steps=2500, task_steps=1000, check_steps=500, lookup_steps=1200,
-                            drill_steps=1500, expert_impl="blocks", text_share=0.42),
+                            drill_steps=1500, expert_impl="blocks", text_share=0.42,
+                            multi_steps=1200),
 }
 
 
@@ -436,7 +439,8 @@ def stages(tc: TrainConfig, domains: tuple[str, ...] = corpus.DOMAINS) -> tuple[
     1. the mixed corpus; 2. task-heavy (answer tokens weigh ``answer_weight``); 3-4. the
     sum checks (``corpus.CHECK_MIXTURE``, ``corpus.CHOICE_MIXTURE``); 5. the option lookup
     that multiple choice needs (``corpus.LOOKUP_MIXTURE``); 6. lookup drills at a higher
-    learning rate (``corpus.DRILL_MIXTURE``). Another domain set gets each mixture
+    learning rate (``corpus.DRILL_MIXTURE``); with ``tc.multi_steps``, 7. multi-selection
+    (``corpus.MULTI_MIXTURE``, demo-e32). Another domain set gets each mixture
     through ``corpus.for_domains`` (stage 1 with ``tc.text_share`` when set).
     """
     def mix(mixture: dict[str, float], text_share: float | None = None) -> dict[str, float]:
@@ -456,7 +460,8 @@ def stages(tc: TrainConfig, domains: tuple[str, ...] = corpus.DOMAINS) -> tuple[
               tc.check_warmup_steps, tc.answer_weight),
         Stage("stage6", mix(corpus.DRILL_MIXTURE), 10, tc.drill_steps, tc.drill_peak_lr,
               tc.drill_warmup_steps, tc.answer_weight),
-    )
+    ) + ((Stage("stage7", mix(corpus.MULTI_MIXTURE), 11, tc.multi_steps, tc.check_peak_lr,
+                tc.check_warmup_steps, tc.answer_weight),) if tc.multi_steps > 0 else ())
 
 
 def run_stage(stage: Stage, hf_config: dict[str, Any], tc: TrainConfig, tokenizer,
@@ -592,7 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default="demo", choices=sorted(TRAIN_DEFAULTS),
                     help="which built-in model to train (its shape, corpus and defaults)")
     ap.add_argument("--start-stage", default="stage1",
-                    help="first stage to train (stage1 ... stage6); later ones need --init-dir")
+                    help="first stage to train (stage1 ... stage6, stage7 where the model has one); "
+                         "later ones need --init-dir")
     ap.add_argument("--init-dir", default=None,
                     help="the export of the stage before --start-stage (weights and train_log.json)")
     ap.add_argument("--stage-dir", default=None,
