@@ -60,12 +60,22 @@ def test_mixtures_over_eight_domains_keep_the_task_shares():
     assert text == pytest.approx(corpus.TASK_MIXTURE["code"] + corpus.TASK_MIXTURE["prose"]
                                  + corpus.TASK_MIXTURE["data"], abs=1e-5)
     plan = train.stages(train.TRAIN_DEFAULTS["demo-e32"], E32.domains)
-    assert [stage.name for stage in plan] == [f"stage{i}" for i in range(1, 8)]
-    assert len({stage.stream_offset for stage in plan}) == 7
+    assert [stage.name for stage in plan] == [f"stage{i}" for i in range(1, 9)]
+    assert len({stage.stream_offset for stage in plan}) == 8
     assert sum(plan[0].mixture[d] for d in E32.domains if d != "math") == pytest.approx(0.42)
-    assert max(plan[-1].mixture, key=plan[-1].mixture.get) == "multi_selection"
+    assert max(plan[-2].mixture, key=plan[-2].mixture.get) == "multi_selection"
+    assert plan[-1].mixture["multi_drill"] == plan[-1].mixture["multi_selection"] > 0.2
     for stage in plan:
         assert set(stage.mixture) <= set(corpus.TASKS) | set(E32.domains), stage.name
+
+
+def test_multi_drill_answers_every_domain_once():
+    src = corpus.sources("eval", E32.domains)
+    example = corpus.multi_drill_task(src, np.random.default_rng(3))
+    lines = example.text.split(corpus.MULTI_QUESTION + "\n")[1].split("\n")
+    assert sorted(line.split(": ")[0] for line in lines) == sorted(E32.domains)
+    present = set(example.domain.split("+"))
+    assert {line.split(": ")[0] for line in lines if line.endswith(": yes")} == present
 
 
 def test_domain_questions_ask_over_all_eight():

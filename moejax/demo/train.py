@@ -91,8 +91,10 @@ class TrainConfig:
     # Stage 1's plain-text share over the non-math domains of an eight-domain corpus
     # (0: the share corpus.MIXTURE gives code, prose and data).
     text_share: float = 0.0
-    # Stage 7 (corpus.MULTI_MIXTURE, the check stages' learning rate): only when > 0.
+    # Stage 7 (corpus.MULTI_MIXTURE) and stage 8 (corpus.MULTI_DRILL_MIXTURE), at the
+    # check stages' learning rate: only when > 0.
     multi_steps: int = 0
+    multi_drill_steps: int = 0
 
 
 # demo-e32 (configs/demo-e32.yaml): the small demo's curriculum with a larger stage-1
@@ -102,7 +104,7 @@ TRAIN_DEFAULTS: dict[str, TrainConfig] = {
     "demo": TrainConfig(),
     "demo-e32": TrainConfig(steps=2500, task_steps=1000, check_steps=500, lookup_steps=1200,
                             drill_steps=1500, expert_impl="blocks", text_share=0.42,
-                            multi_steps=1200),
+                            multi_steps=1200, multi_drill_steps=1200),
 }
 
 
@@ -440,7 +442,8 @@ def stages(tc: TrainConfig, domains: tuple[str, ...] = corpus.DOMAINS) -> tuple[
     sum checks (``corpus.CHECK_MIXTURE``, ``corpus.CHOICE_MIXTURE``); 5. the option lookup
     that multiple choice needs (``corpus.LOOKUP_MIXTURE``); 6. lookup drills at a higher
     learning rate (``corpus.DRILL_MIXTURE``); with ``tc.multi_steps``, 7. multi-selection
-    (``corpus.MULTI_MIXTURE``, demo-e32). Another domain set gets each mixture
+    (``corpus.MULTI_MIXTURE``, demo-e32); with ``tc.multi_drill_steps``, 8. multi drills
+    (``corpus.MULTI_DRILL_MIXTURE``, demo-e32). Another domain set gets each mixture
     through ``corpus.for_domains`` (stage 1 with ``tc.text_share`` when set).
     """
     def mix(mixture: dict[str, float], text_share: float | None = None) -> dict[str, float]:
@@ -461,7 +464,10 @@ def stages(tc: TrainConfig, domains: tuple[str, ...] = corpus.DOMAINS) -> tuple[
         Stage("stage6", mix(corpus.DRILL_MIXTURE), 10, tc.drill_steps, tc.drill_peak_lr,
               tc.drill_warmup_steps, tc.answer_weight),
     ) + ((Stage("stage7", mix(corpus.MULTI_MIXTURE), 11, tc.multi_steps, tc.check_peak_lr,
-                tc.check_warmup_steps, tc.answer_weight),) if tc.multi_steps > 0 else ())
+                tc.check_warmup_steps, tc.answer_weight),) if tc.multi_steps > 0 else ()
+         ) + ((Stage("stage8", mix(corpus.MULTI_DRILL_MIXTURE), 12, tc.multi_drill_steps,
+                     tc.check_peak_lr, tc.check_warmup_steps, tc.answer_weight),)
+              if tc.multi_drill_steps > 0 else ())
 
 
 def run_stage(stage: Stage, hf_config: dict[str, Any], tc: TrainConfig, tokenizer,
