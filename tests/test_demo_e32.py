@@ -34,6 +34,7 @@ THRESHOLDS = [("domain_question", 48, 0.9), ("product", 32, 0.8),
 # ------------------------------------------------------------------------------ corpus
 def test_eight_domains_have_held_out_texts_from_disjoint_files():
     assert E32.domains == corpus.DOMAINS_E32 and len(set(E32.domains)) == 8
+    assert demo.demo_model("demo").domains == corpus.DOMAINS
     for domain in system_texts.FINDERS:
         train_files = set(system_texts.split_files(domain, "train"))
         eval_files = set(system_texts.split_files(domain, "eval"))

@@ -74,6 +74,8 @@ class DemoModel:
     init_of: str | None = None
 
 
+# The domain tuples equal corpus.DOMAINS and corpus.DOMAINS_E32 (a test checks); corpus is
+# not imported here so that resolving a model name stays cheap.
 MODELS: dict[str, DemoModel] = {
     "demo": DemoModel("demo", DEMO_NAME, DEMO_CONFIG_PATH, WEIGHTS_DIR,
                       ("code", "prose", "math", "data"), DEMO_NOTICE),
@@ -94,6 +96,8 @@ def demo_model(name: str) -> DemoModel:
         raise ValueError(f"unknown built-in model {name!r}; the built-in models are "
                          f"{sorted(MODELS)}")
     return MODELS[name]
+
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 # Answers a scoring prompt typically uses; the tokenizer corpus makes each (with its
 # leading space) one BPE token, so single-token candidate scoring applies to them. The

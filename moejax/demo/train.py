@@ -596,8 +596,6 @@ def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from moejax import demo
-
     ap = argparse.ArgumentParser(prog="python -m moejax.demo.train", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output model directory")
     ap.add_argument("--model", default="demo", choices=sorted(TRAIN_DEFAULTS),
@@ -618,7 +616,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     tc = TrainConfig(**{f.name: (getattr(args, f.name) if getattr(args, f.name) is not None
                                  else getattr(defaults, f.name))
                         for f in dataclasses.fields(TrainConfig)})
-    demo.demo_model(args.model)
     log = run(args.out, tc, init_dir=args.init_dir, start_stage=args.start_stage,
               model=args.model, stage_dir=args.stage_dir)
     print(f"done in {log['train_seconds']} s: train loss {log['final_train_loss']}, "
