@@ -69,7 +69,8 @@ def twin_name(model: str) -> str | None:
     """The built-in untrained twin of a built-in model (``demo-e32`` -> ``demo-e32-init``)."""
     from moejax import demo
 
-    return next((name for name, spec in demo.MODELS.items() if spec.init_of == model), None)
+    twin = demo.twin_of(model) if model in demo.MODELS else None
+    return twin.name if twin else None
 
 
 def untrained_model_dir(model_dir: str, out_dir: str) -> int:
@@ -82,13 +83,9 @@ def untrained_model_dir(model_dir: str, out_dir: str) -> int:
 
     from moejax import checkpoint
     from moejax.config import load_config
-    from moejax.demo import train, write_untrained_twin
+    from moejax.demo import recorded_seed, train, write_untrained_twin
 
-    seed = train.TrainConfig().seed
-    log_path = os.path.join(model_dir, "train_log.json")
-    if os.path.isfile(log_path):
-        with open(log_path, encoding="utf-8") as fh:
-            seed = int(json.load(fh).get("train_config", {}).get("seed", seed))
+    seed = recorded_seed(model_dir, default=train.TrainConfig().seed)
     os.makedirs(out_dir, exist_ok=True)
     write_untrained_twin(model_dir, out_dir, seed)
     params = train.init_params(load_config(model_dir), seed)

@@ -187,16 +187,29 @@ def _complete(path: str | os.PathLike) -> bool:
     return all(os.path.isfile(os.path.join(path, name)) for name in _FILES)
 
 
-def init_seed(name: str) -> int:
-    """The init seed recorded in the trained model's ``train_log.json``."""
+def twin_of(name: str) -> DemoModel | None:
+    """The built-in untrained twin of built-in model ``name`` (demo-e32 -> demo-e32-init)."""
+    return next((m for m in MODELS.values() if m.init_of == name), None)
+
+
+def recorded_seed(model_dir: str | os.PathLike, default: int | None = None) -> int:
+    """The init seed a model directory's ``train_log.json`` records (``train_config.seed``);
+    ``default`` when there is none (raises when no default is given)."""
     import json
 
-    spec = demo_model(name)
-    log_path = spec.weights_dir / "train_log.json"
-    if not log_path.is_file():
-        raise FileNotFoundError(f"{log_path} is missing: the init seed of {name} is recorded there")
-    with open(log_path, encoding="utf-8") as fh:
-        return int(json.load(fh)["train_config"]["seed"])
+    log_path = os.path.join(model_dir, "train_log.json")
+    seed = None
+    if os.path.isfile(log_path):
+        with open(log_path, encoding="utf-8") as fh:
+            seed = json.load(fh).get("train_config", {}).get("seed")
+    if seed is None and default is None:
+        raise FileNotFoundError(f"{log_path} records no init seed (train_config.seed)")
+    return int(default if seed is None else seed)
+
+
+def init_seed(name: str) -> int:
+    """The init seed recorded in built-in model ``name``'s ``train_log.json``."""
+    return recorded_seed(demo_model(name).weights_dir)
 
 
 def write_untrained_twin(model_dir: str | os.PathLike, out_dir: str, seed: int,
@@ -225,9 +238,8 @@ def write_untrained_twin(model_dir: str | os.PathLike, out_dir: str, seed: int,
 def write_init_model(name: str, out_dir: str) -> None:
     """Write the untrained twin of built-in model ``name`` (the seed its
     ``train_log.json`` records) into ``out_dir``."""
-    spec = demo_model(name)
-    twin = next((m for m in MODELS.values() if m.init_of == name), None)
-    write_untrained_twin(spec.weights_dir, out_dir, init_seed(name),
+    twin = twin_of(name)
+    write_untrained_twin(demo_model(name).weights_dir, out_dir, init_seed(name),
                          twin.notice if twin else "")
 
 

@@ -330,13 +330,19 @@ def lookup_drill_task(src: Sources, rng: np.random.Generator) -> Example:
     return Example("lookup_drill", "math", f"Options:\n{lines}\n{asks}")
 
 
-def multi_task(src: Sources, rng: np.random.Generator) -> Example:
-    """One binary sibling of a kind "multi" request: is ``candidate`` among the domains
-    of a text that joins one or two domains' snippets?"""
+def mixed_domain_text(src: Sources, rng: np.random.Generator) -> tuple[list[str], str]:
+    """The domains present (one, or two distinct) and a text joining a snippet of each:
+    the text of every "multi" item (training, drills and held-out requests)."""
     present = [_pick(rng, src.domains)]
     if rng.integers(2):
         present.append(_pick(rng, tuple(d for d in src.domains if d != present[0])))
-    body = "\n".join(src.snippet(d, rng, 180 // len(present)) for d in present)
+    return present, "\n".join(src.snippet(d, rng, 180 // len(present)) for d in present)
+
+
+def multi_task(src: Sources, rng: np.random.Generator) -> Example:
+    """One binary sibling of a kind "multi" request: is ``candidate`` among the domains
+    of a text that joins one or two domains' snippets?"""
+    present, body = mixed_domain_text(src, rng)
     # Ask about a present domain half the time, so "yes" and "no" are balanced.
     candidate = _pick(rng, tuple(present)) if rng.integers(2) else _pick(rng, src.domains)
     prompt = f"Text: {body}{MULTI_QUESTION}\nCandidate: {candidate}\nRelevant (yes/no):"
@@ -349,10 +355,7 @@ def multi_drill_task(src: Sources, rng: np.random.Generator) -> Example:
     """Plain text: a text of one or two domains, then every domain answered in a random
     order (``shell: yes``) -- one item supervises the decision for every candidate of a
     "multi" request, instead of the one a multi_selection item asks."""
-    present = [_pick(rng, src.domains)]
-    if rng.integers(2):
-        present.append(_pick(rng, tuple(d for d in src.domains if d != present[0])))
-    body = "\n".join(src.snippet(d, rng, 180 // len(present)) for d in present)
+    present, body = mixed_domain_text(src, rng)
     answers = "\n".join(f"{src.domains[i]}: {'yes' if src.domains[i] in present else 'no'}"
                         for i in rng.permutation(len(src.domains)))
     return Example("multi_drill", "+".join(present), f"Text: {body}{MULTI_QUESTION}\n{answers}")

@@ -72,11 +72,7 @@ def _from_example(task: str, ex: corpus.Example, rid: str) -> Item:
 def _multi_item(src: corpus.Sources, rng: np.random.Generator, rid: str) -> Item:
     """A whole "multi" request: a text of one or two domains, every domain a candidate."""
     domains = src.domains
-    present = [domains[int(rng.integers(len(domains)))]]
-    if rng.integers(2):
-        others = [d for d in domains if d != present[0]]
-        present.append(others[int(rng.integers(len(others)))])
-    body = "\n".join(src.snippet(d, rng, 180 // len(present)) for d in present)
+    present, body = corpus.mixed_domain_text(src, rng)
     request = {"id": rid, "kind": "multi", "prompt": f"Text: {body}{corpus.MULTI_QUESTION}",
                "candidates": list(domains)}
     return Item("multi_selection", request,

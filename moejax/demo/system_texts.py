@@ -113,8 +113,8 @@ def domain_files(domain: str) -> tuple[str, ...]:
 def split_files(domain: str, split: Split) -> list[str]:
     """The domain's files of ``split`` (every :data:`HELD_OUT_EVERY`-th one is held out)."""
     files = domain_files(domain)
-    held = [p for i, p in enumerate(files) if i % HELD_OUT_EVERY == 3]
-    return held if split == "eval" else [p for p in files if p not in set(held)]
+    held = {i for i in range(len(files)) if i % HELD_OUT_EVERY == 3}
+    return [p for i, p in enumerate(files) if (i in held) == (split == "eval")]
 
 
 def read_text(path: str) -> str:

@@ -452,7 +452,8 @@ def stages(tc: TrainConfig, domains: tuple[str, ...] = corpus.DOMAINS) -> tuple[
 
     checks = dict(steps=tc.check_steps, peak_lr=tc.check_peak_lr,
                   warmup_steps=tc.check_warmup_steps, answer_weight=tc.answer_weight)
-    return (
+    checks_lr = {k: v for k, v in checks.items() if k != "steps"}
+    plan = [
         Stage("stage1", mix(corpus.MIXTURE, tc.text_share or None), 0, tc.steps, tc.peak_lr,
               tc.warmup_steps, 1.0),
         Stage("stage2", mix(corpus.TASK_MIXTURE), 2, tc.task_steps, tc.task_peak_lr,
@@ -463,11 +464,13 @@ def stages(tc: TrainConfig, domains: tuple[str, ...] = corpus.DOMAINS) -> tuple[
               tc.check_warmup_steps, tc.answer_weight),
         Stage("stage6", mix(corpus.DRILL_MIXTURE), 10, tc.drill_steps, tc.drill_peak_lr,
               tc.drill_warmup_steps, tc.answer_weight),
-    ) + ((Stage("stage7", mix(corpus.MULTI_MIXTURE), 11, tc.multi_steps, tc.check_peak_lr,
-                tc.check_warmup_steps, tc.answer_weight),) if tc.multi_steps > 0 else ()
-         ) + ((Stage("stage8", mix(corpus.MULTI_DRILL_MIXTURE), 12, tc.multi_drill_steps,
-                     tc.check_peak_lr, tc.check_warmup_steps, tc.answer_weight),)
-              if tc.multi_drill_steps > 0 else ())
+    ]
+    if tc.multi_steps > 0:
+        plan.append(Stage("stage7", mix(corpus.MULTI_MIXTURE), 11, tc.multi_steps, **checks_lr))
+    if tc.multi_drill_steps > 0:
+        plan.append(Stage("stage8", mix(corpus.MULTI_DRILL_MIXTURE), 12, tc.multi_drill_steps,
+                          **checks_lr))
+    return tuple(plan)
 
 
 def run_stage(stage: Stage, hf_config: dict[str, Any], tc: TrainConfig, tokenizer,
@@ -601,8 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default="demo", choices=sorted(TRAIN_DEFAULTS),
                     help="which built-in model to train (its shape, corpus and defaults)")
     ap.add_argument("--start-stage", default="stage1",
-                    help="first stage to train (stage1 ... stage6, stage7 where the model has one); "
-                         "later ones need --init-dir")
+                    help="first stage to train (stage1 ... stage6; demo-e32 also has stage7 "
+                         "and stage8); later ones need --init-dir")
     ap.add_argument("--init-dir", default=None,
                     help="the export of the stage before --start-stage (weights and train_log.json)")
     ap.add_argument("--stage-dir", default=None,
