@@ -4,12 +4,13 @@
 #
 #     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped GEMM, tile sweep
 #     bash benchmarks/gpu_suite.sh OUT_DIR serving   # METRO kernel, resident vs offload
+#     bash benchmarks/gpu_suite.sh OUT_DIR eldr      # ELDR decode-layer cost model (Qwen3 shape)
 #
 # Writes OUT_DIR/suite.log (every step's output) and one JSON per benchmark; prints each
 # step's exit status and the end of its output. Uses the machine's own JAX (no install).
 set -u
-out=${1:?usage: gpu_suite.sh OUT_DIR kernels|serving}
-part=${2:?usage: gpu_suite.sh OUT_DIR kernels|serving}
+out=${1:?usage: gpu_suite.sh OUT_DIR kernels|serving|eldr}
+part=${2:?usage: gpu_suite.sh OUT_DIR kernels|serving|eldr}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 log=$out/suite.log
@@ -44,8 +45,20 @@ serving)
         --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
     step metro 90 python3 benchmarks/metro_quality.py --json "$out/metro.json"
     ;;
+eldr)
+    # MoE decode-layer time against active experts (benchmarks/eldr_cost.py), Qwen3-30B-A3B
+    # shape: the Pallas path (auto) and the pure-JAX tiled loop, each with stacked weights
+    # (as the decode programs index them) and per-layer arrays. ELDR_DATE and ELDR_MACHINE
+    # go into the cost model (eldr_cost.json: auto + stacked first, every fit under "fits").
+    step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
+        python3 -c "import jax, jaxlib, sys; print(sys.version); print(jax.__version__, jax.devices())"'
+    step eldr 420 python3 benchmarks/eldr_cost.py --shape qwen3-30b-a3b \
+        --expert-impl auto,fused_tiles --source stacked,given --json "$out/eldr.json" \
+        --cost-out "$out/eldr_cost.json" ${ELDR_DATE:+--date "$ELDR_DATE"} \
+        ${ELDR_MACHINE:+--machine "$ELDR_MACHINE"}
+    ;;
 *)
-    echo "unknown part $part (kernels or serving)" >&2
+    echo "unknown part $part (kernels, serving or eldr)" >&2
     exit 2
     ;;
 esac

@@ -168,6 +168,9 @@ class SequenceSpec:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    # A label of the request's domain: read only by the domain-oracle decode routing
+    # (serving.decoders); never changes a token.
+    domain: str | None = None
 
 
 @dataclasses.dataclass

@@ -15,6 +15,16 @@ data-parallel rank: ``max_batch_size`` is the total) and a *waiting* queue. Each
    one **decode** program over every sequence that is generating (one token each);
 4. retires finished sequences: their token and the finish reason are reported.
 
+A scheduler may also serve one side of a prefill/decode split (``serving.decoders``):
+with ``handoff`` it only prefills — a sequence whose prompt has run (its first token
+sampled) leaves the running set with its blocks still held, to be taken
+(:meth:`Scheduler.take_handoffs`) and later released (:meth:`Scheduler.release`) by
+whoever hands it to a decoder; a decoder takes such a sequence with
+:meth:`Scheduler.adopt`, copying its prompt blocks into its own pool, and decodes it.
+With ``expert_counts`` the pool keeps ELDR's signature cache (one int8 count per block,
+layer and expert, written by the step programs: ``moejax.decode.paged``) and
+:meth:`Scheduler.prompt_counts` sums a sequence's blocks into its raw signature.
+
 When the pool runs out of blocks, the newest running sequence is *preempted*: its
 blocks are freed and it goes back to the front of the queue with the tokens it has
 generated, to be recomputed (prompt + generated tokens, as a prompt) when blocks free
@@ -43,18 +53,19 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from moejax import prefix_hash, sampling
 from moejax.decode.blocks import BlockManager
-from moejax.decode.paged import PagedKV
+from moejax.decode.paged import SUM_BLOCK_COUNTS, PagedKV
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.generate import SequenceOutput, SequenceSpec
 from moejax.kv_cache import bucket
-from serving.prefix_share import ScorerPrefixSource
+from serving.prefix_share import ScorerPrefixSource, copy_blocks
 
 BLOCK = prefix_hash.BLOCK_SIZE
 log = logging.getLogger(__name__)
@@ -70,7 +81,10 @@ class SchedulerOptions:
     tokens per step (rows included: a row only partly filled counts whole);
     ``prefill_row_tokens``: the width of a prefill row (capped at max_prefill_tokens);
     ``step``: "fused" | "layerwise"; ``trace``: keep every token's routing (and the
-    router inputs, where the runner's step options compute them)."""
+    router inputs, where the runner's step options compute them); ``handoff``: prefill
+    only, sequences leave for a decoder after their prompt (module docstring);
+    ``expert_counts``: keep the signature cache; ``record_steps``: keep a
+    :class:`StepRecord` of every step (``Scheduler.step_records``)."""
 
     max_batch_size: int = 16
     max_prefill_tokens: int = 512
@@ -79,6 +93,21 @@ class SchedulerOptions:
     prefill_row_tokens: int = 64
     step: str = "fused"
     trace: bool = False
+    handoff: bool = False
+    expert_counts: bool = False
+    record_steps: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One scheduler step: its prefill and decode rows (sequences), the distinct experts
+    its decode rows activated at each layer ([L] ints, None without decode rows), and its
+    wall time (seconds, dispatch to results on the host)."""
+
+    prefill_sequences: int
+    decode_sequences: int
+    active_experts: np.ndarray | None
+    seconds: float
 
 
 @dataclasses.dataclass
@@ -98,6 +127,7 @@ class SequenceState:
     routing: list[tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
     cancelled: bool = False
     finished: bool = False
+    handed_off: bool = False     # prefilled on a hand-off scheduler, waiting for a decoder
     preemptions: int = 0
 
     @property
@@ -153,7 +183,7 @@ class Scheduler:
         self.options = options
         self.ranks = runner.num_ranks
         self.managers = [BlockManager(num_blocks) for _ in range(self.ranks)]
-        self.kv: PagedKV = runner.make_kv(num_blocks)
+        self.kv: PagedKV = runner.make_kv(num_blocks, expert_counts=options.expert_counts)
         self.num_blocks = num_blocks
         self.per_rank = max(1, -(-options.max_batch_size // self.ranks))
         self.max_table = -(-runner.cfg.max_context // BLOCK)
@@ -165,6 +195,8 @@ class Scheduler:
         self.stats = collections.Counter()
         # Where else cached prompt blocks may be found (serving.prefix_share; one rank).
         self.prefix_source: ScorerPrefixSource | None = None
+        self._handoffs: list[SequenceState] = []
+        self.step_records: list[StepRecord] = []
 
     # ----------------------------------------------------------------- intake
     def submit(self, spec: SequenceSpec, on_event: Callable[[TokenEvent], None] | None = None
@@ -194,16 +226,71 @@ class Scheduler:
         if self.ranks != 1:
             raise ValueError(f"sharing cached prompt blocks needs a one-rank decode backend "
                              f"(this one has {self.ranks} ranks)")
+        if self.options.expert_counts:
+            raise ValueError("sharing the Scorer's cached prompt blocks and keeping the "
+                             "signature cache do not mix: the Scorer's blocks carry no "
+                             "expert counts")
         self.prefix_source = source
 
     def occupancy(self) -> int:
         """KV blocks held by sequences, over every rank."""
         return sum(m.num_in_use for m in self.managers)
 
+    # ----------------------------------------------------------------- hand-off
+    def take_handoffs(self) -> list[SequenceState]:
+        """The sequences prefilled since the last call (``handoff``): out of the running
+        set, their blocks still held until :meth:`release`."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Give back a handed-off sequence's blocks, once they are copied (its full prompt
+        blocks stay cached here for later prompts)."""
+        self.managers[0].release(blocks)
+
+    def prompt_counts(self, seqs: Sequence[SequenceState]) -> np.ndarray:
+        """The raw signatures [len(seqs), L, E] int32 of sequences whose blocks this pool
+        holds: each one's signature-cache counts summed over its blocks (``expert_counts``;
+        after prefill, a sequence's blocks hold exactly its prompt)."""
+        if self.kv.expert_counts is None:
+            raise ValueError("this scheduler keeps no signature cache (expert_counts=False)")
+        rows = bucket(max(len(seqs), 1), 1)
+        tables = np.full((rows, self.max_table), self.num_blocks, np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.blocks)] = seq.blocks
+        return np.asarray(SUM_BLOCK_COUNTS(self.kv.expert_counts, tables))[:len(seqs)]
+
+    def room_to_adopt(self, seq: SequenceState) -> bool:
+        """Whether :meth:`adopt` can take ``seq`` now (a running row and its blocks)."""
+        return (len(self.running) < self.per_rank
+                and self.managers[0].num_available >= -(-seq.computed // BLOCK))
+
+    def adopt(self, seq: SequenceState, source: PagedKV, source_blocks: Sequence[int]) -> None:
+        """Take a sequence prefilled elsewhere: copy its ``seq.computed`` tokens' blocks
+        from the pool ``source`` (any device) into fresh blocks of this pool, and decode
+        it from here on (one-rank runners; check :meth:`room_to_adopt` first)."""
+        if self.ranks != 1:
+            raise ValueError("adopting a prefilled sequence needs a one-rank decode backend")
+        count = -(-seq.computed // BLOCK)
+        blocks = self.managers[0].allocate(count)
+        self.kv = copy_blocks(source, list(source_blocks)[:count], self.kv, blocks,
+                              self.runner.device)
+        seq.rank, seq.blocks, seq.handed_off = 0, blocks, False
+        self.running.append(seq)
+        self.stats["adopted"] += 1
+
+    def drain(self) -> list[SequenceState]:
+        """Forget every sequence, running or waiting (after a failed step), and return
+        them."""
+        seqs = list(self.running) + list(self.waiting) + self._handoffs
+        self.running, self.waiting, self._handoffs = [], collections.deque(), []
+        return seqs
+
     # ----------------------------------------------------------------- a step
     def step(self) -> list[TokenEvent]:
         """One scheduling step (module docstring); the events it produced."""
         events: list[TokenEvent] = []
+        started = time.perf_counter()
         self._drop_cancelled(events)
         self._admit()
         prefill, decode = self._plan()
@@ -212,10 +299,16 @@ class Scheduler:
         # decode batch while the prefill runs (the pool carries the order on the device).
         launched = [self._launch(rows, width)
                     for rows, width in ((prefill, self.row_tokens), (decode, 1)) if rows.work]
+        active = None
         for launch in launched:
             self._collect(launch, events)
-        self.running = [s for s in self.running if not s.finished]
+            if launch.width == 1 and self.options.record_steps:
+                active = _active_experts(launch, self.runner.cfg.num_experts)
+        self.running = [s for s in self.running if not (s.finished or s.handed_off)]
         self.stats["steps"] += 1
+        if self.options.record_steps and launched:
+            self.step_records.append(StepRecord(len(prefill.work), len(decode.work), active,
+                                                time.perf_counter() - started))
         return events
 
     def program_shapes(self) -> list[tuple[int, int]]:
@@ -393,8 +486,11 @@ class Scheduler:
             self._free(seq)
             self._finish(seq, "stop" if token in spec.stop_token_ids else "length", events,
                          [token])
-        else:
-            events.append(TokenEvent(seq, [token]))
+            return
+        events.append(TokenEvent(seq, [token]))
+        if self.options.handoff:
+            seq.handed_off = True
+            self._handoffs.append(seq)
 
     def _name_full_blocks(self, seq: SequenceState) -> None:
         """Name every block that is now fully written (prompt or generated tokens), so
@@ -465,6 +561,14 @@ class Scheduler:
 def _buckets(cap: int) -> list[int]:
     """Every row count :func:`bucket` gives for 1 .. cap rows."""
     return sorted({bucket(n, 1, cap) for n in range(1, cap + 1)})
+
+
+def _active_experts(launch: "_Launch", num_experts: int) -> np.ndarray:
+    """The distinct experts the launch's rows (one token each) chose at each layer [L]."""
+    experts = np.asarray(launch.result.experts)[:, launch.last_rows]      # [L, n, k]
+    chosen = np.zeros((experts.shape[0], num_experts), bool)
+    chosen[np.arange(experts.shape[0])[:, None, None], experts] = True
+    return chosen.sum(axis=1)
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -559,14 +663,12 @@ class GenerationLoop:
                 return
 
     def _fail_all(self, exc: BaseException) -> list[TokenEvent]:
-        scheduler = self.scheduler
         events = []
-        for seq in list(scheduler.running) + list(scheduler.waiting):
+        for seq in self.scheduler.drain():
             seq.finished = True
             seq.output.finish_reason = "error"
             seq.output.error = f"generation failed: {type(exc).__name__}: {exc}"
             events.append(TokenEvent(seq, [], seq.output))
-        scheduler.running, scheduler.waiting = [], collections.deque()
         return events
 
     @staticmethod

@@ -27,6 +27,8 @@ Requests (dicts or :class:`GenerationRequest`), fields:
   whatever else is in the batch;
 * ``stop_token_ids`` (default: the model's ``eos_token_id`` from generation_config.json or
   config.json, as Hugging Face ``generate`` stops on EOS; ``[]`` disables stopping).
+* ``domain`` (optional, a string of at most 256 characters): the request's domain label,
+  read only by the ``domain`` decode routing (the label oracle, ``decoders`` > 1).
 
 Results come back in request order (:class:`GenerationResult`): ``token_ids`` are the
 generated ids only, the stop token that ended generation INCLUDED (as Hugging Face
@@ -51,23 +53,29 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from moejax import checkpoint
 from moejax.decode.programs import StepOptions
+from moejax.backends.base import BackendError
 from moejax.decode.runners import make_runner
+from moejax.eldr import fitfile
+from moejax.eldr.policies import DEFAULT_TAU, POLICIES, Policy, check_tau, make_policy
 from moejax.generate import DecodeEngine, SequenceOutput, SequenceSpec
 from moejax.prefix_hash import BLOCK_SIZE
 from moejax.sampling import MAX_SEED
 from serving.api import resolve_model_dir
 from serving.compilation_cache import enable_compilation_cache
 from serving.continuous import GenerationLoop, Scheduler, SchedulerOptions, SequenceTooLong
+from serving.decoders import DecoderPool
 from serving.options import ScorerOptions
 from serving.prefix_share import ScorerPrefixSource
 from serving.requests import (RequestError, TokenizerAdapter, id_problem, request_id_of,
                               request_label, show, unexpected_error, unknown_fields)
 
 DEFAULT_MAX_NEW_TOKENS = 16
+MAX_DOMAIN_CHARS = 256
 log = logging.getLogger(__name__)
 _FLOAT32 = np.finfo(np.float32)
 
@@ -84,6 +92,7 @@ class GenerationRequest:
     top_p: float | None = None
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    domain: str | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
@@ -112,6 +121,7 @@ class GenerationResult:
 
 
 BATCHING = ("continuous", "static")
+SPLIT_BACKENDS = ("resident", "offload")   # the backends a decoder of several may use
 STEPS = ("auto", "fused", "layerwise")
 DEFAULT_KV_CACHE_MIB = 1024
 
@@ -141,7 +151,19 @@ class GeneratorOptions:
     * ``trace_experts`` (every token's top-k ids and gate weights) and
       ``trace_router_inputs`` (also the router inputs; needs ``trace_experts``);
     * ``expert_impl`` and ``tile_rows`` (as for the Scorer), ``compilation_cache`` (as
-      for the Scorer: default None leaves JAX's process-wide compilation cache alone).
+      for the Scorer: default None leaves JAX's process-wide compilation cache alone);
+    * ``decoders`` (default 1): with K >= 2, prefill runs on a prefill engine (device 0)
+      and decode on K decoders, decoder i on device i (``serving.decoders``); resident or
+      offload backend on one device each. Each decoder runs up to ``max_batch_size``
+      sequences and has its own pool (``kv_cache_*``: per decoder; the prefill engine
+      gets K times as many blocks). ``routing`` picks each request's decoder at the
+      hand-off: "jsq" (default), "round_robin", "p2c", "random", "domain" (the label
+      oracle: the requests' ``domain`` field) or "eldr" (expert locality,
+      ``moejax.eldr``: needs ``eldr_fit``, a fit file made by ``moejax eldr-fit`` for
+      this model and K decoders, and takes ``eldr_tau`` in [0, 1], default 0.1);
+      ``routing_seed`` seeds random and p2c; ``routing`` may also be a
+      ``moejax.eldr.policies.Policy`` object over K decoders (custom routing). Tokens do
+      not depend on the routing.
     """
 
     dtype: str = "auto"
@@ -161,6 +183,11 @@ class GeneratorOptions:
     expert_impl: str = "auto"
     tile_rows: int | None = None
     compilation_cache: str | bool | None = None
+    decoders: int = 1
+    routing: "str | Policy | None" = None
+    eldr_tau: float | None = None
+    eldr_fit: str | os.PathLike | None = None
+    routing_seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("trace_experts", "trace_router_inputs", "precompile"):
@@ -194,6 +221,50 @@ class GeneratorOptions:
             raise ValueError("precompile applies to batching='continuous' (static batches "
                              "compile per prompt length)")
         self.scorer_view()   # validates dtype, expert_impl, tile_rows as the Scorer does
+        self._check_decoders()
+
+    def _check_decoders(self) -> None:
+        _positive_int("decoders", self.decoders)
+        if not isinstance(self.routing_seed, int) or isinstance(self.routing_seed, bool) \
+                or self.routing_seed < 0:
+            raise ValueError(f"routing_seed must be a non-negative integer, got "
+                             f"{self.routing_seed!r}")
+        if self.decoders == 1:
+            given = [name for name in ("routing", "eldr_tau", "eldr_fit")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} choose among several decoders; give "
+                                 f"decoders >= 2 (decoders=1 prefills and decodes together)")
+            return
+        if self.batching != "continuous":
+            raise ValueError("decoders >= 2 needs batching='continuous'")
+        if self.backend not in SPLIT_BACKENDS or self.devices != 1:
+            raise ValueError(f"decoders >= 2 runs each decoder on one device with backend "
+                             f"{' or '.join(map(repr, SPLIT_BACKENDS))}, devices=1; got "
+                             f"backend={self.backend!r}, devices={self.devices}")
+        routing = self.resolved_routing()
+        if isinstance(routing, Policy):
+            if routing.num_decoders != self.decoders or self.eldr_tau is not None \
+                    or self.eldr_fit is not None:
+                raise ValueError(f"a routing policy object routes over its own "
+                                 f"{routing.num_decoders} decoders (decoders={self.decoders}) "
+                                 f"and takes no eldr_tau or eldr_fit")
+            return
+        if routing not in POLICIES:
+            raise ValueError(f"routing must be one of {POLICIES}, got {routing!r}")
+        if self.eldr_tau is not None:
+            if routing != "eldr":
+                raise ValueError(f"eldr_tau applies to routing='eldr', not {routing!r}")
+            check_tau(self.eldr_tau)
+        if routing == "eldr" and self.eldr_fit is None:
+            raise ValueError("routing='eldr' needs eldr_fit=PATH, a fit file made by "
+                             "`moejax eldr-fit TRACES -o PATH --decoders K`")
+        if routing != "eldr" and self.eldr_fit is not None:
+            raise ValueError(f"eldr_fit applies to routing='eldr', not {routing!r}")
+
+    def resolved_routing(self) -> "str | Policy":
+        """The decode routing policy (decoders >= 2): "jsq" unless given."""
+        return "jsq" if self.routing is None else self.routing
 
     def resolved_step(self) -> str:
         """The step mode: "auto" is layerwise on offload (the host picks the experts to
@@ -373,8 +444,12 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
     seed = 0 if req.seed is None else check.integer(req.seed, "seed", 0, MAX_SEED)
     stop = default_stop if req.stop_token_ids is None else frozenset(
         check.token_ids(req.stop_token_ids, "stop_token_ids", vocab_size, True))
+    domain = req.domain
+    if domain is not None and (not isinstance(domain, str) or len(domain) > MAX_DOMAIN_CHARS):
+        raise check.fail("domain", f"must be a string of at most {MAX_DOMAIN_CHARS} "
+                                   f"characters, got {show(domain)}")
     return SequenceSpec(prompt=tuple(prompt), max_new_tokens=max_new, temperature=temperature,
-                        top_p=top_p, seed=seed, stop_token_ids=stop)
+                        top_p=top_p, seed=seed, stop_token_ids=stop, domain=domain)
 
 
 # ----------------------------------------------------------------------------- generator
@@ -419,25 +494,74 @@ class Generator:
         self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
         opts = self.options
         self.engine: DecodeEngine | None = None
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | DecoderPool | None = None
         if opts.batching == "static":
             self.engine = DecodeEngine(params, self.config, expert_impl=opts.expert_impl,
                                        tile_rows=opts.tile_rows,
                                        max_batch_size=opts.max_batch_size)
+        elif opts.decoders == 1:
+            runner = self._runner(params, dtype, devices=opts.devices)
+            self.scheduler = Scheduler(runner, self.kv_cache_blocks(runner),
+                                       self._scheduler_options())
         else:
-            runner = make_runner(opts.backend, self.config, params, dtype=dtype,
-                                 devices=opts.devices,
-                                 opts=StepOptions(expert_impl=opts.expert_impl,
-                                                  tile_rows=opts.tile_rows,
-                                                  router_inputs=opts.trace_router_inputs),
-                                 **dict(opts.backend_options or {}))
-            self.scheduler = Scheduler(runner, self.kv_cache_blocks(runner), SchedulerOptions(
-                max_batch_size=opts.max_batch_size, max_prefill_tokens=opts.max_prefill_tokens,
-                prefill_row_tokens=opts.prefill_row_tokens, step=opts.resolved_step(),
-                trace=opts.trace_experts))
-            if opts.precompile:
-                self.scheduler.precompile()
+            self.scheduler = self._decoder_pool(params, dtype)
+        if self.scheduler is not None and opts.precompile:
+            self.scheduler.precompile()
         del params  # the engine or runner holds the device copy
+
+    def _runner(self, params: Any, dtype: Any, **placement: Any) -> Any:
+        opts = self.options
+        return make_runner(opts.backend, self.config, params, dtype=dtype,
+                           opts=StepOptions(expert_impl=opts.expert_impl,
+                                            tile_rows=opts.tile_rows,
+                                            router_inputs=opts.trace_router_inputs),
+                           **placement, **dict(opts.backend_options or {}))
+
+    def _scheduler_options(self, **changes: Any) -> SchedulerOptions:
+        opts = self.options
+        return dataclasses.replace(SchedulerOptions(
+            max_batch_size=opts.max_batch_size, max_prefill_tokens=opts.max_prefill_tokens,
+            prefill_row_tokens=opts.prefill_row_tokens, step=opts.resolved_step(),
+            trace=opts.trace_experts), **changes)
+
+    def _decoder_pool(self, params: Any, dtype: Any) -> DecoderPool:
+        """A prefill engine on device 0 and ``decoders`` decoders, decoder i on device i,
+        behind the routing policy (:class:`GeneratorOptions`)."""
+        opts, count = self.options, self.options.decoders
+        devices = jax.devices()
+        if count > len(devices):
+            hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+                    "JAX starts)" if devices[0].platform == "cpu" else "")
+            raise BackendError(f"decoders={count} needs one device per decoder, but only "
+                               f"{len(devices)} {devices[0].platform} device(s) exist{hint}")
+        routing = opts.resolved_routing()
+        if isinstance(routing, Policy):
+            policy = routing
+        else:
+            fit = None
+            if routing == "eldr":
+                fit = fitfile.load(opts.eldr_fit)
+                fit.check_model(self.config, fitfile.model_fingerprint(
+                    self.config, params["layers"]["router"]), count,
+                    where=f"eldr_fit {os.fspath(opts.eldr_fit)!r}")
+            policy = make_policy(routing, count, fit=fit,
+                                 tau=DEFAULT_TAU if opts.eldr_tau is None else opts.eldr_tau,
+                                 seed=opts.routing_seed)
+        prefill_runner = self._runner(params, dtype, device=devices[0])
+        # The prefill engine holds each prompt until its decoder adopts it: K pools' worth.
+        prefill = Scheduler(prefill_runner, count * self.kv_cache_blocks(prefill_runner),
+                            self._scheduler_options(
+                                max_batch_size=count * opts.max_batch_size, handoff=True,
+                                expert_counts=policy.reads_counts))
+        decoders = []
+        for index in range(count):
+            # Decoder 0 shares the prefill engine's device and (resident) its weights.
+            source = (prefill_runner.params if index == 0 and hasattr(prefill_runner, "params")
+                      else params)
+            runner = self._runner(source, dtype, device=devices[index])
+            decoders.append(Scheduler(runner, self.kv_cache_blocks(runner),
+                                      self._scheduler_options(record_steps=True)))
+        return DecoderPool(prefill, decoders, policy)
 
     def _shared_weights(self, scorer: Any, params: Any, dtype: Any) -> Any:
         """The weights of ``scorer`` (``weights_of=``) when this Generator can decode with
@@ -469,6 +593,9 @@ class Generator:
         backend (resident, offload) only."""
         if self.scheduler is None:
             raise ValueError("sharing the Scorer's prefix cache needs batching='continuous'")
+        if isinstance(self.scheduler, DecoderPool):
+            raise ValueError("sharing the Scorer's prefix cache needs decoders=1 (the "
+                             "prefill engine of several decoders keeps its own)")
         self.scheduler.share_prefix_cache(ScorerPrefixSource(
             scorer, self.config, self.scheduler.runner.dtype))
 

@@ -69,9 +69,13 @@ class DecodeRunner(abc.ABC):
         """Bytes of one KV block (all layers, keys and values) on one rank."""
         return block_bytes(self.cfg, self.dtype.itemsize)
 
-    def make_kv(self, num_blocks: int) -> PagedKV:
-        """A zeroed pool of ``num_blocks`` blocks per rank."""
-        return empty_paged_kv(self.cfg, num_blocks, self.dtype, self.device)
+    def make_kv(self, num_blocks: int, expert_counts: bool = False) -> PagedKV:
+        """A zeroed pool of ``num_blocks`` blocks per rank (with the ELDR signature cache
+        when ``expert_counts``: one-rank runners only)."""
+        if expert_counts and self.num_ranks != 1:
+            raise BackendError(f"backend {self.name!r}: the signature cache (expert counts "
+                               f"per KV block) needs a one-rank decode backend")
+        return empty_paged_kv(self.cfg, num_blocks, self.dtype, self.device, expert_counts)
 
     def precompile(self) -> None:
         """Compile what a step runs besides its programs (the scheduler's ``precompile``
@@ -90,7 +94,8 @@ class DecodeRunner(abc.ABC):
             result = self.fused(kv, batch, samp)
         else:
             result = self.layerwise(kv, batch, samp)
-        kv = WRITE_ROWS(kv, batch.write_slots, result.new_keys, result.new_values)
+        kv = WRITE_ROWS(kv, batch.write_slots, result.new_keys, result.new_values,
+                        None if kv.expert_counts is None else result.experts)
         return kv, result
 
     def fused(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams
@@ -128,6 +133,17 @@ class DecodeRunner(abc.ABC):
     dense_params: Params
 
 
+def one_device(backend: str, device: Any) -> Any:
+    """The device a one-device runner runs on: ``device`` (a ``jax.Device``, e.g. one
+    decoder of several) or the platform's first."""
+    if device is None:
+        return require_devices(backend, 1)[0]
+    if not isinstance(device, jax.Device):
+        raise BackendError(f"backend {backend!r}: device must be a jax.Device, got "
+                           f"{type(device).__name__}")
+    return device
+
+
 def placed_params(params: Params, cfg: ModelConfig, dtype: Any, device: Any) -> Params:
     """``params`` in ``dtype`` on ``device``: used as they are when every leaf already is
     (a Scorer's resident weights on the same device: no second copy), else cast and
@@ -145,12 +161,12 @@ class ResidentRunner(DecodeRunner):
     name = "resident"
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any, opts: StepOptions,
-                 devices: int = 1):
+                 devices: int = 1, device: Any = None):
         super().__init__(cfg, dtype=dtype, opts=opts)
         if devices != 1:
             raise BackendError(f"backend 'resident' decodes on one device, got "
                                f"devices={devices}; use sync_ep for several")
-        self._device = require_devices(self.name, 1)[0]
+        self._device = one_device(self.name, device)
         self.params = placed_params(params, cfg, self.dtype, self._device)
         self.dense_params = programs.dense_params(self.params)
         self.experts = {k: self.params["layers"][k] for k in EXPERT_KEYS}
@@ -223,12 +239,12 @@ class OffloadRunner(DecodeRunner):
     steps = ("layerwise",)
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any, opts: StepOptions,
-                 devices: int = 1, expert_slots: int | None = None):
+                 devices: int = 1, expert_slots: int | None = None, device: Any = None):
         super().__init__(cfg, dtype=dtype, opts=opts)
         if devices != 1:
             raise BackendError(f"backend 'offload' decodes on one device, got "
                                f"devices={devices}")
-        self._device = require_devices(self.name, 1)[0]
+        self._device = one_device(self.name, device)
         self._on_device = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device")
         host = validated(params, cfg, self.dtype)
         dense_layers, experts = split_experts(host["layers"])

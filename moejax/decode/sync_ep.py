@@ -183,9 +183,12 @@ class SyncEPRunner(DecodeRunner):
         """The sharding of the pool: the slot axis split over the ranks."""
         return self._pool
 
-    def make_kv(self, num_blocks: int) -> PagedKV:
+    def make_kv(self, num_blocks: int, expert_counts: bool = False) -> PagedKV:
         """A zeroed pool of ``num_blocks`` blocks per rank: [L, G·S, n_kv, h], rank g's
-        slots on device g."""
+        slots on device g (no signature cache: its ranks would each need their own)."""
+        if expert_counts:
+            raise BackendError("backend 'sync_ep': the signature cache (expert counts per KV "
+                               "block) needs a one-rank decode backend")
         return empty_paged_kv(self.cfg, num_blocks * self.num_ranks, self.dtype, self._pool)
 
     def run(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams, step: str
