@@ -79,13 +79,27 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
                    help="sync_ep: expert replication factor (e.g. 1.5)")
     p.add_argument("--replica-router", choices=["metro", "eplb_even"], default=None,
                    help="sync_ep: how tokens pick among an expert's replicas")
+    p.add_argument("--decoders", type=positive_int, default=None,
+                   help="decode on K decoders, one device each, fed by a prefill engine "
+                        "(default 1: prefill and decode together)")
+    p.add_argument("--decode-routing", default=None,
+                   help="with --decoders K >= 2: which decoder takes each request: jsq "
+                        "(default), round_robin, p2c, random, domain (reads each request's "
+                        "'domain'), eldr (needs --eldr-fit)")
+    p.add_argument("--eldr-fit", default=None,
+                   help="--decode-routing eldr: the fit file of `moejax eldr-fit ... --decoders K`")
+    p.add_argument("--eldr-tau", type=float, default=None,
+                   help="--decode-routing eldr: the locality band in [0, 1] (default 0.1)")
 
 
 def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     """Generator keywords of the flags given (absent ones keep the defaults)."""
     options = {name: getattr(args, name) for name in
                ("batching", "step", "max_prefill_tokens", "prefill_row_tokens", "precompile",
-                "kv_cache_blocks", "kv_cache_mib", "backend", "devices") if getattr(args, name, None) is not None}
+                "kv_cache_blocks", "kv_cache_mib", "backend", "devices", "decoders",
+                "eldr_fit", "eldr_tau") if getattr(args, name, None) is not None}
+    if getattr(args, "decode_routing", None) is not None:
+        options["routing"] = args.decode_routing
     backend_options = {key: getattr(args, flag) for key, flag in
                        (("replicas", "replicas"), ("router", "replica_router"))
                        if getattr(args, flag, None) is not None}

@@ -292,3 +292,21 @@ def test_bad_domain_field():
     gen = Generator("demo", max_batch_size=2)
     [result] = gen.generate([{"prompt": "hi", "domain": 3}])
     assert "domain: must be a string" in result.error
+
+
+def test_generate_command_with_decoders(tmp_path, one_decoder):
+    import json
+
+    from serving import cli
+
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps(r) + "\n" for r in _requests()))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", str(requests), "-o", str(out), "--model", "demo-e32",
+                     "--dtype", "float32", "--max-batch-size", "2", "--decoders", "2",
+                     "--decode-routing", "round_robin"]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["token_ids"] for r in results] == one_decoder
+    bad = tmp_path / "bad.jsonl"
+    assert cli.main(["generate", str(requests), "-o", str(bad), "--model", "demo-e32",
+                     "--decoders", "2", "--decode-routing", "eldr"]) == 2
