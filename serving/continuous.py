@@ -68,6 +68,7 @@ from moejax.kv_cache import bucket
 from serving.prefix_share import ScorerPrefixSource, copy_blocks
 
 BLOCK = prefix_hash.BLOCK_SIZE
+MAX_RECORDS = 100_000   # step (and route) records kept, newest last: tens of MB at most
 log = logging.getLogger(__name__)
 
 
@@ -84,7 +85,8 @@ class SchedulerOptions:
     router inputs, where the runner's step options compute them); ``handoff``: prefill
     only, sequences leave for a decoder after their prompt (module docstring);
     ``expert_counts``: keep the signature cache; ``record_steps``: keep a
-    :class:`StepRecord` of every step (``Scheduler.step_records``)."""
+    :class:`StepRecord` of every step (``Scheduler.step_records``, the latest
+    :data:`MAX_RECORDS`)."""
 
     max_batch_size: int = 16
     max_prefill_tokens: int = 512
@@ -196,7 +198,9 @@ class Scheduler:
         # Where else cached prompt blocks may be found (serving.prefix_share; one rank).
         self.prefix_source: ScorerPrefixSource | None = None
         self._handoffs: list[SequenceState] = []
-        self.step_records: list[StepRecord] = []
+        # The latest steps only: a serving decoder steps for as long as it runs.
+        self.step_records: collections.deque[StepRecord] = collections.deque(
+            maxlen=MAX_RECORDS)
 
     # ----------------------------------------------------------------- intake
     def submit(self, spec: SequenceSpec, on_event: Callable[[TokenEvent], None] | None = None

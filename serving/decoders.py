@@ -34,7 +34,7 @@ import numpy as np
 
 from moejax.eldr.policies import HandOff, Policy
 from moejax.generate import SequenceSpec
-from serving.continuous import Scheduler, SequenceState, TokenEvent
+from serving.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ class DecoderPool:
         self.policy = policy
         self.pending: list[collections.deque[SequenceState]] = [
             collections.deque() for _ in self.decoders]
-        self.routes: list[RouteRecord] = []
+        self.routes: collections.deque[RouteRecord] = collections.deque(maxlen=MAX_RECORDS)
 
     # ----------------------------------------------------------------- intake
     def submit(self, spec: SequenceSpec, on_event: Callable[[TokenEvent], None] | None = None
