@@ -155,8 +155,8 @@ class GeneratorOptions:
     * ``decoders`` (default 1): with K >= 2, prefill runs on a prefill engine (device 0)
       and decode on K decoders, decoder i on device i (``serving.decoders``); resident or
       offload backend on one device each. Each decoder runs up to ``max_batch_size``
-      sequences and has its own pool (``kv_cache_*``: per decoder; the prefill engine
-      gets K times as many blocks). ``routing`` picks each request's decoder at the
+      sequences and has its own pool (``kv_cache_*``: per decoder; the prefill engine's
+      pool has the same size). ``routing`` picks each request's decoder at the
       hand-off: "jsq" (default), "round_robin", "p2c", "random", "domain" (the label
       oracle: the requests' ``domain`` field) or "eldr" (expert locality,
       ``moejax.eldr``: needs ``eldr_fit``, a fit file made by ``moejax eldr-fit`` for
@@ -548,8 +548,9 @@ class Generator:
                                  tau=DEFAULT_TAU if opts.eldr_tau is None else opts.eldr_tau,
                                  seed=opts.routing_seed)
         prefill_runner = self._runner(params, dtype, device=devices[0])
-        # The prefill engine holds each prompt until its decoder adopts it: K pools' worth.
-        prefill = Scheduler(prefill_runner, count * self.kv_cache_blocks(prefill_runner),
+        # One decoder's pool size: the prefill engine holds prompts only, each until its
+        # decoder adopts it (when it runs short, prefill waits for adoptions to free blocks).
+        prefill = Scheduler(prefill_runner, self.kv_cache_blocks(prefill_runner),
                             self._scheduler_options(
                                 max_batch_size=count * opts.max_batch_size, handoff=True,
                                 expert_counts=policy.reads_counts))
