@@ -188,12 +188,8 @@ def fit_counts_detailed(prefill_counts: Integer[np.ndarray, "N L E"],
                          f"(trace requests that generate two or more tokens)")
     selection = None
     if layers is None:
-        _check_rho_defined(prefill[evaluated], idf, profiles[evaluated])
+        # select_layers refuses calibration sets on which ρ is undefined.
         selection = sig.select_layers(prefill[evaluated], idf, profiles[evaluated])
-        if not np.isfinite(selection.rho):
-            raise ValueError("cannot select layers: ρ is undefined at every layer (the "
-                             "signatures' or the decode profiles' pairwise distances are "
-                             "all equal); give the layers explicitly")
         chosen, rho = selection.layers, selection.rho
     else:
         chosen = sig.check_layers(layers, num_layers)
@@ -216,21 +212,6 @@ def fit_counts_detailed(prefill_counts: Integer[np.ndarray, "N L E"],
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_rho_defined(prefill: np.ndarray, idf: np.ndarray, profiles: np.ndarray) -> None:
-    """ρ is undefined (NaN) when either side's pairwise distances are all equal; the
-    greedy selection needs a layer where it is defined to start from."""
-    if np.ptp(sig.condensed_cosine_distances(profiles)) == 0:
-        raise ValueError("cannot select layers: ρ is undefined, the decode profiles of "
-                         "the calibration requests are all equally far apart (e.g. all "
-                         "alike); calibrate on requests whose decodes differ")
-    if all(np.ptp(sig.condensed_cosine_distances(sig.signatures(prefill, idf, [layer]))) == 0
-           for layer in range(prefill.shape[1])):
-        raise ValueError("cannot select layers: ρ is undefined at every layer, the "
-                         "signatures of the calibration requests are all equally far apart "
-                         "(e.g. every expert fires in every request, so every IDF weight "
-                         "is 0); give the layers explicitly or calibrate on varied requests")
-
-
 def _check_counts(prefill: object, decode: object, tokens: object
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     arrays = {}

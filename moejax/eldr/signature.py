@@ -168,8 +168,9 @@ def select_layers(counts: Integer[np.ndarray, "N L E"], idf: Float[np.ndarray, "
                          f"the profiles, got {len(counts)} and {len(profiles)}")
     ranks = profile_ranks(profiles)
     if ranks is None:
-        raise ValueError("every request has the same decode profile: ρ is undefined, no "
-                         "layer can be chosen")
+        raise ValueError("cannot select layers: ρ is undefined, the decode profiles of "
+                         "the calibration requests are all equally far apart (e.g. all "
+                         "alike); calibrate on requests whose decodes differ")
     order: list[int] = []
     rhos: list[float] = []
     for _ in range(num_layers):
@@ -182,8 +183,11 @@ def select_layers(counts: Integer[np.ndarray, "N L E"], idf: Float[np.ndarray, "
                 best_layer, best_rho = layer, rho
         if best_layer < 0:
             if not order:
-                raise ValueError("every signature is equally far from every other at every "
-                                 "layer: ρ is undefined, no layer can be chosen")
+                raise ValueError("cannot select layers: ρ is undefined at every layer, the "
+                                 "signatures of the calibration requests are all equally "
+                                 "far apart (e.g. every expert fires in every request, so "
+                                 "every IDF weight is 0); give the layers explicitly or "
+                                 "calibrate on varied requests")
             break       # the remaining layers add nothing measurable
         order.append(best_layer)
         rhos.append(float(best_rho))
