@@ -71,7 +71,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import scipy.optimize
 
 # The real part runs one decoder per device: on CPU, 8 host devices unless the user's
 # XLA_FLAGS name a count (read once, when JAX starts: before anything imports it).
@@ -256,40 +255,16 @@ def real_run(name: str, policy: Any, requests: list[dict[str, Any]], steps: np.n
 
 
 def fit_step_costs(steps: list[tuple[np.ndarray, int, float]]) -> dict[str, float]:
-    """Non-negative least squares t = t0 + a·Σ_l active_l + b·L·batch over measured
-    decode steps -> per-layer t0, a, b (seconds) and R²."""
-    active = np.array([s[0].sum() for s in steps], float)
+    """t = t0 + Σ_l (a·active_l + b·batch) over measured decode steps, non-negative: per
+    layer that is t/L = t0 + a·mean_l(active_l) + b·batch, ``eldr_cost.fit_cost``'s form
+    -> per-layer t0, a, b (seconds), R² and the step count."""
+    from benchmarks.eldr_cost import fit_cost
+
     layers = len(steps[0][0])
-    rows = np.array([s[1] for s in steps], float) * layers
-    seconds = np.array([s[2] for s in steps])
-    design = np.stack([np.ones_like(active), active, rows], axis=1)
-    coef, _ = scipy.optimize.nnls(design, seconds)     # a time never shrinks with more work
-    residual = seconds - design @ coef
-    r2 = 1.0 - residual.var() / seconds.var() if seconds.var() > 0 else float("nan")
-    return {"t0_s": float(coef[0]) / layers, "a_s": float(coef[1]), "b_s": float(coef[2]),
-            "r2": float(r2), "steps": len(steps)}
-
-
-def gpu_cost_model(path: str, fit_name: str, num_layers: int) -> Any:
-    """One fit of a GPU cost model file (per layer t0_s, a_s, b_s; ``fit_name`` one of
-    its ``fits``, or "top" for its top-level fit): a coefficient the fit left below zero
-    (noise: decode time does not shrink with work) counts as 0, said aloud."""
-    import json
-
-    from moejax.eldr import simulator
-
-    with open(path, encoding="utf-8") as fh:
-        data = json.load(fh)
-    if fit_name != "top":
-        fits = data.get("fits", {})
-        if fit_name not in fits:
-            raise SystemExit(f"{path}: no fit {fit_name!r} (it has {sorted(fits)} and 'top')")
-        data = fits[fit_name]
-    for key in simulator.COST_KEYS:
-        if data[key] < 0:
-            print(f"{path}: {key} = {data[key]:.3g} s < 0 (fit noise), taken as 0")
-    t0, a, b = (max(float(data[key]), 0.0) for key in simulator.COST_KEYS)
-    return simulator.CostModel.from_per_layer(t0, a, b, num_layers)
+    fit = fit_cost([s[0].mean() for s in steps], [s[1] for s in steps],
+                   [s[2] / layers for s in steps], non_negative=True)
+    return {"t0_s": fit["t0"], "a_s": fit["a"], "b_s": fit["b"], "r2": fit["r2"],
+            "steps": len(steps)}
 
 
 # ----------------------------------------------------------------------------- simulation

@@ -77,6 +77,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import scipy.optimize
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -167,8 +168,10 @@ def router_inputs(experts: np.ndarray, hidden: int, num_experts: int, dtype,
 
 
 # ----------------------------------------------------------------------------- the fit
-def fit_cost(n, batch, seconds) -> dict[str, float]:
-    """Least squares of t = t0 + a·n + b·B over the points (n[i], batch[i], seconds[i]).
+def fit_cost(n, batch, seconds, non_negative: bool = False) -> dict[str, float]:
+    """Least squares of t = t0 + a·n + b·B over the points (n[i], batch[i], seconds[i])
+    (``non_negative``: with t0, a, b >= 0, scipy's NNLS — a time never shrinks with
+    more work, so a negative coefficient is noise).
 
     Returns ``{"a": s per active expert, "b": s per batch row, "t0": s constant,
     "r2": 1 − SS_res / SS_tot}`` (r2 is 1.0 for an exact fit, also when every time is
@@ -182,7 +185,10 @@ def fit_cost(n, batch, seconds) -> dict[str, float]:
     design = np.stack([np.ones_like(n), n] + ([] if one_b else [batch]), axis=1)
     if len(t) < design.shape[1] or np.linalg.matrix_rank(design) < design.shape[1]:
         raise ValueError(f"{len(t)} points do not determine the fit (need distinct n and B)")
-    coef, *_ = np.linalg.lstsq(design, t, rcond=None)
+    if non_negative:
+        coef, _ = scipy.optimize.nnls(design, t)
+    else:
+        coef, *_ = np.linalg.lstsq(design, t, rcond=None)
     resid = t - design @ coef
     ss_tot = float(np.sum((t - t.mean()) ** 2))
     ss_res = float(np.sum(resid ** 2))
