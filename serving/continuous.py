@@ -63,7 +63,7 @@ from moejax.decode.blocks import BlockManager
 from moejax.decode.paged import SUM_BLOCK_COUNTS, PagedKV
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
-from moejax.generate import SequenceOutput, SequenceSpec
+from moejax.generate import SequenceOutput, SequenceSpec, expert_counts
 from moejax.kv_cache import bucket
 from serving.prefix_share import ScorerPrefixSource, copy_blocks
 
@@ -570,9 +570,7 @@ def _buckets(cap: int) -> list[int]:
 def _active_experts(launch: "_Launch", num_experts: int) -> np.ndarray:
     """The distinct experts the launch's rows (one token each) chose at each layer [L]."""
     experts = np.asarray(launch.result.experts)[:, launch.last_rows]      # [L, n, k]
-    chosen = np.zeros((experts.shape[0], num_experts), bool)
-    chosen[np.arange(experts.shape[0])[:, None, None], experts] = True
-    return chosen.sum(axis=1)
+    return (expert_counts(experts, num_experts) > 0).sum(axis=1)
 
 
 # ----------------------------------------------------------------------------- tracing

@@ -156,10 +156,6 @@ class DecoderPool:
             seqs += decoder.drain()
         return seqs
 
-    def decoder_of(self) -> dict[int, int]:
-        """The decoder each routed sequence went to, by sequence id."""
-        return {route.seq_id: route.decoder for route in self.routes}
-
     def stats(self) -> dict[str, Any]:
         """Routing and decoding figures: route time per request, and per decoder the
         sequences routed, the decode steps and their mean distinct experts per layer."""

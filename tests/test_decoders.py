@@ -18,7 +18,7 @@ from moejax.decode.programs import StepOptions
 from moejax.decode.runners import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.fitfile import EldrFit, FitError
-from moejax.generate import SequenceSpec
+from moejax.generate import SequenceSpec, expert_counts
 from serving import Generator
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions
@@ -94,16 +94,10 @@ def _prefill_counts(runner, prompts, *, trace):
         hits.append(scheduler.stats["prefix_hit_tokens"] - before)
         if trace:
             ids = np.concatenate([r[0] for r in seq.routing], axis=1)     # [L, n, k]
-            traced.append(_bincount(ids, runner.cfg.num_experts))
+            traced.append(expert_counts(ids, runner.cfg.num_experts))
         scheduler.release(seq.blocks)
     assert scheduler.occupancy() == 0
     return counts, hits, traced
-
-
-def _bincount(ids, num_experts):
-    L = ids.shape[0]
-    return np.stack([np.bincount(ids[l].reshape(-1), minlength=num_experts)
-                     for l in range(L)])
 
 
 def test_signature_cache_is_exact_under_prefix_hits(demo):
