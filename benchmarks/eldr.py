@@ -267,6 +267,28 @@ def fit_step_costs(steps: list[tuple[np.ndarray, int, float]]) -> dict[str, floa
             "steps": len(steps)}
 
 
+def gpu_cost_model(path: str, fit_name: str, num_layers: int) -> Any:
+    """One fit of a GPU cost model file (per layer t0_s, a_s, b_s; ``fit_name`` one of
+    its ``fits``, or "top" for its top-level fit): a coefficient the fit left below zero
+    (noise: decode time does not shrink with work) counts as 0, said aloud."""
+    import json
+
+    from moejax.eldr import simulator
+
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    if fit_name != "top":
+        fits = data.get("fits", {})
+        if fit_name not in fits:
+            raise SystemExit(f"{path}: no fit {fit_name!r} (it has {sorted(fits)} and 'top')")
+        data = fits[fit_name]
+    for key in simulator.COST_KEYS:
+        if data[key] < 0:
+            print(f"{path}: {key} = {data[key]:.3g} s < 0 (fit noise), taken as 0")
+    t0, a, b = (max(float(data[key]), 0.0) for key in simulator.COST_KEYS)
+    return simulator.CostModel.from_per_layer(t0, a, b, num_layers)
+
+
 # ----------------------------------------------------------------------------- simulation
 def typical_union(requests: list[Any], batch: int, rng: np.random.Generator,
                   samples: int = 200) -> np.ndarray:

@@ -99,3 +99,13 @@ def test_policy_set():
 def test_reduction():
     assert eldr.reduction(8.0, 10.0) == pytest.approx(0.2)
     assert eldr.reduction(11.0, 10.0) == pytest.approx(-0.1)
+
+
+def test_gpu_cost_model_reads_a_fit_and_clamps_noise(capsys):
+    given = eldr.gpu_cost_model(str(eldr.GPU_COST), "fused_tiles_given", 6)
+    assert given.a == pytest.approx(3.5014e-5, rel=1e-3)
+    assert given.t0 == pytest.approx(6 * 1.2945e-4, rel=1e-3)
+    top = eldr.gpu_cost_model(str(eldr.GPU_COST), "top", 6)   # pallas: b < 0 in the file
+    assert top.b == 0.0 and "taken as 0" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no fit 'nope'"):
+        eldr.gpu_cost_model(str(eldr.GPU_COST), "nope", 6)
