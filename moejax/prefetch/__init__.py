@@ -1,0 +1,1 @@
+"""Speculative expert prefetch for offloaded decode (issue 18)."""
