@@ -10,6 +10,7 @@
                  [--max-prefill-tokens N] [--kv-cache-blocks N | --kv-cache-mib MIB]
     moejax trace IN.jsonl -o OUT.npz [--model DIR|demo] [--max-new-tokens N] [--router-inputs]
     moejax eldr-fit TRACES... -o FIT.npz --decoders K [--model DIR|demo-e32] [--layers 0,2,5]
+    moejax prefetch-calibrate TRACES... -o DEFAULTS.npz [--model DIR|demo-e32]
     moejax serve [--model DIR|demo] [--host 127.0.0.1] [--port 50051] [--token T] [--tls-cert F]
     moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl]   (also: client info, health)
 
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.generate_cli import add_generate_command
     from serving.trace_cli import add_trace_command
     from serving.eldr_cli import add_parser as add_eldr_fit_command
+    from serving.prefetch_cli import add_parser as add_prefetch_calibrate_command
     from serving.grpc.cli import add_commands as add_grpc_commands
 
     parser = argparse.ArgumentParser(prog="moejax", description=__doc__.split("\n\n")[0])
@@ -263,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_command(sub, add_model_options)
     add_trace_command(sub, add_model_options)
     add_eldr_fit_command(sub)
+    add_prefetch_calibrate_command(sub)
     add_grpc_commands(sub, add_model_options)
     return parser
 

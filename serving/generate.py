@@ -164,6 +164,16 @@ class GeneratorOptions:
       ``routing_seed`` seeds random and p2c; ``routing`` may also be a
       ``moejax.eldr.policies.Policy`` object over K decoders (custom routing). Tokens do
       not depend on the routing.
+    * ``prefetch`` (offload backend, layerwise decode; ``moejax.prefetch``): "none"
+      (default: each layer's experts are copied after it routes), "router", "quasi",
+      "estimator", "hybrid" (predict layer l+1's experts from layer l and copy them while
+      layer l computes), "oracle" (the true experts) or "layer" (every expert of the next
+      layer); ``prefetch_mode`` "exact" (default: compute with the true experts, copy
+      misses on demand: tokens equal resident decode) or "speculative" (compute layer
+      l >= 1 with the predicted experts and gate weights, never copy a miss: tokens may
+      change); ``prefetch_files``: the default-vector file (``moejax prefetch-calibrate``,
+      for quasi/estimator/hybrid) and the estimator file (``python -m
+      moejax.prefetch.train``, for estimator/hybrid), one path or a list.
     """
 
     dtype: str = "auto"
@@ -188,6 +198,9 @@ class GeneratorOptions:
     eldr_tau: float | None = None
     eldr_fit: str | os.PathLike | None = None
     routing_seed: int = 0
+    prefetch: str | None = None
+    prefetch_mode: str | None = None
+    prefetch_files: Any = None
 
     def __post_init__(self) -> None:
         for name in ("trace_experts", "trace_router_inputs", "precompile"):
@@ -222,6 +235,32 @@ class GeneratorOptions:
                              "compile per prompt length)")
         self.scorer_view()   # validates dtype, expert_impl, tile_rows as the Scorer does
         self._check_decoders()
+        self._check_prefetch()
+
+    def _check_prefetch(self) -> None:
+        from moejax.prefetch.runner import check_choice
+
+        given = [name for name in ("prefetch", "prefetch_mode", "prefetch_files")
+                 if getattr(self, name) is not None]
+        if not given:
+            return
+        if self.backend != "offload" or self.batching != "continuous" \
+                or self.resolved_step() != "layerwise":
+            raise ValueError(f"{', '.join(given)}: expert prefetch runs on backend='offload' "
+                             f"with continuous batching and layerwise steps (got backend="
+                             f"{self.backend!r}, batching={self.batching!r}, step={self.step!r})")
+        try:
+            check_choice(self.prefetch or "none", self.prefetch_mode or "exact")
+        except BackendError as exc:
+            raise ValueError(str(exc)) from None
+
+    def prefetch_options(self) -> dict[str, Any]:
+        """The offload runner's prefetch keywords ({} when prefetch is not asked for)."""
+        if self.prefetch is None and self.prefetch_mode is None and self.prefetch_files is None:
+            return {}
+        return {"prefetch": self.prefetch or "none",
+                "prefetch_mode": self.prefetch_mode or "exact",
+                "prefetch_files": self.prefetch_files or ()}
 
     def _check_decoders(self) -> None:
         _positive_int("decoders", self.decoders)
@@ -515,7 +554,8 @@ class Generator:
                            opts=StepOptions(expert_impl=opts.expert_impl,
                                             tile_rows=opts.tile_rows,
                                             router_inputs=opts.trace_router_inputs),
-                           **placement, **dict(opts.backend_options or {}))
+                           **placement, **dict(opts.backend_options or {}),
+                           **opts.prefetch_options())
 
     def _scheduler_options(self, **changes: Any) -> SchedulerOptions:
         opts = self.options

@@ -90,6 +90,16 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
                    help="--decode-routing eldr: the fit file of `moejax eldr-fit ... --decoders K`")
     p.add_argument("--eldr-tau", type=float, default=None,
                    help="--decode-routing eldr: the locality band in [0, 1] (default 0.1)")
+    p.add_argument("--prefetch", choices=["none", "router", "quasi", "estimator", "hybrid",
+                                          "oracle", "layer"], default=None,
+                   help="--backend offload: predict and copy the next layer's experts while "
+                        "a layer computes (quasi/estimator/hybrid need --prefetch-file)")
+    p.add_argument("--prefetch-mode", choices=["exact", "speculative"], default=None,
+                   help="exact (default): true experts, misses copied on demand (tokens equal "
+                        "resident); speculative: compute with the predicted experts")
+    p.add_argument("--prefetch-file", action="append", default=None, dest="prefetch_files",
+                   help="a default-vector file (moejax prefetch-calibrate) or an estimator "
+                        "file (python -m moejax.prefetch.train); repeat for both")
 
 
 def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,7 +107,7 @@ def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {name: getattr(args, name) for name in
                ("batching", "step", "max_prefill_tokens", "prefill_row_tokens", "precompile",
                 "kv_cache_blocks", "kv_cache_mib", "backend", "devices", "decoders",
-                "eldr_fit", "eldr_tau") if getattr(args, name, None) is not None}
+                "eldr_fit", "eldr_tau", "prefetch", "prefetch_mode", "prefetch_files") if getattr(args, name, None) is not None}
     if getattr(args, "decode_routing", None) is not None:
         options["routing"] = args.decode_routing
     backend_options = {key: getattr(args, flag) for key, flag in

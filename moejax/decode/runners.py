@@ -304,6 +304,9 @@ def make_runner(backend: str, cfg: ModelConfig, params: Params, *, dtype: Any,
     if backend == "sync_ep":
         from moejax.decode.sync_ep import SyncEPRunner
         return SyncEPRunner(cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
+    if backend == "offload" and any(k.startswith("prefetch") for k in options):
+        from moejax.prefetch.runner import PrefetchRunner   # the offload runner + prefetch
+        return PrefetchRunner(cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
     if backend not in RUNNERS:
         raise BackendError(f"backend {backend!r} cannot decode; decode runs on "
                            f"{sorted([*RUNNERS, 'sync_ep'])}")
