@@ -95,20 +95,13 @@ TAUS = (0.0, 0.1, 1.0)
 
 # ----------------------------------------------------------------------------- inputs
 def reference_traces(traces_dir: str, shape: dict[str, Any], seed: int) -> dict[str, Any]:
-    """{"": the model's trace, "_twin": its twin's}, read from ``traces_dir`` (written
-    there by benchmarks/expert_traces.py's code when missing)."""
+    """{"": the model's trace, "_twin": its twin's}, from ``traces_dir`` (written there
+    by benchmarks/expert_traces.py when missing)."""
     from benchmarks import expert_traces
-    from moejax import traces
 
-    paths = {suffix: os.path.join(traces_dir, expert_traces.trace_file_name(MODEL, twin))
-             for suffix, twin in (("", False), ("_twin", True))}
-    if not all(os.path.isfile(p) for p in paths.values()):
-        print(f"writing reference traces to {traces_dir} ...")
-        expert_traces.write_reference_traces(
-            MODEL, traces_dir, per_domain=shape["per_domain"],
-            prompt_tokens=shape["prompt_tokens"], new_tokens=shape["new_tokens"],
-            router_inputs=True, seed=seed)
-    return {suffix: traces.load(path) for suffix, path in paths.items()}
+    return expert_traces.reference_pair(MODEL, traces_dir, per_domain=shape["per_domain"],
+                                        prompt_tokens=shape["prompt_tokens"],
+                                        new_tokens=shape["new_tokens"], seed=seed)
 
 
 def model_of(suffix: str) -> str:

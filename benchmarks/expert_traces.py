@@ -153,6 +153,22 @@ def make_trace(model: str, prompts: list[list[int]], labels: Sequence[str | None
     return trace, seconds
 
 
+def reference_pair(model: str, traces_dir: str, *, per_domain: int, prompt_tokens: int,
+                   new_tokens: int, seed: int = 0) -> dict[str, Any]:
+    """{"": ``model``'s reference trace, "_twin": its twin's}, read from ``traces_dir``
+    (both written there first, with router inputs, when either is missing)."""
+    from moejax import traces
+
+    paths = {suffix: os.path.join(traces_dir, trace_file_name(model, twin))
+             for suffix, twin in (("", False), ("_twin", True))}
+    if not all(os.path.isfile(p) for p in paths.values()):
+        print(f"writing reference traces to {traces_dir} ...")
+        write_reference_traces(model, traces_dir, per_domain=per_domain,
+                               prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                               router_inputs=True, seed=seed)
+    return {suffix: traces.load(path) for suffix, path in paths.items()}
+
+
 def write_reference_traces(model: str, out_dir: str, *, per_domain: int, prompt_tokens: int,
                            new_tokens: int, router_inputs: bool, seed: int = 0,
                            batch: int = 16) -> dict[str, Any]:

@@ -108,22 +108,29 @@ class DecodeRunner(abc.ABC):
         """The experts layer ``layer`` runs with under ``routing``: (a stack [L', E', ...],
         the index into it, the routing renumbered for that stack)."""
 
+    def attend(self, layer: int, state: LayerwiseStep, kv: PagedKV
+               ) -> tuple[jax.Array, jax.Array, moe.Routing]:
+        """Layer ``layer``'s attention and router on a layerwise step: records the traced
+        routing (and router inputs) in ``state``, applies the layer hook -> (the
+        post-attention residual, the MoE input, the routing the experts run with)."""
+        x, carry, moe_in, routing = programs.ATTENTION(self.dense_params, np.int32(layer),
+                                                       state.x, kv, state.attn, cfg=self.cfg)
+        state.attn = state.attn.with_carry(carry)
+        state.experts.append(routing.experts)
+        state.weights.append(routing.weights)
+        if self.opts.router_inputs:
+            state.router_inputs.append(moe_in)
+        if self.layer_hook is not None:
+            routing = self.layer_hook(layer, routing) or routing
+        return x, moe_in, routing
+
     def layerwise(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams
                   ) -> StepResult:
         """The host drives the layers: attention + router, (hook), experts, per layer."""
         dense, cfg, opts = self.dense_params, self.cfg, self.opts
         state = LayerwiseStep(*programs.BEGIN(dense, kv, batch, cfg=cfg, opts=opts))
         for layer in range(cfg.num_layers):
-            index = np.int32(layer)
-            x, carry, moe_in, routing = programs.ATTENTION(dense, index, state.x, kv,
-                                                           state.attn, cfg=cfg)
-            state.attn = state.attn.with_carry(carry)
-            state.experts.append(routing.experts)
-            state.weights.append(routing.weights)
-            if opts.router_inputs:
-                state.router_inputs.append(moe_in)
-            if self.layer_hook is not None:
-                routing = self.layer_hook(layer, routing) or routing
+            x, moe_in, routing = self.attend(layer, state, kv)
             stack, at, routing = self.layer_experts(layer, routing, batch.valid)
             state.x = programs.MOE(stack, np.int32(at), x, moe_in, routing, batch.valid,
                                    opts=opts)

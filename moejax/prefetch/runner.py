@@ -223,15 +223,7 @@ class PrefetchRunner(OffloadRunner):
         state = LayerwiseStep(*programs.BEGIN(dense, kv, batch, cfg=cfg, opts=opts))
         ahead: Prefetched | None = None
         for layer in range(cfg.num_layers):
-            x, carry, moe_in, routing = programs.ATTENTION(dense, np.int32(layer), state.x, kv,
-                                                           state.attn, cfg=cfg)
-            state.attn = state.attn.with_carry(carry)
-            state.experts.append(routing.experts)
-            state.weights.append(routing.weights)
-            if opts.router_inputs:
-                state.router_inputs.append(moe_in)
-            if self.layer_hook is not None:
-                routing = self.layer_hook(layer, routing) or routing
+            x, moe_in, routing = self.attend(layer, state, kv)
             used, slot_of = self._experts_for(layer, routing, ahead, valid)
             predicted = None
             if layer + 1 < cfg.num_layers and self.prefetch in predictors.LEARNED:
