@@ -32,6 +32,9 @@ TYPECHECKED_MODULES = [
     "moejax.generate",
     "moejax.ops",
     "moejax.decode.paged",
+    "moejax.prefetch.defaults",
+    "moejax.prefetch.estimator",
+    "moejax.prefetch.predictors",
 ]
 # PEP 484's numeric tower (an int passes a ``float`` hint), as static checkers read hints.
 TYPECHECKER = "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))"

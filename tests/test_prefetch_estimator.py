@@ -51,7 +51,7 @@ def _randomised(params: dict, seed: int = 1) -> dict:
             for k, v in params.items()}
 
 
-def test_config_validation():
+def test_config_validation(typechecks_off):
     with pytest.raises(ValueError, match="num_layers"):
         EstimatorConfig(hidden_size=16, num_experts=8, num_layers=1)
     with pytest.raises(ValueError, match="width"):
