@@ -281,6 +281,24 @@ def restore_params(out_dir: str | os.PathLike, dtype: str | np.dtype | None = No
 
 
 # =========================================================================== model dirs
+def resolve_model_dir(model: str | os.PathLike) -> tuple[str, bool]:
+    """A built-in model's name (``"demo"``, ``"demo-e32"``, ``"demo-e32-init"``: created
+    in the cache on first use) -> its directory; else a local directory.
+
+    Returns (path, is_demo). A built-in name wins over a local directory of that name
+    (write ``./demo`` for the directory)."""
+    from moejax import demo
+
+    path = os.fspath(model)
+    if path in demo.MODELS:
+        return demo.ensure_demo_model(name=path), True
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist (give a local Hugging "
+                                f"Face model directory, a converted moejax directory, or a "
+                                f"built-in model: {', '.join(sorted(demo.MODELS))})")
+    return path, False
+
+
 def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     """``load_config`` of a model directory, with the file named when it cannot be read:
     ``json``'s own message ("Expecting value: line 2 column 1") names only a position.

@@ -21,6 +21,7 @@ from typing import Any, Hashable, Mapping, Sequence
 import numpy as np
 
 from moejax import checkpoint
+from moejax.checkpoint import resolve_model_dir  # noqa: F401  (serving's import path for it)
 from moejax.backends import backend_class, make_backend
 from moejax.backends.base import require_devices
 from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,
@@ -42,24 +43,6 @@ from serving.results import combine_results
 log = logging.getLogger("moejax.scorer")
 
 RequestLike = ScoreRequest | Mapping[str, Any]
-
-
-def resolve_model_dir(model: str | os.PathLike) -> tuple[str, bool]:
-    """A built-in model's name (``"demo"``, ``"demo-e32"``, ``"demo-e32-init"``: created
-    in the cache on first use) -> its directory; else a local directory.
-
-    Returns (path, is_demo). A built-in name wins over a local directory of that name
-    (write ``./demo`` for the directory)."""
-    from moejax import demo
-
-    path = os.fspath(model)
-    if path in demo.MODELS:
-        return demo.ensure_demo_model(name=path), True
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist (give a local Hugging "
-                                f"Face model directory, a converted moejax directory, or a "
-                                f"built-in model: {', '.join(sorted(demo.MODELS))})")
-    return path, False
 
 
 @dataclasses.dataclass(frozen=True)
