@@ -1,0 +1,1 @@
+"""AsyncMoE decode core: token records, μ-queues, token pool, schedulers, engine, simulator."""
