@@ -37,8 +37,16 @@ router metro and eplb_even, and no replicas: ``tokens_equal_across_routers`` (gr
 be 0; decode never re-runs a step), ``step_ms_<router>`` and
 ``metro_step_overhead_us_per_layer`` ((METRO − EPLB-even) / L, CPU wall).
 
+**AsyncMoE, simulated** (``benchmarks/asyncmoe_sim.py``): μ-queue decode under each
+scheduler against synchronous EP, on the cost tables of ``benchmarks/asyncmoe_cost.py``
+(``--tables``, default the committed CPU tables of demo-e32): throughput at an ITL bound,
+``mu_queue_throughput_over_sync_ep``, ``defrag_over_most_tokens``,
+``defrag_over_first_layer`` (demo-e32's traced routing, 4 devices; every source and
+device count under longer keys), batch sizes, stalls, queue depth, completion rate, and
+the defrag scheduler's δ / lookahead sweep.
+
     python benchmarks/ep_decode.py [--quick] [--json PATH] [--traces DIR] [--instances N]
-        [--link-gbps 450] [--seed N]
+        [--link-gbps 450] [--tables PATH] [--seed N]
 """
 
 from __future__ import annotations
@@ -62,15 +70,22 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks import asyncmoe_sim  # noqa: E402
 from benchmarks.figures import write_json  # noqa: E402
 
 MODEL = "demo-e32"
 FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, devices=(4, 8),
             replication=(1.0, 1.25, 1.5), tokens=(8, 16, 32, 64), instances=24,
-            real_requests=16, real_new_tokens=16)
+            real_requests=16, real_new_tokens=16,
+            sim_devices=(4, 8), sim_sources=("trace", "twin", "skewed", "uniform"),
+            rate_fractions=(0.25, 0.5, 1.0, 2.0), sim_requests=64,
+            sweep_deltas=(0.25, 0.5, 0.75, 1.0), sweep_lookaheads=(1, 2, 4))
 QUICK = dict(per_domain=2, prompt_tokens=32, new_tokens=8, devices=(4,),
              replication=(1.0, 1.5), tokens=(8, 32), instances=3,
-             real_requests=4, real_new_tokens=4)
+             real_requests=4, real_new_tokens=4,
+             sim_devices=(4,), sim_sources=("trace", "uniform"), rate_fractions=(0.5, 1.0),
+             sim_requests=12, sweep_deltas=(0.5,), sweep_lookaheads=(1, 2))
+CPU_TABLES = ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
 GPU_COST = ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
 GPU_FIT = "fused_tiles_given"
 QWEN_HIDDEN = 2048
@@ -265,6 +280,17 @@ def real_decode(trace: Any, shape: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- driver
+def cost_tables(path: str) -> Any:
+    """The simulator's cost tables from ``path``, or measured now (quick grid)."""
+    from benchmarks import asyncmoe_cost
+    from moejax.asyncmoe.simulator import CostTables
+
+    if os.path.isfile(path):
+        return CostTables.from_dict(json.loads(Path(path).read_text()))
+    print(f"no cost tables at {path}: measuring a quick grid")
+    return CostTables.from_dict(asyncmoe_cost.measure(MODEL, asyncmoe_cost.QUICK))
+
+
 def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
     print("\nMETRO / EPLB-even, max activated replicas per device (METRO / optimal), decode:")
     for suffix, label in (("", MODEL), ("_twin", f"{MODEL}-init (twin)"),
@@ -303,6 +329,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--instances", type=int, help="draws per layer and configuration")
     parser.add_argument("--link-gbps", type=float, default=450.0,
                         help="modelled all-to-all link, GB/s per device (default 450)")
+    parser.add_argument("--tables", default=str(CPU_TABLES),
+                        help="AsyncMoE simulator cost tables (benchmarks/asyncmoe_cost.py; "
+                             "measured here, quickly, when the file is missing)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     shape = dict(QUICK if args.quick else FULL)
@@ -324,8 +353,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 figures[f"{key}{suffix}"] = value
         figures.update(router_costs(args.seed))
         figures.update(real_decode(trace, shape))
+        from moejax.prefetch.train import load_model
+        cfg = load_model(MODEL)[0]
+        figures.update(asyncmoe_sim.simulation_figures(traces, cost_tables(args.tables), cfg,
+                                                       shape, args.seed))
     figures["seconds"] = time.perf_counter() - started
     report(figures, shape)
+    asyncmoe_sim.report(figures, shape)
     write_json(args.json_path, figures)
     return figures
 

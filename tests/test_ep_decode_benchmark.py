@@ -42,3 +42,35 @@ def test_uniform_pools_are_distinct_top_k():
     for ids in pools:
         assert ids.shape == (50, 2) and (ids[:, 0] != ids[:, 1]).all()
         assert ids.min() >= 0 and ids.max() < 8
+
+
+# ----------------------------------------------------------------------------- AsyncMoE half
+def test_throughput_at_the_itl_bound():
+    from benchmarks import asyncmoe_sim
+
+    runs = [{"throughput": 100.0, "itl_p50_ms": 5.0}, {"throughput": 300.0, "itl_p50_ms": 9.0},
+            {"throughput": 400.0, "itl_p50_ms": 12.0}]
+    assert asyncmoe_sim.at_bound(runs, 10.0) == 300.0
+    assert asyncmoe_sim.at_bound(runs, 4.0) == 0.0
+    assert asyncmoe_sim.ratio(3.0, 2.0) == 1.5 and np.isnan(asyncmoe_sim.ratio(1.0, 0.0))
+
+
+def test_cycled_routing_replays_recorded_requests():
+    from benchmarks import asyncmoe_sim
+    from moejax.asyncmoe.simulator import TraceRouting
+
+    ids = {r: np.stack([np.array([[r, r + 1]])] * 2) for r in range(3)}     # [L=2, 1, 2]
+    weights = {r: np.full((2, 1, 2), 0.5) for r in range(3)}
+    cycled = asyncmoe_sim.Cycled(TraceRouting(ids, weights, 8), 3)
+    assert (cycled.num_experts, cycled.top_k) == (8, 2)
+    np.testing.assert_array_equal(cycled.topk(4, 0, 1)[0], [1, 2])         # request 4 -> 1
+
+
+def test_cost_measurement_batch_is_one_decode_row_each():
+    from benchmarks import asyncmoe_cost
+
+    batch = asyncmoe_cost.decode_batch(3, 40)
+    assert batch.block_tables.shape == (3, 3)
+    assert len(set(batch.block_tables.ravel().tolist())) == 9           # no shared block
+    np.testing.assert_array_equal(batch.positions, 39)
+    np.testing.assert_array_equal(batch.write_slots, batch.block_tables[:, -1] * 16 + 39 % 16)
