@@ -25,16 +25,11 @@ Model (both simulations):
 * transfers between devices take ``link_latency_s + bytes / link_bandwidth_Bps`` with
   bytes = tokens × hidden × dtype_bytes; on the same device they are free and instant.
 
-μ-queue simulation (:func:`simulate_mu_queue`): events (batch done, records delivered,
-request arrived) run in time order; at one instant, batch ends first, then deliveries,
-then arrivals, each in the order they were scheduled; then every idle device with
-queued tokens starts ``engine.next_batch()`` (lowest device first). A batch takes
-``attention_s(n, mean context of its tokens)``, ``expert_s(n)`` or ``head_s(n)``. Its
-outputs (``engine.route``) are sent per destination device as one transfer and handed
-to that engine's ``deliver``; each token it merges is enqueued as ``merged.next_record()``
-(the next block's attention, or the head); a head batch completes its tokens' step and
-enqueues step s + 1 at block 0. Devices compute one batch at a time; transfers overlap
-compute.
+μ-queue simulation (:func:`simulate_mu_queue`): the runtime's own event loop
+(:class:`~moejax.asyncmoe.loop.MuQueueLoop`: event order, scheduling, routing of
+outputs, merges) with :class:`RoutingExecutor`, which replays the routing and carries no
+payloads. A batch takes ``attention_s(n, mean context of its tokens)``, ``expert_s(n)``
+or ``head_s(n)``.
 
 EP baseline (:func:`simulate_sync_ep`): lock-step decode steps over the running
 requests; arrivals join at step boundaries. Per block: max over ranks of attention, the
@@ -54,30 +49,25 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import heapq
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from moejax.asyncmoe.engine import (Batch, DeviceEngine, contiguous_placement,
+from moejax.asyncmoe.engine import (Batch, DeviceEngine, Merged, contiguous_placement,
                                     device_units)
-from moejax.asyncmoe.records import (ATTENTION, ATTENTION_UNIT, EXPERT, HEAD, HEAD_UNIT,
-                                     TokenRecord, attention_record)
+# (the results' types are re-exported: the simulator's callers read them from here)
+from moejax.asyncmoe.loop import (MU_QUEUE, SYNC_EP, ExecutedBatch, MuQueueLoop,  # noqa: F401
+                                  RequestProgress, RequestTiming, SimResult, assign_rank)
+from moejax.asyncmoe.records import ATTENTION, ATTENTION_UNIT, EXPERT, HEAD_UNIT
 from moejax.asyncmoe.schedulers import Scheduler, make_scheduler
 
 TABLE_KEYS = ("attention", "expert", "head", "batch_overhead_s", "link")
 """The keys of a cost-table dict (:meth:`CostTables.from_dict`); "meta" may be added."""
 META_KEY = "meta"
 
-MU_QUEUE = "mu_queue"
-SYNC_EP = "sync_ep"
 
-# Same-instant event order in the μ-queue simulation (lower first).
-_EVENT_DONE = 0
-_EVENT_DELIVERY = 1
-_EVENT_ARRIVAL = 2
 
 ROUTING_CHUNK_STEPS = 64
 """Decode steps of one request and block whose synthetic routing is drawn at once."""
@@ -85,8 +75,6 @@ ROUTING_CACHE_CHUNKS = 1 << 16
 """Drawn chunks :class:`SkewedRouting` keeps (least recently used dropped; a dropped
 chunk is redrawn identically when asked again)."""
 
-ITL_P50 = 50.0
-ITL_P99 = 99.0
 
 
 # ----------------------------------------------------------------------------- checks
@@ -453,119 +441,7 @@ def _check_workload(workload: Sequence[SimRequest]) -> list[SimRequest]:
     return sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
 
 
-def assign_rank(active: Sequence[int]) -> int:
-    """The attention rank for a new request: fewest active requests, ties lowest rank."""
-    return int(np.argmin(np.asarray(active)))
-
-
 # ----------------------------------------------------------------------------- results
-class ExecutedBatch(NamedTuple):
-    """One execution: start ``time``, ``device``, block ``layer``, ``unit`` (-1
-    attention, -2 head, else expert id), ``size`` in tokens, and its ``end``."""
-
-    time: float
-    device: int
-    layer: int
-    unit: int
-    size: int
-    end: float
-
-
-class RequestTiming(NamedTuple):
-    """A request's rank, arrival and the completion time of each decode token."""
-
-    request_id: int
-    rank: int
-    arrival_s: float
-    token_times: tuple[float, ...]
-
-    @property
-    def finish_s(self) -> float:
-        return self.token_times[-1]
-
-
-@dataclasses.dataclass(frozen=True)
-class SimResult:
-    """What a simulation measured (``mode``: "mu_queue" or "sync_ep").
-
-    ``requests``: per request its timings (arrival order). ``batches``: every execution
-    in start order (ties by device). ``queue_depth``: (time, tokens waiting) samples —
-    μ-queue: tokens in all μ-queues after each instant's events; EP: requests arrived but
-    not yet admitted, at each step boundary. ``stall_fraction``: module docstring.
-    ``leftover_queued`` / ``leftover_pooled``: tokens still in μ-queues / token pools at
-    the end (0 for a correct run; EP has none)."""
-
-    mode: str
-    requests: tuple[RequestTiming, ...]
-    batches: tuple[ExecutedBatch, ...]
-    queue_depth: tuple[tuple[float, int], ...]
-    stall_fraction: float
-    leftover_queued: int
-    leftover_pooled: int
-
-    @property
-    def tokens_generated(self) -> int:
-        return sum(len(r.token_times) for r in self.requests)
-
-    @property
-    def makespan_s(self) -> float:
-        """Last token completion − first arrival."""
-        return max(r.finish_s for r in self.requests) - min(r.arrival_s for r in self.requests)
-
-    @property
-    def throughput_tokens_per_s(self) -> float:
-        return self.tokens_generated / self.makespan_s if self.makespan_s > 0 else 0.0
-
-    @property
-    def itl_s(self) -> tuple[float, ...]:
-        """Every gap between consecutive token completions of a request, all requests."""
-        return tuple(float(gap) for r in self.requests for gap in np.diff(r.token_times))
-
-    def itl_percentile(self, q: float) -> float:
-        """The q-th percentile of :attr:`itl_s` (nan when no request has two tokens)."""
-        itl = self.itl_s
-        return float(np.percentile(itl, q)) if itl else math.nan
-
-    @property
-    def itl_p50_s(self) -> float:
-        return self.itl_percentile(ITL_P50)
-
-    @property
-    def itl_p99_s(self) -> float:
-        return self.itl_percentile(ITL_P99)
-
-    def mean_batch_size(self, kind: str) -> float:
-        """Mean tokens per execution of ``kind`` ("attention", "expert", "head")."""
-        units = {ATTENTION: lambda u: u == ATTENTION_UNIT, HEAD: lambda u: u == HEAD_UNIT,
-                 EXPERT: lambda u: u >= 0}
-        if kind not in units:
-            raise ValueError(f"kind must be one of {sorted(units)}, got {kind!r}")
-        sizes = [b.size for b in self.batches if units[kind](b.unit)]
-        return float(np.mean(sizes)) if sizes else 0.0
-
-    @property
-    def mean_expert_batch(self) -> float:
-        return self.mean_batch_size(EXPERT)
-
-    @property
-    def mean_attention_batch(self) -> float:
-        return self.mean_batch_size(ATTENTION)
-
-    @property
-    def arrival_times(self) -> np.ndarray:
-        """Arrival time per request (the order of :attr:`requests`)."""
-        return np.array([r.arrival_s for r in self.requests])
-
-    @property
-    def completion_times(self) -> np.ndarray:
-        """Finish time (last token) per request (the order of :attr:`requests`)."""
-        return np.array([r.finish_s for r in self.requests])
-
-    def batch_sequence(self, device: int) -> list[tuple[int, int, int]]:
-        """(layer, unit, size) of ``device``'s executions in order."""
-        return [(b.layer, b.unit, b.size) for b in self.batches if b.device == device]
-
-
 # ----------------------------------------------------------------------------- setup
 @dataclasses.dataclass(frozen=True)
 class _Setup:
@@ -610,19 +486,6 @@ def _batch_seconds(tables: CostTables, batch: Batch) -> float:
     return tables.head_s(batch.size)
 
 
-class _Request:
-    """A request's mutable progress in a simulation."""
-
-    def __init__(self, spec: SimRequest, rank: int) -> None:
-        self.spec = spec
-        self.rank = rank
-        self.token_times: list[float] = []
-
-    def timing(self) -> RequestTiming:
-        return RequestTiming(self.spec.request_id, self.rank, self.spec.arrival_s,
-                             tuple(self.token_times))
-
-
 # ----------------------------------------------------------------------------- μ-queue
 def simulate_mu_queue(tables: CostTables, routing: Routing, workload: Sequence[SimRequest],
                       num_devices: int, num_layers: int, num_experts: int, top_k: int,
@@ -630,7 +493,8 @@ def simulate_mu_queue(tables: CostTables, routing: Routing, workload: Sequence[S
                       expert_device: Sequence[int] | None = None) -> SimResult:
     """AsyncMoE decode of ``workload`` on ``num_devices`` devices, each a
     :class:`DeviceEngine` with ``scheduler`` (an object or a name for
-    :func:`make_scheduler` with its defaults). Module docstring for the model.
+    :func:`make_scheduler` with its defaults), in :class:`~moejax.asyncmoe.loop.MuQueueLoop`
+    (the runtime's loop) with :class:`RoutingExecutor`. Module docstring for the model.
     RuntimeError if the run ends with a request unfinished."""
     setup = _setup(routing, num_devices, num_layers, num_experts, top_k, hidden,
                    dtype_bytes, expert_device)
@@ -640,125 +504,42 @@ def simulate_mu_queue(tables: CostTables, routing: Routing, workload: Sequence[S
     engines = [DeviceEngine(d, setup.num_layers, device_units(d, setup.expert_device),
                             scheduler, setup.top_k, setup.expert_device)
                for d in range(setup.num_devices)]
-    return _MuQueueRun(tables, routing, setup, engines, requests).run()
+    loop = MuQueueLoop(engines, RoutingExecutor(routing, requests),
+                       lambda batch: _batch_seconds(tables, batch), tables.link_s,
+                       setup.bytes_per_token)
+    result = loop.run(requests)
+    unfinished = [r for r in requests
+                  if len(loop.progress[r.request_id].token_times) < r.decode_tokens]
+    if unfinished:
+        raise RuntimeError(f"μ-queue simulation ended with {len(unfinished)} requests "
+                           f"unfinished, e.g. request {unfinished[0].request_id}")
+    return result
 
 
-class _MuQueueRun:
-    """The event loop of :func:`simulate_mu_queue`."""
+class RoutingExecutor:
+    """The simulator's executor: no arithmetic, no payloads; attention batches take their
+    top-k from ``routing``, and a request decodes ``decode_tokens`` steps."""
 
-    def __init__(self, tables: CostTables, routing: Routing, setup: _Setup,
-                 engines: list[DeviceEngine], requests: list[SimRequest]) -> None:
-        self.tables = tables
+    def __init__(self, routing: Routing, requests: Sequence[SimRequest]) -> None:
         self.routing = routing
-        self.setup = setup
-        self.engines = engines
-        self.specs = requests
-        self.progress: dict[int, _Request] = {}
-        self.active = [0] * setup.num_devices
-        self.busy = [False] * setup.num_devices
-        self.events: list[tuple[float, int, int, Any]] = []
-        self.sequence = 0
-        self.batches: list[ExecutedBatch] = []
-        self.depth: list[tuple[float, int]] = []
-        self.stall_s = 0.0
-        self.active_s = 0.0
+        self.decode_tokens = {r.request_id: r.decode_tokens for r in requests}
 
-    def push(self, time: float, order: int, payload: Any) -> None:
-        heapq.heappush(self.events, (time, order, self.sequence, payload))
-        self.sequence += 1
+    def start(self, request: SimRequest, rank: int) -> tuple[bool, Any]:
+        return True, None
 
-    def run(self) -> SimResult:
-        for spec in self.specs:
-            self.push(spec.arrival_s, _EVENT_ARRIVAL, spec)
-        last = 0.0
-        while self.events:
-            now = self.events[0][0]
-            if sum(self.active):
-                self.active_s += now - last
-                self.stall_s += (now - last) * self.busy.count(False)
-            last = now
-            while self.events and self.events[0][0] == now:
-                _, order, _, payload = heapq.heappop(self.events)
-                if order == _EVENT_DONE:
-                    self.finish_batch(now, *payload)
-                elif order == _EVENT_DELIVERY:
-                    self.deliver(*payload)
-                else:
-                    self.arrive(payload)
-            self.start_idle_devices(now)
-            self.depth.append((now, sum(e.queued() for e in self.engines)))
-        unfinished = [r for r in self.specs if r.request_id not in self.progress
-                      or len(self.progress[r.request_id].token_times) < r.decode_tokens]
-        if unfinished:
-            raise RuntimeError(f"μ-queue simulation ended with {len(unfinished)} requests "
-                               f"unfinished, e.g. request {unfinished[0].request_id}")
-        total = self.setup.num_devices * self.active_s
-        return SimResult(MU_QUEUE, tuple(self.progress[r.request_id].timing()
-                                         for r in self.specs),
-                         tuple(self.batches), tuple(self.depth),
-                         self.stall_s / total if total > 0 else 0.0,
-                         sum(e.queued() for e in self.engines),
-                         sum(e.pool.pending() for e in self.engines))
+    def attention(self, device: int, batch: Batch) -> tuple[Any, Any, None]:
+        choices = [self.routing.topk(r.request_id, r.step, r.layer) for r in batch.records]
+        return (np.array([ids for ids, _ in choices]), np.array([w for _, w in choices]),
+                None)
 
-    def arrive(self, spec: SimRequest) -> None:
-        rank = assign_rank(self.active)
-        self.active[rank] += 1
-        self.progress[spec.request_id] = _Request(spec, rank)
-        self.engines[rank].enqueue(attention_record(spec.request_id, 0, 0, rank,
-                                                    spec.prompt_length + 1))
+    def expert(self, device: int, batch: Batch) -> None:
+        return None
 
-    def start_idle_devices(self, now: float) -> None:
-        for device, engine in enumerate(self.engines):
-            if self.busy[device]:
-                continue
-            batch = engine.next_batch()
-            if batch is None:
-                continue
-            end = now + _batch_seconds(self.tables, batch)
-            self.busy[device] = True
-            self.batches.append(ExecutedBatch(now, device, batch.layer, batch.unit,
-                                              batch.size, end))
-            self.push(end, _EVENT_DONE, (device, batch))
+    def merge(self, device: int, merged: Merged) -> None:
+        return None
 
-    def finish_batch(self, now: float, device: int, batch: Batch) -> None:
-        self.busy[device] = False
-        engine = self.engines[device]
-        if batch.kind == HEAD:
-            self.finish_step(now, engine, batch.records)
-            return
-        if batch.kind == ATTENTION:
-            choices = [self.routing.topk(r.request_id, r.step, r.layer) for r in batch.records]
-            routed = engine.route(batch, np.array([ids for ids, _ in choices]),
-                                  np.array([w for _, w in choices]))
-        else:
-            routed = engine.route(batch)
-        by_destination: dict[int, list[TokenRecord]] = {}
-        for destination, record in routed:
-            by_destination.setdefault(destination, []).append(record)
-        for destination in sorted(by_destination):
-            records = by_destination[destination]
-            delay = 0.0 if destination == device else self.tables.link_s(
-                len(records) * self.setup.bytes_per_token)
-            self.push(now + delay, _EVENT_DELIVERY, (destination, records, batch.kind))
-
-    def deliver(self, destination: int, records: list[TokenRecord], source_kind: str) -> None:
-        engine = self.engines[destination]
-        for merged in engine.deliver(records, source_kind):
-            engine.enqueue(merged.next_record())
-
-    def finish_step(self, now: float, engine: DeviceEngine,
-                    records: tuple[TokenRecord, ...]) -> None:
-        for record in records:
-            request = self.progress[record.request_id]
-            if record.step != len(request.token_times):
-                raise RuntimeError(f"{record.describe()} finished out of order: request has "
-                                   f"{len(request.token_times)} tokens")
-            request.token_times.append(now)
-            if record.step + 1 < request.spec.decode_tokens:
-                engine.enqueue(attention_record(record.request_id, record.step + 1, 0,
-                                                record.rank, record.context + 1))
-            else:
-                self.active[request.rank] -= 1
+    def head(self, device: int, batch: Batch) -> list[tuple[bool, None]]:
+        return [(r.step + 1 < self.decode_tokens[r.request_id], None) for r in batch.records]
 
 
 # ----------------------------------------------------------------------------- sync EP
@@ -774,8 +555,8 @@ def simulate_sync_ep(tables: CostTables, routing: Routing, workload: Sequence[Si
                    dtype_bytes, expert_device)
     specs = _check_workload(workload)
     g = setup.num_devices
-    progress: dict[int, _Request] = {}
-    running: list[_Request] = []
+    progress: dict[int, RequestProgress] = {}
+    running: list[RequestProgress] = []
     active = [0] * g
     finished: collections.deque[tuple[float, int]] = collections.deque()
     batches: list[ExecutedBatch] = []
@@ -795,7 +576,7 @@ def simulate_sync_ep(tables: CostTables, routing: Routing, workload: Sequence[Si
                 active[finished.popleft()[1]] -= 1
             rank = assign_rank(active)
             active[rank] += 1
-            request = _Request(spec, rank)
+            request = RequestProgress(spec, rank)
             progress[spec.request_id] = request
             running.append(request)
             waiting += 1
@@ -844,7 +625,7 @@ def simulate_sync_ep(tables: CostTables, routing: Routing, workload: Sequence[Si
                      tuple(depth), stall_s / total if total > 0 else 0.0, 0, 0)
 
 
-def _sync_attention(tables: CostTables, per_rank: list[list[_Request]], layer: int,
+def _sync_attention(tables: CostTables, per_rank: list[list[RequestProgress]], layer: int,
                     now: float, batches: list[ExecutedBatch],
                     device_busy: list[float]) -> float:
     """The attention phase of one block: every rank at once; returns its end."""
