@@ -58,7 +58,7 @@ import numpy as np
 
 from moejax import checkpoint
 from moejax.decode.programs import StepOptions
-from moejax.backends.base import BackendError
+from moejax.backends.base import BackendError, require_devices
 from moejax.decode.runners import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, POLICIES, Policy, check_tau, make_policy
@@ -123,6 +123,7 @@ class GenerationResult:
 BATCHING = ("continuous", "static")
 SPLIT_BACKENDS = ("resident", "offload")   # the backends a decoder of several may use
 STEPS = ("auto", "fused", "layerwise")
+RUNTIMES = ("continuous", "mu_queue")
 DEFAULT_KV_CACHE_MIB = 1024
 
 
@@ -174,6 +175,12 @@ class GeneratorOptions:
       change); ``prefetch_files``: the default-vector file (``moejax prefetch-calibrate``,
       for quasi/estimator/hybrid) and the estimator file (``python -m
       moejax.prefetch.train``, for estimator/hybrid), one path or a list.
+    * ``runtime``: "continuous" (default: the paged decode runtime above) or "mu_queue"
+      (AsyncMoE, ``moejax.asyncmoe``: every one of ``devices`` is an attention rank and
+      hosts a contiguous share of the experts; tokens wait in per-(layer, expert) and
+      per-layer queues, and ``scheduler`` — "defrag" (default), "most_tokens" or
+      "first_layer" — picks what an idle device runs). It takes whole calls (no
+      ``start_loop``), the resident backend's options only, and no expert traces.
     """
 
     dtype: str = "auto"
@@ -201,6 +208,8 @@ class GeneratorOptions:
     prefetch: str | None = None
     prefetch_mode: str | None = None
     prefetch_files: Any = None
+    runtime: str = "continuous"
+    scheduler: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("trace_experts", "trace_router_inputs", "precompile"):
@@ -236,6 +245,34 @@ class GeneratorOptions:
         self.scorer_view()   # validates dtype, expert_impl, tile_rows as the Scorer does
         self._check_decoders()
         self._check_prefetch()
+        self._check_runtime()
+
+    def _check_runtime(self) -> None:
+        from moejax.asyncmoe.schedulers import SCHEDULER_NAMES
+
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+        if self.runtime == "continuous":
+            if self.scheduler is not None:
+                raise ValueError("scheduler picks the μ-queue runtime's next queue: give it "
+                                 "with runtime='mu_queue'")
+            return
+        if self.scheduler is not None and self.scheduler not in SCHEDULER_NAMES:
+            raise ValueError(f"scheduler must be one of {SCHEDULER_NAMES}, got "
+                             f"{self.scheduler!r}")
+        clashes = [name for name, bad in (
+            ("batching='static'", self.batching != "continuous"),
+            (f"backend={self.backend!r}", self.backend != "resident"),
+            ("backend_options", bool(self.backend_options)),
+            ("decoders", self.decoders != 1),
+            ("prefetch", self.prefetch_options() != {}),
+            ("trace_experts", self.trace_experts),
+            ("precompile", self.precompile),
+            ("kv_cache_mib", self.kv_cache_mib is not None),
+            ("step='layerwise'", self.step == "layerwise")) if bad]
+        if clashes:
+            raise ValueError(f"runtime='mu_queue' places the experts itself over `devices` and "
+                             f"runs whole calls; it does not take {', '.join(clashes)}")
 
     def _check_prefetch(self) -> None:
         from moejax.prefetch.runner import check_choice
@@ -534,7 +571,15 @@ class Generator:
         opts = self.options
         self.engine: DecodeEngine | None = None
         self.scheduler: Scheduler | DecoderPool | None = None
-        if opts.batching == "static":
+        self.mu_queue: Any = None
+        if opts.runtime == "mu_queue":
+            from moejax.asyncmoe.runtime import MuQueueRuntime
+
+            self.mu_queue = MuQueueRuntime(
+                self.config, params, require_devices("mu_queue", opts.devices),
+                scheduler=opts.scheduler or "defrag", dtype=dtype,
+                blocks_per_rank=opts.kv_cache_blocks)
+        elif opts.batching == "static":
             self.engine = DecodeEngine(params, self.config, expert_impl=opts.expert_impl,
                                        tile_rows=opts.tile_rows,
                                        max_batch_size=opts.max_batch_size)
@@ -678,10 +723,12 @@ class Generator:
             except RequestError as exc:
                 yield GenerationEvent(index, [], GenerationResult(id=request_id_of(obj),
                                                                   error=str(exc)))
-        if self.engine is not None:
+        if self.engine is not None or self.mu_queue is not None:
             indices = list(specs)
-            outputs = self.engine.generate([specs[i] for i in indices],
-                                           trace=self.options.trace_experts)
+            outputs = (self.mu_queue.generate([specs[i] for i in indices])
+                       if self.mu_queue is not None else
+                       self.engine.generate([specs[i] for i in indices],
+                                            trace=self.options.trace_experts))
             for index, out in zip(indices, outputs):
                 yield GenerationEvent(index, list(out.token_ids),
                                       self._result(requests[index], index, specs[index], out))
@@ -723,7 +770,8 @@ class Generator:
     def start_loop(self) -> "GeneratorLoop":
         """A background loop that many callers submit to (servers, benchmarks)."""
         if self.scheduler is None:
-            raise ValueError("a generation loop needs batching='continuous'")
+            raise ValueError("a generation loop needs batching='continuous' and "
+                             "runtime='continuous'")
         return GeneratorLoop(self)
 
     def _result(self, obj: Any, index: int, spec: SequenceSpec, out: SequenceOutput

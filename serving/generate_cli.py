@@ -100,6 +100,12 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-file", action="append", default=None, dest="prefetch_files",
                    help="a default-vector file (moejax prefetch-calibrate) or an estimator "
                         "file (python -m moejax.prefetch.train); repeat for both")
+    p.add_argument("--runtime", choices=["continuous", "mu_queue"], default=None,
+                   help="continuous (default): the paged decode runtime; mu_queue: AsyncMoE's "
+                        "asynchronous expert-parallel runtime over --devices (moejax.asyncmoe)")
+    p.add_argument("--scheduler", choices=["defrag", "most_tokens", "first_layer"],
+                   default=None, help="--runtime mu_queue: which μ-queue runs next on an idle "
+                                      "device (default defrag)")
 
 
 def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,7 +113,8 @@ def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {name: getattr(args, name) for name in
                ("batching", "step", "max_prefill_tokens", "prefill_row_tokens", "precompile",
                 "kv_cache_blocks", "kv_cache_mib", "backend", "devices", "decoders",
-                "eldr_fit", "eldr_tau", "prefetch", "prefetch_mode", "prefetch_files") if getattr(args, name, None) is not None}
+                "eldr_fit", "eldr_tau", "prefetch", "prefetch_mode", "prefetch_files",
+                "runtime", "scheduler") if getattr(args, name, None) is not None}
     if getattr(args, "decode_routing", None) is not None:
         options["routing"] = args.decode_routing
     backend_options = {key: getattr(args, flag) for key, flag in

@@ -1,0 +1,333 @@
+"""The AsyncMoE μ-queue decode runtime on G devices of one process (seed §3).
+
+Every device is an attention rank (a request keeps its rank and KV pool for life) and
+hosts the experts ``expert_device`` places on it; each (layer, expert) pair is its own
+expert layer. The μ-queue loop (``moejax.asyncmoe.loop``: the simulator's own) decides
+what runs where and when, in virtual time from a cost function (default: every execution
+one unit, transfers free), so a run is deterministic; :class:`ModelExecutor` does the
+arithmetic with the layerwise decode programs of ``moejax.decode.programs``:
+
+* prefill (``start``): the request's prompt through the fused paged step on its rank
+  (its first token, and its keys/values written to the rank's pool);
+* attention batch (rank g, block b): ``BEGIN`` + ``ATTENTION(b)`` over the batch's
+  tokens, one row each, over the rank's pool; the post-attention residual waits on the
+  rank for the merge, the token's keys/values of block b wait for the end of its step,
+  and the normed MoE input travels to the k experts (a ``device_put``);
+* expert batch (device h, block b, expert e): ``MOE`` with a one-expert stack, every row
+  routed to it with weight 1 (the grouped expert compute of the resident path);
+* merge (the rank's token pool has all k outputs): residual + Σ_j w_j·y_j in float32,
+  in top-k order (``moe.weighted_sum``'s sum);
+* head batch (rank g): ``HEAD`` (final norm, LM head, sampling), then every token's
+  keys/values of all blocks are written to the pool (``WRITE_ROWS``); a request that
+  has not stopped enters block 0 of its next step with the new token.
+
+Batches are padded to a power of two rows (bounded compiles; padding rows are invalid
+and write nothing). Blocks: a request takes ceil((prompt + max_new_tokens) / 16) KV
+blocks of its rank at arrival and frees them when it finishes; each ``generate`` call
+gets a fresh pool, by default large enough for all its requests at once on one rank
+(a run admits every request as it arrives: there is no waiting room), else
+``blocks_per_rank`` (a request that finds too few raises RuntimeError). Prefill needs every
+expert on the rank (it is the fused step); decode reads each expert only on its device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax import moe, sampling
+from moejax.asyncmoe.engine import Batch, DeviceEngine, Merged, contiguous_placement, device_units
+from moejax.asyncmoe.loop import LoopRequest, MuQueueLoop, SimResult
+from moejax.asyncmoe.records import TokenRecord
+from moejax.asyncmoe.schedulers import Scheduler, make_scheduler
+from moejax.backends.base import validated
+from moejax.config import ModelConfig
+from moejax.decode import programs
+from moejax.decode.paged import WRITE_ROWS, empty_paged_kv
+from moejax.decode.programs import PagedBatch, StepOptions
+from moejax.generate import SequenceOutput, SequenceSpec
+from moejax.param_layout import EXPERT_KEYS, Params
+from moejax.prefix_hash import BLOCK_SIZE
+
+UNIT_SECONDS = 1.0          # the default virtual cost of one execution
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@jax.jit
+def _merge(residual: jax.Array, outputs: jax.Array, weights: jax.Array) -> jax.Array:
+    """residual [d] + Σ_j weights[j]·outputs[j] (outputs [k, d]), the sum in float32."""
+    y = jnp.einsum("kd,k->d", outputs.astype(jnp.float32), weights)
+    return residual + y.astype(residual.dtype)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """One request's state on its rank."""
+
+    spec: SequenceSpec
+    rank: int
+    blocks: np.ndarray
+    tokens: list[int]
+    step_keys: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    step_values: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    experts: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
+    weights: list[list[np.ndarray]] = dataclasses.field(default_factory=list)
+    finish_reason: str = "length"
+
+
+class ModelExecutor:
+    """The μ-queue loop's :class:`~moejax.asyncmoe.loop.Executor` for a real model
+    (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, devices: Sequence[Any],
+                 expert_device: Sequence[int], *, dtype: Any = "float32",
+                 opts: StepOptions = StepOptions()):
+        self.cfg, self.devices, self.opts = cfg, list(devices), opts
+        self.expert_device = tuple(expert_device)
+        host = validated(params, cfg, dtype)
+        self.dtype = host["embed"].dtype
+        dense = programs.dense_params(host)
+        self.dense = [jax.device_put(dense, d) for d in self.devices]
+        self.full: dict[int, Params] = {}       # whole params per rank, for prefill
+        self.host = host
+        layers = host["layers"]
+        self.expert_stacks = {
+            (layer, e): jax.device_put({k: np.ascontiguousarray(layers[k][layer, e][None, None])
+                                        for k in EXPERT_KEYS}, self.devices[h])
+            for layer in range(cfg.num_layers) for e, h in enumerate(self.expert_device)}
+        self.prepare({}, 1)
+
+    def prepare(self, specs: dict[int, SequenceSpec], blocks_per_rank: int) -> None:
+        """A fresh KV pool of ``blocks_per_rank`` blocks per rank for a run of ``specs``."""
+        self.kv = [empty_paged_kv(self.cfg, blocks_per_rank, self.dtype, d)
+                   for d in self.devices]
+        self.free_blocks = [list(range(blocks_per_rank)) for _ in self.devices]
+        self.max_table = 1
+        self.sequences: dict[int, _Sequence] = {}
+        self.specs = dict(specs)
+        self.residual: dict[tuple[int, int, int], jax.Array] = {}
+
+    # ---------------------------------------------------------------- prefill
+
+    def start(self, request: LoopRequest, rank: int) -> tuple[bool, Any]:
+        spec = self.specs[request.request_id]
+        need = -(-(len(spec.prompt) + spec.max_new_tokens) // BLOCK_SIZE)
+        if need > len(self.free_blocks[rank]):
+            raise RuntimeError(f"request {request.request_id}: needs {need} KV blocks, rank "
+                               f"{rank} has {len(self.free_blocks[rank])} free")
+        blocks = np.array([self.free_blocks[rank].pop(0) for _ in range(need)], np.int32)
+        self.max_table = max(self.max_table, _bucket(need))
+        seq = _Sequence(spec, rank, blocks, [])
+        self.sequences[request.request_id] = seq
+        token = self._prefill(seq)
+        return self._append(request.request_id, seq, token), token
+
+    def _prefill(self, seq: _Sequence) -> int:
+        rank, prompt = seq.rank, np.asarray(seq.spec.prompt, np.int32)
+        if rank not in self.full:
+            self.full[rank] = jax.device_put(self.host, self.devices[rank])
+        n = len(prompt)
+        width = -(-n // BLOCK_SIZE) * BLOCK_SIZE
+        pos = np.arange(width, dtype=np.int32)
+        valid = pos < n
+        slots = np.where(valid, seq.blocks[np.minimum(pos, n - 1) // BLOCK_SIZE] * BLOCK_SIZE
+                         + pos % BLOCK_SIZE, self.kv[rank].num_slots).astype(np.int32)
+        batch = PagedBatch(tokens=np.pad(prompt, (0, width - n)), positions=pos, valid=valid,
+                           write_slots=slots, segments=np.zeros(1, np.int32),
+                           block_tables=self._tables([seq]), context_len=np.zeros(1, np.int32),
+                           last=np.array([n - 1], np.int32), counters=np.zeros(1, np.int32))
+        batch, samp = jax.device_put((batch, self._sampling([seq], 1)), self.devices[rank])
+        result = programs.FUSED_STEP(self.full[rank], self.kv[rank], batch, samp, cfg=self.cfg,
+                                     opts=self.opts)
+        self.kv[rank] = WRITE_ROWS(self.kv[rank], batch.write_slots, result.new_keys,
+                                   result.new_values, None)
+        return int(result.tokens[0])
+
+    # ---------------------------------------------------------------- batches
+    def _tables(self, seqs: Sequence[_Sequence | None]) -> np.ndarray:
+        tables = np.zeros((len(seqs), self.max_table), np.int32)
+        for row, seq in enumerate(seqs):
+            if seq is not None:
+                tables[row, :len(seq.blocks)] = seq.blocks
+        return tables
+
+    def _sampling(self, seqs: Sequence[_Sequence | None], rows: int) -> sampling.SamplingParams:
+        temperature, top_p, seeds = [0.0] * rows, [1.0] * rows, [0] * rows
+        for row, seq in enumerate(seqs):
+            if seq is not None:
+                temperature[row], top_p[row] = seq.spec.temperature, seq.spec.top_p
+                seeds[row] = seq.spec.seed
+        return sampling.make_sampling_params(temperature, top_p, seeds)
+
+    def _decode_batch(self, rank: int, records: Sequence[TokenRecord]) -> PagedBatch:
+        """One row per record (position = context - 1), padded to a power of two."""
+        n, rows = len(records), _bucket(len(records))
+        seqs = [self.sequences[r.request_id] for r in records] + [None] * (rows - n)
+        positions = np.zeros(rows, np.int32)
+        positions[:n] = [r.context - 1 for r in records]
+        slots = np.full(rows, self.kv[rank].num_slots, np.int32)
+        for i, seq in enumerate(seqs[:n]):
+            slots[i] = seq.blocks[positions[i] // BLOCK_SIZE] * BLOCK_SIZE + positions[i] % BLOCK_SIZE
+        tokens = np.zeros(rows, np.int32)
+        tokens[:n] = [seq.tokens[-1] for seq in seqs[:n]]
+        segments = np.full(rows, -1, np.int32)
+        segments[:n] = np.arange(n)
+        counters = np.zeros(rows, np.int32)
+        counters[:n] = [len(seq.tokens) for seq in seqs[:n]]
+        return PagedBatch(tokens=tokens, positions=positions, valid=np.arange(rows) < n,
+                          write_slots=slots, segments=segments, block_tables=self._tables(seqs),
+                          context_len=positions.copy(), last=np.arange(rows, dtype=np.int32),
+                          counters=counters)
+
+    def _stack(self, payloads: Sequence[jax.Array], device: Any, rows: int) -> jax.Array:
+        x = jnp.stack([jax.device_put(p, device) for p in payloads])
+        return jnp.pad(x, ((0, rows - len(payloads)), (0, 0)))
+
+    def attention(self, device: int, batch: Batch) -> tuple[np.ndarray, np.ndarray, list]:
+        records, layer, dev = batch.records, batch.layer, self.devices[device]
+        paged = jax.device_put(self._decode_batch(device, records), dev)
+        x, attn = programs.BEGIN(self.dense[device], self.kv[device], paged, cfg=self.cfg,
+                                 opts=self.opts)
+        if layer > 0:
+            x = self._stack([r.payload for r in records], dev, x.shape[0])
+        x, carry, moe_in, routing = programs.ATTENTION(self.dense[device], np.int32(layer), x,
+                                                       self.kv[device], attn, cfg=self.cfg)
+        keys, values = carry[0][layer], carry[1][layer]
+        n = batch.size
+        ids, weights = np.asarray(routing.experts)[:n], np.asarray(routing.weights)[:n]
+        for i, r in enumerate(records):
+            seq = self.sequences[r.request_id]
+            seq.step_keys.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = keys[i]
+            seq.step_values.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = values[i]
+            self.residual[(r.request_id, r.step, layer)] = x[i]
+            if layer == 0:
+                seq.experts.append([None] * self.cfg.num_layers)
+                seq.weights.append([None] * self.cfg.num_layers)
+            seq.experts[r.step][layer], seq.weights[r.step][layer] = ids[i], weights[i]
+        return ids, weights, [moe_in[i] for i in range(n)]
+
+    def expert(self, device: int, batch: Batch) -> list:
+        dev, n = self.devices[device], batch.size
+        rows = _bucket(n)
+        x = self._stack([r.payload for r in batch.records], dev, rows)
+        routing = moe.Routing(weights=jnp.ones((rows, 1), jnp.float32),
+                              experts=jnp.zeros((rows, 1), jnp.int32))
+        y = programs.MOE(self.expert_stacks[(batch.layer, batch.unit)], np.int32(0),
+                         jnp.zeros_like(x), x, routing, jnp.arange(rows) < n, opts=self.opts)
+        return [y[i] for i in range(n)]
+
+    def merge(self, device: int, merged: Merged) -> jax.Array:
+        dev = self.devices[device]
+        residual = self.residual.pop((merged.request_id, merged.step, merged.layer))
+        outputs = jnp.stack([jax.device_put(p.payload, dev) for p in merged.parts])
+        weights = jnp.asarray([p.weight for p in merged.parts], jnp.float32)
+        return _merge(residual, outputs, weights)
+
+    def head(self, device: int, batch: Batch) -> list[tuple[bool, Any]]:
+        records, dev, n = batch.records, self.devices[device], batch.size
+        paged = self._decode_batch(device, records)
+        rows = paged.rows
+        seqs = [self.sequences[r.request_id] for r in records]
+        samp = self._sampling(seqs, rows)
+        paged, samp = jax.device_put((paged, samp), dev)
+        x = self._stack([r.payload for r in records], dev, rows)
+        tokens = np.asarray(programs.HEAD(self.dense[device], x, paged, samp, cfg=self.cfg))
+        self._write_step(device, paged.write_slots, seqs, [r.step for r in records], rows)
+        out = []
+        for r, seq, token in zip(records, seqs, tokens[:n]):
+            decodes = self._append(r.request_id, seq, int(token))
+            out.append((decodes, int(token)))
+        return out
+
+    def _write_step(self, device: int, slots: jax.Array, seqs: Sequence[_Sequence],
+                    steps: Sequence[int], rows: int) -> None:
+        """Every block's keys/values of the finished tokens into the rank's pool."""
+        dev = self.devices[device]
+        stored = [(seq.step_keys.pop(step), seq.step_values.pop(step))
+                  for seq, step in zip(seqs, steps)]
+        pad = [jnp.zeros_like(stored[0][0][0])] * (rows - len(seqs))
+        keys = jnp.stack([jnp.stack([k[layer] for k, _ in stored] + pad)
+                          for layer in range(self.cfg.num_layers)])
+        values = jnp.stack([jnp.stack([v[layer] for _, v in stored] + pad)
+                            for layer in range(self.cfg.num_layers)])
+        self.kv[device] = WRITE_ROWS(self.kv[device], slots, jax.device_put(keys, dev),
+                                     jax.device_put(values, dev), None)
+
+    def _append(self, request_id: int, seq: _Sequence, token: int) -> bool:
+        """Record a generated token; whether the request decodes another step (frees its
+        blocks when it does not)."""
+        seq.tokens.append(token)
+        if token in seq.spec.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.tokens) < seq.spec.max_new_tokens:
+            return True
+        self.free_blocks[seq.rank].extend(int(b) for b in seq.blocks)
+        return False
+
+    def output(self, request_id: int) -> SequenceOutput:
+        seq = self.sequences[request_id]
+        steps = len(seq.experts)
+        shape = (self.cfg.num_layers, steps, self.cfg.num_experts_per_tok)
+        experts = (np.array([[seq.experts[s][l] for s in range(steps)]
+                             for l in range(self.cfg.num_layers)], np.int32)
+                   if steps else np.zeros(shape, np.int32))
+        weights = (np.array([[seq.weights[s][l] for s in range(steps)]
+                             for l in range(self.cfg.num_layers)], np.float32)
+                   if steps else np.zeros(shape, np.float32))
+        return SequenceOutput(token_ids=list(seq.tokens), finish_reason=seq.finish_reason,
+                              decode_experts=experts, decode_weights=weights)
+
+
+class MuQueueRuntime:
+    """Greedy or sampled decode of many sequences through the μ-queue loop on
+    ``devices`` (module docstring). ``scheduler``: a name ("defrag", "most_tokens",
+    "first_layer") or an object; ``duration(batch)`` / ``link(bytes)``: the virtual cost
+    model (default one unit per execution, free transfers)."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, devices: Sequence[Any], *,
+                 scheduler: Scheduler | str = "defrag", dtype: Any = "float32",
+                 expert_device: Sequence[int] | None = None, blocks_per_rank: int | None = None,
+                 duration: Callable[[Batch], float] | None = None,
+                 link: Callable[[float], float] | None = None):
+        if not devices:
+            raise ValueError("MuQueueRuntime needs at least one device")
+        self.cfg = cfg
+        self.devices = list(devices)
+        self.scheduler = make_scheduler(scheduler) if isinstance(scheduler, str) else scheduler
+        self.expert_device = (contiguous_placement(cfg.num_experts, len(self.devices))
+                              if expert_device is None else tuple(expert_device))
+        if len(self.expert_device) != cfg.num_experts or not all(
+                0 <= d < len(self.devices) for d in self.expert_device):
+            raise ValueError(f"expert_device must give each of the {cfg.num_experts} experts a "
+                             f"device in [0, {len(self.devices)}), got {self.expert_device}")
+        self.executor = ModelExecutor(cfg, params, self.devices, self.expert_device, dtype=dtype)
+        self.blocks_per_rank = blocks_per_rank
+        self.duration = duration or (lambda batch: UNIT_SECONDS)
+        self.link = link or (lambda nbytes: 0.0)
+        self.last_run: SimResult | None = None
+
+    def generate(self, specs: Sequence[SequenceSpec], arrivals: Sequence[float] | None = None
+                 ) -> list[SequenceOutput]:
+        """Every sequence to its end (arriving at virtual times ``arrivals``, default all at
+        0) -> outputs in order; :attr:`last_run` keeps the batches and timings."""
+        engines = [DeviceEngine(d, self.cfg.num_layers, device_units(d, self.expert_device),
+                                self.scheduler, self.cfg.num_experts_per_tok, self.expert_device)
+                   for d in range(len(self.devices))]
+        arrivals = [0.0] * len(specs) if arrivals is None else list(arrivals)
+        requests = [LoopRequest(i, float(at), len(spec.prompt))
+                    for i, (spec, at) in enumerate(zip(specs, arrivals, strict=True))]
+        # Default pool: every request's blocks at once on any rank (all may be in flight).
+        need = sum(-(-(len(s.prompt) + s.max_new_tokens) // BLOCK_SIZE) for s in specs)
+        self.executor.prepare(dict(enumerate(specs)), self.blocks_per_rank or max(need, 1))
+        loop = MuQueueLoop(engines, self.executor, self.duration, self.link,
+                           self.cfg.hidden_size * np.dtype(self.executor.dtype).itemsize)
+        self.last_run = loop.run(requests)
+        return [self.executor.output(i) for i in range(len(specs))]
