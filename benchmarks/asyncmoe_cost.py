@@ -71,7 +71,7 @@ def decode_batch(rows: int, context: int) -> Any:
     return PagedBatch(tokens=np.full(rows, 5, np.int32), positions=position,
                       valid=np.ones(rows, bool), write_slots=slot.astype(np.int32),
                       segments=np.arange(rows, dtype=np.int32), block_tables=tables,
-                      context_len=np.full(rows, context, np.int32),
+                      context_len=position.copy(),      # positions already in the pool
                       last=np.arange(rows, dtype=np.int32), counters=np.zeros(rows, np.int32))
 
 

@@ -18,7 +18,15 @@ rates whose p50 ITL stays within it (0 when none does). Keys (``<tag>`` =
   itl_p50_ms, itl_p99_ms, expert_batch, attention_batch, stall, max_queue,
   completion_over_arrival}``;
 * the δ/lookahead sweep of the defrag scheduler at the saturation rate:
-  ``defrag_d<δ>_k<K>_<tag>_{throughput,itl_p50_ms}``.
+  ``defrag_d<δ>_k<K>_<tag>_{throughput,itl_p50_ms}``;
+* a real run (:func:`real_runtime_figures`): demo-e32 through the μ-queue runtime on
+  ``REAL_DEVICES`` CPU devices, staggered arrivals, each scheduler:
+  ``mu_queue_tokens_equal_decode_runtime`` (greedy f32 tokens of the paged decode
+  runtime), ``mu_queue_sim_batches_match`` (the simulator, replaying the run's own
+  routing under the runtime's virtual costs, predicts its batch sequence: 1 when every
+  batch matches), ``mu_queue_batches_<scheduler>`` and ``mu_queue_mean_expert_batch_
+  <scheduler>`` (the real run), ``mu_queue_wall_tokens_per_s`` and
+  ``decode_runtime_wall_tokens_per_s`` (CPU wall, both after a warm-up pass).
 """
 
 from __future__ import annotations
@@ -203,6 +211,11 @@ def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
                                  f"{figures[f'{key}_itl_p50_ms']:.1f}/"
                                  f"{figures[f'{key}_expert_batch']:.1f}")
                 print(f"    rate {fraction:g}x: " + "  ".join(cells))
+    print(f"  real run on {REAL_DEVICES} CPU devices: tokens equal the decode runtime "
+          f"{bool(figures['mu_queue_tokens_equal_decode_runtime'])}, simulator predicts its "
+          f"batches {bool(figures['mu_queue_sim_batches_match'])}; wall tokens/s μ-queue "
+          f"{figures['mu_queue_wall_tokens_per_s']:.1f} vs decode runtime "
+          f"{figures['decode_runtime_wall_tokens_per_s']:.1f}")
     head = f"trace_g{shape['sim_devices'][0]}"
     print(f"  defrag sweep at sync_ep's saturation rate ({head}; throughput / p50 ITL ms):")
     for delta in shape["sweep_deltas"]:
@@ -210,3 +223,68 @@ def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
             f"d{delta:g} K{k}: {figures[f'defrag_d{delta:g}_k{k}_{head}_throughput']:.0f}/"
             f"{figures[f'defrag_d{delta:g}_k{k}_{head}_itl_p50_ms']:.1f}"
             for k in shape["sweep_lookaheads"]))
+
+
+REAL_DEVICES = 4
+REAL_ARRIVAL_GAP = 3.0        # virtual units between arrivals in the real run
+UNIT_COSTS = {"attention": {"batch": [1, 2], "context": [1, 2], "seconds": [[1, 1], [1, 1]]},
+              "expert": {"batch": [1, 2], "seconds": [1, 1]},
+              "head": {"batch": [1, 2], "seconds": [1, 1]}, "batch_overhead_s": 0.0,
+              "link": {"latency_s": 0.0, "bandwidth_Bps": 1e30}}
+
+
+def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
+                         new_tokens: int) -> dict[str, float]:
+    """The real μ-queue run on CPU devices (module docstring)."""
+    import time
+
+    import jax
+
+    from moejax.asyncmoe import simulator
+    from moejax.asyncmoe.runtime import MuQueueRuntime
+    from moejax.decode.programs import StepOptions
+    from moejax.decode.runners import make_runner
+    from moejax.generate import SequenceSpec
+    from serving.continuous import Scheduler, SchedulerOptions
+
+    specs = [SequenceSpec(prompt=p, max_new_tokens=new_tokens) for p in prompts]
+    arrivals = [REAL_ARRIVAL_GAP * i for i in range(len(specs))]
+    resident = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
+    want, seconds = None, 0.0
+    for _ in range(2):                                   # the first pass compiles
+        scheduler = Scheduler(resident, 256, SchedulerOptions(max_batch_size=len(specs),
+                                                              max_prefill_tokens=256))
+        start = time.perf_counter()
+        seqs = [scheduler.submit(s) for s in specs]
+        scheduler.run_until_idle()
+        seconds = time.perf_counter() - start
+        want = [list(s.output.token_ids) for s in seqs]
+    tokens = sum(len(t) for t in want)
+    out: dict[str, float] = {"decode_runtime_wall_tokens_per_s": tokens / seconds}
+    equal, match = True, True
+    for name in SCHEDULERS:
+        runtime = MuQueueRuntime(cfg, params, jax.devices()[:REAL_DEVICES], scheduler=name)
+        for _ in range(2):
+            start = time.perf_counter()
+            outputs = runtime.generate(specs, arrivals)
+            seconds = time.perf_counter() - start
+        equal = equal and [o.token_ids for o in outputs] == want
+        run = runtime.last_run
+        out[f"mu_queue_batches_{name}"] = len(run.batches)
+        out[f"mu_queue_mean_expert_batch_{name}"] = run.mean_expert_batch
+        out[f"mu_queue_wall_tokens_per_s_{name}"] = tokens / seconds
+        decoding = [i for i, o in enumerate(outputs) if len(o.token_ids) > 1]
+        routing = simulator.TraceRouting({i: outputs[i].decode_experts for i in decoding},
+                                         {i: outputs[i].decode_weights for i in decoding},
+                                         cfg.num_experts)
+        workload = [simulator.SimRequest(i, arrivals[i], len(specs[i].prompt),
+                                         len(outputs[i].token_ids) - 1) for i in decoding]
+        predicted = simulator.simulate_mu_queue(
+            simulator.CostTables.from_dict(UNIT_COSTS), routing, workload, REAL_DEVICES,
+            cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, name, cfg.hidden_size,
+            DTYPE_BYTES)
+        match = match and [b[:5] for b in predicted.batches] == [b[:5] for b in run.batches]
+    out["mu_queue_wall_tokens_per_s"] = out["mu_queue_wall_tokens_per_s_defrag"]
+    out["mu_queue_tokens_equal_decode_runtime"] = int(equal)
+    out["mu_queue_sim_batches_match"] = int(match)
+    return out

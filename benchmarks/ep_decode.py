@@ -354,9 +354,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         figures.update(router_costs(args.seed))
         figures.update(real_decode(trace, shape))
         from moejax.prefetch.train import load_model
-        cfg = load_model(MODEL)[0]
+        cfg, params = load_model(MODEL)
         figures.update(asyncmoe_sim.simulation_figures(traces, cost_tables(args.tables), cfg,
                                                        shape, args.seed))
+        prompts = [tuple(int(t) for t in r.prompt_token_ids)
+                   for r in trace.requests[1::2][:shape["real_requests"]]]
+        figures.update(asyncmoe_sim.real_runtime_figures(cfg, params, prompts,
+                                                         shape["real_new_tokens"]))
     figures["seconds"] = time.perf_counter() - started
     report(figures, shape)
     asyncmoe_sim.report(figures, shape)

@@ -74,3 +74,4 @@ def test_cost_measurement_batch_is_one_decode_row_each():
     assert len(set(batch.block_tables.ravel().tolist())) == 9           # no shared block
     np.testing.assert_array_equal(batch.positions, 39)
     np.testing.assert_array_equal(batch.write_slots, batch.block_tables[:, -1] * 16 + 39 % 16)
+    np.testing.assert_array_equal(batch.context_len, 39)   # positions already in the pool
