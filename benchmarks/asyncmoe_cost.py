@@ -33,12 +33,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=2").strip()
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.host_devices import force_host_devices  # noqa: E402
+
+force_host_devices(2)   # the link is timed between two CPU devices
 from benchmarks.figures import write_json  # noqa: E402
 
 FULL = dict(batches=(1, 4, 16, 64), contexts=(64, 256, 1024), expert_batches=(1, 4, 16, 64, 256),
@@ -48,7 +48,8 @@ QUICK = dict(batches=(1, 16), contexts=(64, 256), expert_batches=(1, 16, 64),
 DEFAULT_OUT = ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
 
 
-def _median_seconds(fn: Any, repeats: int) -> float:
+def median_seconds(fn: Any, repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
     fn()                                               # compile / warm
     times = []
     for _ in range(repeats):
@@ -96,7 +97,7 @@ def attention_table(cfg: Any, dense: Any, batches: Sequence[int], contexts: Sequ
                 out = programs.ATTENTION(dense, np.int32(0), x, kv, attn, cfg=cfg)
                 jax.block_until_ready(out[0])
 
-            line.append(_median_seconds(run, repeats))
+            line.append(median_seconds(run, repeats))
         table.append(line)
     return table
 
@@ -116,7 +117,7 @@ def expert_table(cfg: Any, params: Any, batches: Sequence[int], repeats: int) ->
         routing = moe.Routing(weights=jnp.ones((rows, 1), jnp.float32),
                               experts=jnp.zeros((rows, 1), jnp.int32))
         valid = jnp.ones(rows, bool)
-        out.append(_median_seconds(lambda: jax.block_until_ready(
+        out.append(median_seconds(lambda: jax.block_until_ready(
             programs.MOE(one, np.int32(0), x, x, routing, valid, opts=opts)), repeats))
     return out
 
@@ -134,7 +135,7 @@ def head_table(cfg: Any, dense: Any, batches: Sequence[int], repeats: int) -> li
         samp = jax.device_put(sampling.make_sampling_params([0.0] * rows, [1.0] * rows,
                                                             list(range(rows))))
         x = jnp.ones((rows, cfg.hidden_size), jnp.float32)
-        out.append(_median_seconds(lambda: jax.block_until_ready(
+        out.append(median_seconds(lambda: jax.block_until_ready(
             programs.HEAD(dense, x, batch, samp, cfg=cfg)), repeats))
     return out
 
@@ -151,7 +152,7 @@ def link_fit(hidden: int, rows: Sequence[int], repeats: int) -> dict[str, float]
     sizes, seconds = [], []
     for n in rows:
         x = jax.device_put(jnp.ones((n, hidden), jnp.float32), devices[0])
-        seconds.append(_median_seconds(
+        seconds.append(median_seconds(
             lambda: jax.block_until_ready(jax.device_put(x, devices[1])), repeats))
         sizes.append(x.nbytes)
     slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds), 1)

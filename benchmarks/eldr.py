@@ -72,14 +72,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-# The real part runs one decoder per device: on CPU, 8 host devices unless the user's
-# XLA_FLAGS name a count (read once, when JAX starts: before anything imports it).
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.host_devices import force_host_devices  # noqa: E402
+
+force_host_devices(8)   # the real runs need several CPU devices
 from benchmarks.figures import write_json  # noqa: E402
 from moejax.eldr.policies import HandOff, Policy, make_policy  # noqa: E402  (no JAX)
 

@@ -62,14 +62,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-# The real part runs 4 ranks: on CPU, 8 host devices unless the user's XLA_FLAGS name a
-# count (read once, when JAX starts: before anything imports it).
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.host_devices import force_host_devices  # noqa: E402
+
+force_host_devices(8)   # the real runs need several CPU devices
 from benchmarks import asyncmoe_sim  # noqa: E402
 from benchmarks.figures import write_json  # noqa: E402
 
@@ -91,6 +88,7 @@ GPU_FIT = "fused_tiles_given"
 QWEN_HIDDEN = 2048
 BF16_BYTES = 2
 ROUTER_REPEATS = 64
+ROUTER_TIMINGS = 30        # timed calls per figure (median)
 ROUTER_SHAPES = ((32, 4), (32, 8), (128, 8), (256, 16))     # (experts, devices)
 REAL_DEVICES = 4
 REAL_REPLICAS = 1.5
@@ -202,6 +200,7 @@ def router_costs(seed: int) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.asyncmoe_cost import median_seconds
     from kernels_pallas import metro
 
     rng = np.random.default_rng(seed)
@@ -218,24 +217,15 @@ def router_costs(seed: int) -> dict[str, float]:
             return jax.lax.fori_loop(0, counts.shape[0], body, jnp.int32(0))
 
         one = jax.jit(lambda p, c: metro.route_metro_jax(p, c, impl="jax"))
-        repeated(placement, counts).block_until_ready()
-        one(placement, counts[0]).block_until_ready()
-        loop_s = _median_seconds(lambda: repeated(placement, counts).block_until_ready())
-        call_s = _median_seconds(lambda: one(placement, counts[0]).block_until_ready())
+        loop_s = median_seconds(lambda: repeated(placement, counts).block_until_ready(),
+                                ROUTER_TIMINGS)
+        call_s = median_seconds(lambda: one(placement, counts[0]).block_until_ready(),
+                                ROUTER_TIMINGS)
         out[f"metro_router_us_per_layer_e{experts}_g{devices}"] = 1e6 * loop_s / ROUTER_REPEATS
         out[f"metro_router_dispatch_us_e{experts}_g{devices}"] = 1e6 * call_s
     out["metro_router_us_per_layer"] = out["metro_router_us_per_layer_e32_g4"]
     out["metro_router_dispatch_us"] = out["metro_router_dispatch_us_e32_g4"]
     return out
-
-
-def _median_seconds(fn: Any, repeats: int = 30) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 # ----------------------------------------------------------------------------- real decode
