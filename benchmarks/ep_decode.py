@@ -75,7 +75,7 @@ FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, devices=(4, 8),
             replication=(1.0, 1.25, 1.5), tokens=(8, 16, 32, 64), instances=24,
             real_requests=16, real_new_tokens=16,
             sim_devices=(4, 8), sim_sources=("trace", "twin", "skewed", "uniform"),
-            rate_fractions=(0.25, 0.5, 1.0, 2.0), sim_requests=64,
+            rate_fractions=(0.1, 0.25, 0.5, 1.0, 2.0), sim_requests=64,
             sweep_deltas=(0.25, 0.5, 0.75, 1.0), sweep_lookaheads=(1, 2, 4))
 QUICK = dict(per_domain=2, prompt_tokens=32, new_tokens=8, devices=(4,),
              replication=(1.0, 1.5), tokens=(8, 32), instances=3,

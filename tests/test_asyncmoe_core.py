@@ -77,7 +77,7 @@ def test_most_tokens_and_first_layer():
 def test_make_scheduler_and_bad_parameters():
     defrag = make_scheduler("defrag")
     assert isinstance(defrag, DefragScheduler)
-    assert (defrag.delta, defrag.lookahead) == (0.5, 2)
+    assert (defrag.delta, defrag.lookahead) == (1.0, 2)
     assert make_scheduler("defrag", delta=1, lookahead=0).delta == 1.0
     assert isinstance(make_scheduler("most_tokens"), MostTokensScheduler)
     assert isinstance(make_scheduler("first_layer"), FirstLayerScheduler)

@@ -22,10 +22,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-DEFAULT_DELTA = 0.5
-"""Algorithm 1's weight decay δ. Our choice: the seed gives no value."""
+DEFAULT_DELTA = 1.0
+"""Algorithm 1's weight decay δ. Our choice (the seed gives no value): the best of the
+sweep δ ∈ {0.25, 0.5, 0.75, 1} × K ∈ {1, 2, 4} in ``benchmarks/ep_decode.py`` on
+demo-e32's traced routing, 4 devices, CPU cost tables (docs/PERF.md, issue 19)."""
 DEFAULT_LOOKAHEAD = 2
-"""Algorithm 1's lookahead depth K (blocks ahead). Our choice: the seed gives none."""
+"""Algorithm 1's lookahead depth K (blocks ahead). Our choice, from the same sweep (K = 4
+was no better)."""
 SCORE_TIE_RTOL = 1e-9
 """Defrag scores within this relative distance of the best count as tied (the scores are
 floats; a tie in exact arithmetic may differ in the last bits after δ^j / N_U)."""
