@@ -49,9 +49,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -62,328 +61,15 @@ from moejax.asyncmoe.loop import (MU_QUEUE, SYNC_EP, ExecutedBatch, MuQueueLoop,
                                   RequestProgress, RequestTiming, SimResult, assign_rank)
 from moejax.asyncmoe.records import ATTENTION, ATTENTION_UNIT, EXPERT, HEAD_UNIT
 from moejax.asyncmoe.schedulers import Scheduler, make_scheduler
-
-TABLE_KEYS = ("attention", "expert", "head", "batch_overhead_s", "link")
-"""The keys of a cost-table dict (:meth:`CostTables.from_dict`); "meta" may be added."""
-META_KEY = "meta"
-
-
-
-ROUTING_CHUNK_STEPS = 64
-"""Decode steps of one request and block whose synthetic routing is drawn at once."""
-ROUTING_CACHE_CHUNKS = 1 << 16
-"""Drawn chunks :class:`SkewedRouting` keeps (least recently used dropped; a dropped
-chunk is redrawn identically when asked again)."""
+# Cost tables and routing sources live in their own modules; re-exported here.
+from moejax.asyncmoe.checks import int_at_least, nonnegative, positive
+from moejax.asyncmoe.costs import CostTables  # noqa: F401
+from moejax.asyncmoe.routing import Routing, SkewedRouting, TraceRouting  # noqa: F401
 
 
 
-# ----------------------------------------------------------------------------- checks
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
-def _nonnegative(name: str, value: Any) -> float:
-    value = _number(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return value
-
-
-def _positive(name: str, value: Any) -> float:
-    value = _number(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    return value
-
-
-def _int_at_least(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _grid(name: str, values: Any) -> tuple[float, ...]:
-    """A measured axis: a non-empty, strictly increasing list of positive numbers."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)) \
-            or len(values) == 0:
-        raise ValueError(f"{name} must be a non-empty list of numbers, got {values!r}")
-    grid = tuple(_positive(f"{name}[{i}]", v) for i, v in enumerate(values))
-    if any(b <= a for a, b in zip(grid, grid[1:])):
-        raise ValueError(f"{name} must be strictly increasing, got {list(grid)}")
-    return grid
-
-
-def _seconds_row(name: str, values: Any, length: int) -> tuple[float, ...]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)) \
-            or len(values) != length:
-        raise ValueError(f"{name} must be a list of {length} seconds, got {values!r}")
-    return tuple(_nonnegative(f"{name}[{i}]", v) for i, v in enumerate(values))
-
-
-def _segment(x: float, grid: tuple[float, ...]) -> tuple[int, float]:
-    """(i, t) with x = grid[i] + t·(grid[i+1] − grid[i]), i clamped to the end segments
-    (t < 0 or t > 1 extrapolates linearly); (0, 0.0) on a one-point grid."""
-    if len(grid) == 1:
-        return 0, 0.0
-    i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
-    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
-
-
-def _interp1(x: float, grid: tuple[float, ...], values: tuple[float, ...]) -> float:
-    i, t = _segment(x, grid)
-    if len(grid) == 1:
-        return values[0]
-    return values[i] + t * (values[i + 1] - values[i])
-
-
-# ----------------------------------------------------------------------------- costs
-@dataclasses.dataclass(frozen=True)
-class CostTables:
-    """Measured execution and transfer costs, in seconds.
-
-    * attention: ``attention_seconds[i][j]`` for a batch of ``attention_batch[i]`` tokens
-      at context ``attention_context[j]`` (one block: the top-k merge, attention, gate);
-    * expert: ``expert_seconds[i]`` for ``expert_batch[i]`` tokens (one expert, one
-      block);
-    * head: ``head_seconds[i]`` for ``head_batch[i]`` tokens (final norm, LM head,
-      sampling);
-    * ``batch_overhead_s``: a fixed cost added to every execution (scheduling, gathering
-      the batch's inputs, launch) on top of the grid;
-    * link: ``link_latency_s + bytes / link_bandwidth_Bps`` per transfer.
-
-    Between grid points costs are (bi)linear; beyond them they extrapolate the end
-    segments linearly (a one-point axis is constant), floored at 0."""
-
-    attention_batch: tuple[float, ...]
-    attention_context: tuple[float, ...]
-    attention_seconds: tuple[tuple[float, ...], ...]
-    expert_batch: tuple[float, ...]
-    expert_seconds: tuple[float, ...]
-    head_batch: tuple[float, ...]
-    head_seconds: tuple[float, ...]
-    batch_overhead_s: float
-    link_latency_s: float
-    link_bandwidth_Bps: float
-
-    def __post_init__(self) -> None:
-        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        fix("attention_batch", _grid("attention.batch", self.attention_batch))
-        fix("attention_context", _grid("attention.context", self.attention_context))
-        rows = self.attention_seconds
-        if isinstance(rows, (str, bytes)) or not isinstance(rows, (Sequence, np.ndarray)) \
-                or len(rows) != len(self.attention_batch):
-            raise ValueError(f"attention.seconds must have one row per batch size "
-                             f"({len(self.attention_batch)}), got {rows!r}")
-        fix("attention_seconds", tuple(
-            _seconds_row(f"attention.seconds[{i}]", row, len(self.attention_context))
-            for i, row in enumerate(rows)))
-        for part in ("expert", "head"):
-            fix(f"{part}_batch", _grid(f"{part}.batch", getattr(self, f"{part}_batch")))
-            fix(f"{part}_seconds", _seconds_row(f"{part}.seconds",
-                                                getattr(self, f"{part}_seconds"),
-                                                len(getattr(self, f"{part}_batch"))))
-        fix("batch_overhead_s", _nonnegative("batch_overhead_s", self.batch_overhead_s))
-        fix("link_latency_s", _nonnegative("link.latency_s", self.link_latency_s))
-        fix("link_bandwidth_Bps", _positive("link.bandwidth_Bps", self.link_bandwidth_Bps))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CostTables:
-        """From ``{"attention": {"batch", "context", "seconds"}, "expert": {"batch",
-        "seconds"}, "head": {"batch", "seconds"}, "batch_overhead_s", "link":
-        {"latency_s", "bandwidth_Bps"}}`` (and an optional "meta", ignored), the shape of
-        a JSON cost file. ValueError naming a missing, unknown or bad entry."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"cost tables must be a dict, got {type(data).__name__}")
-        _check_keys("cost tables", data, TABLE_KEYS, optional=(META_KEY,))
-        attention = _section(data, "attention", ("batch", "context", "seconds"))
-        expert = _section(data, "expert", ("batch", "seconds"))
-        head = _section(data, "head", ("batch", "seconds"))
-        link = _section(data, "link", ("latency_s", "bandwidth_Bps"))
-        return cls(attention["batch"], attention["context"], attention["seconds"],
-                   expert["batch"], expert["seconds"], head["batch"], head["seconds"],
-                   data["batch_overhead_s"], link["latency_s"], link["bandwidth_Bps"])
-
-    def to_dict(self) -> dict[str, Any]:
-        """The :meth:`from_dict` form (JSON-serializable)."""
-        return {"attention": {"batch": list(self.attention_batch),
-                              "context": list(self.attention_context),
-                              "seconds": [list(row) for row in self.attention_seconds]},
-                "expert": {"batch": list(self.expert_batch),
-                           "seconds": list(self.expert_seconds)},
-                "head": {"batch": list(self.head_batch), "seconds": list(self.head_seconds)},
-                "batch_overhead_s": self.batch_overhead_s,
-                "link": {"latency_s": self.link_latency_s,
-                         "bandwidth_Bps": self.link_bandwidth_Bps}}
-
-    def attention_s(self, batch: int, context: float) -> float:
-        """One attention execution of ``batch`` tokens at (mean) ``context``."""
-        batch = _int_at_least("attention batch", batch, 1)
-        i, t = _segment(float(batch), self.attention_batch)
-        j, u = _segment(float(context), self.attention_context)
-        grid = self.attention_seconds
-        i1 = min(i + 1, len(grid) - 1)
-        j1 = min(j + 1, len(grid[0]) - 1)
-        value = ((1 - t) * ((1 - u) * grid[i][j] + u * grid[i][j1])
-                 + t * ((1 - u) * grid[i1][j] + u * grid[i1][j1]))
-        return self.batch_overhead_s + max(value, 0.0)
-
-    def expert_s(self, batch: int) -> float:
-        """One expert execution of ``batch`` tokens."""
-        batch = _int_at_least("expert batch", batch, 1)
-        return self.batch_overhead_s + max(
-            _interp1(float(batch), self.expert_batch, self.expert_seconds), 0.0)
-
-    def head_s(self, batch: int) -> float:
-        """One head (LM head + sampler) execution of ``batch`` tokens."""
-        batch = _int_at_least("head batch", batch, 1)
-        return self.batch_overhead_s + max(
-            _interp1(float(batch), self.head_batch, self.head_seconds), 0.0)
-
-    def link_s(self, nbytes: float) -> float:
-        """One transfer of ``nbytes`` between two devices (0 for nothing to send)."""
-        nbytes = _nonnegative("bytes", nbytes)
-        return self.link_latency_s + nbytes / self.link_bandwidth_Bps if nbytes else 0.0
-
-
-def _check_keys(where: str, data: Mapping[str, Any], required: Sequence[str],
-                optional: Sequence[str] = ()) -> None:
-    missing = [key for key in required if key not in data]
-    unknown = sorted(str(key) for key in data if key not in required and key not in optional)
-    if missing or unknown:
-        raise ValueError(f"{where}: " + "; ".join(
-            ([f"missing {missing}"] if missing else [])
-            + ([f"unknown {unknown}"] if unknown else []))
-            + f" (expects {list(required)})")
-
-
-def _section(data: Mapping[str, Any], name: str, keys: Sequence[str]) -> Mapping[str, Any]:
-    section = data[name]
-    if not isinstance(section, Mapping):
-        raise ValueError(f"cost tables: {name!r} must be a dict with {list(keys)}, got "
-                         f"{section!r}")
-    _check_keys(f"cost tables {name!r}", section, keys)
-    return section
-
-
-# ----------------------------------------------------------------------------- routing
-class Routing(Protocol):
-    """Where each token goes: the top-k expert ids and gate weights of a request's
-    token at a decode step and block. Must be a pure function of its arguments (both
-    simulations and repeated runs see the same routing)."""
-
-    num_experts: int
-    top_k: int
-
-    def topk(self, request_id: int, step: int, layer: int) -> tuple[np.ndarray, np.ndarray]: ...
-
-
-class TraceRouting:
-    """Recorded routing: per request, ``ids[request]`` [L, steps, k] expert ids (distinct
-    per token) and ``weights[request]`` [L, steps, k] gate weights."""
-
-    def __init__(self, ids: Mapping[int, Any], weights: Mapping[int, Any],
-                 num_experts: int) -> None:
-        self.num_experts = _int_at_least("num_experts", num_experts, 1)
-        if set(ids) != set(weights):
-            raise ValueError(f"TraceRouting: ids and weights cover different requests: "
-                             f"{sorted(set(ids) ^ set(weights))}")
-        if not ids:
-            raise ValueError("TraceRouting: no requests")
-        self._ids: dict[int, np.ndarray] = {}
-        self._weights: dict[int, np.ndarray] = {}
-        top_k = None
-        for request in sorted(ids):
-            rid = np.array(ids[request])
-            w = np.array(weights[request], dtype=np.float64)
-            where = f"TraceRouting request {request}"
-            if rid.ndim != 3 or w.shape != rid.shape or min(rid.shape) < 1:
-                raise ValueError(f"{where}: ids {rid.shape} and weights {w.shape} must both "
-                                 f"be [layers, steps, k] with each >= 1")
-            if not np.issubdtype(rid.dtype, np.integer) or rid.min() < 0 \
-                    or rid.max() >= self.num_experts:
-                raise ValueError(f"{where}: ids must be expert ids in [0, "
-                                 f"{self.num_experts}), got dtype {rid.dtype}, range "
-                                 f"[{rid.min()}, {rid.max()}]")
-            if np.any(np.diff(np.sort(rid, axis=-1), axis=-1) == 0):
-                raise ValueError(f"{where}: a token repeats an expert in its top-k")
-            if not np.all(np.isfinite(w)):
-                raise ValueError(f"{where}: weights must be finite")
-            if top_k is not None and rid.shape[2] != top_k:
-                raise ValueError(f"{where}: k = {rid.shape[2]}, other requests have {top_k}")
-            top_k = rid.shape[2]
-            rid.setflags(write=False)
-            w.setflags(write=False)
-            self._ids[int(request)] = rid
-            self._weights[int(request)] = w
-        self.top_k = int(top_k)
-
-    def topk(self, request_id: int, step: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        ids = self._ids.get(request_id)
-        if ids is None:
-            raise ValueError(f"TraceRouting has no request {request_id}")
-        if not (0 <= layer < ids.shape[0] and 0 <= step < ids.shape[1]):
-            raise ValueError(f"TraceRouting request {request_id}: (step {step}, layer "
-                             f"{layer}) outside its {ids.shape[1]} steps x {ids.shape[0]} "
-                             f"layers")
-        return ids[layer, step], self._weights[request_id][layer, step]
-
-
-class SkewedRouting:
-    """Synthetic routing with the seed's exponential load skew (§5): expert e has
-    popularity p_e ∝ exp(−skew · rank_e), rank_e its position in one permutation drawn
-    from ``seed`` (the same for every block); a token draws its k distinct experts
-    without replacement from p (successive sampling, drawn as Gumbel-top-k: the k largest
-    log p_e + Gumbel noise). ``skew`` = 0 is uniform routing (the control). Gate weights:
-    the drawn experts' p, normalized to sum 1.
-
-    The noise of (request, layer) comes in chunks of :data:`ROUTING_CHUNK_STEPS` steps,
-    chunk c from a generator seeded by (seed, request, layer, c), so a token's experts
-    depend on (seed, request, step, layer) only, never on call order or on which chunks
-    are still cached (:data:`ROUTING_CACHE_CHUNKS`)."""
-
-    def __init__(self, num_experts: int, k: int, skew: float, seed: int) -> None:
-        self.num_experts = _int_at_least("num_experts", num_experts, 1)
-        self.top_k = _int_at_least("k", k, 1)
-        if self.top_k > self.num_experts:
-            raise ValueError(f"SkewedRouting: k = {k} exceeds the {num_experts} experts")
-        self.skew = _nonnegative("skew", skew)
-        self.seed = _int_at_least("seed", seed, 0)
-        order = np.random.default_rng(self.seed).permutation(self.num_experts)
-        rank = np.empty(self.num_experts, dtype=np.int64)
-        rank[order] = np.arange(self.num_experts)
-        popularity = np.exp(-self.skew * rank)
-        self.popularity = popularity / popularity.sum()
-        self.popularity.setflags(write=False)
-        self._log_popularity = -self.skew * rank
-        self._chunks: collections.OrderedDict[tuple[int, int, int],
-                                              tuple[np.ndarray, np.ndarray]] = \
-            collections.OrderedDict()
-
-    def topk(self, request_id: int, step: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        request_id = _int_at_least("request_id", request_id, 0)
-        step = _int_at_least("step", step, 0)
-        layer = _int_at_least("layer", layer, 0)
-        chunk, row = divmod(step, ROUTING_CHUNK_STEPS)
-        key = (request_id, layer, chunk)
-        if key in self._chunks:
-            self._chunks.move_to_end(key)
-        else:
-            if len(self._chunks) >= ROUTING_CACHE_CHUNKS:
-                self._chunks.popitem(last=False)
-            rng = np.random.default_rng((self.seed, request_id, layer, chunk))
-            keys = self._log_popularity + rng.gumbel(
-                size=(ROUTING_CHUNK_STEPS, self.num_experts))
-            ids = np.argsort(-keys, axis=1, kind="stable")[:, :self.top_k]
-            weights = self.popularity[ids]
-            weights = weights / weights.sum(axis=1, keepdims=True)
-            ids.setflags(write=False)
-            weights.setflags(write=False)
-            self._chunks[key] = (ids, weights)
-        ids, weights = self._chunks[key]
-        return ids[row], weights[row]
 
 
 # ----------------------------------------------------------------------------- workload
@@ -398,13 +84,13 @@ class SimRequest:
     decode_tokens: int
 
     def __post_init__(self) -> None:
-        rid = _int_at_least("request_id", self.request_id, 0)
+        rid = int_at_least("request_id", self.request_id, 0)
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         fix("request_id", rid)
-        fix("arrival_s", _nonnegative(f"request {rid} arrival_s", self.arrival_s))
-        fix("prompt_length", _int_at_least(f"request {rid} prompt_length",
+        fix("arrival_s", nonnegative(f"request {rid} arrival_s", self.arrival_s))
+        fix("prompt_length", int_at_least(f"request {rid} prompt_length",
                                            self.prompt_length, 0))
-        fix("decode_tokens", _int_at_least(f"request {rid} decode_tokens",
+        fix("decode_tokens", int_at_least(f"request {rid} decode_tokens",
                                            self.decode_tokens, 1))
 
 
@@ -413,11 +99,11 @@ def poisson_workload(num_requests: int, rate_per_s: float, prompt_length: tuple[
     """``num_requests`` requests (ids 0..n-1) arriving as a Poisson process of
     ``rate_per_s`` from t = 0, with prompt and decode lengths uniform over the inclusive
     ranges (as the seed's workloads, §5)."""
-    num_requests = _int_at_least("num_requests", num_requests, 1)
-    rate = _positive("rate_per_s", rate_per_s)
+    num_requests = int_at_least("num_requests", num_requests, 1)
+    rate = positive("rate_per_s", rate_per_s)
     for name, (lo, hi) in (("prompt_length", prompt_length),
                            ("decode_tokens", decode_tokens)):
-        if _int_at_least(f"{name} low", lo, 0) > _int_at_least(f"{name} high", hi, 0):
+        if int_at_least(f"{name} low", lo, 0) > int_at_least(f"{name} high", hi, 0):
             raise ValueError(f"{name} range ({lo}, {hi}) is empty")
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
@@ -456,17 +142,17 @@ class _Setup:
 def _setup(routing: Routing, num_devices: int, num_layers: int, num_experts: int,
            top_k: int, hidden: int, dtype_bytes: int,
            expert_device: Sequence[int] | None) -> _Setup:
-    num_devices = _int_at_least("num_devices", num_devices, 1)
-    num_layers = _int_at_least("num_layers", num_layers, 1)
-    num_experts = _int_at_least("num_experts", num_experts, 1)
-    top_k = _int_at_least("top_k", top_k, 1)
+    num_devices = int_at_least("num_devices", num_devices, 1)
+    num_layers = int_at_least("num_layers", num_layers, 1)
+    num_experts = int_at_least("num_experts", num_experts, 1)
+    top_k = int_at_least("top_k", top_k, 1)
     if top_k > num_experts:
         raise ValueError(f"top_k = {top_k} exceeds the {num_experts} experts")
     if (routing.num_experts, routing.top_k) != (num_experts, top_k):
         raise ValueError(f"routing is for {routing.num_experts} experts, top-{routing.top_k}; "
                          f"the model has {num_experts}, top-{top_k}")
-    bytes_per_token = (_int_at_least("hidden", hidden, 1)
-                       * _int_at_least("dtype_bytes", dtype_bytes, 1))
+    bytes_per_token = (int_at_least("hidden", hidden, 1)
+                       * int_at_least("dtype_bytes", dtype_bytes, 1))
     if expert_device is None:
         placement = contiguous_placement(num_experts, num_devices)
     else:

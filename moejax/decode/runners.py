@@ -286,10 +286,9 @@ class OffloadRunner(DecodeRunner):
                        self.cfg.num_experts)
             slots.held = [None] * len(slots.held)
 
-    def layer_experts(self, layer: int, routing: moe.Routing, valid: jax.Array
-                      ) -> tuple[dict[str, jax.Array], int, moe.Routing]:
-        ids = np.asarray(routing.experts)[np.asarray(valid)]
-        wanted = np.unique(ids)
+    def load_layer(self, layer: int, wanted: np.ndarray) -> tuple[np.ndarray, int]:
+        """Make layer ``layer``'s experts ``wanted`` resident in its slot buffer -> (the
+        slot of each expert id [E] (-1: absent), how many were copied)."""
         slots = self.slot_buffers[layer % 2]
         if len(wanted) > len(slots.held):
             raise BackendError(f"backend 'offload': layer {layer} needs {len(wanted)} experts "
@@ -297,6 +296,13 @@ class OffloadRunner(DecodeRunner):
         slot_of, copied = slots.load(layer, wanted, self.host_experts, self._on_device,
                                      self.cfg.num_experts)
         self.experts_copied += copied
+        return slot_of, copied
+
+    def layer_experts(self, layer: int, routing: moe.Routing, valid: jax.Array
+                      ) -> tuple[dict[str, jax.Array], int, moe.Routing]:
+        ids = np.asarray(routing.experts)[np.asarray(valid)]
+        slots = self.slot_buffers[layer % 2]
+        slot_of, _ = self.load_layer(layer, np.unique(ids))
         # Experts no valid row chose map to slot 0: their rows are kept out of the MoE.
         renumbered = _RENUMBER(np.maximum(slot_of, 0), routing.experts)
         return slots.buffers, 0, dataclasses.replace(routing, experts=renumbered)

@@ -140,12 +140,7 @@ class PrefetchRunner(OffloadRunner):
 
     # ---------------------------------------------------------------- copies
     def _load(self, layer: int, wanted: np.ndarray) -> tuple[np.ndarray, int]:
-        slots = self.slot_buffers[layer % 2]
-        if len(wanted) > len(slots.held):
-            raise BackendError(f"backend 'offload': layer {layer} needs {len(wanted)} experts "
-                               f"at once, more than expert_slots={len(slots.held)}")
-        slot_of, copied = slots.load(layer, wanted, self.host_experts, self._on_device,
-                                     self.cfg.num_experts)
+        slot_of, copied = self.load_layer(layer, wanted)
         if self.track_memory:
             self.stats.peak_expert_bytes = max(self.stats.peak_expert_bytes,
                                                self.live_expert_bytes())
