@@ -56,6 +56,7 @@ def test_tokens_equal_the_decode_runtime(demo, devices, scheduler):
     assert outputs[2].finish_reason == "stop" and outputs[0].finish_reason == "length"
     run = runtime.last_run
     assert run.leftover_queued == 0 and run.leftover_pooled == 0
+    assert run.makespan_s > 0 and run.requests[3].token_times == ()   # ended at prefill
     # Every decode step of every request ran each block's attention once.
     attention = sum(b.size for b in run.batches if b.unit == -1)
     assert attention == cfg.num_layers * sum(len(t) - 1 for t in want)

@@ -105,7 +105,9 @@ class RequestTiming(NamedTuple):
 
     @property
     def finish_s(self) -> float:
-        return self.token_times[-1]
+        """The last decode token's completion (the arrival for a request that ended at
+        prefill and never decoded)."""
+        return self.token_times[-1] if self.token_times else self.arrival_s
 
 
 @dataclasses.dataclass(frozen=True)
