@@ -16,7 +16,8 @@ rates whose p50 ITL stays within it (0 when none does). Keys (``<tag>`` =
   denominator met the bound at no rate);
 * per rate r (fraction of saturation) and system s: ``<tag>_r<r>_<s>_{throughput,
   itl_p50_ms, itl_p99_ms, expert_batch, attention_batch, stall, max_queue,
-  completion_over_arrival}``;
+  queue_at_{25,50,75}pct, completion_over_arrival}`` (queue depth over time: tokens in
+  μ-queues, or for sync EP requests waiting for a step, at 25/50/75 % of the run);
 * the δ/lookahead sweep of the defrag scheduler at the saturation rate:
   ``defrag_d<δ>_k<K>_<tag>_{throughput,itl_p50_ms}``;
 * a real run (:func:`real_runtime_figures`): demo-e32 through the μ-queue runtime on
@@ -31,7 +32,9 @@ rates whose p50 ITL stays within it (0 when none does). Keys (``<tag>`` =
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +46,7 @@ SWEEP_DELTAS = (0.25, 0.5, 0.75, 1.0)
 SWEEP_LOOKAHEADS = (1, 2, 4)
 DTYPE_BYTES = 4
 SATURATION_RATE = 1e9          # every request at t ~ 0
+DEPTH_FRACTIONS = (0.25, 0.5, 0.75)   # queue depth sampled at these fractions of a run
 
 
 def trace_routing(trace: Any) -> tuple[Any, int, int]:
@@ -97,16 +101,28 @@ def run(system: str, tables: Any, routing: Any, workload: Any, devices: int, cfg
                                        **common)
 
 
+def depth_at(samples: Sequence[tuple[float, int]], fraction: float) -> float:
+    """The queue depth at ``fraction`` of a run's span: the last sample at or before it."""
+    if not samples:
+        return 0.0
+    times = [t for t, _ in samples]
+    at = times[0] + fraction * (times[-1] - times[0])
+    return float(samples[max(bisect.bisect_right(times, at) - 1, 0)][1])
+
+
 def summary(result: Any, rate: float) -> dict[str, float]:
     """The per-run figures (module docstring)."""
     depth = [n for _, n in result.queue_depth] or [0]
     done = len(result.requests) / max(result.makespan_s, 1e-12)
-    return {"throughput": result.throughput_tokens_per_s,
-            "itl_p50_ms": 1e3 * result.itl_p50_s, "itl_p99_ms": 1e3 * result.itl_p99_s,
-            "expert_batch": result.mean_expert_batch,
-            "attention_batch": result.mean_attention_batch,
-            "stall": result.stall_fraction, "max_queue": float(max(depth)),
-            "completion_over_arrival": done / rate}
+    out = {"throughput": result.throughput_tokens_per_s,
+           "itl_p50_ms": 1e3 * result.itl_p50_s, "itl_p99_ms": 1e3 * result.itl_p99_s,
+           "expert_batch": result.mean_expert_batch,
+           "attention_batch": result.mean_attention_batch,
+           "stall": result.stall_fraction, "max_queue": float(max(depth)),
+           "completion_over_arrival": done / rate}
+    for fraction in DEPTH_FRACTIONS:
+        out[f"queue_at_{int(100 * fraction)}pct"] = depth_at(result.queue_depth, fraction)
+    return out
 
 
 def at_bound(runs: list[dict[str, float]], slo_ms: float) -> float:
@@ -211,6 +227,11 @@ def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
                                  f"{figures[f'{key}_itl_p50_ms']:.1f}/"
                                  f"{figures[f'{key}_expert_batch']:.1f}")
                 print(f"    rate {fraction:g}x: " + "  ".join(cells))
+    head = f"trace_g{shape['sim_devices'][0]}"
+    print(f"  queue depth at 25/50/75 % of the run ({head}, rate 1x): " + ", ".join(
+        f"{system} " + "/".join(f"{figures[f'{head}_r1_{system}_queue_at_{p}pct']:.0f}"
+                                for p in (25, 50, 75))
+        for system in ("sync_ep", *SCHEDULERS)))
     print(f"  real run on {REAL_DEVICES} CPU devices: tokens equal the decode runtime "
           f"{bool(figures['mu_queue_tokens_equal_decode_runtime'])}, simulator predicts its "
           f"batches {bool(figures['mu_queue_sim_batches_match'])}; wall tokens/s μ-queue "

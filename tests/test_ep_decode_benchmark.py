@@ -75,3 +75,13 @@ def test_cost_measurement_batch_is_one_decode_row_each():
     np.testing.assert_array_equal(batch.positions, 39)
     np.testing.assert_array_equal(batch.write_slots, batch.block_tables[:, -1] * 16 + 39 % 16)
     np.testing.assert_array_equal(batch.context_len, 39)   # positions already in the pool
+
+
+def test_queue_depth_over_time_reads_the_last_sample_before():
+    from benchmarks import asyncmoe_sim
+
+    samples = [(0.0, 0), (1.0, 5), (2.0, 9), (4.0, 2)]
+    assert asyncmoe_sim.depth_at(samples, 0.25) == 5.0      # t = 1.0
+    assert asyncmoe_sim.depth_at(samples, 0.5) == 9.0       # t = 2.0
+    assert asyncmoe_sim.depth_at(samples, 0.7) == 9.0       # t = 2.8: still 9
+    assert asyncmoe_sim.depth_at(samples, 1.0) == 2.0 and asyncmoe_sim.depth_at([], 0.5) == 0.0
