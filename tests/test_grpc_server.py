@@ -715,3 +715,26 @@ def test_a_stream_reads_no_further_than_its_window_of_unsent_results(monkeypatch
         return ids
 
     assert sorted(asyncio.run(scenario())) == list(range(40))
+
+
+def test_the_loop_handler_quiets_only_the_closed_poller(caplog):
+    """gRPC's poller firing after its queue closed (EBADF) is not printed as an error;
+    any other loop exception still reaches asyncio's default handler."""
+    import asyncio
+    import errno as errno_lib
+    import logging
+
+    from serving.grpc.server import quiet_poller_shutdown
+
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.DEBUG):
+            quiet_poller_shutdown(loop, {"message": "Exception in callback",
+                                         "exception": OSError(errno_lib.EBADF, "Bad file descriptor")})
+            assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+            quiet_poller_shutdown(loop, {"message": "Exception in callback",
+                                         "exception": RuntimeError("a real bug")})
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "Exception in callback" in errors[0].getMessage()
+    finally:
+        loop.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import errno
 import logging
 import ssl
 import threading
@@ -337,11 +338,25 @@ def _server_loop() -> asyncio.AbstractEventLoop:
     with _LOOP_LOCK:
         if _LOOP is None:
             _LOOP = asyncio.new_event_loop()
+            _LOOP.set_exception_handler(quiet_poller_shutdown)
             thread = threading.Thread(target=_LOOP.run_forever, name="moejax-grpc-loop",
                                       daemon=True)
             thread.start()
             atexit.register(_stop_loop, _LOOP, thread)
         return _LOOP
+
+
+def quiet_poller_shutdown(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: gRPC's asyncio poller can fire once more after a
+    server's completion queue closed (OSError EBADF from
+    ``PollerCompletionQueue._handle_events``), which asyncio would print as an error
+    with a traceback under a clean shutdown; that one is logged at debug level.
+    Everything else goes to asyncio's default handler."""
+    exc = context.get("exception")
+    if isinstance(exc, OSError) and exc.errno == errno.EBADF:
+        log.debug("gRPC poller event after its queue closed: %s", exc)
+        return
+    loop.default_exception_handler(context)
 
 
 def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
