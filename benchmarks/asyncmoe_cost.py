@@ -60,20 +60,15 @@ def median_seconds(fn: Any, repeats: int) -> float:
 
 
 def decode_batch(rows: int, context: int) -> Any:
-    """A PagedBatch of ``rows`` decode rows, row b at position context - 1 over its own
-    blocks (b·nb .. b·nb + nb - 1)."""
-    from moejax.decode.programs import PagedBatch
+    """The runtime's decode batch (``moejax.asyncmoe.runtime.decode_rows``) of ``rows``
+    rows, row b at position context - 1 over its own blocks (b·nb .. b·nb + nb - 1)."""
+    from moejax.asyncmoe.runtime import decode_rows
     from moejax.prefix_hash import BLOCK_SIZE
 
     blocks = -(-context // BLOCK_SIZE)
     tables = np.arange(rows * blocks, dtype=np.int32).reshape(rows, blocks)
-    position = np.full(rows, context - 1, np.int32)
-    slot = tables[:, -1] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
-    return PagedBatch(tokens=np.full(rows, 5, np.int32), positions=position,
-                      valid=np.ones(rows, bool), write_slots=slot.astype(np.int32),
-                      segments=np.arange(rows, dtype=np.int32), block_tables=tables,
-                      context_len=position.copy(),      # positions already in the pool
-                      last=np.arange(rows, dtype=np.int32), counters=np.zeros(rows, np.int32))
+    return decode_rows(list(tables), [context - 1] * rows, [5] * rows, [0] * rows, rows,
+                       blocks, rows * blocks * BLOCK_SIZE)
 
 
 def attention_table(cfg: Any, dense: Any, batches: Sequence[int], contexts: Sequence[int],

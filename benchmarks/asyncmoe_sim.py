@@ -248,11 +248,6 @@ def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
 
 REAL_DEVICES = 4
 REAL_ARRIVAL_GAP = 3.0        # virtual units between arrivals in the real run
-UNIT_COSTS = {"attention": {"batch": [1, 2], "context": [1, 2], "seconds": [[1, 1], [1, 1]]},
-              "expert": {"batch": [1, 2], "seconds": [1, 1]},
-              "head": {"batch": [1, 2], "seconds": [1, 1]}, "batch_overhead_s": 0.0,
-              "link": {"latency_s": 0.0, "bandwidth_Bps": 1e30}}
-
 
 def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
                          new_tokens: int) -> dict[str, float]:
@@ -294,16 +289,10 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
         out[f"mu_queue_batches_{name}"] = len(run.batches)
         out[f"mu_queue_mean_expert_batch_{name}"] = run.mean_expert_batch
         out[f"mu_queue_wall_tokens_per_s_{name}"] = tokens / seconds
-        decoding = [i for i, o in enumerate(outputs) if len(o.token_ids) > 1]
-        routing = simulator.TraceRouting({i: outputs[i].decode_experts for i in decoding},
-                                         {i: outputs[i].decode_weights for i in decoding},
-                                         cfg.num_experts)
-        workload = [simulator.SimRequest(i, arrivals[i], len(specs[i].prompt),
-                                         len(outputs[i].token_ids) - 1) for i in decoding]
-        predicted = simulator.simulate_mu_queue(
-            simulator.CostTables.from_dict(UNIT_COSTS), routing, workload, REAL_DEVICES,
-            cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, name, cfg.hidden_size,
-            DTYPE_BYTES)
+        predicted = simulator.replay_outputs(
+            outputs, [len(s.prompt) for s in specs], arrivals, simulator.CostTables.uniform(),
+            REAL_DEVICES, cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, name,
+            cfg.hidden_size, DTYPE_BYTES)
         match = match and [b[:5] for b in predicted.batches] == [b[:5] for b in run.batches]
     out["mu_queue_wall_tokens_per_s"] = out["mu_queue_wall_tokens_per_s_defrag"]
     out["mu_queue_tokens_equal_decode_runtime"] = int(equal)

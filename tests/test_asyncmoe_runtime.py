@@ -73,18 +73,9 @@ def test_the_simulator_predicts_the_runtime_batches(demo):
     runtime = MuQueueRuntime(cfg, params, jax.devices()[:2], scheduler="defrag")
     arrivals = [0.0, 1.0, 1.0, 4.0][:len(decoding)]
     outputs = runtime.generate(decoding, arrivals=arrivals)
-    routing = simulator.TraceRouting({i: o.decode_experts for i, o in enumerate(outputs)},
-                                     {i: o.decode_weights for i, o in enumerate(outputs)},
-                                     cfg.num_experts)
-    workload = [simulator.SimRequest(i, at, len(s.prompt), len(o.token_ids) - 1)
-                for i, (s, o, at) in enumerate(zip(decoding, outputs, arrivals))]
-    unit = {"attention": {"batch": [1, 2], "context": [1, 2], "seconds": [[1, 1], [1, 1]]},
-            "expert": {"batch": [1, 2], "seconds": [1, 1]},
-            "head": {"batch": [1, 2], "seconds": [1, 1]}, "batch_overhead_s": 0.0,
-            "link": {"latency_s": 0.0, "bandwidth_Bps": 1e30}}
-    predicted = simulator.simulate_mu_queue(
-        simulator.CostTables.from_dict(unit), routing, workload, 2, cfg.num_layers,
-        cfg.num_experts, cfg.num_experts_per_tok, "defrag", cfg.hidden_size, 4)
+    predicted = simulator.replay_outputs(
+        outputs, [len(s.prompt) for s in decoding], arrivals, simulator.CostTables.uniform(), 2,
+        cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok, "defrag", cfg.hidden_size, 4)
     assert [b[:5] for b in predicted.batches] == [b[:5] for b in runtime.last_run.batches]
     assert len(predicted.batches) > 50
 

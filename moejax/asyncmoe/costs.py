@@ -16,6 +16,7 @@ from moejax.asyncmoe.checks import (grid, int_at_least, interp1, nonnegative, po
 TABLE_KEYS = ("attention", "expert", "head", "batch_overhead_s", "link")
 """The keys of a cost-table dict (:meth:`CostTables.from_dict`); "meta" may be added."""
 META_KEY = "meta"
+FREE_LINK_BPS = 1e30       # a link whose transfers take no time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,17 @@ class CostTables:
         return cls(attention["batch"], attention["context"], attention["seconds"],
                    expert["batch"], expert["seconds"], head["batch"], head["seconds"],
                    data["batch_overhead_s"], link["latency_s"], link["bandwidth_Bps"])
+
+    @classmethod
+    def uniform(cls, seconds: float = 1.0) -> CostTables:
+        """Every execution takes ``seconds`` and transfers are free: the real runtime's
+        default virtual clock (``moejax.asyncmoe.runtime``)."""
+        flat = [[seconds, seconds], [seconds, seconds]]
+        return cls.from_dict({"attention": {"batch": [1, 2], "context": [1, 2], "seconds": flat},
+                              "expert": {"batch": [1, 2], "seconds": flat[0]},
+                              "head": {"batch": [1, 2], "seconds": flat[0]},
+                              "batch_overhead_s": 0.0,
+                              "link": {"latency_s": 0.0, "bandwidth_Bps": FREE_LINK_BPS}})
 
     def to_dict(self) -> dict[str, Any]:
         """The :meth:`from_dict` form (JSON-serializable)."""

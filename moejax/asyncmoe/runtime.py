@@ -68,6 +68,29 @@ def _merge(residual: jax.Array, outputs: jax.Array, weights: jax.Array) -> jax.A
     return residual + y.astype(residual.dtype)
 
 
+def decode_rows(blocks: Sequence[np.ndarray], positions: Sequence[int], tokens: Sequence[int],
+                counters: Sequence[int], rows: int, table_width: int, num_slots: int
+                ) -> PagedBatch:
+    """A decode PagedBatch: row i (of n) is one token at ``positions[i]`` over its block
+    table ``blocks[i]`` (its key/value goes to the slot of that position); rows n..rows-1
+    are padding (invalid, segment -1, write slot ``num_slots``: nothing written)."""
+    n = len(positions)
+    pos = np.zeros(rows, np.int32)
+    pos[:n] = positions
+    tables = np.zeros((rows, table_width), np.int32)
+    slots = np.full(rows, num_slots, np.int32)
+    for i, table in enumerate(blocks):
+        tables[i, :len(table)] = table
+        slots[i] = table[pos[i] // BLOCK_SIZE] * BLOCK_SIZE + pos[i] % BLOCK_SIZE
+    segments = np.full(rows, -1, np.int32)
+    segments[:n] = np.arange(n)
+    return PagedBatch(tokens=np.pad(np.asarray(tokens, np.int32), (0, rows - n)), positions=pos,
+                      valid=np.arange(rows) < n, write_slots=slots, segments=segments,
+                      block_tables=tables, context_len=pos.copy(),   # positions in the pool
+                      last=np.arange(rows, dtype=np.int32),
+                      counters=np.pad(np.asarray(counters, np.int32), (0, rows - n)))
+
+
 @dataclasses.dataclass
 class _Sequence:
     """One request's state on its rank."""
@@ -169,23 +192,10 @@ class ModelExecutor:
 
     def _decode_batch(self, rank: int, records: Sequence[TokenRecord]) -> PagedBatch:
         """One row per record (position = context - 1), padded to a power of two."""
-        n, rows = len(records), _bucket(len(records))
-        seqs = [self.sequences[r.request_id] for r in records] + [None] * (rows - n)
-        positions = np.zeros(rows, np.int32)
-        positions[:n] = [r.context - 1 for r in records]
-        slots = np.full(rows, self.kv[rank].num_slots, np.int32)
-        for i, seq in enumerate(seqs[:n]):
-            slots[i] = seq.blocks[positions[i] // BLOCK_SIZE] * BLOCK_SIZE + positions[i] % BLOCK_SIZE
-        tokens = np.zeros(rows, np.int32)
-        tokens[:n] = [seq.tokens[-1] for seq in seqs[:n]]
-        segments = np.full(rows, -1, np.int32)
-        segments[:n] = np.arange(n)
-        counters = np.zeros(rows, np.int32)
-        counters[:n] = [len(seq.tokens) for seq in seqs[:n]]
-        return PagedBatch(tokens=tokens, positions=positions, valid=np.arange(rows) < n,
-                          write_slots=slots, segments=segments, block_tables=self._tables(seqs),
-                          context_len=positions.copy(), last=np.arange(rows, dtype=np.int32),
-                          counters=counters)
+        seqs = [self.sequences[r.request_id] for r in records]
+        return decode_rows([seq.blocks for seq in seqs], [r.context - 1 for r in records],
+                           [seq.tokens[-1] for seq in seqs], [len(seq.tokens) for seq in seqs],
+                           _bucket(len(records)), self.max_table, self.kv[rank].num_slots)
 
     def _stack(self, payloads: Sequence[jax.Array], device: Any, rows: int) -> jax.Array:
         x = jnp.stack([jax.device_put(p, device) for p in payloads])

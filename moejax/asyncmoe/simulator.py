@@ -202,6 +202,24 @@ def simulate_mu_queue(tables: CostTables, routing: Routing, workload: Sequence[S
     return result
 
 
+def replay_outputs(outputs: Sequence[Any], prompt_lengths: Sequence[int],
+                   arrivals: Sequence[float], tables: CostTables, num_devices: int,
+                   num_layers: int, num_experts: int, top_k: int, scheduler: Scheduler | str,
+                   hidden: int, dtype_bytes: int) -> SimResult:
+    """The simulation of what a real run decoded: every request of ``outputs`` (the
+    runtime's ``SequenceOutput`` s, with their recorded ``decode_experts`` /
+    ``decode_weights``) that ran a decode step, arriving at ``arrivals``, replaying its
+    own routing. With the runtime's costs (``CostTables.uniform()`` for its default
+    clock) it runs the same batches in the same order."""
+    decoding = [i for i, out in enumerate(outputs) if len(out.token_ids) > 1]
+    routing = TraceRouting({i: outputs[i].decode_experts for i in decoding},
+                           {i: outputs[i].decode_weights for i in decoding}, num_experts)
+    workload = [SimRequest(i, arrivals[i], prompt_lengths[i], len(outputs[i].token_ids) - 1)
+                for i in decoding]
+    return simulate_mu_queue(tables, routing, workload, num_devices, num_layers, num_experts,
+                             top_k, scheduler, hidden, dtype_bytes)
+
+
 class RoutingExecutor:
     """The simulator's executor: no arithmetic, no payloads; attention batches take their
     top-k from ``routing``, and a request decodes ``decode_tokens`` steps."""

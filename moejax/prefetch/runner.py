@@ -172,12 +172,14 @@ class PrefetchRunner(OffloadRunner):
         return Prefetched(routing, ids, frozenset(int(e) for e in wanted), slot_of)
 
     def _count_recall(self, layer: int, ahead: Prefetched, true_ids: np.ndarray) -> None:
+        if len(true_ids) == 0:          # a step of padding rows only
+            return
         predicted = ahead.ids
         if predicted is None:     # oracle / whole layer: every true expert was there
             self.stats.recall_hits[layer] += len(true_ids)
-        else:
-            hits = (predicted[:, :, None] == true_ids[:, None, :]).any(-1).sum(-1)
-            self.stats.recall_hits[layer] += float(hits.sum()) / true_ids.shape[1]
+        else:   # recall summed over the rows (recall_at_k averages them)
+            recall = predictors.recall_at_k(predicted[None], true_ids[None])[0]
+            self.stats.recall_hits[layer] += float(recall) * len(true_ids)
         self.stats.recall_rows[layer] += len(true_ids)
 
     # ---------------------------------------------------------------- the step
