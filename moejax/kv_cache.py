@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from moejax.attention import MASK_VALUE
+from moejax.attention import MASK_VALUE, Window, group_sinks, in_window, softmax_with_sinks
 from moejax.config import ModelConfig
 
 
@@ -74,21 +74,30 @@ def write_token(cache: KVCache, layer: int | Int[Array, ""], positions: Int[Arra
 
 
 def attend_cache(q: Float[Array, "B n_q h"], keys: Float[Array, "B S n_kv h"],
-                 values: Float[Array, "B S n_kv h"], lengths: Int[Array, "B"]
-                 ) -> Float[Array, "B n_q h"]:
-    """One query per row over its cached keys: q [B, n_q, h], keys/values [B, S, n_kv, h]
-    (one layer), ``lengths`` [B] = valid slots (the query's position + 1) -> [B, n_q, h].
+                 values: Float[Array, "B S n_kv hv"], lengths: Int[Array, "B"], *,
+                 sinks: Float[Array, "n_q"] | None = None,
+                 window: Window | None = None) -> Float[Array, "B n_q hv"]:
+    """One query per row over its cached keys: q [B, n_q, h], keys [B, S, n_kv, h], values
+    [B, S, n_kv, hv] (one layer), ``lengths`` [B] = valid slots (the query's position + 1)
+    -> [B, n_q, hv].
 
     Grouped-query attention as in :mod:`moejax.attention`: f32 scores, softmax, then the
-    weighted sum of values in f32.
+    weighted sum of values in f32. ``sinks`` [n_q] (extra softmax column per head) and
+    ``window`` (slot s = position s is visible when ``lengths - 1 - s < window``): as in
+    :mod:`moejax.attention`.
     """
     b, n_q, h = q.shape
     s, n_kv = keys.shape[1], keys.shape[2]
     queries = q.reshape(b, n_kv, n_q // n_kv, h)
     scores = jnp.einsum("bkgh,bskh->bkgs", queries, keys,
                         preferred_element_type=jnp.float32) / math.sqrt(h)
-    visible = jnp.arange(s, dtype=lengths.dtype)[None, :] < lengths[:, None]       # [B, S]
+    slot = jnp.arange(s, dtype=lengths.dtype)[None, :]
+    visible = slot < lengths[:, None]                                                # [B, S]
+    if window is not None:
+        visible = visible & in_window(lengths[:, None] - 1, slot, window)
     scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    sinks = group_sinks(sinks, n_kv)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks[None]
+                               ).astype(values.dtype)
     out = jnp.einsum("bkgs,bskh->bkgh", probs, values, preferred_element_type=jnp.float32)
-    return out.reshape(b, n_q, h).astype(q.dtype)
+    return out.reshape(b, n_q, values.shape[-1]).astype(q.dtype)

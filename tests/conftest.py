@@ -23,6 +23,7 @@ TYPECHECKED_MODULES = [
     "moejax.attention",
     "moejax.grouped_gemm",
     "moejax.kv_cache",
+    "moejax.mla",
     "moejax.sampling",
     "moejax.moe",
     "moejax.layers",

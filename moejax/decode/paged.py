@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from moejax.attention import MASK_VALUE
+from moejax.attention import MASK_VALUE, Window, clamp_window, in_window
 from moejax.config import ModelConfig
 from moejax.layers import LayerParams, project_kv, project_q
 from moejax.prefix_hash import BLOCK_SIZE
@@ -98,9 +98,16 @@ class SoftmaxState:
     acc: jax.Array
 
     @classmethod
-    def empty(cls, shape: tuple[int, ...], head_dim: int) -> "SoftmaxState":
-        return cls(peak=jnp.full(shape, MASK_VALUE, jnp.float32),
-                   total=jnp.zeros(shape, jnp.float32),
+    def empty(cls, shape: tuple[int, ...], head_dim: int,
+              sinks: jax.Array | None = None) -> "SoftmaxState":
+        """No key seen yet; with ``sinks`` (broadcasting to ``shape``) the sink column is:
+        peak = sink, total = exp(sink - sink) = 1, acc = 0 (a sink has no value)."""
+        if sinks is None:
+            return cls(peak=jnp.full(shape, MASK_VALUE, jnp.float32),
+                       total=jnp.zeros(shape, jnp.float32),
+                       acc=jnp.zeros((*shape, head_dim), jnp.float32))
+        return cls(peak=jnp.broadcast_to(sinks.astype(jnp.float32), shape),
+                   total=jnp.ones(shape, jnp.float32),
                    acc=jnp.zeros((*shape, head_dim), jnp.float32))
 
     def add(self, scores: Float[Array, "... C W"], visible: Bool[Array, "..."],
@@ -120,12 +127,14 @@ class SoftmaxState:
 
 
 def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n_kv h"],
-                    pool_values: Float[Array, "L S n_kv h"], layer: Int[Array, ""],
+                    pool_values: Float[Array, "L S n_kv hv"], layer: Int[Array, ""],
                     block_tables: Int[Array, "B MB"], context_len: Int[Array, "B"],
-                    new_keys: Float[Array, "T n_kv h"], new_values: Float[Array, "T n_kv h"],
+                    new_keys: Float[Array, "T n_kv h"], new_values: Float[Array, "T n_kv hv"],
                     segments: Int[Array, "B"], positions: Int[Array, "B C"],
-                    new_valid: Bool[Array, "T"], chunk_blocks: int
-                    ) -> Float[Array, "B C n_q h"]:
+                    new_valid: Bool[Array, "T"], chunk_blocks: int, *,
+                    sinks: Float[Array, "n_q"] | None = None,
+                    window: Window | None = None
+                    ) -> Float[Array, "B C n_q hv"]:
     """Attention of each row's C queries (at ``positions``) over its pooled context and
     the step's new keys, one softmax over both, in float32, grouped-query.
 
@@ -137,47 +146,73 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n
     * New keys (T = B·C, row-major): those of rows in the same ``segments`` (one sequence
       may span several consecutive rows of a prefill step), at a position <= the
       query's, valid; read one row offset at a time (:func:`_attend_new_rows`).
+
+    Values may have their own head dim hv (keys and queries h; scale 1/sqrt(h)).
+    ``sinks`` [n_q]: one logit per query head in the softmax's denominator (the running
+    softmax starts from it: peak = sink, total = 1, acc = 0). ``window``: a key at
+    position p_k (a pooled slot's position is its index in the row's table order) is
+    visible to a query at p_q only if ``p_q - p_k < window``; the context loop then starts
+    at the first chunk the earliest valid query's window reaches (as :mod:`moejax.attention`).
     """
     b, c, n_q, h = q.shape
     n_kv = pool_keys.shape[2]
+    hv = pool_values.shape[-1]
     groups = n_q // n_kv
     queries = q.reshape(b, c, n_kv, groups, h) * (1.0 / math.sqrt(h))
     chunk_slots = chunk_blocks * BLOCK_SIZE
     slot_offsets = jnp.arange(chunk_slots)
     # [L, blocks, 16, n_kv, h]: a view (no copy) whose rows are whole blocks.
     block_keys = pool_keys.reshape(pool_keys.shape[0], -1, BLOCK_SIZE, *pool_keys.shape[2:])
-    block_values = pool_values.reshape(block_keys.shape)
+    block_values = pool_values.reshape(*block_keys.shape[:-1], hv)
+    if window is not None:
+        window = clamp_window(window)
 
     def pooled_chunk(i, state: SoftmaxState) -> SoftmaxState:
         start = i * chunk_slots
         blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_blocks, chunk_blocks,
                                               axis=1)
         keys = block_keys[layer, blocks].reshape(b, chunk_slots, n_kv, h)
-        values = block_values[layer, blocks].reshape(b, chunk_slots, n_kv, h)
+        values = block_values[layer, blocks].reshape(b, chunk_slots, n_kv, hv)
         scores = jnp.einsum("bckgh,bwkh->bkgcw", queries, keys,
                             preferred_element_type=jnp.float32)
         visible = (start + slot_offsets)[None, :] < context_len[:, None]       # [B, w]
-        return state.add(scores, visible[:, None, None, None, :],
+        if window is None:
+            visible = visible[:, None, None, None, :]
+        else:
+            near = in_window(positions[:, :, None], (start + slot_offsets)[None, None, :],
+                             window)                                          # [B, C, w]
+            visible = (visible[:, None, :] & near)[:, None, None]
+        return state.add(scores, visible,
                          lambda p: jnp.einsum("bkgcw,bwkh->bkgch", p.astype(values.dtype),
                                               values, preferred_element_type=jnp.float32))
 
     trips = (jnp.max(context_len) + chunk_slots - 1) // chunk_slots
-    state = jax.lax.fori_loop(0, trips, pooled_chunk,
-                              SoftmaxState.empty((b, n_kv, groups, c), h))
+    first = 0
+    if window is not None:
+        # The earliest slot any valid query's window reaches (rows of padding: none).
+        earliest = jnp.min(jnp.where(new_valid.reshape(b, c), positions,
+                                     jnp.iinfo(positions.dtype).max)) - window + 1
+        first = jnp.maximum(earliest, 0) // chunk_slots
+    group_sinks = None if sinks is None else sinks.reshape(n_kv, groups)[None, :, :, None]
+    state = jax.lax.fori_loop(first, trips, pooled_chunk,
+                              SoftmaxState.empty((b, n_kv, groups, c), hv, group_sinks))
     return _attend_new_rows(state, queries, new_keys.reshape(b, c, n_kv, h),
-                            new_values.reshape(b, c, n_kv, h), segments, positions,
-                            new_valid.reshape(b, c)).astype(q.dtype)
+                            new_values.reshape(b, c, n_kv, hv), segments, positions,
+                            new_valid.reshape(b, c), window=window).astype(q.dtype)
 
 
 def _attend_new_rows(state: SoftmaxState, queries: Float[Array, "B C n_kv g h"],
-                     keys: Float[Array, "B C n_kv h"], values: Float[Array, "B C n_kv h"],
+                     keys: Float[Array, "B C n_kv h"], values: Float[Array, "B C n_kv hv"],
                      segments: Int[Array, "B"], positions: Int[Array, "B C"],
-                     valid: Bool[Array, "B C"]) -> Float[Array, "B C n_q h"]:
+                     valid: Bool[Array, "B C"], *, window: Window | None = None
+                     ) -> Float[Array, "B C n_q hv"]:
     """Fold the step's new keys into ``state`` and finish: row b sees rows b, b-1, ...
     of its own segment (a segment's rows are consecutive), one row offset per loop
     iteration, as many as the longest segment has rows. Rows of other segments cost
-    nothing: a step of one-row segments (every decode step) makes one iteration."""
+    nothing: a step of one-row segments (every decode step) makes one iteration.
+    ``window``: keys only at positions ``p_k > p_q - window``."""
     b, c, n_kv, groups, h = queries.shape
+    hv = values.shape[-1]
     row_ids = jnp.arange(b)
     first_row = jnp.argmax(segments[None, :] == segments[:, None], axis=1)
     span = jnp.max(jnp.where(segments >= 0, row_ids - first_row + 1, 0))
@@ -187,6 +222,9 @@ def _attend_new_rows(state: SoftmaxState, queries: Float[Array, "B C n_kv g h"],
         visible = (((row_ids >= j) & (segments[source] == segments))[:, None, None]
                    & (positions[source][:, None, :] <= positions[:, :, None])
                    & valid[source][:, None, :])                                 # [B, Cq, Ck]
+        if window is not None:
+            visible = visible & in_window(positions[:, :, None], positions[source][:, None, :],
+                                          window)
         scores = jnp.einsum("bckgh,bjkh->bkgcj", queries, keys[source],
                             preferred_element_type=jnp.float32)
         return state.add(scores, visible[:, None, None],
@@ -195,8 +233,8 @@ def _attend_new_rows(state: SoftmaxState, queries: Float[Array, "B C n_kv g h"],
                                               preferred_element_type=jnp.float32))
 
     state = jax.lax.fori_loop(0, span, row_offset, state)
-    out = jnp.moveaxis(state.result(), 3, 1)                                   # [B, C, n_kv, g, h]
-    return out.reshape(b, c, n_kv * groups, h)
+    out = jnp.moveaxis(state.result(), 3, 1)                                   # [B, C, n_kv, g, hv]
+    return out.reshape(b, c, n_kv * groups, hv)
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
