@@ -36,7 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 from moejax import attention
 from moejax.config import ModelConfig
 from moejax.kv_cache import KVCache, attend_cache, write_prompt, write_token
-from moejax.layers import LayerParams, project_kv, project_q
+from moejax.layers import LayerParams, expand_kv, project_kv, project_q
 
 _STATIC = {"static": True}
 
@@ -92,11 +92,12 @@ class PackedCausal:
         k, v = self.keys_values(p, h_in, cfg)
         return self.attend_to(p, h_in, k, v, rows, cfg), self
 
-    def attend_to(self, p: LayerParams, h_in: Float[Array, "T d"], k: Float[Array, "T n_kv h"],
-                  v: Float[Array, "T n_kv h"], rows: Int[Array, "r"] | None,
+    def attend_to(self, p: LayerParams, h_in: Float[Array, "T d"], k: Float[Array, "T s hk"],
+                  v: Float[Array, "T s hv"], rows: Int[Array, "r"] | None,
                   cfg: ModelConfig) -> jax.Array:
-        """The attention of the (given) keys and values: what a kind that also stores
-        them calls, so they are projected once."""
+        """The attention of the (given, stored-form) keys and values: what a kind that
+        also stores them calls, so they are projected once."""
+        k, v = expand_kv(p, k, v, cfg)
         q = _queries_at(p, h_in, self.positions, rows, cfg)
         if rows is None:
             return attention.packed_attention(q, k, v, self.segment_ids, self.attn_block,
@@ -152,8 +153,8 @@ class PrefixPooled:
 
     @classmethod
     def of(cls, positions: Int[Array, "T"], segment_ids: Int[Array, "T"], attn_block: int,
-           context: PrefixContext, pool_k: Float[Array, "L S n_kv h"],
-           pool_v: Float[Array, "L S n_kv h"], *, defer_writes: bool = False
+           context: PrefixContext, pool_k: Float[Array, "L S n_kv hk"],
+           pool_v: Float[Array, "L S n_kv hv"], *, defer_writes: bool = False
            ) -> "PrefixPooled":
         # The context attention masks per block: no bias when the pool is read.
         packed = PackedCausal.of(positions, segment_ids, attn_block,
@@ -194,17 +195,21 @@ class PrefixPooled:
             out = packed.attend_to(p, h_in, k, v, rows, cfg)
         else:
             # Gathered from the pool directly: slicing the layer out first would copy it.
-            ctx_k, ctx_v = self.pool_k[layer, ctx.ctx_slot], self.pool_v[layer, ctx.ctx_slot]
+            ctx_k, ctx_v = expand_kv(p, self.pool_k[layer, ctx.ctx_slot],
+                                     self.pool_v[layer, ctx.ctx_slot], cfg)
+            attn_k, attn_v = expand_kv(p, k, v, cfg)
             if rows is None or rows.shape[0] >= ctx.ctx_slot.shape[0]:
                 # At least one row per block: gathering each row's own context would copy
                 # it once per row; attend every row with its block's, then take the rows.
                 q = _queries_at(p, h_in, packed.positions, None, cfg)
-                out = attention.context_attention(q, k, v, packed.segment_ids, packed.attn_block,
+                out = attention.context_attention(q, attn_k, attn_v, packed.segment_ids,
+                                                  packed.attn_block,
                                                   ctx_k, ctx_v, ctx.ctx_lo, ctx.ctx_hi)
                 out = out if rows is None else out[rows]
             else:
                 q = _queries_at(p, h_in, packed.positions, rows, cfg)
-                out = attention.context_attention_at_rows(q, k, v, packed.segment_ids, rows,
+                out = attention.context_attention_at_rows(q, attn_k, attn_v, packed.segment_ids,
+                                                          rows,
                                                           packed.attn_block, ctx_k, ctx_v,
                                                           ctx.ctx_lo, ctx.ctx_hi)
         if self.stored_k is not None:   # kept for written(), after the loop
@@ -279,5 +284,6 @@ class CacheSlots:
         q = project_q(p, h_in, self.positions, cfg)
         k, v = project_kv(p, h_in, self.positions, cfg)
         cache = write_token(self.cache, layer, self.positions, k, v)
-        out = attend_cache(q, cache.keys[layer], cache.values[layer], self.positions + 1)
+        keys, values = expand_kv(p, cache.keys[layer], cache.values[layer], cfg)
+        out = attend_cache(q, keys, values, self.positions + 1)
         return out, dataclasses.replace(self, cache=cache)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from moejax.config import ModelConfig, load_config
+from moejax.mla_shape import HF_TENSOR_NAMES, mla_param_shapes
 from moejax.param_layout import Params, param_shapes, shape_problems
 # Re-exported so that callers need one module for checkpoint I/O.
 from moejax.safetensors_io import (INDEX_FILE, SINGLE_FILE, WEIGHT_CODES,  # noqa: F401
@@ -129,27 +130,72 @@ def _expert_slots(cfg: ModelConfig, i: int, moe: str, names: set[str]) -> list[_
     return slots
 
 
-def _layer_slots(cfg: ModelConfig, i: int, names: set[str]) -> list[_Slot]:
-    d, h, E = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+def _attention_slots(cfg: ModelConfig, i: int) -> list[_Slot]:
+    """Layer ``i``'s attention tensors: q/k/v/o (with biases, q/k norms) or MLA's."""
+    d, h = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
     p = f"model.layers.{i}."
 
     def slot(name: str, shape: tuple[int, ...], key: str, transform: Transform) -> _Slot:
         return _Slot(p + name, shape, (_Write(("layers", key), (i,), transform),))
 
+    if cfg.mla is not None:
+        # HF names: moejax.mla_shape.HF_TENSOR_NAMES; matrices [out, in] on disk.
+        return [slot(HF_TENSOR_NAMES[key], shape[::-1] if len(shape) == 2 else shape, key,
+                     _swap if len(shape) == 2 else _same)
+                for key, shape in mla_param_shapes(cfg.mla, d).items()]
     slots = [
-        slot("input_layernorm.weight", (d,), "attn_norm", _same),
-        slot("post_attention_layernorm.weight", (d,), "mlp_norm", _same),
         slot("self_attn.q_proj.weight", (q, d), "wq", _swap),
         slot("self_attn.k_proj.weight", (kv, d), "wk", _swap),
         slot("self_attn.v_proj.weight", (kv, d), "wv", _swap),
         slot("self_attn.o_proj.weight", (d, q), "wo", _swap),
     ]
+    if cfg.qkv_bias:
+        slots += [slot("self_attn.q_proj.bias", (q,), "bq", _same),
+                  slot("self_attn.k_proj.bias", (kv,), "bk", _same),
+                  slot("self_attn.v_proj.bias", (kv,), "bv", _same)]
     if cfg.qk_norm:
-        slots.append(slot("self_attn.q_norm.weight", (h,), "q_norm", _same))
-        slots.append(slot("self_attn.k_norm.weight", (h,), "k_norm", _same))
+        q_norm, k_norm = ((q,), (kv,)) if cfg.qk_norm_over_heads else ((h,), (h,))
+        slots.append(slot("self_attn.q_norm.weight", q_norm, "q_norm", _same))
+        slots.append(slot("self_attn.k_norm.weight", k_norm, "k_norm", _same))
+    return slots
+
+
+def _mlp_slots(prefix: str, i: int, width: int, d: int) -> list[_Slot]:
+    """A SwiGLU MLP ``{prefix}{gate,up,down}_proj`` of ``width`` into the first ``width``
+    columns (rows of down) of the layer's resident MLP stack (the rest stays zero)."""
+    cols = (i, slice(None), slice(0, width))
+    rows = (i, slice(0, width), slice(None))
+    return [_Slot(f"{prefix}gate_proj.weight", (width, d), (_Write(("layers", "mlp_gate"), cols, _swap),)),
+            _Slot(f"{prefix}up_proj.weight", (width, d), (_Write(("layers", "mlp_up"), cols, _swap),)),
+            _Slot(f"{prefix}down_proj.weight", (d, width), (_Write(("layers", "mlp_down"), rows, _swap),))]
+
+
+def _shared_expert_prefix(cfg: ModelConfig, moe: str) -> str:
+    return f"{moe}shared_expert." if cfg.model_type == "qwen2_moe" else f"{moe}shared_experts."
+
+
+def _layer_slots(cfg: ModelConfig, i: int, names: set[str]) -> list[_Slot]:
+    d, E = cfg.hidden_size, cfg.num_experts
+    p = f"model.layers.{i}."
+    slots = [
+        _Slot(p + "input_layernorm.weight", (d,), (_Write(("layers", "attn_norm"), (i,), _same),)),
+        _Slot(p + "post_attention_layernorm.weight", (d,),
+              (_Write(("layers", "mlp_norm"), (i,), _same),)),
+    ] + _attention_slots(cfg, i)
     moe = _moe_prefix(cfg, p, names)
+    if i in cfg.dense_layers:
+        # No router, no experts: those stay zero (the layer routes with weight 0).
+        return slots + _mlp_slots(f"{p}mlp.", i, cfg.dense_intermediate_size, d)
     slots.append(_Slot(f"{moe}gate.weight", (E, d), (_Write(("layers", "router"), (i,), _swap),)))
+    if cfg.score_correction_bias:
+        slots.append(_Slot(f"{moe}gate.e_score_correction_bias", (E,),
+                           (_Write(("layers", "score_bias"), (i,), _same),)))
+    if cfg.shared_intermediate_size:
+        slots += _mlp_slots(_shared_expert_prefix(cfg, moe), i, cfg.shared_intermediate_size, d)
+    if cfg.shared_expert_gate:
+        slots.append(_Slot(f"{moe}shared_expert_gate.weight", (1, d),
+                           (_Write(("layers", "shared_gate"), (i,), lambda a: a[0]),)))
     return slots + _expert_slots(cfg, i, moe, names)
 
 
@@ -207,9 +253,11 @@ def _validate(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot], str
 
 
 def _allocate(shapes: Any, dtype: np.dtype) -> Any:
+    # Zeroed: the parts no tensor fills (a dense layer's experts and router, the padding
+    # of the resident MLP stack) must be 0. np.zeros maps untouched pages lazily.
     if isinstance(shapes, dict):
         return {key: _allocate(value, dtype) for key, value in shapes.items()}
-    return np.empty(shapes, dtype)
+    return np.zeros(shapes, dtype)
 
 
 def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,

@@ -14,7 +14,12 @@ import json
 import os
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
+from moejax.mla_shape import MLAShape, mla_shape_from_hf
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3",
+                         "deepseek_v2")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
 
 
 class ConfigError(ValueError):
@@ -46,6 +51,23 @@ class ModelConfig:
     rope_theta: float
     max_context: int
     tie_word_embeddings: bool
+    # ---- attention variants (defaults: Qwen3-MoE / Mixtral)
+    qk_norm_over_heads: bool = False     # OLMoE: q/k norm over all heads at once, not per head
+    qkv_bias: bool = False               # Qwen2-MoE: biases on the q, k, v projections
+    clip_qkv: float | None = None        # OLMoE option: clamp q, k, v to [-c, c]
+    mla: MLAShape | None = None          # DeepSeek: multi-head latent attention
+    # ---- routing variants
+    router_scoring: str = "softmax"      # "sigmoid": DeepSeek-V3
+    score_correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (choice only)
+    n_group: int = 1                     # group-limited top-k: E experts in n_group groups,
+    topk_group: int = 1                  # experts chosen from the topk_group best groups
+    group_score: str = "max"             # a group's score: its best expert or top-2 sum
+    routed_scaling_factor: float = 1.0
+    # ---- resident MLPs: shared experts (every MoE layer) and dense layers (no experts)
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False     # Qwen2-MoE: sigmoid(x · g) scales the shared expert
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -65,36 +87,129 @@ class ModelConfig:
                               f"number of experts ({self.num_experts})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ConfigError(f"router_scoring must be one of {ROUTER_SCORINGS}, "
+                              f"got {self.router_scoring!r}")
+        if self.group_score not in GROUP_SCORES:
+            raise ConfigError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"group-limited routing needs n_group ({self.n_group}) dividing "
+                              f"the {self.num_experts} experts and 1 <= topk_group "
+                              f"({self.topk_group}) <= n_group")
+        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
+                              f"experts of the topk_group={self.topk_group} groups")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"dense layer indices {bad} lie outside [0, {self.num_layers})")
+        if self.dense_layers and self.dense_intermediate_size <= 0:
+            raise ConfigError("dense layers need a positive dense_intermediate_size "
+                              "(config.json: intermediate_size)")
+        if self.shared_expert_gate and not self.shared_intermediate_size:
+            raise ConfigError("shared_expert_gate without a shared expert")
+        if self.mla is not None and self.qk_norm:
+            raise ConfigError("multi-head latent attention has no q/k norm")
+
+    # ----------------------------------------------------------------- layers
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with routed experts (every layer but the dense ones)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    @property
+    def resident_mlp_size(self) -> int:
+        """Width of the per-layer resident MLP stack (shared experts and dense layers' MLPs
+        share one stack, zero-padded to the wider of the two: a zero column adds nothing)."""
+        dense = self.dense_intermediate_size if self.dense_layers else 0
+        return max(self.shared_intermediate_size, dense)
+
+    # ----------------------------------------------------------------- KV layout
+    @property
+    def kv_store_dims(self) -> tuple[int, int, int]:
+        """What a KV cache holds per token and layer: (heads, key dim, value dim). MLA
+        stores its compressed latent as the "key" and the shared RoPE key as the "value"
+        (one head); the others store per-head keys and values."""
+        if self.mla is not None:
+            return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes of KV cache per token over every layer."""
+        heads, key_dim, value_dim = self.kv_store_dims
+        return self.num_layers * heads * (key_dim + value_dim) * itemsize
+
+    @property
+    def attention_dims(self) -> tuple[int, int, int]:
+        """(query heads, q/k head dim, value head dim) of the attention itself."""
+        if self.mla is not None:
+            return self.mla.n_heads, self.mla.qk_head_dim, self.mla.v_head_dim
+        return self.num_heads, self.head_dim, self.head_dim
 
     # ----------------------------------------------------------------- FLOPs
     @property
     def linear_flops_per_layer(self) -> int:
         """Forward FLOPs of one token through one layer's matmuls (no attention scores).
 
-        q/k/v projections + output projection + router + k routed SwiGLU experts.
+        Attention projections + output projection, then for an MoE layer the router, the
+        k routed SwiGLU experts and the shared experts; for a dense layer its MLP.
+        (The MoE part of a dense layer is 0: :meth:`layer_linear_flops` per layer.)
         """
+        return self.attention_linear_flops + self.moe_linear_flops
+
+    @property
+    def attention_linear_flops(self) -> int:
+        """One token through one layer's attention projections (q, k, v or MLA's, and o)."""
         d, h = self.hidden_size, self.head_dim
+        if self.mla is not None:
+            m, heads = self.mla, self.mla.n_heads
+            if m.q_lora_rank is None:
+                q = d * heads * m.qk_head_dim
+            else:
+                q = d * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
+            kv = d * (m.kv_lora_rank + m.qk_rope_head_dim)
+            # Each token's latent is expanded to per-head keys/values once: the useful
+            # work (this implementation re-expands cached latents each step; not counted).
+            kv += m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+            return 2 * (q + kv + heads * m.v_head_dim * d)
         qkv = 2 * d * (self.num_heads * h + 2 * self.num_kv_heads * h)
-        out = 2 * self.num_heads * h * d
+        return qkv + 2 * self.num_heads * h * d
+
+    @property
+    def moe_linear_flops(self) -> int:
+        """One token through one MoE layer's router, routed and shared experts."""
+        d = self.hidden_size
         router = 2 * d * self.num_experts
         experts = self.num_experts_per_tok * 6 * d * self.moe_intermediate_size
-        return qkv + out + router + experts
+        shared = 6 * d * self.shared_intermediate_size + (2 * d if self.shared_expert_gate else 0)
+        return router + experts + shared
+
+    def layer_linear_flops(self, layer: int) -> int:
+        """One token through layer ``layer``'s matmuls (dense layers: attention + MLP)."""
+        if layer in self.dense_layers:
+            return self.attention_linear_flops + 6 * self.hidden_size * self.dense_intermediate_size
+        return self.linear_flops_per_layer
 
     @property
     def linear_flops_per_token(self) -> int:
         """F_lin: one token through every layer's matmuls."""
-        return self.num_layers * self.linear_flops_per_layer
+        return sum(self.layer_linear_flops(i) for i in range(self.num_layers))
+
+    @property
+    def _score_value_dims(self) -> int:
+        """n_q·(h_qk + h_v): per key, the FLOPs/2 of QK^T and PV over every head."""
+        heads, qk, v = self.attention_dims
+        return heads * (qk + v)
 
     def attention_flops(self, context: int) -> int:
         """F_att(c): one token attending over ``context`` keys in every layer (QK^T and PV)."""
-        return self.num_layers * 4 * self.num_heads * self.head_dim * context
+        return self.num_layers * 2 * self._score_value_dims * context
 
     def attention_flops_range(self, first: int, last: int) -> int:
         """Σ_{i=first..last} F_att(i), in closed form (0 when last < first)."""
         if last < first:
             return 0
         count = last - first + 1
-        return self.num_layers * 4 * self.num_heads * self.head_dim * (first + last) * count // 2
+        return self.num_layers * 2 * self._score_value_dims * (first + last) * count // 2
 
     def head_flops(self, num_candidates: int | None = None) -> int:
         """F_head at one scoring position: full vocabulary, or only ``num_candidates`` columns."""
@@ -125,12 +240,16 @@ class ModelConfig:
         return 3 * self.num_experts * self.hidden_size * self.moe_intermediate_size * bytes_per_param
 
     def num_params(self) -> int:
-        d, h, L = self.hidden_size, self.head_dim, self.num_layers
-        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-        norms = 2 * d + (2 * h if self.qk_norm else 0)
-        moe = d * self.num_experts + 3 * self.num_experts * d * self.moe_intermediate_size
-        head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + L * (attn + norms + moe) + d + head
+        """Parameters of the params pytree (``moejax.param_layout.param_shapes``)."""
+        from moejax.param_layout import param_shapes, tree_items
+
+        total = 0
+        for _, shape in tree_items(param_shapes(self)):
+            count = 1
+            for n in shape:
+                count *= n
+            total += count
+        return total
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,36 +281,103 @@ def _require(hf: Mapping[str, Any], *names: str) -> Any:
     raise ConfigError(f"config.json lacks {' / '.join(names)}")
 
 
+def _dense_layers(hf: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """The layers without routed experts, as transformers decides them."""
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        only = {int(i) for i in (hf.get("mlp_only_layers") or [])}
+        step = int(hf.get("decoder_sparse_step", 1) or 1)
+        return tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        first = int(hf.get("first_k_dense_replace") or 0)
+        if int(hf.get("moe_layer_freq", 1) or 1) != 1:
+            raise ConfigError("moe_layer_freq != 1 is not supported (transformers ignores it too)")
+        return tuple(range(min(first, num_layers)))
+    return ()
+
+
+def _refuse(hf: Mapping[str, Any], model_type: str) -> None:
+    """Options moejax does not implement for this family: refused, never approximated."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+    if model_type != "olmoe" and hf.get("attention_bias"):
+        raise ConfigError(f"{model_type}: attention_bias=true is not supported")
+    if model_type == "olmoe" and hf.get("attention_bias"):
+        raise ConfigError("olmoe: attention_bias=true is not supported")
+    if model_type == "qwen2_moe" and hf.get("use_sliding_window"):
+        raise ConfigError("qwen2_moe: use_sliding_window=true is not supported")
+    if model_type == "deepseek_v2" and hf.get("topk_method", "greedy") not in (
+            "greedy", "group_limited_greedy"):
+        raise ConfigError(f"deepseek_v2: topk_method {hf.get('topk_method')!r} is not supported "
+                          "(greedy, group_limited_greedy)")
+    if model_type in ("deepseek_v3", "deepseek_v2") and hf.get("mlp_bias"):
+        raise ConfigError(f"{model_type}: mlp_bias=true is not supported")
+
+
+def _routing(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """Router scoring, top-k normalization, groups and scaling of each family."""
+    if model_type == "mixtral":   # softmax over the top-k logits == renormalised top-k
+        return dict(norm_topk_prob=True)
+    if model_type in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        return dict(norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
+    if model_type == "deepseek_v3":
+        return dict(norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_scoring="sigmoid",
+                    score_correction_bias=True, n_group=int(hf.get("n_group") or 1),
+                    topk_group=int(hf.get("topk_group") or 1), group_score="top2_sum",
+                    routed_scaling_factor=scaling)
+    # deepseek_v2: softmax scores, never renormalised (transformers' router ignores
+    # norm_topk_prob), optionally group-limited by each group's best expert.
+    grouped = hf.get("topk_method", "greedy") == "group_limited_greedy"
+    return dict(norm_topk_prob=False, n_group=int(hf.get("n_group") or 1) if grouped else 1,
+                topk_group=int(hf.get("topk_group") or 1) if grouped else 1, group_score="max",
+                routed_scaling_factor=scaling)
+
+
 def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from the contents of a Hugging Face ``config.json``."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(_unsupported_type_message(model_type))
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
-    if hf.get("attention_bias"):
-        raise ConfigError("attention_bias=true is not supported")
+    _refuse(hf, model_type)
     num_layers = int(_require(hf, "num_hidden_layers"))
-    if model_type == "qwen3_moe":
-        dense = list(hf.get("mlp_only_layers") or [])
-        step = int(hf.get("decoder_sparse_step", 1) or 1)
-        if dense or step != 1:
-            raise ConfigError("qwen3_moe with dense layers (mlp_only_layers / "
-                              "decoder_sparse_step != 1) is not supported: every layer must be MoE")
-        num_experts = _require(hf, "num_experts", "num_local_experts")
-        intermediate = _require(hf, "moe_intermediate_size")
-        norm_topk = bool(hf.get("norm_topk_prob", False))
-        qk_norm = True
-        sliding = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    else:  # mixtral: softmax over the top-k logits == renormalised top-k of the full softmax
-        num_experts = _require(hf, "num_local_experts", "num_experts")
-        intermediate = _require(hf, "intermediate_size")
-        norm_topk = True
-        qk_norm = False
-        sliding = hf.get("sliding_window")
     hidden = int(_require(hf, "hidden_size"))
     heads = int(_require(hf, "num_attention_heads"))
+    dense = _dense_layers(hf, model_type, num_layers)
+    extra: dict[str, Any] = dict(_routing(hf, model_type))
+    sliding = None
+    if model_type == "mixtral":
+        num_experts = _require(hf, "num_local_experts", "num_experts")
+        intermediate = _require(hf, "intermediate_size")
+        sliding = hf.get("sliding_window")
+    elif model_type in ("deepseek_v3", "deepseek_v2"):
+        num_experts = _require(hf, "n_routed_experts", "num_local_experts")
+        intermediate = _require(hf, "moe_intermediate_size")
+        try:
+            extra["mla"] = mla_shape_from_hf(hf)
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"{model_type}: multi-head latent attention: {exc}") from None
+        shared = int(hf.get("n_shared_experts") or 0)
+        extra["shared_intermediate_size"] = shared * int(intermediate)
+    else:
+        num_experts = _require(hf, "num_experts", "num_local_experts")
+        intermediate = _require(hf, "moe_intermediate_size", "intermediate_size") \
+            if model_type != "olmoe" else _require(hf, "intermediate_size")
+        if model_type == "qwen3_moe" and hf.get("use_sliding_window"):
+            sliding = hf.get("sliding_window")
+    if model_type == "qwen2_moe":
+        extra["qkv_bias"] = bool(hf.get("qkv_bias", True))
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        extra.update(shared_intermediate_size=shared, shared_expert_gate=shared > 0)
+    if model_type == "olmoe":
+        extra["qk_norm_over_heads"] = True
+        clip = hf.get("clip_qkv")
+        extra["clip_qkv"] = None if clip is None else float(clip)
+    if dense:
+        extra.update(dense_layers=dense,
+                     dense_intermediate_size=int(_require(hf, "intermediate_size")))
     head_dim = hf.get("head_dim") or hidden // heads
+    if "mla" in extra:   # head_dim of the rotary part; q/k/v dims come from the MLA shape
+        head_dim = extra["mla"].qk_rope_head_dim
     max_context = int(hf.get("max_position_embeddings") or 32768)
     if sliding:
         # Within the window, sliding-window attention is plain causal attention; longer
@@ -208,12 +394,12 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
         num_experts=int(num_experts),
         num_experts_per_tok=int(_require(hf, "num_experts_per_tok")),
         moe_intermediate_size=int(intermediate),
-        norm_topk_prob=norm_topk,
-        qk_norm=qk_norm,
+        qk_norm=model_type in ("qwen3_moe", "olmoe"),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf),
+        rope_theta=_rope_theta(hf) if "mla" not in extra else extra["mla"].rope_theta,
         max_context=max_context,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **extra,
     )
 
 

@@ -30,8 +30,8 @@ from moejax.config import ModelConfig
 class KVCache:
     """keys, values: [L, B, S, n_kv, h] in the compute dtype."""
 
-    keys: Float[Array, "L B S n_kv h"]
-    values: Float[Array, "L B S n_kv h"]
+    keys: Float[Array, "L B S n_kv hk"]
+    values: Float[Array, "L B S n_kv hv"]
 
     @property
     def length(self) -> int:
@@ -50,12 +50,14 @@ def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
 
 def empty_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
     """Zeroed cache [L, batch, length, n_kv, h]."""
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype))
+    heads, key_dim, value_dim = cfg.kv_store_dims
+    shape = (cfg.num_layers, batch, length, heads)
+    return KVCache(keys=jnp.zeros((*shape, key_dim), dtype),
+                   values=jnp.zeros((*shape, value_dim), dtype))
 
 
-def write_prompt(cache: KVCache, layer: int | Int[Array, ""], keys: Float[Array, "B P n_kv h"],
-                 values: Float[Array, "B P n_kv h"]) -> KVCache:
+def write_prompt(cache: KVCache, layer: int | Int[Array, ""], keys: Float[Array, "B P n_kv hk"],
+                 values: Float[Array, "B P n_kv hv"]) -> KVCache:
     """Store layer ``layer``'s prompt keys/values [B, P, n_kv, h] in slots [0, P)."""
     start = (layer, 0, 0, 0, 0)
     return KVCache(
@@ -65,7 +67,7 @@ def write_prompt(cache: KVCache, layer: int | Int[Array, ""], keys: Float[Array,
 
 
 def write_token(cache: KVCache, layer: int | Int[Array, ""], positions: Int[Array, "B"],
-                keys: Float[Array, "B n_kv h"], values: Float[Array, "B n_kv h"]) -> KVCache:
+                keys: Float[Array, "B n_kv hk"], values: Float[Array, "B n_kv hv"]) -> KVCache:
     """Store one new token per row: keys/values [B, n_kv, h] at slot ``positions[b]`` [B]."""
     rows = jnp.arange(positions.shape[0])
     return KVCache(keys=cache.keys.at[layer, rows, positions].set(keys.astype(cache.keys.dtype)),

@@ -32,8 +32,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from moejax import mla as mla_lib
 from moejax import moe
 from moejax.config import ModelConfig
+from moejax.norms import rms_norm  # noqa: F401  (re-exported: the layer's norm)
 
 LayerParams = Mapping[str, jax.Array]
 # Per-layer observation of the fused loop: (layer, routing, valid, router input) -> a
@@ -42,14 +44,6 @@ Observer = Callable[[jax.Array, moe.Routing, "jax.Array | None", jax.Array], Any
 
 
 # --------------------------------------------------------------------- stages
-def rms_norm(x: Float[Array, "*rows d"], weight: Float[Array, "d"],
-             eps: float) -> Float[Array, "*rows d"]:
-    """RMSNorm in float32, cast back to x's dtype (as the HF reference does)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
-
-
 def rope(x: Float[Array, "n heads h"], positions: Int[Array, "n"],
          theta: float) -> Float[Array, "n heads h"]:
     """Rotary embedding (rotate-half convention) on x [n, heads, h] at positions [n]."""
@@ -63,24 +57,91 @@ def rope(x: Float[Array, "n heads h"], positions: Int[Array, "n"],
     return out.astype(x.dtype)
 
 
+def _projection(p: LayerParams, h_in: Float[Array, "n d"], weight: str, bias: str,
+                cfg: ModelConfig) -> Float[Array, "n out"]:
+    """h_in @ p[weight] (+ p[bias] where the family has it), clipped where it clips."""
+    out = h_in @ p[weight].astype(h_in.dtype)
+    if bias in p:
+        out = out + p[bias].astype(out.dtype)
+    if cfg.clip_qkv is not None:
+        out = jnp.clip(out, -cfg.clip_qkv, cfg.clip_qkv)
+    return out
+
+
+def _heads(flat: Float[Array, "n out"], norm: str, p: LayerParams,
+           cfg: ModelConfig) -> Float[Array, "n heads h"]:
+    """[n, heads·h] -> [n, heads, h], with the family's q/k norm (per head, or over all
+    heads before the split: OLMoE)."""
+    if cfg.qk_norm and cfg.qk_norm_over_heads:
+        flat = rms_norm(flat, p[norm], cfg.rms_norm_eps)
+    out = flat.reshape(flat.shape[0], -1, cfg.head_dim)
+    if cfg.qk_norm and not cfg.qk_norm_over_heads:
+        out = rms_norm(out, p[norm], cfg.rms_norm_eps)
+    return out
+
+
 def project_q(p: LayerParams, h_in: Float[Array, "n d"], positions: Int[Array, "n"],
-              cfg: ModelConfig) -> Float[Array, "n n_q h"]:
-    """Normed input [n, d] -> queries [n, n_q, h] (q-norm for Qwen3, then RoPE). The head
-    count comes from the weights, so a tensor-parallel shard's local heads work too."""
-    q = (h_in @ p["wq"].astype(h_in.dtype)).reshape(h_in.shape[0], -1, cfg.head_dim)
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+              cfg: ModelConfig) -> Float[Array, "n n_q hq"]:
+    """Normed input [n, d] -> queries [n, n_q, h] (bias, clip, q-norm as the family has
+    them, then RoPE; MLA: ``moejax.mla.mla_queries``). The head count comes from the
+    weights, so a tensor-parallel shard's local heads work too."""
+    if cfg.mla is not None:
+        return mla_lib.mla_queries(p, h_in, positions, cfg.mla)
+    q = _heads(_projection(p, h_in, "wq", "bq", cfg), "q_norm", p, cfg)
     return rope(q, positions, cfg.rope_theta)
 
 
 def project_kv(p: LayerParams, h_in: Float[Array, "n d"], positions: Int[Array, "n"],
-               cfg: ModelConfig) -> tuple[Float[Array, "n n_kv h"], Float[Array, "n n_kv h"]]:
-    """Normed input [n, d] -> keys, values [n, n_kv, h] (k-norm for Qwen3, RoPE on keys)."""
-    k = (h_in @ p["wk"].astype(h_in.dtype)).reshape(h_in.shape[0], -1, cfg.head_dim)
-    v = (h_in @ p["wv"].astype(h_in.dtype)).reshape(h_in.shape[0], -1, cfg.head_dim)
-    if cfg.qk_norm:
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+               cfg: ModelConfig) -> tuple[Float[Array, "n s hk"], Float[Array, "n s hv"]]:
+    """Normed input [n, d] -> what a KV cache stores per token: keys, values [n, n_kv, h]
+    (bias, clip, k-norm, RoPE on keys), or for MLA the normed latent [n, 1, r] and the
+    roped shared key [n, 1, rope] (:func:`expand_kv` turns either into attention keys
+    and values)."""
+    if cfg.mla is not None:
+        return mla_lib.mla_latent(p, h_in, positions, cfg.mla)
+    k = _heads(_projection(p, h_in, "wk", "bk", cfg), "k_norm", p, cfg)
+    v = _projection(p, h_in, "wv", "bv", cfg).reshape(h_in.shape[0], -1, cfg.head_dim)
     return rope(k, positions, cfg.rope_theta), v
+
+
+def expand_kv(p: LayerParams, keys: Float[Array, "*m s hk"], values: Float[Array, "*m s hv"],
+              cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Stored keys/values (:func:`project_kv`, any leading shape) -> the attention's keys
+    [..., n_kv, h_qk] and values [..., n_kv, h_v]: the identity, except for MLA, whose
+    latents are expanded to per-head keys and values."""
+    if cfg.mla is None:
+        return keys, values
+    lead = keys.shape[:-2]
+    k, v = mla_lib.mla_expand(p, keys.reshape(-1, *keys.shape[-2:]),
+                              values.reshape(-1, *values.shape[-2:]), cfg.mla)
+    return k.reshape(*lead, *k.shape[1:]), v.reshape(*lead, *v.shape[1:])
+
+
+def resident_mlp(p: LayerParams, moe_in: Float[Array, "n d"], layer,
+                 cfg: ModelConfig) -> Float[Array, "n d"] | None:
+    """The layer's resident MLP on the normed MoE input: the shared experts of an MoE
+    layer (times sigmoid(x·g) where the family gates them), or a dense layer's MLP; None
+    when the family has neither."""
+    if "mlp_gate" not in p:
+        return None
+    x = moe_in
+    gate = x @ p["mlp_gate"].astype(x.dtype)
+    up = x @ p["mlp_up"].astype(x.dtype)
+    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    out = hidden @ p["mlp_down"].astype(x.dtype)
+    if "shared_gate" in p:
+        scale = jax.nn.sigmoid(jnp.dot(x, p["shared_gate"].astype(x.dtype),
+                                       preferred_element_type=jnp.float32))
+        if cfg.dense_layers:        # a dense layer's MLP is not gated
+            scale = jnp.where(_is_dense(layer, cfg), 1.0, scale)
+        out = (out.astype(jnp.float32) * scale[:, None]).astype(x.dtype)
+    return out
+
+
+def _is_dense(layer, cfg: ModelConfig) -> jax.Array:
+    """Is ``layer`` (static or traced) a dense layer? A constant table indexed by it."""
+    table = jnp.asarray([i in cfg.dense_layers for i in range(cfg.num_layers)])
+    return table[layer]
 
 
 def layer_slice(layer_params: LayerParams, index) -> dict[str, jax.Array]:
@@ -117,12 +178,30 @@ def attention_block(p: LayerParams, layer, x: Float[Array, "n d"], attn, cfg: Mo
     if psum_axis is not None:
         out = jax.lax.psum(out, psum_axis)
     x = (x if rows is None else jnp.take(x, rows, axis=0)) + out
-    return x, attn, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), attn.valid_rows(rows)
+    moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    # The resident MLP (shared experts, a dense layer's MLP) is added here, with the
+    # attention half: every driver (fused, layerwise, host-side) then sums in one order,
+    # and the routed experts are all that is left for the MoE seam.
+    resident = resident_mlp(p, moe_in, layer, cfg)
+    if resident is not None:
+        x = x + resident
+    return x, attn, moe_in, attn.valid_rows(rows)
 
 
-def route_layer(p: LayerParams, moe_in: Float[Array, "n d"], cfg: ModelConfig) -> moe.Routing:
-    """The layer's router on the normed MoE input."""
-    return moe.route(moe_in, p["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+def route_layer(p: LayerParams, moe_in: Float[Array, "n d"], cfg: ModelConfig,
+                layer=None) -> moe.Routing:
+    """The layer's router on the normed MoE input (the family's scoring, groups and
+    scaling). A dense layer (``layer`` given) routes with weight 0: its zero experts add
+    nothing, and every layer keeps one structure."""
+    routing = moe.route_scored(
+        moe_in, p["router"], cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+        scoring=cfg.router_scoring, choice_bias=p.get("score_bias"), n_group=cfg.n_group,
+        topk_group=cfg.topk_group, group_score=cfg.group_score,
+        scaling=cfg.routed_scaling_factor)
+    if cfg.dense_layers and layer is not None:
+        routing = dataclasses.replace(
+            routing, weights=jnp.where(_is_dense(layer, cfg), 0.0, routing.weights))
+    return routing
 
 
 def decoder_layer(p: LayerParams, layer, x: Float[Array, "n d"], attn, dispatcher,
@@ -141,7 +220,7 @@ def decoder_layer(p: LayerParams, layer, x: Float[Array, "n d"], attn, dispatche
     x, attn, moe_in, valid = attention_block(p, layer, x, attn, cfg, rows=rows,
                                              psum_axis=psum_axis)
     if routing is None:
-        routing = route_layer(p, moe_in, cfg)
+        routing = route_layer(p, moe_in, cfg, layer)
     y, moe_carry = dispatcher.apply(layer, moe_in, routing, valid, moe_carry)
     return LayerOutput(x=x + y, attn=attn, moe_carry=moe_carry, routing=routing,
                        moe_in=moe_in)
@@ -190,5 +269,5 @@ def run_layers(layer_params: LayerParams, x: Float[Array, "n d"], attn, dispatch
 
 def _abstract_routing(x: jax.Array, cfg: ModelConfig) -> moe.Routing:
     """A routing of x's rows (for the shapes of an observation; traced abstractly only)."""
-    return moe.route(x, jnp.zeros((x.shape[1], cfg.num_experts), x.dtype),
-                     cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return moe.route_scored(x, jnp.zeros((x.shape[1], cfg.num_experts), x.dtype),
+                            cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)

@@ -71,6 +71,54 @@ def route(x: Float[Array, "T d"], router_w: Float[Array, "d E"], k: int,
     return Routing(weights=weights, experts=experts.astype(jnp.int32), probs=probs)
 
 
+def route_scored(x: Float[Array, "T d"], router_w: Float[Array, "d E"], k: int, *,
+                 norm_topk_prob: bool, scoring: str = "softmax",
+                 choice_bias: Float[Array, "E"] | None = None, n_group: int = 1,
+                 topk_group: int = 1, group_score: str = "max",
+                 scaling: float = 1.0) -> Routing:
+    """The general router of the supported families (``route`` is its softmax case).
+
+    ``scoring``: "softmax" over the E logits, or "sigmoid" per expert (DeepSeek-V3).
+    ``choice_bias`` [E] is added to the scores for choosing the experts only; the combine
+    weights are the unbiased scores (DeepSeek-V3's e_score_correction_bias). With
+    ``n_group`` > 1 the E experts form n_group equal groups, each scored by its best
+    expert ("max", DeepSeek-V2) or the sum of its two best ("top2_sum", V3), and the k
+    experts are chosen from the ``topk_group`` best groups only. ``norm_topk_prob``
+    renormalises the k weights to sum to 1, then they are multiplied by ``scaling``
+    (routed_scaling_factor). ``probs`` holds the scores (what a balance statistic reads).
+    """
+    logits = jnp.dot(x, router_w.astype(x.dtype), preferred_element_type=jnp.float32)
+    if scoring == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    elif scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        raise ValueError(f"unknown router scoring {scoring!r}")
+    choice = scores if choice_bias is None else scores + choice_bias.astype(jnp.float32)
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.reshape(t, n_group, e // n_group)
+        if group_score == "top2_sum":
+            group = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        else:
+            group = jnp.max(grouped, axis=-1)
+        _, best = jax.lax.top_k(group, topk_group)
+        keep = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], best].set(True)
+        # Experts of the other groups can never be chosen (-inf; V2 masks its softmax
+        # scores to 0, which picks the same experts since every kept score is > 0).
+        choice = jnp.where(jnp.repeat(keep, e // n_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if norm_topk_prob:
+        denominator = jnp.sum(weights, axis=-1, keepdims=True)
+        if scoring == "sigmoid":
+            denominator = denominator + 1e-20      # as DeepSeek-V3 (sigmoid sums may be tiny)
+        weights = weights / denominator
+    if scaling != 1.0:
+        weights = weights * scaling
+    return Routing(weights=weights, experts=experts.astype(jnp.int32), probs=scores)
+
+
 def permute(x: Float[Array, "T d"], routing: Routing, num_experts: int,
             valid: Bool[Array, "T"] | None = None) -> Permutation:
     """Sort the T·k routed rows by expert.

@@ -10,6 +10,17 @@ matrices are stored [in, out]:
     final_norm [d]
     lm_head [d, V] (absent when the embeddings are tied)
 
+Family pieces (present only where the config has them): q_norm [L, n_q·h] / k_norm
+[L, n_kv·h] (norm over all heads, OLMoE); bq [L, n_q·h], bk / bv [L, n_kv·h] (Qwen2-MoE);
+MLA instead of wq/wk/wv and the q/k norms (``moejax.mla_shape.mla_param_shapes``,
+stacked); score_bias [L, E] (DeepSeek-V3's correction bias, used for the choice only);
+mlp_gate / mlp_up [L, d, F_r], mlp_down [L, F_r, d]: the resident MLP of each layer (the
+shared experts of an MoE layer, the MLP of a dense layer; F_r the wider of the two, the
+narrower zero-padded); shared_gate [L, d] (Qwen2-MoE's sigmoid gate of the shared
+expert). Dense layers keep zero expert weights and a zero router in the expert stacks, and
+the layer multiplies their routed output by 0: every layer has one structure, so one
+compiled loop body serves them all.
+
 No JAX import here, so the checkpoint reader stays cheap to import.
 """
 
@@ -19,6 +30,7 @@ from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from moejax.config import ModelConfig
+from moejax.mla_shape import mla_param_shapes
 
 Params = dict[str, Any]
 
@@ -39,12 +51,26 @@ def param_shapes(cfg: ModelConfig) -> Params:
     d, L, h, E = cfg.hidden_size, cfg.num_layers, cfg.head_dim, cfg.num_experts
     f, V = cfg.moe_intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
-    layers = {"attn_norm": (L, d), "wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv),
-              "wo": (L, q, d), "mlp_norm": (L, d), "router": (L, d, E),
-              "w_gate": (L, E, d, f), "w_up": (L, E, d, f), "w_down": (L, E, f, d)}
+    layers: dict[str, tuple[int, ...]] = {"attn_norm": (L, d)}
+    if cfg.mla is not None:
+        layers.update({name: (L, *shape)
+                       for name, shape in mla_param_shapes(cfg.mla, d).items()})
+    else:
+        layers.update({"wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv), "wo": (L, q, d)})
+    layers.update({"mlp_norm": (L, d), "router": (L, d, E),
+                   "w_gate": (L, E, d, f), "w_up": (L, E, d, f), "w_down": (L, E, f, d)})
     if cfg.qk_norm:
-        layers["q_norm"] = (L, h)
-        layers["k_norm"] = (L, h)
+        layers["q_norm"] = (L, q) if cfg.qk_norm_over_heads else (L, h)
+        layers["k_norm"] = (L, kv) if cfg.qk_norm_over_heads else (L, h)
+    if cfg.qkv_bias:
+        layers.update({"bq": (L, q), "bk": (L, kv), "bv": (L, kv)})
+    if cfg.score_correction_bias:
+        layers["score_bias"] = (L, E)
+    if cfg.resident_mlp_size:
+        fr = cfg.resident_mlp_size
+        layers.update({"mlp_gate": (L, d, fr), "mlp_up": (L, d, fr), "mlp_down": (L, fr, d)})
+    if cfg.shared_expert_gate:
+        layers["shared_gate"] = (L, d)
     shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, V)

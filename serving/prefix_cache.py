@@ -48,7 +48,7 @@ SequenceOutput = tuple[list[np.ndarray], "np.ndarray | None"]
 def blocks_for_budget(cfg: ModelConfig, budget_bytes: int, itemsize: int,
                       block_size: int = BLOCK_SIZE) -> int:
     """Pool blocks that fit ``budget_bytes`` (keys and values of every layer)."""
-    per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    per_block = block_size * cfg.kv_bytes_per_token(itemsize)
     return max(0, int(budget_bytes) // per_block)
 
 

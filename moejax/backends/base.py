@@ -141,11 +141,12 @@ class Backend(abc.ABC):
             raise BackendError(f"a prefix pool needs num_blocks >= 1 and block_size >= 1, "
                                f"got {num_blocks} and {block_size}")
         cfg = self.cfg
-        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        heads, key_dim, value_dim = cfg.kv_store_dims
+        shape = (cfg.num_layers, num_blocks * block_size, heads)
         # One eager op, cached across engines and backends (a jit per call would compile
         # per engine).
-        return PrefixPool(keys=jnp.zeros(shape, self.dtype, device=sharding),
-                          values=jnp.zeros(shape, self.dtype, device=sharding))
+        return PrefixPool(keys=jnp.zeros((*shape, key_dim), self.dtype, device=sharding),
+                          values=jnp.zeros((*shape, value_dim), self.dtype, device=sharding))
 
     def time_expert_transfer(self, repeats: int) -> tuple[str, float] | None:
         """(channel, median seconds) of moving one layer's experts over this backend's

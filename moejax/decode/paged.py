@@ -33,8 +33,10 @@ at most once per layer, so a count never passes 16.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,7 +45,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.attention import MASK_VALUE, Window, clamp_window, in_window
 from moejax.config import ModelConfig
-from moejax.layers import LayerParams, project_kv, project_q
+from moejax.layers import LayerParams, expand_kv, project_kv, project_q
 from moejax.prefix_hash import BLOCK_SIZE
 
 _STATIC = {"static": True}
@@ -56,8 +58,8 @@ class PagedKV:
     expert_counts: the signature cache [num_blocks, L, E] int8, or None (module
     docstring)."""
 
-    keys: Float[Array, "L S n_kv h"]
-    values: Float[Array, "L S n_kv h"]
+    keys: Float[Array, "L S n_kv hk"]
+    values: Float[Array, "L S n_kv hv"]
     expert_counts: Int[Array, "NB L E"] | None = None
 
     @property
@@ -67,7 +69,7 @@ class PagedKV:
 
 def block_bytes(cfg: ModelConfig, itemsize: int) -> int:
     """Bytes of one block of keys and values over every layer."""
-    return 2 * cfg.num_layers * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return BLOCK_SIZE * cfg.kv_bytes_per_token(itemsize)
 
 
 def expert_count_bytes(cfg: ModelConfig) -> int:
@@ -79,11 +81,13 @@ def empty_paged_kv(cfg: ModelConfig, num_blocks: int, dtype: Any, device: Any = 
                    expert_counts: bool = False) -> PagedKV:
     """A zeroed pool of ``num_blocks`` blocks (placed on ``device``: a device or sharding),
     with a zeroed signature cache when ``expert_counts``."""
-    shape = (cfg.num_layers, num_blocks * BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    heads, key_dim, value_dim = cfg.kv_store_dims
+    shape = (cfg.num_layers, num_blocks * BLOCK_SIZE, heads)
     counts = (jnp.zeros((num_blocks, cfg.num_layers, cfg.num_experts), jnp.int8,
                         device=device) if expert_counts else None)
-    return PagedKV(keys=jnp.zeros(shape, dtype, device=device),
-                   values=jnp.zeros(shape, dtype, device=device), expert_counts=counts)
+    return PagedKV(keys=jnp.zeros((*shape, key_dim), dtype, device=device),
+                   values=jnp.zeros((*shape, value_dim), dtype, device=device),
+                   expert_counts=counts)
 
 
 @jax.tree_util.register_dataclass
@@ -126,15 +130,16 @@ class SoftmaxState:
         return self.acc / jnp.maximum(self.total, jnp.finfo(jnp.float32).tiny)[..., None]
 
 
-def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n_kv h"],
-                    pool_values: Float[Array, "L S n_kv hv"], layer: Int[Array, ""],
+def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S s hk"],
+                    pool_values: Float[Array, "L S s hpv"], layer: Int[Array, ""],
                     block_tables: Int[Array, "B MB"], context_len: Int[Array, "B"],
                     new_keys: Float[Array, "T n_kv h"], new_values: Float[Array, "T n_kv hv"],
                     segments: Int[Array, "B"], positions: Int[Array, "B C"],
                     new_valid: Bool[Array, "T"], chunk_blocks: int, *,
                     sinks: Float[Array, "n_q"] | None = None,
-                    window: Window | None = None
-                    ) -> Float[Array, "B C n_q hv"]:
+                    window: Window | None = None,
+                    expand: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+                    | None = None) -> Float[Array, "B C n_q hv"]:
     """Attention of each row's C queries (at ``positions``) over its pooled context and
     the step's new keys, one softmax over both, in float32, grouped-query.
 
@@ -153,17 +158,20 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n
     position p_k (a pooled slot's position is its index in the row's table order) is
     visible to a query at p_q only if ``p_q - p_k < window``; the context loop then starts
     at the first chunk the earliest valid query's window reaches (as :mod:`moejax.attention`).
+    ``expand``: the pool holds a stored form (MLA's latents) that ``expand(keys, values)``
+    turns into attention keys/values, chunk by chunk; ``new_keys``/``new_values`` come
+    expanded already.
     """
     b, c, n_q, h = q.shape
-    n_kv = pool_keys.shape[2]
-    hv = pool_values.shape[-1]
+    n_kv = new_keys.shape[1]
+    hv = new_values.shape[-1]
     groups = n_q // n_kv
     queries = q.reshape(b, c, n_kv, groups, h) * (1.0 / math.sqrt(h))
     chunk_slots = chunk_blocks * BLOCK_SIZE
     slot_offsets = jnp.arange(chunk_slots)
     # [L, blocks, 16, n_kv, h]: a view (no copy) whose rows are whole blocks.
     block_keys = pool_keys.reshape(pool_keys.shape[0], -1, BLOCK_SIZE, *pool_keys.shape[2:])
-    block_values = pool_values.reshape(*block_keys.shape[:-1], hv)
+    block_values = pool_values.reshape(*block_keys.shape[:-1], pool_values.shape[-1])
     if window is not None:
         window = clamp_window(window)
 
@@ -171,8 +179,10 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S n
         start = i * chunk_slots
         blocks = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_blocks, chunk_blocks,
                                               axis=1)
-        keys = block_keys[layer, blocks].reshape(b, chunk_slots, n_kv, h)
-        values = block_values[layer, blocks].reshape(b, chunk_slots, n_kv, hv)
+        keys = block_keys[layer, blocks].reshape(b, chunk_slots, *pool_keys.shape[2:])
+        values = block_values[layer, blocks].reshape(b, chunk_slots, *pool_values.shape[2:])
+        if expand is not None:
+            keys, values = expand(keys, values)
         scores = jnp.einsum("bckgh,bwkh->bkgcw", queries, keys,
                             preferred_element_type=jnp.float32)
         visible = (start + slot_offsets)[None, :] < context_len[:, None]       # [B, w]
@@ -295,20 +305,23 @@ class PagedRows:
             raise ValueError("paged attention runs every row (rows must be None)")
         q = project_q(p, h_in, self.positions, cfg)
         k, v = project_kv(p, h_in, self.positions, cfg)
+        attn_k, attn_v = expand_kv(p, k, v, cfg)
+        expand = None if cfg.mla is None else functools.partial(expand_kv, p, cfg=cfg)
         batch = self.context_len.shape[0]
         split = lambda a: a.reshape(batch, self.chunk, *a.shape[1:])   # noqa: E731
         # The pool is gathered per chunk inside the attention, from the whole pool:
         # slicing the layer out first would copy it.
         out = paged_attention(split(q), self.pool_keys, self.pool_values, layer,
-                              self.block_tables, self.context_len, k, v, self.segments,
-                              split(self.positions), self.valid, self.chunk_blocks)
+                              self.block_tables, self.context_len, attn_k, attn_v,
+                              self.segments, split(self.positions), self.valid,
+                              self.chunk_blocks, expand=expand)
         kind = dataclasses.replace(self, new_keys=self.new_keys.at[layer].set(k),
                                    new_values=self.new_values.at[layer].set(v))
         return out.reshape(q.shape), kind
 
 
-def write_rows(kv: PagedKV, slots: Int[Array, "BC"], new_keys: Float[Array, "L BC n_kv h"],
-               new_values: Float[Array, "L BC n_kv h"],
+def write_rows(kv: PagedKV, slots: Int[Array, "BC"], new_keys: Float[Array, "L BC n_kv hk"],
+               new_values: Float[Array, "L BC n_kv hv"],
                experts: Int[Array, "L BC k"] | None = None) -> PagedKV:
     """The pool with a step's new rows stored at ``slots`` (slot S, past the end: dropped),
     and, when the pool keeps a signature cache and ``experts`` (the rows' top-k ids) is

@@ -179,7 +179,7 @@ def attention_program(params: Params, layer: Int[Array, ""], x: Float[Array, "BC
     p = layers_lib.layer_slice(params["layers"], layer)
     attn = dataclasses.replace(attn, pool_keys=kv.keys, pool_values=kv.values)
     x, attn, moe_in, _ = layers_lib.attention_block(p, layer, x, attn, cfg)
-    return x, attn.carry(), moe_in, layers_lib.route_layer(p, moe_in, cfg)
+    return x, attn.carry(), moe_in, layers_lib.route_layer(p, moe_in, cfg, layer)
 
 
 def moe_program(experts: dict[str, jax.Array], layer: Int[Array, ""], x: Float[Array, "BC d"],

@@ -83,7 +83,7 @@ def _replay_rows(params: Params, tokens: Int[Array, "T"], positions: Int[Array, 
     for layer in range(cfg.num_layers):
         p = layers_lib.layer_slice(stacked, layer)
         residual, attn, moe_in, valid = layers_lib.attention_block(p, layer, x, attn, cfg)
-        routing = layers_lib.route_layer(p, moe_in, cfg)
+        routing = layers_lib.route_layer(p, moe_in, cfg, layer)
         y, _ = dispatcher.apply(layer, moe_in, routing, valid, dispatcher.init_carry())
         x = residual + y
         seen.append((residual.astype(jnp.float32), moe_in.astype(jnp.float32),
