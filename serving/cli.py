@@ -223,8 +223,18 @@ def cmd_info(args: argparse.Namespace) -> int:
     scorer = Scorer(args.model, **scorer_options(args))
     info = dict(scorer.info)
     cfg = scorer.config
+    heads, key_dim, value_dim = cfg.kv_store_dims
     info.update(params=cfg.num_params(), linear_flops_per_token=cfg.linear_flops_per_token,
-                token_buckets=scorer.engine.policy.token_buckets(cfg.max_context))
+                token_buckets=scorer.engine.policy.token_buckets(cfg.max_context),
+                model_type=cfg.model_type,
+                kv_cache={"per_token_per_layer": {"heads": heads, "key_dim": key_dim,
+                                                  "value_dim": value_dim},
+                          "stores": "latent + rope key" if cfg.mla is not None
+                          else "per-head keys and values",
+                          "bytes_per_token": cfg.kv_bytes_per_token(
+                              scorer.engine.dtype.itemsize)},
+                dense_layers=list(cfg.dense_layers),
+                shared_expert_size=cfg.shared_intermediate_size)
     print(json.dumps(info, indent=2), flush=True)   # a closed stdout fails here, not at exit
     return 0
 

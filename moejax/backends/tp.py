@@ -50,7 +50,22 @@ from moejax.param_layout import EXPERT_KEYS, Params
 AXIS = "tp"
 
 # Stacked layer params -> the axis sharded over "tp" (others are replicated).
-SHARDED_AXIS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 3, "w_up": 3, "w_down": 2}
+SHARDED_AXIS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 3, "w_up": 3, "w_down": 2,
+                "bq": 1, "bk": 1, "bv": 1}
+
+
+def check_family(cfg: ModelConfig) -> None:
+    """BackendError for the attention variants a head-sharded layer cannot compute
+    locally. (Shared experts and dense layers' MLPs are replicated: each device runs them
+    whole after the all-reduce.)"""
+    if cfg.mla is not None:
+        raise BackendError(f"backend 'tp' does not serve {cfg.model_type}: multi-head latent "
+                           "attention shares one latent over every head, which 'tp' does not "
+                           "shard; use resident, offload, async_ep or sync_ep")
+    if cfg.qk_norm and cfg.qk_norm_over_heads:
+        raise BackendError(f"backend 'tp' does not serve {cfg.model_type}: its q/k norm spans "
+                           "every head, so a device holding some heads cannot compute it; use "
+                           "resident, offload, async_ep or sync_ep")
 
 
 # ------------------------------------------------------------------ layout
@@ -181,6 +196,7 @@ class TPBackend(Backend):
         super().__init__(cfg, dtype=dtype)
         self._devices = require_devices(self.name, devices)
         shards = len(self._devices)
+        check_family(cfg)
         check_heads(cfg, shards)
         self.mesh = Mesh(np.array(self._devices), (AXIS,))
         self.f_padded = padded_intermediate(cfg.moe_intermediate_size, shards)

@@ -102,8 +102,9 @@ def predict_next(kind: str, layer_params: dict[str, jax.Array], tables: Prefetch
     (``layer_params``: the stacked layer params; experts may be absent)."""
     if kind not in LEARNED:
         raise ValueError(f"predict_next computes {LEARNED}, not {kind!r}")
-    nxt = layers_lib.layer_slice({k: layer_params[k] for k in ("mlp_norm", "router")},
-                                 layer + 1)
+    nxt = layers_lib.layer_slice({k: layer_params[k] for k in ("mlp_norm", "router",
+                                                                "score_bias")
+                                  if k in layer_params}, layer + 1)
     eps = cfg.rms_norm_eps
     if kind == "router":
         return layers_lib.route_layer(nxt, residual_state(residual, nxt["mlp_norm"], eps), cfg)
