@@ -470,3 +470,10 @@ def test_request_limits_and_prompt_sharing_are_command_options(tmp_path, capsys)
     assert cli.main(["info", "--max-candidates", "7", "--share-prompts", "false"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["limits"]["max_candidates"] == 7 and info["share_prompts"] is False
+    # the KV layout of the demo (grouped-query attention: keys and values per kv head)
+    kv = info["kv_cache"]
+    dims = kv["per_token_per_layer"]
+    assert kv["stores"] == "per-head keys and values" and dims["key_dim"] == dims["value_dim"]
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[info["dtype"]]
+    assert kv["bytes_per_token"] % (2 * dims["heads"] * dims["key_dim"] * itemsize) == 0
+    assert info["model_type"] == "qwen3_moe" and info["dense_layers"] == []
