@@ -10,9 +10,13 @@ warmed up first (moejax compiles its bucketed shapes; torch runs one batch),
 then timed over the whole workload (best of ``--repeats`` passes, alternating
 between the two engines), and the candidate log-probs are compared.
 
-    python benchmarks/prefill_cpu.py [--quick] [--json PATH]
+``--family`` picks the model family (default ``qwen3_moe``): the same shape built with
+that family's own transformers config class (its attention, routing, shared experts and
+dense layers as :data:`FAMILIES` describes), compared the same way.
 
-JSON keys: moejax_tokens_per_s, transformers_tokens_per_s, speedup_vs_transformers,
+    python benchmarks/prefill_cpu.py [--quick] [--family F] [--json PATH]
+
+JSON keys: family, moejax_tokens_per_s, transformers_tokens_per_s, speedup_vs_transformers,
 max_abs_logprob_diff, label_agreement, tokens, requests, threads.
 """
 
@@ -40,20 +44,85 @@ QUICK = dict(hidden=128, layers=2, experts=8, top_k=2, moe_intermediate=64, head
              hf_batch=8)
 
 
-def build_checkpoint(shape: dict, out_dir: str, seed: int = 0) -> None:
-    """A random Qwen3-MoE written with `save_pretrained`, plus a tokenizer.json."""
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+# family -> (transformers config class, causal-LM class, what the family adds). Every
+# family gets the shape above: hidden d, layers, heads / kv heads, head_dim, vocab, E
+# experts, top-k, expert width f. Dense MLPs are 4d wide for Qwen3-MoE (as before
+# --family existed: the default model is unchanged) and 4f elsewhere, as is Qwen2-MoE's
+# shared expert; DeepSeek's shared expert is f wide.
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  "q/k norm per head, softmax top-k renormalised"),
+    "qwen3_moe_dense": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        "qwen3_moe with a dense first layer (mlp_only_layers=[0])"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "softmax over the top-k logits"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              "q/k norm over all heads, top-k not renormalised"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  "q/k/v biases, a sigmoid-gated shared expert"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    "MLA (q LoRA), sigmoid group-limited routing with a score correction, "
+                    "a shared expert, a dense first layer"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    "MLA (no q LoRA), softmax group-limited routing, a shared expert, a "
+                    "dense first layer"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                "attention sinks and biases, alternating sliding-window layers (window: a "
+                "quarter of the longest prompt), biased router and experts, clamped SwiGLU"),
+}
 
+
+def family_config(family: str, shape: dict):
+    """The transformers config of ``family`` at ``shape``."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    d, f = shape["hidden"], shape["moe_intermediate"]
+    common = dict(vocab_size=shape["vocab"], hidden_size=d, num_hidden_layers=shape["layers"],
+                  num_attention_heads=shape["heads"], num_experts_per_tok=shape["top_k"],
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    gqa = dict(num_key_value_heads=shape["kv_heads"])
+    e = shape["experts"]
+    if family in ("qwen3_moe", "qwen3_moe_dense"):
+        extra = dict(mlp_only_layers=[0]) if family == "qwen3_moe_dense" else {}
+        kwargs = dict(gqa, head_dim=shape["head_dim"], num_experts=e, moe_intermediate_size=f,
+                      intermediate_size=4 * d, norm_topk_prob=True,
+                      max_position_embeddings=4096, **extra)
+    elif family == "mixtral":
+        kwargs = dict(gqa, head_dim=shape["head_dim"], num_local_experts=e, intermediate_size=f,
+                      max_position_embeddings=4096)
+    elif family == "olmoe":          # head_dim = hidden / heads
+        kwargs = dict(gqa, num_experts=e, intermediate_size=f, max_position_embeddings=4096)
+    elif family == "qwen2_moe":      # head_dim = hidden / heads
+        kwargs = dict(gqa, num_experts=e, moe_intermediate_size=f, intermediate_size=4 * f,
+                      shared_expert_intermediate_size=4 * f, qkv_bias=True,
+                      max_position_embeddings=4096)
+    elif family in ("deepseek_v3", "deepseek_v2"):
+        h = shape["head_dim"]
+        kwargs = dict(num_key_value_heads=shape["heads"], kv_lora_rank=d // 4,
+                      qk_nope_head_dim=h, qk_rope_head_dim=h // 2, v_head_dim=h,
+                      n_routed_experts=e, moe_intermediate_size=f, n_shared_experts=1,
+                      first_k_dense_replace=1, intermediate_size=4 * f, n_group=4,
+                      topk_group=2, max_position_embeddings=4096)
+        if family == "deepseek_v3":
+            kwargs.update(q_lora_rank=d // 2, routed_scaling_factor=2.5, norm_topk_prob=True)
+        else:
+            kwargs.update(q_lora_rank=None, topk_method="group_limited_greedy")
+    else:                            # gpt_oss: its own YaRN RoPE and 131072 context
+        kwargs = dict(gqa, head_dim=shape["head_dim"], num_local_experts=e,
+                      intermediate_size=f, sliding_window=max(4, shape["max_len"] // 4),
+                      attention_bias=True)
+    return getattr(transformers, FAMILIES[family][0])(**common, **kwargs)
+
+
+def build_checkpoint(shape: dict, out_dir: str, seed: int = 0, family: str = "qwen3_moe") -> None:
+    """A random ``family`` model written with `save_pretrained`, plus a tokenizer.json."""
+    import torch
+    import transformers
+
+    config = family_config(family, shape)
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-        intermediate_size=4 * shape["hidden"], moe_intermediate_size=shape["moe_intermediate"],
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
-        num_experts=shape["experts"], num_experts_per_tok=shape["top_k"], norm_topk_prob=True,
-        max_position_embeddings=4096, tie_word_embeddings=False)
-    Qwen3MoeForCausalLM(config).save_pretrained(out_dir)
+    getattr(transformers, FAMILIES[family][1])(config).save_pretrained(out_dir)
     from moejax.demo import ensure_demo_model  # any tokenizer.json will do: inputs are token ids
 
     shutil.copy(os.path.join(ensure_demo_model(), "tokenizer.json"), out_dir)
@@ -132,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, under a minute")
     parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+    parser.add_argument("--family", choices=list(FAMILIES), default="qwen3_moe",
+                        help="model family (default qwen3_moe)")
     parser.add_argument("--requests", type=int, help="override the number of prompts")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed passes per engine, alternating; the best is kept "
@@ -149,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = sum(len(r["prompt_token_ids"]) for r in requests)
     repeats = args.repeats or (1 if args.quick else 3)
     with tempfile.TemporaryDirectory() as tmp:
-        build_checkpoint(shape, tmp)
+        build_checkpoint(shape, tmp, family=args.family)
         moejax_once, scorer = moejax_pass(tmp, requests)
         hf_once = transformers_pass(tmp, requests, shape["hf_batch"])
         t_moejax, t_hf = float("inf"), float("inf")
@@ -162,6 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     extra = {"compiled_shapes": stats.compiles,
              "padding_fraction": stats.padded_tokens / max(1, stats.padded_tokens + stats.real_tokens)}
     figures = {
+        "family": args.family,
         "moejax_tokens_per_s": tokens / t_moejax,
         "transformers_tokens_per_s": tokens / t_hf,
         "speedup_vs_transformers": t_hf / t_moejax,
@@ -170,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens": tokens, "requests": len(requests), "threads": threads, "repeats": repeats,
         **extra,
     }
-    print(f"prefill scoring (best of {repeats} alternating passes), Qwen3-MoE d={shape['hidden']} L={shape['layers']} "
+    print(f"prefill scoring (best of {repeats} alternating passes), {args.family} d={shape['hidden']} L={shape['layers']} "
           f"E={shape['experts']} k={shape['top_k']}, {len(requests)} prompts of "
           f"{shape['min_len']}-{shape['max_len']} tokens ({tokens} tokens), {threads} threads, f32")
     print(f"{'engine':<14}{'seconds':>10}{'tokens/s':>12}")

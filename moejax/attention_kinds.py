@@ -36,9 +36,20 @@ from jaxtyping import Array, Bool, Float, Int
 from moejax import attention
 from moejax.config import ModelConfig
 from moejax.kv_cache import KVCache, attend_cache, write_prompt, write_token
-from moejax.layers import LayerParams, expand_kv, project_kv, project_q
+from moejax.layers import LayerParams, attention_options, expand_kv, project_kv, project_q
 
 _STATIC = {"static": True}
+
+
+def _options(p: LayerParams, layer, cfg: ModelConfig, positions: jax.Array) -> dict[str, Any]:
+    """The layer's attention options (sinks, window) with the rows' positions when there
+    is a window; {} for the families without them."""
+    extra = attention_options(p, layer, cfg)
+    if "window" in extra:
+        if layer is None:
+            raise ValueError(f"{cfg.model_type}: sliding-window attention needs the layer index")
+        extra["positions"] = positions
+    return extra
 
 
 def _queries_at(p: LayerParams, h_in: jax.Array, positions: jax.Array, rows: jax.Array | None,
@@ -90,19 +101,22 @@ class PackedCausal:
     def attend(self, p: LayerParams, layer, h_in: Float[Array, "T d"],
                rows: Int[Array, "r"] | None, cfg: ModelConfig):
         k, v = self.keys_values(p, h_in, cfg)
-        return self.attend_to(p, h_in, k, v, rows, cfg), self
+        return self.attend_to(p, h_in, k, v, rows, cfg, layer), self
 
     def attend_to(self, p: LayerParams, h_in: Float[Array, "T d"], k: Float[Array, "T s hk"],
                   v: Float[Array, "T s hv"], rows: Int[Array, "r"] | None,
-                  cfg: ModelConfig) -> jax.Array:
+                  cfg: ModelConfig, layer=None) -> jax.Array:
         """The attention of the (given, stored-form) keys and values: what a kind that
-        also stores them calls, so they are projected once."""
+        also stores them calls, so they are projected once. (``layer``: for the family's
+        per-layer attention options, :func:`moejax.layers.attention_options`.)"""
         k, v = expand_kv(p, k, v, cfg)
         q = _queries_at(p, h_in, self.positions, rows, cfg)
+        extra = _options(p, layer, cfg, self.positions)
         if rows is None:
             return attention.packed_attention(q, k, v, self.segment_ids, self.attn_block,
-                                              self.bias)
-        return attention.attention_at_rows(q, k, v, self.segment_ids, rows, self.attn_block)
+                                              self.bias, **extra)
+        return attention.attention_at_rows(q, k, v, self.segment_ids, rows, self.attn_block,
+                                           **extra)
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -114,7 +128,9 @@ class PrefixContext:
     ctx_slot, ctx_lo, ctx_hi: [nb, Cp] int32 — every attention block lists the pool
     slots its segments continue from, each once, and the range of its segments that read
     each (lo <= segment <= hi; lo > hi: unused); store_row, store_slot: [W] int32 —
-    rows whose keys/values are kept, and their pool slots (slot S = dropped).
+    rows whose keys/values are kept, and their pool slots (slot S = dropped);
+    ctx_positions: [nb, Cp] int32 or None — the position of each context entry (what a
+    sliding window needs; None for a model without one).
     """
 
     ctx_slot: jax.Array
@@ -122,6 +138,7 @@ class PrefixContext:
     ctx_hi: jax.Array
     store_row: jax.Array
     store_slot: jax.Array
+    ctx_positions: jax.Array | None = None   # [nb, Cp] position of each context entry
 
     @property
     def reads_pool(self) -> bool:
@@ -161,8 +178,9 @@ class PrefixPooled:
                                  with_bias=not context.reads_pool)
         stored_k = stored_v = None
         if defer_writes:
-            shape = (pool_k.shape[0], context.store_row.shape[0], *pool_k.shape[2:])
-            stored_k, stored_v = jnp.zeros(shape, pool_k.dtype), jnp.zeros(shape, pool_v.dtype)
+            rows = (pool_k.shape[0], context.store_row.shape[0])
+            stored_k = jnp.zeros((*rows, *pool_k.shape[2:]), pool_k.dtype)
+            stored_v = jnp.zeros((*rows, *pool_v.shape[2:]), pool_v.dtype)
         return cls(packed=packed, context=context, pool_k=pool_k, pool_v=pool_v,
                    stored_k=stored_k, stored_v=stored_v)
 
@@ -192,26 +210,33 @@ class PrefixPooled:
         packed, ctx = self.packed, self.context
         k, v = packed.keys_values(p, h_in, cfg)
         if not ctx.reads_pool:
-            out = packed.attend_to(p, h_in, k, v, rows, cfg)
+            out = packed.attend_to(p, h_in, k, v, rows, cfg, layer)
         else:
             # Gathered from the pool directly: slicing the layer out first would copy it.
             ctx_k, ctx_v = expand_kv(p, self.pool_k[layer, ctx.ctx_slot],
                                      self.pool_v[layer, ctx.ctx_slot], cfg)
             attn_k, attn_v = expand_kv(p, k, v, cfg)
+            extra = _options(p, layer, cfg, packed.positions)
+            if "window" in extra:
+                if ctx.ctx_positions is None:
+                    raise ValueError(f"{cfg.model_type}: sliding-window attention over a "
+                                     "prefix context needs its ctx_positions")
+                extra["ctx_positions"] = ctx.ctx_positions
             if rows is None or rows.shape[0] >= ctx.ctx_slot.shape[0]:
                 # At least one row per block: gathering each row's own context would copy
                 # it once per row; attend every row with its block's, then take the rows.
                 q = _queries_at(p, h_in, packed.positions, None, cfg)
                 out = attention.context_attention(q, attn_k, attn_v, packed.segment_ids,
                                                   packed.attn_block,
-                                                  ctx_k, ctx_v, ctx.ctx_lo, ctx.ctx_hi)
+                                                  ctx_k, ctx_v, ctx.ctx_lo, ctx.ctx_hi,
+                                                  **extra)
                 out = out if rows is None else out[rows]
             else:
                 q = _queries_at(p, h_in, packed.positions, rows, cfg)
                 out = attention.context_attention_at_rows(q, attn_k, attn_v, packed.segment_ids,
                                                           rows,
                                                           packed.attn_block, ctx_k, ctx_v,
-                                                          ctx.ctx_lo, ctx.ctx_hi)
+                                                          ctx.ctx_lo, ctx.ctx_hi, **extra)
         if self.stored_k is not None:   # kept for written(), after the loop
             return out, dataclasses.replace(
                 self, stored_k=self.stored_k.at[layer].set(k[ctx.store_row]),
@@ -249,7 +274,7 @@ class PromptToCache:
     def attend(self, p: LayerParams, layer, h_in: Float[Array, "T d"],
                rows: Int[Array, "r"] | None, cfg: ModelConfig):
         k, v = self.packed.keys_values(p, h_in, cfg)
-        out = self.packed.attend_to(p, h_in, k, v, rows, cfg)
+        out = self.packed.attend_to(p, h_in, k, v, rows, cfg, layer)
         batch = k.shape[0] // self.prompt_len
         cache = write_prompt(self.cache, layer, k.reshape(batch, self.prompt_len, *k.shape[1:]),
                              v.reshape(batch, self.prompt_len, *v.shape[1:]))
@@ -285,5 +310,6 @@ class CacheSlots:
         k, v = project_kv(p, h_in, self.positions, cfg)
         cache = write_token(self.cache, layer, self.positions, k, v)
         keys, values = expand_kv(p, cache.keys[layer], cache.values[layer], cfg)
-        out = attend_cache(q, keys, values, self.positions + 1)
+        extra = attention_options(p, layer, cfg)
+        out = attend_cache(q, keys, values, self.positions + 1, **extra)
         return out, dataclasses.replace(self, cache=cache)

@@ -37,6 +37,7 @@ import numpy as np
 
 from moejax.config import ModelConfig, load_config
 from moejax.mla_shape import HF_TENSOR_NAMES, mla_param_shapes
+from moejax.mxfp4 import dequantize_expert_tensor
 from moejax.param_layout import Params, param_shapes, shape_problems
 # Re-exported so that callers need one module for checkpoint I/O.
 from moejax.safetensors_io import (INDEX_FILE, SINGLE_FILE, WEIGHT_CODES,  # noqa: F401
@@ -89,6 +90,15 @@ class _Slot:
     name: str
     shape: tuple[int, ...]
     writes: tuple[_Write, ...]
+    # MXFP4 (GPT-OSS): ``name`` is the uint8 ``<kind>_blocks`` tensor, paired with the
+    # scales tensor (kind, scales name, scales shape); dequantized on load
+    # (``moejax.mxfp4.dequantize_expert_tensor``) before the writes see it.
+    mxfp4: tuple[str, str, tuple[int, ...]] | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The checkpoint tensors this slot reads."""
+        return (self.name,) if self.mxfp4 is None else (self.name, self.mxfp4[1])
 
 
 def _moe_prefix(cfg: ModelConfig, layer: str, names: set[str]) -> str:
@@ -130,6 +140,36 @@ def _expert_slots(cfg: ModelConfig, i: int, moe: str, names: set[str]) -> list[_
     return slots
 
 
+def _gpt_oss_expert_slots(cfg: ModelConfig, i: int, moe: str, names: set[str]) -> list[_Slot]:
+    """GPT-OSS's experts of layer ``i``: ``experts.gate_up_proj [E, d, 2f]`` ([in, out],
+    gate at the even output columns, up at the odd ones) and ``experts.down_proj
+    [E, f, d]``, or their MXFP4 pairs ``<proj>_blocks``/``_scales`` (``[E, out, in/32,
+    16]`` / ``[E, out, in/32]``); the biases ``gate_up_proj_bias [E, 2f]`` (interleaved
+    alike) and ``down_proj_bias [E, d]``."""
+    E, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gate_up, down = f"{moe}experts.gate_up_proj", f"{moe}experts.down_proj"
+    gate_up_writes = (_Write(("layers", "w_gate"), (i,), lambda a: a[..., ::2]),
+                      _Write(("layers", "w_up"), (i,), lambda a: a[..., 1::2]))
+    down_writes = (_Write(("layers", "w_down"), (i,), _same),)
+
+    def matrix(name: str, kind: str, shape: tuple[int, ...], out: int, inner: int,
+               writes: tuple[_Write, ...]) -> _Slot:
+        if f"{name}_blocks" in names or f"{name}_scales" in names:
+            groups = inner // 32 if inner % 32 == 0 else inner / 32   # a bad width: named
+            return _Slot(f"{name}_blocks", (E, out, groups, 16), writes,
+                         mxfp4=(kind, f"{name}_scales", (E, out, groups)))
+        return _Slot(name, shape, writes)
+
+    return [
+        matrix(gate_up, "gate_up_proj", (E, d, 2 * f), 2 * f, d, gate_up_writes),
+        _Slot(f"{gate_up}_bias", (E, 2 * f), (
+            _Write(("layers", "b_gate"), (i,), lambda a: a[..., ::2]),
+            _Write(("layers", "b_up"), (i,), lambda a: a[..., 1::2]))),
+        matrix(down, "down_proj", (E, f, d), d, f, down_writes),
+        _Slot(f"{down}_bias", (E, d), (_Write(("layers", "b_down"), (i,), _same),)),
+    ]
+
+
 def _attention_slots(cfg: ModelConfig, i: int) -> list[_Slot]:
     """Layer ``i``'s attention tensors: q/k/v/o (with biases, q/k norms) or MLA's."""
     d, h = cfg.hidden_size, cfg.head_dim
@@ -154,6 +194,10 @@ def _attention_slots(cfg: ModelConfig, i: int) -> list[_Slot]:
         slots += [slot("self_attn.q_proj.bias", (q,), "bq", _same),
                   slot("self_attn.k_proj.bias", (kv,), "bk", _same),
                   slot("self_attn.v_proj.bias", (kv,), "bv", _same)]
+    if cfg.o_bias:
+        slots.append(slot("self_attn.o_proj.bias", (d,), "bo", _same))
+    if cfg.attention_sinks:
+        slots.append(slot("self_attn.sinks", (cfg.num_heads,), "sinks", _same))
     if cfg.qk_norm:
         q_norm, k_norm = ((q,), (kv,)) if cfg.qk_norm_over_heads else ((h,), (h,))
         slots.append(slot("self_attn.q_norm.weight", q_norm, "q_norm", _same))
@@ -187,6 +231,11 @@ def _layer_slots(cfg: ModelConfig, i: int, names: set[str]) -> list[_Slot]:
     if i in cfg.dense_layers:
         # No router, no experts: those stay zero (the layer routes with weight 0).
         return slots + _mlp_slots(f"{p}mlp.", i, cfg.dense_intermediate_size, d)
+    if cfg.model_type == "gpt_oss":
+        return slots + [
+            _Slot(f"{moe}router.weight", (E, d), (_Write(("layers", "router"), (i,), _swap),)),
+            _Slot(f"{moe}router.bias", (E,), (_Write(("layers", "router_bias"), (i,), _same),)),
+        ] + _gpt_oss_expert_slots(cfg, i, moe, names)
     slots.append(_Slot(f"{moe}gate.weight", (E, d), (_Write(("layers", "router"), (i,), _swap),)))
     if cfg.score_correction_bias:
         slots.append(_Slot(f"{moe}gate.e_score_correction_bias", (E,),
@@ -229,20 +278,27 @@ def _listing(items: list[str], limit: int = 8) -> str:
 def _validate(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot], strict: bool) -> None:
     """Check names, shapes and dtypes before any data is read, and report all problems at once."""
     where = reader.model_dir
-    missing = [f"{s.name} (expected shape {s.shape})" for s in plan if s.name not in reader.names]
+    # (name, expected shape, allowed dtype codes) of every tensor read: MXFP4 pairs are
+    # uint8 (dequantized on load), every other weight a float.
+    wanted = [(s.name, s.shape, WEIGHT_CODES if s.mxfp4 is None else ("U8",)) for s in plan]
+    wanted += [(s.mxfp4[1], s.mxfp4[2], ("U8",)) for s in plan if s.mxfp4 is not None]
+    missing = [f"{name} (expected shape {shape})" for name, shape, _ in wanted
+               if name not in reader.names]
     if missing:
         raise CheckpointError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the config "
                               f"needs: missing {_listing(missing)}")
-    wrong = [f"{s.name}: expected shape {s.shape}, found {reader.info(s.name).shape}"
-             for s in plan if reader.info(s.name).shape != s.shape]
+    wrong = [f"{name}: expected shape {shape}, found {reader.info(name).shape}"
+             for name, shape, _ in wanted if reader.info(name).shape != shape]
     if wrong:
         raise CheckpointError(_listing(wrong) + f" (in {where})")
-    not_float = [f"{s.name} ({reader.info(s.name).dtype})" for s in plan
-                 if reader.info(s.name).dtype not in WEIGHT_CODES]
-    if not_float:
+    bad_dtype = [f"{name} ({reader.info(name).dtype})" + ("" if codes == WEIGHT_CODES
+                                                          else f", expected {'/'.join(codes)}")
+                 for name, _, codes in wanted if reader.info(name).dtype not in codes]
+    if bad_dtype:
         raise CheckpointError(f"{where}: moejax loads only F16/BF16/F32 weights (quantized "
-                              f"checkpoints are not supported): {_listing(not_float)}")
-    used = {s.name for s in plan}
+                              "checkpoints are not supported, except GPT-OSS's MXFP4 expert "
+                              f"pairs as uint8): {_listing(bad_dtype)}")
+    used = {name for s in plan for name in s.names}
     extra = sorted(n for n in reader.names - used if not _ignorable(n, cfg))
     if extra:
         message = (f"{where}: checkpoint has {len(extra)} tensor(s) the {cfg.model_type} config "
@@ -276,6 +332,11 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
     params = _allocate(expected_param_shapes(cfg), target)
     for slot in plan:
         source = reader.get(slot.name)
+        if slot.mxfp4 is not None:     # one tensor at a time, straight to [E, in, out]
+            kind, scales, _ = slot.mxfp4
+            source = dequantize_expert_tensor(kind, np.ascontiguousarray(source),
+                                              np.ascontiguousarray(reader.get(scales)),
+                                              dtype=target, name=slot.name)
         for write in slot.writes:
             leaf = params
             for key in write.key:

@@ -14,10 +14,10 @@ import json
 import os
 from typing import Any, Mapping
 
-from moejax.mla_shape import MLAShape, mla_shape_from_hf
+from moejax.mla_shape import MLAShape, YarnScaling, mla_shape_from_hf, yarn_scaling
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3",
-                         "deepseek_v2")
+                         "deepseek_v2", "gpt_oss")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
 
@@ -68,6 +68,16 @@ class ModelConfig:
     shared_expert_gate: bool = False     # Qwen2-MoE: sigmoid(x · g) scales the shared expert
     dense_layers: tuple[int, ...] = ()
     dense_intermediate_size: int = 0
+    # ---- GPT-OSS pieces (defaults: absent)
+    rope_yarn: YarnScaling | None = None  # YaRN frequencies and cos/sin factor (rotate-half)
+    attention_sinks: bool = False        # per-head sink logit joining each softmax ("sinks")
+    o_bias: bool = False                 # bias on the attention output projection ("bo")
+    sliding_window: int = 0              # window of the layers in ``sliding_layers``
+    sliding_layers: tuple[int, ...] = ()  # layers with sliding-window attention
+    router_bias: bool = False            # bias added to the router logits ("router_bias")
+    expert_bias: bool = False            # biases of the routed experts (b_gate/b_up/b_down)
+    swiglu_limit: float | None = None    # clamped SwiGLU: (clip(up)+1)·g·sigmoid(alpha·g),
+    swiglu_alpha: float = 1.702          # g = min(gate, limit) (None: plain silu SwiGLU)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -109,6 +119,11 @@ class ModelConfig:
             raise ConfigError("shared_expert_gate without a shared expert")
         if self.mla is not None and self.qk_norm:
             raise ConfigError("multi-head latent attention has no q/k norm")
+        if self.sliding_layers and self.sliding_window <= 0:
+            raise ConfigError("sliding_layers need a positive sliding_window")
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"sliding layer indices {bad} lie outside [0, {self.num_layers})")
 
     # ----------------------------------------------------------------- layers
     @property
@@ -274,6 +289,15 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     return float(theta)
 
 
+def _gpt_oss_theta(hf: Mapping[str, Any]) -> float:
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise ConfigError("config has neither rope_parameters.rope_theta nor rope_theta")
+    return float(theta)
+
+
 def _require(hf: Mapping[str, Any], *names: str) -> Any:
     for name in names:
         if name in hf and hf[name] is not None:
@@ -299,6 +323,9 @@ def _refuse(hf: Mapping[str, Any], model_type: str) -> None:
     """Options moejax does not implement for this family: refused, never approximated."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+    if model_type == "gpt_oss":
+        _refuse_gpt_oss(hf)
+        return
     if model_type != "olmoe" and hf.get("attention_bias"):
         raise ConfigError(f"{model_type}: attention_bias=true is not supported")
     if model_type == "olmoe" and hf.get("attention_bias"):
@@ -313,8 +340,59 @@ def _refuse(hf: Mapping[str, Any], model_type: str) -> None:
         raise ConfigError(f"{model_type}: mlp_bias=true is not supported")
 
 
+GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _refuse_gpt_oss(hf: Mapping[str, Any]) -> None:
+    """GPT-OSS options moejax does not implement."""
+    bad = sorted({t for t in (hf.get("layer_types") or []) if t not in GPT_OSS_LAYER_TYPES})
+    if bad:
+        raise ConfigError(f"gpt_oss: layer_types {bad} are not supported "
+                          f"({', '.join(GPT_OSS_LAYER_TYPES)})")
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"gpt_oss: rope type {rope_type!r} is not supported (default, yarn)")
+    if float(rope.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise ConfigError("gpt_oss: partial_rotary_factor != 1 is not supported")
+    if rope_type == "yarn" and rope.get("factor") is None:
+        raise ConfigError("gpt_oss: yarn rope without a factor is not supported")
+    layers = int(_require(hf, "num_hidden_layers"))
+    if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]) \
+            and not hf.get("sliding_window"):
+        raise ConfigError("gpt_oss: sliding_attention layers without a sliding_window are "
+                          "not supported")
+    if hf.get("layer_types") is not None and len(hf["layer_types"]) != layers:
+        raise ConfigError(f"gpt_oss: layer_types lists {len(hf['layer_types'])} layers, "
+                          f"num_hidden_layers is {layers}")
+
+
+def _gpt_oss(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The GPT-OSS fields of :class:`ModelConfig` (after :func:`_refuse_gpt_oss`)."""
+    layers = int(_require(hf, "num_hidden_layers"))
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                      for i in range(layers)]
+    window = int(hf["sliding_window"]) if hf.get("sliding_window") else 0
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    yarn = None
+    if (rope.get("rope_type", rope.get("type")) or "default") == "yarn":
+        yarn = yarn_scaling(rope, hf)
+    bias = bool(hf.get("attention_bias", True))
+    return dict(norm_topk_prob=True, router_bias=True, expert_bias=True, rope_yarn=yarn,
+                attention_sinks=True, qkv_bias=bias, o_bias=bias, sliding_window=window,
+                sliding_layers=sliding,
+                swiglu_limit=float(7.0 if hf.get("swiglu_limit") is None
+                                   else hf["swiglu_limit"]),
+                swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702))
+
+
 def _routing(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """Router scoring, top-k normalization, groups and scaling of each family."""
+    if model_type == "gpt_oss":   # softmax over the top-k (biased) logits
+        return dict(norm_topk_prob=True)
     if model_type == "mixtral":   # softmax over the top-k logits == renormalised top-k
         return dict(norm_topk_prob=True)
     if model_type in ("qwen3_moe", "qwen2_moe", "olmoe"):
@@ -345,7 +423,11 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
     dense = _dense_layers(hf, model_type, num_layers)
     extra: dict[str, Any] = dict(_routing(hf, model_type))
     sliding = None
-    if model_type == "mixtral":
+    if model_type == "gpt_oss":
+        num_experts = _require(hf, "num_local_experts", "num_experts")
+        intermediate = _require(hf, "intermediate_size")
+        extra.update(_gpt_oss(hf))
+    elif model_type == "mixtral":
         num_experts = _require(hf, "num_local_experts", "num_experts")
         intermediate = _require(hf, "intermediate_size")
         sliding = hf.get("sliding_window")
@@ -396,7 +478,8 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
         moe_intermediate_size=int(intermediate),
         qk_norm=model_type in ("qwen3_moe", "olmoe"),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf) if "mla" not in extra else extra["mla"].rope_theta,
+        rope_theta=(extra["mla"].rope_theta if "mla" in extra
+                    else _gpt_oss_theta(hf) if model_type == "gpt_oss" else _rope_theta(hf)),
         max_context=max_context,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **extra,

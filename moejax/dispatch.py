@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float
 
 from moejax import moe
 from moejax.layers import layer_slice
+from moejax.param_layout import EXPERT_BIAS_KEYS
 
 ExpertWeights = Mapping[str, jax.Array]   # w_gate, w_up [E, d, f]; w_down [E, f, d]
 
@@ -109,6 +110,7 @@ class LocalTokens:
     impl: moe.ExpertImpl = "auto"
     tile_rows: int | tuple[int, int] | None = None
     psum_axis: str | None = None
+    activation: moe.ClampedSwiGLU | None = None   # GPT-OSS (None: silu SwiGLU)
 
     def init_carry(self) -> Any:
         return ()
@@ -118,8 +120,10 @@ class LocalTokens:
         return moe.permute(x, routing, self.num_experts, valid)
 
     def experts(self, prepared: moe.Permutation, weights: ExpertWeights) -> jax.Array:
+        biases = {k: weights[k] for k in EXPERT_BIAS_KEYS if k in weights} or None
         return moe.expert_compute(prepared, weights["w_gate"], weights["w_up"],
-                                  weights["w_down"], impl=self.impl, tile_rows=self.tile_rows)
+                                  weights["w_down"], impl=self.impl, tile_rows=self.tile_rows,
+                                  biases=biases, activation=self.activation)
 
     def finalize(self, y: jax.Array, prepared: moe.Permutation, routing: moe.Routing,
                  valid: jax.Array | None, carry: Any) -> tuple[jax.Array, Any]:
@@ -155,7 +159,9 @@ class MoEDispatcher:
 
 def local_dispatcher(source: Any, num_experts: int, impl: moe.ExpertImpl = "auto",
                      tile_rows: int | tuple[int, int] | None = None,
-                     psum_axis: str | None = None) -> MoEDispatcher:
-    """A dispatcher whose tokens stay on their device."""
+                     psum_axis: str | None = None,
+                     activation: moe.ClampedSwiGLU | None = None) -> MoEDispatcher:
+    """A dispatcher whose tokens stay on their device (``activation``: the family's expert
+    activation, ``moe.expert_activation_of(cfg)``; expert biases come with the weights)."""
     return MoEDispatcher(source=source, transport=LocalTokens(num_experts, impl, tile_rows,
-                                                              psum_axis))
+                                                              psum_axis, activation))

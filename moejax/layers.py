@@ -45,12 +45,20 @@ Observer = Callable[[jax.Array, moe.Routing, "jax.Array | None", jax.Array], Any
 
 # --------------------------------------------------------------------- stages
 def rope(x: Float[Array, "n heads h"], positions: Int[Array, "n"],
-         theta: float) -> Float[Array, "n heads h"]:
-    """Rotary embedding (rotate-half convention) on x [n, heads, h] at positions [n]."""
+         theta: float, yarn: "mla_lib.YarnScaling | None" = None) -> Float[Array, "n heads h"]:
+    """Rotary embedding (rotate-half convention) on x [n, heads, h] at positions [n];
+    ``yarn``: YaRN frequencies, cos/sin times its attention factor (GPT-OSS)."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    if yarn is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+        factor = None
+    else:
+        inv_freq, factor = mla_lib.yarn_inv_freq_and_scale(x.shape[-1], theta, yarn)
+        inv_freq = jnp.asarray(inv_freq)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    if factor is not None:
+        cos, sin = cos * factor, sin * factor
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -88,7 +96,7 @@ def project_q(p: LayerParams, h_in: Float[Array, "n d"], positions: Int[Array, "
     if cfg.mla is not None:
         return mla_lib.mla_queries(p, h_in, positions, cfg.mla)
     q = _heads(_projection(p, h_in, "wq", "bq", cfg), "q_norm", p, cfg)
-    return rope(q, positions, cfg.rope_theta)
+    return rope(q, positions, cfg.rope_theta, cfg.rope_yarn)
 
 
 def project_kv(p: LayerParams, h_in: Float[Array, "n d"], positions: Int[Array, "n"],
@@ -101,7 +109,7 @@ def project_kv(p: LayerParams, h_in: Float[Array, "n d"], positions: Int[Array, 
         return mla_lib.mla_latent(p, h_in, positions, cfg.mla)
     k = _heads(_projection(p, h_in, "wk", "bk", cfg), "k_norm", p, cfg)
     v = _projection(p, h_in, "wv", "bv", cfg).reshape(h_in.shape[0], -1, cfg.head_dim)
-    return rope(k, positions, cfg.rope_theta), v
+    return rope(k, positions, cfg.rope_theta, cfg.rope_yarn), v
 
 
 def expand_kv(p: LayerParams, keys: Float[Array, "*m s hk"], values: Float[Array, "*m s hv"],
@@ -144,6 +152,21 @@ def _is_dense(layer, cfg: ModelConfig) -> jax.Array:
     return table[layer]
 
 
+def attention_options(p: LayerParams, layer, cfg: ModelConfig) -> dict[str, Any]:
+    """The keyword arguments of the family's attention for this layer: ``sinks`` [n_q]
+    (GPT-OSS) and ``window`` (its sliding layers; a full layer passes a window above any
+    context: one compiled body serves both). Empty for the other families."""
+    out: dict[str, Any] = {}
+    if "sinks" in p:
+        out["sinks"] = p["sinks"]
+    if cfg.sliding_layers:
+        from moejax.attention import _MAX_WINDOW
+        table = jnp.asarray([cfg.sliding_window if i in cfg.sliding_layers else _MAX_WINDOW
+                             for i in range(cfg.num_layers)], jnp.int32)
+        out["window"] = table[layer]
+    return out
+
+
 def layer_slice(layer_params: LayerParams, index) -> dict[str, jax.Array]:
     """One layer's params out of the stacked ones (``index`` static or traced)."""
     return {name: jax.lax.dynamic_index_in_dim(a, index, axis=0, keepdims=False)
@@ -177,6 +200,8 @@ def attention_block(p: LayerParams, layer, x: Float[Array, "n d"], attn, cfg: Mo
     out = heads.reshape(heads.shape[0], -1) @ p["wo"].astype(x.dtype)
     if psum_axis is not None:
         out = jax.lax.psum(out, psum_axis)
+    if "bo" in p:       # the output projection's bias, once (after any partial-sum)
+        out = out + p["bo"].astype(out.dtype)
     x = (x if rows is None else jnp.take(x, rows, axis=0)) + out
     moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     # The resident MLP (shared experts, a dense layer's MLP) is added here, with the
@@ -197,7 +222,7 @@ def route_layer(p: LayerParams, moe_in: Float[Array, "n d"], cfg: ModelConfig,
         moe_in, p["router"], cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
         scoring=cfg.router_scoring, choice_bias=p.get("score_bias"), n_group=cfg.n_group,
         topk_group=cfg.topk_group, group_score=cfg.group_score,
-        scaling=cfg.routed_scaling_factor)
+        scaling=cfg.routed_scaling_factor, logit_bias=p.get("router_bias"))
     if cfg.dense_layers and layer is not None:
         routing = dataclasses.replace(
             routing, weights=jnp.where(_is_dense(layer, cfg), 0.0, routing.weights))

@@ -46,10 +46,15 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def rope_inv_freq_and_scale(shape: MLAShape) -> tuple[np.ndarray, float]:
     """(inverse frequencies [qk_rope_head_dim/2] float32, the factor on cos/sin): default
     rope (factor 1) or YaRN, computed as transformers does (float32 frequencies)."""
-    dim = shape.qk_rope_head_dim
-    pos_freqs = np.float32(shape.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32)
-                                                 / np.float32(dim))
-    y = shape.yarn
+    return yarn_inv_freq_and_scale(shape.qk_rope_head_dim, shape.rope_theta, shape.yarn)
+
+
+def yarn_inv_freq_and_scale(dim: int, theta: float, y: YarnScaling | None
+                            ) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [dim/2] float32, the factor on cos/sin) of a rotary embedding
+    over ``dim`` channels: default rope (factor 1) or YaRN ``y``, as transformers'
+    ``_compute_yarn_parameters`` (float32 frequencies)."""
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     if y is None:
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
     factor = y.factor
@@ -62,7 +67,7 @@ def rope_inv_freq_and_scale(shape: MLAShape) -> tuple[np.ndarray, float]:
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))
-                / (2 * math.log(shape.rope_theta)))
+                / (2 * math.log(theta)))
 
     low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
     if y.truncate:

@@ -61,6 +61,17 @@ class MLAShape:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+def yarn_scaling(rope: Mapping[str, Any], hf: Mapping[str, Any]) -> YarnScaling:
+    """The :class:`YarnScaling` of a ``rope_type: yarn`` block ``rope`` of config ``hf``."""
+    return YarnScaling(
+        factor=float(rope["factor"]),
+        original_max_position_embeddings=int(rope.get("original_max_position_embeddings")
+                                             or hf["max_position_embeddings"]),
+        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+        mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+        attention_factor=rope.get("attention_factor"), truncate=rope.get("truncate", True))
+
+
 def mla_shape_from_hf(hf: Mapping[str, Any]) -> MLAShape:
     """An :class:`MLAShape` from a ``deepseek_v2`` / ``deepseek_v3`` config dict (config.json
     or ``PretrainedConfig.to_dict()``): ``rope_parameters`` (transformers 5) or
@@ -71,15 +82,7 @@ def mla_shape_from_hf(hf: Mapping[str, Any]) -> MLAShape:
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     if rope_type not in ("default", "yarn"):
         raise ValueError(f"unsupported rope type for MLA: {rope_type!r}")
-    yarn = None
-    if rope_type == "yarn":
-        yarn = YarnScaling(
-            factor=float(rope["factor"]),
-            original_max_position_embeddings=int(rope.get("original_max_position_embeddings")
-                                                 or hf["max_position_embeddings"]),
-            beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-            mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
-            attention_factor=rope.get("attention_factor"), truncate=rope.get("truncate", True))
+    yarn = yarn_scaling(rope, hf) if rope_type == "yarn" else None
     # V2 always rotates interleaved pairs (complex form); V3 has a switch, default on.
     interleave = hf.get("model_type") == "deepseek_v2" or bool(hf.get("rope_interleave", True))
     return MLAShape(n_heads=int(hf["num_attention_heads"]), q_lora_rank=hf.get("q_lora_rank"),

@@ -40,7 +40,8 @@ from moejax.attention_kinds import PackedCausal
 from moejax.config import ModelConfig
 from moejax.dispatch import MoEDispatcher, StackedExperts, local_dispatcher
 from moejax.layers import LayerOutput, rms_norm
-from moejax.param_layout import EXPERT_KEYS, Params, param_shapes, shape_problems
+from moejax.param_layout import (ALL_EXPERT_KEYS, EXPERT_KEYS, Params, expert_names,
+                                 param_shapes, shape_problems)
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -110,7 +111,7 @@ class DecoderLayers(nnx.Module):
         if not all(name in self.names for name in EXPERT_KEYS):
             raise ValueError("this module was built without expert weights "
                              "(with_experts=False): pass a dispatcher whose source holds them")
-        return {name: getattr(self, name)[...] for name in EXPERT_KEYS}
+        return {name: getattr(self, name)[...] for name in expert_names(self.names)}
 
 
 class MoEDecoder(nnx.Module):
@@ -152,7 +153,8 @@ class MoEDecoder(nnx.Module):
                          tile_rows: int | tuple[int, int] | None = None) -> MoEDispatcher:
         """The dispatcher over this module's own (resident) experts, tokens local."""
         return local_dispatcher(StackedExperts(self.layers.experts()), self.cfg.num_experts,
-                                expert_impl, tile_rows)
+                                expert_impl, tile_rows,
+                                activation=moe.expert_activation_of(self.cfg))
 
     def run_layers(self, x: Float[Array, "n d"], attn, dispatcher: MoEDispatcher,
                    moe_carry: Any = None, **kwargs: Any) -> tuple[jax.Array, Any, Any, Any]:
@@ -249,7 +251,8 @@ def graph_def(cfg: ModelConfig, with_experts: bool = True) -> Any:
     """The NNX graph definition of ``MoEDecoder(cfg)`` (built abstractly: no memory)."""
     shapes = param_shapes(cfg)
     if not with_experts:
-        shapes["layers"] = {k: v for k, v in shapes["layers"].items() if k not in EXPERT_KEYS}
+        shapes["layers"] = {k: v for k, v in shapes["layers"].items()
+                            if k not in ALL_EXPERT_KEYS}
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), shapes,
                             is_leaf=lambda s: isinstance(s, tuple))
     module = nnx.eval_shape(lambda: MoEDecoder(cfg, jax.tree.map(jnp.zeros_like, abstract),
@@ -309,8 +312,8 @@ def check_params(params: Params, cfg: ModelConfig, *, with_experts: bool = True)
     if not with_experts:
         layers = params.get("layers", {})
         problems = [f"layers.{k}: expert weights in a module built without experts"
-                    for k in EXPERT_KEYS if k in layers]
-    leave_out = () if with_experts else tuple(f"layers.{k}" for k in EXPERT_KEYS)
+                    for k in ALL_EXPERT_KEYS if k in layers]
+    leave_out = () if with_experts else tuple(f"layers.{k}" for k in ALL_EXPERT_KEYS)
     problems += shape_problems(params, cfg, leave_out)
     if problems:
         raise ValueError("params do not match the model config: " + "; ".join(problems))

@@ -75,7 +75,7 @@ def route_scored(x: Float[Array, "T d"], router_w: Float[Array, "d E"], k: int, 
                  norm_topk_prob: bool, scoring: str = "softmax",
                  choice_bias: Float[Array, "E"] | None = None, n_group: int = 1,
                  topk_group: int = 1, group_score: str = "max",
-                 scaling: float = 1.0) -> Routing:
+                 scaling: float = 1.0, logit_bias: Float[Array, "E"] | None = None) -> Routing:
     """The general router of the supported families (``route`` is its softmax case).
 
     ``scoring``: "softmax" over the E logits, or "sigmoid" per expert (DeepSeek-V3).
@@ -86,8 +86,12 @@ def route_scored(x: Float[Array, "T d"], router_w: Float[Array, "d E"], k: int, 
     experts are chosen from the ``topk_group`` best groups only. ``norm_topk_prob``
     renormalises the k weights to sum to 1, then they are multiplied by ``scaling``
     (routed_scaling_factor). ``probs`` holds the scores (what a balance statistic reads).
+    ``logit_bias`` [E] is added to the logits before scoring (GPT-OSS's router bias; its
+    softmax over the top-k logits is softmax + top-k + renormalise).
     """
     logits = jnp.dot(x, router_w.astype(x.dtype), preferred_element_type=jnp.float32)
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(jnp.float32)
     if scoring == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
     elif scoring == "sigmoid":
@@ -137,15 +141,88 @@ def permute(x: Float[Array, "T d"], routing: Routing, num_experts: int,
     return Permutation(x_sorted=x_sorted, order=order, group_sizes=group_sizes.astype(jnp.int32))
 
 
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: g = min(gate, limit), u = clip(up, -limit, limit),
+    hidden = (u + 1) · g · sigmoid(alpha · g)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        g = jnp.minimum(gate, self.limit)
+        u = jnp.clip(up, -self.limit, self.limit)
+        return (u + 1.0) * g * jax.nn.sigmoid(self.alpha * g)
+
+
+def expert_activation_of(cfg) -> "ClampedSwiGLU | None":
+    """The family's expert activation when it is not plain SwiGLU (None: silu SwiGLU)."""
+    if getattr(cfg, "swiglu_limit", None) is None:
+        return None
+    return ClampedSwiGLU(alpha=float(cfg.swiglu_alpha), limit=float(cfg.swiglu_limit))
+
+
+# The implementations that take expert biases and another activation.
+BIASED_IMPLS = ("gmm", "ragged_dot", "dense")
+
+
+def _biased_experts(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                    w_down: jax.Array, biases: dict | None, activation, impl: str,
+                    tile_rows) -> jax.Array:
+    """Experts with per-expert biases (gathered per row from the group sizes) and/or a
+    non-silu activation, on the grouped matmuls of ``impl``; padding rows stay zero."""
+    num_experts, rows = w_gate.shape[0], x.shape[0]
+    ids = gmm_lib.group_ids(sizes, rows)                    # E: a row of no group
+    real = ids < num_experts
+    row_expert = jnp.minimum(ids, num_experts - 1)
+    if impl == "dense":
+        one_hot = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32)
+
+        def matmul(lhs, rhs):
+            out = jnp.einsum("md,edf,me->mf", lhs, rhs.astype(lhs.dtype), one_hot.astype(lhs.dtype),
+                             preferred_element_type=jnp.float32)
+            return out.astype(lhs.dtype)
+    elif impl == "gmm":
+        def matmul(lhs, rhs):
+            return gmm_lib.gmm(lhs, rhs, sizes, tile_rows=tile_rows)
+    else:
+        def matmul(lhs, rhs):
+            return gmm_lib.ragged_dot_gmm(lhs, rhs, sizes)
+
+    def bias(name: str) -> jax.Array | float:
+        if biases is None or name not in biases:
+            return 0.0
+        return jnp.take(biases[name], row_expert, axis=0).astype(jnp.float32)
+
+    gate = matmul(x, w_gate).astype(jnp.float32) + bias("b_gate")
+    up = matmul(x, w_up).astype(jnp.float32) + bias("b_up")
+    hidden = jax.nn.silu(gate) * up if activation is None else activation(gate, up)
+    out = matmul(hidden.astype(x.dtype), w_down).astype(jnp.float32) + bias("b_down")
+    return jnp.where(real[:, None], out, 0.0).astype(x.dtype)
+
+
 def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"], w_up: Float[Array, "E d f"],
                    w_down: Float[Array, "E f d"], impl: ExpertImpl = "auto",
-                   tile_rows: int | tuple[int, int] | None = None) -> Float[Array, "M d"]:
+                   tile_rows: int | tuple[int, int] | None = None, *,
+                   biases: dict | None = None, activation: ClampedSwiGLU | None = None
+                   ) -> Float[Array, "M d"]:
     """SwiGLU experts on sorted rows: y = (silu(x·W_gate) * (x·W_up)) · W_down.
 
     x_sorted [M, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] -> [M, d]. Rows
-    beyond sum(group_sizes) come back as zeros.
+    beyond sum(group_sizes) come back as zeros. ``biases`` (b_gate / b_up [E, f], b_down
+    [E, d]) and ``activation`` (:class:`ClampedSwiGLU`): GPT-OSS's experts, computed by
+    the implementations of :data:`BIASED_IMPLS` ("auto" picks "gmm"); the others refuse.
     """
     x, sizes = perm.x_sorted, perm.group_sizes
+    if biases or activation is not None:
+        if impl == "auto":
+            impl = "gmm"
+        if impl not in BIASED_IMPLS:
+            raise ValueError(f"expert implementation {impl!r} does not compute expert biases "
+                             f"or the clamped SwiGLU (GPT-OSS); use one of {BIASED_IMPLS} "
+                             "or auto")
+        return _biased_experts(x, sizes, w_gate, w_up, w_down, biases, activation, impl,
+                               tile_rows)
     if impl == "auto":
         impl = gmm_lib.choose_expert_impl(x.shape[1], w_gate.shape[2])
     if impl == "pallas":

@@ -245,11 +245,17 @@ def build_context(chosen: Sequence[PrefillOp], starts: Sequence[int], num_blocks
     continue from (segment = index in ``chosen``; each slot once per run of segments that
     read it), and the rows to store."""
     reads: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_blocks)]
+    # The position of each pool slot read (entry j of a sequence's context sits at
+    # position_offset - len(context_slots) + j; a slot holds one token at one position).
+    slot_position: list[dict[int, int]] = [{} for _ in range(num_blocks)]
     store_rows, store_slots = [], []
     for segment, (seq, start) in enumerate(zip(chosen, starts)):
         if seq.context_slots is not None and len(seq.context_slots):
             slots = np.asarray(seq.context_slots, np.int32)
             reads[start // block].append((slots, np.full(len(slots), segment, np.int32)))
+            first = int(seq.position_offset) - len(slots)
+            slot_position[start // block].update(
+                (int(s), first + j) for j, s in enumerate(slots.tolist()))
         if seq.store_slots is not None:
             keep = np.flatnonzero(np.asarray(seq.store_slots) >= 0)
             store_rows.extend((start + keep).tolist())
@@ -263,14 +269,16 @@ def build_context(chosen: Sequence[PrefillOp], starts: Sequence[int], num_blocks
     ctx_slot = np.zeros((num_blocks, width), np.int32)
     ctx_lo = np.ones((num_blocks, width), np.int32)         # lo > hi: an unused entry
     ctx_hi = np.zeros((num_blocks, width), np.int32)
+    ctx_positions = np.zeros((num_blocks, width), np.int32)
     for b, (slots, lo, hi) in enumerate(entries):
         ctx_slot[b, :len(slots)], ctx_lo[b, :len(slots)], ctx_hi[b, :len(slots)] = slots, lo, hi
+        ctx_positions[b, :len(slots)] = [slot_position[b][int(s)] for s in slots]
     count = max(MIN_CONTEXT, next_power_of_two(max(len(store_rows), 1)))
     rows = np.zeros(count, np.int32)
     slots = np.full(count, pool_slots, np.int32)        # pool_slots = out of range: dropped
     rows[:len(store_rows)], slots[:len(store_slots)] = store_rows, store_slots
     return PrefixContext(ctx_slot=ctx_slot, ctx_lo=ctx_lo, ctx_hi=ctx_hi, store_row=rows,
-                         store_slot=slots)
+                         store_slot=slots, ctx_positions=ctx_positions)
 
 
 def unpack(host: HostBatch, logits: np.ndarray, logsumexp: np.ndarray | None

@@ -17,7 +17,9 @@ stacked); score_bias [L, E] (DeepSeek-V3's correction bias, used for the choice 
 mlp_gate / mlp_up [L, d, F_r], mlp_down [L, F_r, d]: the resident MLP of each layer (the
 shared experts of an MoE layer, the MLP of a dense layer; F_r the wider of the two, the
 narrower zero-padded); shared_gate [L, d] (Qwen2-MoE's sigmoid gate of the shared
-expert). Dense layers keep zero expert weights and a zero router in the expert stacks, and
+expert). GPT-OSS: sinks [L, n_q] (attention sink logits), bo [L, d] (output projection
+bias), router_bias [L, E], and the expert biases b_gate / b_up [L, E, f], b_down [L, E, d]
+(expert weights: they travel with the experts). Dense layers keep zero expert weights and a zero router in the expert stacks, and
 the layer multiplies their routed output by 0: every layer has one structure, so one
 compiled loop body serves them all.
 
@@ -37,12 +39,22 @@ Params = dict[str, Any]
 # The per-layer expert weights: what the backends place, shard and stream apart from
 # the rest (attention, norms, router), which every device keeps whole.
 EXPERT_KEYS = ("w_gate", "w_up", "w_down")
+# The routed experts' biases (GPT-OSS): expert weights too, present only where the family
+# has them. Only the backends that pass them to the expert compute serve such a family
+# (``moejax.backends.base.check_expert_bias``).
+EXPERT_BIAS_KEYS = ("b_gate", "b_up", "b_down")
+ALL_EXPERT_KEYS = EXPERT_KEYS + EXPERT_BIAS_KEYS
+
+
+def expert_names(layers: Mapping[str, Any]) -> tuple[str, ...]:
+    """The expert weight names present in ``layers`` (the matrices, and biases if any)."""
+    return EXPERT_KEYS + tuple(k for k in EXPERT_BIAS_KEYS if k in layers)
 
 
 def split_experts(layers: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Stacked layer params -> (everything but the experts, the expert weights)."""
-    dense = {k: v for k, v in layers.items() if k not in EXPERT_KEYS}
-    experts = {k: layers[k] for k in EXPERT_KEYS}
+    dense = {k: v for k, v in layers.items() if k not in ALL_EXPERT_KEYS}
+    experts = {k: layers[k] for k in expert_names(layers)}
     return dense, experts
 
 
@@ -71,6 +83,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
         layers.update({"mlp_gate": (L, d, fr), "mlp_up": (L, d, fr), "mlp_down": (L, fr, d)})
     if cfg.shared_expert_gate:
         layers["shared_gate"] = (L, d)
+    if cfg.attention_sinks:
+        layers["sinks"] = (L, cfg.num_heads)
+    if cfg.o_bias:
+        layers["bo"] = (L, d)
+    if cfg.router_bias:
+        layers["router_bias"] = (L, E)
+    if cfg.expert_bias:
+        layers.update({"b_gate": (L, E, f), "b_up": (L, E, f), "b_down": (L, E, d)})
     shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, V)

@@ -45,7 +45,7 @@ from moejax.asyncmoe.engine import Batch, DeviceEngine, Merged, contiguous_place
 from moejax.asyncmoe.loop import LoopRequest, MuQueueLoop, SimResult
 from moejax.asyncmoe.records import TokenRecord
 from moejax.asyncmoe.schedulers import Scheduler, make_scheduler
-from moejax.backends.base import validated
+from moejax.backends.base import check_expert_bias, validated
 from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.decode.paged import WRITE_ROWS, empty_paged_kv
@@ -113,6 +113,7 @@ class ModelExecutor:
     def __init__(self, cfg: ModelConfig, params: Params, devices: Sequence[Any],
                  expert_device: Sequence[int], *, dtype: Any = "float32",
                  opts: StepOptions = StepOptions()):
+        check_expert_bias("asyncmoe", cfg, False)
         self.cfg, self.devices, self.opts = cfg, list(devices), opts
         self.expert_device = tuple(expert_device)
         host = validated(params, cfg, dtype)

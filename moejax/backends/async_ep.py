@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax import model as model_lib
+from moejax import moe
 from moejax.backends import xla_flags
 from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
@@ -58,7 +59,8 @@ def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
     batch = jax.tree.map(lambda a: a[0], batch)
     source = GatheredAhead(shards=shards, first=first_experts, axis=AXIS,
                            num_experts=cfg.num_experts, num_layers=cfg.num_layers)
-    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows)
+    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
+                                  activation=moe.expert_activation_of(cfg))
     out = model_lib.decoder(cfg, params, with_experts=False).score(batch, opts,
                                                                   dispatcher=dispatcher)
     return out.logits[None], None if out.lse is None else out.lse[None]
@@ -68,6 +70,7 @@ class AsyncEPBackend(MeshBackend):
     """Expert weights sharded on E over G devices, gathered a layer ahead."""
 
     name = "async_ep"
+    serves_expert_bias = True     # biases in the expert shards; activation passed
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1):

@@ -40,6 +40,18 @@ class PrefixPool:
         return int(self.keys.shape[1])
 
 
+def check_expert_bias(name: str, cfg: ModelConfig, serves: bool) -> None:
+    """BackendError when ``cfg``'s experts have biases or a clamped SwiGLU (GPT-OSS) and
+    backend ``name`` does not pass them to its expert compute."""
+    if serves or not (cfg.expert_bias or cfg.swiglu_limit is not None):
+        return
+    raise BackendError(f"backend {name!r} does not serve {cfg.model_type}: its experts have "
+                       "biases and a clamped SwiGLU, which this backend's expert compute does "
+                       "not take (it shards the expert width, or moves the expert matrices "
+                       "alone); use resident, offload, async_ep or hybrid (generation: "
+                       "resident)")
+
+
 class BackendError(ValueError):
     """A backend cannot run as asked (devices, divisibility, memory kinds)."""
 
@@ -83,7 +95,12 @@ class Backend(abc.ABC):
     # prompt sharing need them).
     holds_prefix_pool: bool = False
 
+    # Whether this backend passes the routed experts' biases and the family's expert
+    # activation to the expert compute (GPT-OSS needs both).
+    serves_expert_bias: bool = False
+
     def __init__(self, cfg: ModelConfig, *, dtype: Any = jnp.float32):
+        check_expert_bias(self.name, cfg, self.serves_expert_bias)
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
 

@@ -32,6 +32,7 @@ class ResidentBackend(Backend):
 
     name = "resident"
     holds_prefix_pool = True
+    serves_expert_bias = True
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1, device: jax.Device | None = None):

@@ -47,6 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax import model as model_lib
+from moejax import moe
 from moejax.attention_kinds import PackedCausal, PrefixContext, PrefixPooled
 from moejax.backends import xla_flags
 from moejax.backends.async_ep import AXIS, pad_experts
@@ -207,7 +208,8 @@ def layer_program(params: Params, layer: jax.Array, current: ExpertWeights,
     read and written, returned. -> (x [1, T, d], next experts | None, pool | None)."""
     batch = _local(batch)
     source = _source(current, incoming, cfg)
-    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows)
+    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
+                                  activation=moe.expert_activation_of(cfg))
     module = model_lib.decoder(cfg, params, with_experts=False)
     out = module.layer(layer, x[0], _attention(batch, opts, context, pool), dispatcher)
     gathered = None if incoming is None else out.moe_carry[0]
@@ -221,7 +223,7 @@ def last_layer_program(params: Params, current: ExpertWeights, x: jax.Array,
     logits, [1, P] log-sum-exp | None, pool | None)."""
     batch = _local(batch)
     dispatcher = local_dispatcher(GivenExperts(current), cfg.num_experts, opts.expert_impl,
-                                  opts.tile_rows)
+                                  opts.tile_rows, activation=moe.expert_activation_of(cfg))
     module = model_lib.decoder(cfg, params, with_experts=False)
     out = module.finish(batch, opts, x[0], _attention(batch, opts, context, pool), dispatcher)
     lse = None if out.lse is None else out.lse[None]
@@ -237,6 +239,9 @@ class StreamedBackend(MeshBackend):
     """Experts in host memory, a cyclic window of W layers on the device(s)."""
 
     name = "streamed"
+    # The expert biases travel in each layer's expert dict (split_experts), and the
+    # programs pass the family's activation: GPT-OSS streams like any family.
+    serves_expert_bias = True
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1, window: int = DEFAULT_WINDOW, track_memory: bool = False):

@@ -45,7 +45,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.attention import MASK_VALUE, Window, clamp_window, in_window
 from moejax.config import ModelConfig
-from moejax.layers import LayerParams, expand_kv, project_kv, project_q
+from moejax.layers import LayerParams, attention_options, expand_kv, project_kv, project_q
 from moejax.prefix_hash import BLOCK_SIZE
 
 _STATIC = {"static": True}
@@ -278,7 +278,9 @@ class PagedRows:
            segments: Int[Array, "B"], block_tables: Int[Array, "B MB"],
            context_len: Int[Array, "B"], chunk_blocks: int) -> "PagedRows":
         rows = positions.shape[0]
-        shape = (kv.keys.shape[0], rows, *kv.keys.shape[2:])
+        # Keys and values may differ in their last dim (MLA: latent and RoPE key).
+        key_shape = (kv.keys.shape[0], rows, *kv.keys.shape[2:])
+        value_shape = (kv.values.shape[0], rows, *kv.values.shape[2:])
         # The context loop reads whole chunks: pad the table to a multiple of one (the
         # padding lies past every context_len, so it is never visible).
         pad = -block_tables.shape[1] % chunk_blocks
@@ -286,8 +288,8 @@ class PagedRows:
         return cls(positions=positions, valid=valid, segments=segments,
                    block_tables=block_tables, context_len=context_len,
                    pool_keys=kv.keys, pool_values=kv.values,
-                   new_keys=jnp.zeros(shape, kv.keys.dtype),
-                   new_values=jnp.zeros(shape, kv.values.dtype),
+                   new_keys=jnp.zeros(key_shape, kv.keys.dtype),
+                   new_values=jnp.zeros(value_shape, kv.values.dtype),
                    chunk=rows // block_tables.shape[0], chunk_blocks=chunk_blocks)
 
     def carry(self) -> Any:
@@ -314,10 +316,11 @@ class PagedRows:
         out = paged_attention(split(q), self.pool_keys, self.pool_values, layer,
                               self.block_tables, self.context_len, attn_k, attn_v,
                               self.segments, split(self.positions), self.valid,
-                              self.chunk_blocks, expand=expand)
+                              self.chunk_blocks, expand=expand,
+                              **attention_options(p, layer, cfg))
         kind = dataclasses.replace(self, new_keys=self.new_keys.at[layer].set(k),
                                    new_values=self.new_values.at[layer].set(v))
-        return out.reshape(q.shape), kind
+        return out.reshape(q.shape[0], q.shape[1], -1), kind    # value head dim (MLA: v)
 
 
 def write_rows(kv: PagedKV, slots: Int[Array, "BC"], new_keys: Float[Array, "L BC n_kv hk"],

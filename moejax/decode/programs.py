@@ -35,7 +35,7 @@ from moejax.config import ModelConfig
 from moejax.decode.paged import PagedKV, PagedRows
 from moejax.dispatch import StackedExperts, local_dispatcher
 from moejax.moe import ExpertImpl
-from moejax.param_layout import EXPERT_KEYS, Params
+from moejax.param_layout import ALL_EXPERT_KEYS, Params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +184,14 @@ def attention_program(params: Params, layer: Int[Array, ""], x: Float[Array, "BC
 
 def moe_program(experts: dict[str, jax.Array], layer: Int[Array, ""], x: Float[Array, "BC d"],
                 moe_in: Float[Array, "BC d"], routing: moe.Routing, valid: Bool[Array, "BC"],
-                *, opts: StepOptions) -> jax.Array:
+                *, opts: StepOptions, activation: moe.ClampedSwiGLU | None = None
+                ) -> jax.Array:
     """x + the MoE output under ``routing``, with ``experts`` stacked [L', E', ...] (the
-    resident stack, or a slot buffer with its own expert numbering) at ``layer``."""
+    resident stack, or a slot buffer with its own expert numbering) at ``layer``
+    (``activation``: the family's expert activation, ``moe.expert_activation_of``)."""
     _COMPILES["layerwise_moe"] += 1
     dispatcher = local_dispatcher(StackedExperts(experts), experts["w_gate"].shape[1],
-                                  opts.expert_impl, opts.tile_rows)
+                                  opts.expert_impl, opts.tile_rows, activation=activation)
     y, _ = dispatcher.apply(layer, moe_in, routing, valid, dispatcher.init_carry())
     return x + y
 
@@ -203,14 +205,14 @@ def head_program(params: Params, x: Float[Array, "BC d"], batch: PagedBatch,
 
 BEGIN = jax.jit(begin_program, static_argnames=("cfg", "opts"))
 ATTENTION = jax.jit(attention_program, static_argnames=("cfg",))
-MOE = jax.jit(moe_program, static_argnames=("opts",))
+MOE = jax.jit(moe_program, static_argnames=("opts", "activation"))
 HEAD = jax.jit(head_program, static_argnames=("cfg",))
 
 
 def dense_params(params: Params) -> Params:
     """The params without the expert weights (what the layerwise head and attention read)."""
     return {**params, "layers": {k: v for k, v in params["layers"].items()
-                                 if k not in EXPERT_KEYS}}
+                                 if k not in ALL_EXPERT_KEYS}}
 
 
 @dataclasses.dataclass

@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import moe, sampling
-from moejax.backends.base import BackendError, require_devices, validated
+from moejax.backends.base import BackendError, check_expert_bias, require_devices, validated
 from moejax.model import check_params
 from moejax.backends.streamed import host_memory_kind
 from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.decode.paged import WRITE_ROWS, PagedKV, block_bytes, empty_paged_kv
 from moejax.decode.programs import LayerwiseStep, PagedBatch, StepOptions, StepResult
-from moejax.param_layout import EXPERT_KEYS, Params, split_experts
+from moejax.param_layout import Params, expert_names, split_experts
 
 STEP_MODES = ("fused", "layerwise")
 LayerHook = Callable[[int, moe.Routing], "moe.Routing | None"]
@@ -49,7 +49,10 @@ class DecodeRunner(abc.ABC):
     name = ""
     steps: tuple[str, ...] = STEP_MODES   # step modes this runner can run
 
+    serves_expert_bias = False            # see moejax.backends.base.check_expert_bias
+
     def __init__(self, cfg: ModelConfig, *, dtype: Any, opts: StepOptions):
+        check_expert_bias(self.name, cfg, self.serves_expert_bias)
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.opts = opts
@@ -133,7 +136,7 @@ class DecodeRunner(abc.ABC):
             x, moe_in, routing = self.attend(layer, state, kv)
             stack, at, routing = self.layer_experts(layer, routing, batch.valid)
             state.x = programs.MOE(stack, np.int32(at), x, moe_in, routing, batch.valid,
-                                   opts=opts)
+                                   opts=opts, activation=moe.expert_activation_of(cfg))
         tokens = programs.HEAD(dense, state.x, batch, samp, cfg=cfg)
         return state.result(tokens, opts.router_inputs)
 
@@ -166,6 +169,7 @@ class ResidentRunner(DecodeRunner):
     """Every weight on one device."""
 
     name = "resident"
+    serves_expert_bias = True
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any, opts: StepOptions,
                  devices: int = 1, device: Any = None):
@@ -176,7 +180,8 @@ class ResidentRunner(DecodeRunner):
         self._device = one_device(self.name, device)
         self.params = placed_params(params, cfg, self.dtype, self._device)
         self.dense_params = programs.dense_params(self.params)
-        self.experts = {k: self.params["layers"][k] for k in EXPERT_KEYS}
+        self.experts = {k: self.params["layers"][k]
+                        for k in expert_names(self.params["layers"])}
 
     @property
     def device(self) -> Any:
