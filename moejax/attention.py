@@ -50,7 +50,7 @@ from jaxtyping import Array, Bool, Float, Float32, Int
 
 MASK_VALUE = -1e30  # finite, so a fully masked tile cannot produce NaN
 # The largest window: a Python int above it (e.g. "no window") is clamped to it.
-_MAX_WINDOW = int(np.iinfo(np.int32).max)
+MAX_WINDOW = int(np.iinfo(np.int32).max)
 
 Window = int | np.integer | Int[Array, ""]
 
@@ -60,7 +60,7 @@ def clamp_window(window: Window) -> int | jax.Array:
     if isinstance(window, (int, np.integer)):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        return min(int(window), _MAX_WINDOW)
+        return min(int(window), MAX_WINDOW)
     return window
 
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moejax import mla as mla_lib
+from moejax.attention import MAX_WINDOW
 from moejax import moe
 from moejax.config import ModelConfig
 from moejax.norms import rms_norm  # noqa: F401  (re-exported: the layer's norm)
@@ -132,16 +133,35 @@ def resident_mlp(p: LayerParams, moe_in: Float[Array, "n d"], layer,
     when the family has neither."""
     if "mlp_gate" not in p:
         return None
-    x = moe_in
-    gate = x @ p["mlp_gate"].astype(x.dtype)
-    up = x @ p["mlp_up"].astype(x.dtype)
+    # The stack is as wide as the wider of the two MLPs; each branch runs only its own
+    # columns (the rest are zero padding), so a layer pays for its own MLP's width.
+    if not cfg.dense_layers:
+        return _shared_experts(p, moe_in, cfg)
+    if isinstance(layer, int):      # a host-side driver: the kind is known statically
+        return (_swiglu_columns(p, moe_in, cfg.dense_intermediate_size)
+                if layer in cfg.dense_layers else _shared_experts(p, moe_in, cfg))
+    return jax.lax.cond(_is_dense(layer, cfg),
+                        lambda x: _swiglu_columns(p, x, cfg.dense_intermediate_size),
+                        lambda x: _shared_experts(p, x, cfg), moe_in)
+
+
+def _swiglu_columns(p: LayerParams, x: Float[Array, "n d"], width: int) -> Float[Array, "n d"]:
+    """SwiGLU over the first ``width`` columns of the resident MLP stack (0: zeros)."""
+    if width == 0:
+        return jnp.zeros_like(x)
+    gate = x @ p["mlp_gate"][:, :width].astype(x.dtype)
+    up = x @ p["mlp_up"][:, :width].astype(x.dtype)
     hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-    out = hidden @ p["mlp_down"].astype(x.dtype)
+    return hidden @ p["mlp_down"][:width].astype(x.dtype)
+
+
+def _shared_experts(p: LayerParams, x: Float[Array, "n d"], cfg: ModelConfig
+                    ) -> Float[Array, "n d"]:
+    """An MoE layer's shared experts, times sigmoid(x·g) where the family gates them."""
+    out = _swiglu_columns(p, x, cfg.shared_intermediate_size)
     if "shared_gate" in p:
         scale = jax.nn.sigmoid(jnp.dot(x, p["shared_gate"].astype(x.dtype),
                                        preferred_element_type=jnp.float32))
-        if cfg.dense_layers:        # a dense layer's MLP is not gated
-            scale = jnp.where(_is_dense(layer, cfg), 1.0, scale)
         out = (out.astype(jnp.float32) * scale[:, None]).astype(x.dtype)
     return out
 
@@ -160,8 +180,7 @@ def attention_options(p: LayerParams, layer, cfg: ModelConfig) -> dict[str, Any]
     if "sinks" in p:
         out["sinks"] = p["sinks"]
     if cfg.sliding_layers:
-        from moejax.attention import _MAX_WINDOW
-        table = jnp.asarray([cfg.sliding_window if i in cfg.sliding_layers else _MAX_WINDOW
+        table = jnp.asarray([cfg.sliding_window if i in cfg.sliding_layers else MAX_WINDOW
                              for i in range(cfg.num_layers)], jnp.int32)
         out["window"] = table[layer]
     return out
