@@ -145,6 +145,14 @@ class MoEDispatcher:
     def init_carry(self) -> Any:
         return self.source.init_carry(), self.transport.init_carry()
 
+    @property
+    def skippable(self) -> bool:
+        """May a layer without routed experts skip ``apply`` (under a ``lax.cond``)? Only
+        when nothing in it communicates or carries state: local tokens, no partial sums,
+        weights resident or handed in."""
+        return (isinstance(self.transport, LocalTokens) and self.transport.psum_axis is None
+                and isinstance(self.source, (StackedExperts, GivenExperts)))
+
     def apply(self, layer, x: Float[Array, "n d"], routing: moe.Routing,
               valid: Bool[Array, "n"] | None, carry: Any) -> tuple[jax.Array, Any]:
         """The MoE output [n, d] of the normed x [n, d] under ``routing``, and the carry."""

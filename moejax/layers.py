@@ -265,7 +265,14 @@ def decoder_layer(p: LayerParams, layer, x: Float[Array, "n d"], attn, dispatche
                                              psum_axis=psum_axis)
     if routing is None:
         routing = route_layer(p, moe_in, cfg, layer)
-    y, moe_carry = dispatcher.apply(layer, moe_in, routing, valid, moe_carry)
+    if cfg.dense_layers and not isinstance(layer, int) and dispatcher.skippable:
+        # A dense layer's routed experts are zero: skip their compute where nothing in
+        # the dispatcher communicates (elsewhere they run, weighted 0, in lockstep).
+        y, moe_carry = jax.lax.cond(
+            _is_dense(layer, cfg), lambda: (jnp.zeros_like(moe_in), moe_carry),
+            lambda: dispatcher.apply(layer, moe_in, routing, valid, moe_carry))
+    else:
+        y, moe_carry = dispatcher.apply(layer, moe_in, routing, valid, moe_carry)
     return LayerOutput(x=x + y, attn=attn, moe_carry=moe_carry, routing=routing,
                        moe_in=moe_in)
 
