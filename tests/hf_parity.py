@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -29,3 +30,66 @@ def assert_transformers_agrees(model_dir: str, text: str, tol: float = 2e-3) -> 
     ours = np.asarray(mdl.full_logits(params, batch, cfg, mdl.ForwardOptions(attn_block=n)))
     assert logits.shape == (n, cfg.vocab_size)
     np.testing.assert_allclose(ours, logits, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------- packed-batch parity
+def parity_sequences(seed: int, vocab: int, lengths, low: int = 0):
+    """``moejax.ops.PrefillOp`` s of the given lengths (token ids in [low, vocab)):
+    sequence 1 scores three positions with ragged candidate lists, the others their
+    last position; all ask for the full vocabulary."""
+    from moejax.ops import PrefillOp
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        positions = (n - 1,) if i != 1 else (0, n // 2, n - 1)
+        cands = tuple(tuple(int(c) for c in rng.choice(vocab, size=1 + (j + i) % 3,
+                                                       replace=False))
+                      for j in range(len(positions)))
+        out.append(PrefillOp(key=f"s{i}", token_ids=rng.integers(low, vocab, n).astype(np.int32),
+                             score_positions=positions, score_token_ids=cands,
+                             full_vocab=True))
+    return out
+
+
+def packed_outputs(params, batch, cfg, attn_block: int) -> dict:
+    """Every packed-batch output a parity test reads, in one compiled program (XLA shares
+    the forward's hidden states): full logits, and the scoring forward with the full
+    vocabulary and with candidate columns only."""
+    return _PACKED_OUTPUTS(params, batch, cfg, attn_block)
+
+
+def _packed_outputs(params, batch, cfg, attn_block):
+    import dataclasses
+
+    from moejax import model as mdl
+
+    opts = mdl.ForwardOptions(attn_block=attn_block)
+    return {"full_logits": mdl.full_logits(params, batch, cfg, opts),
+            "full_vocab": mdl.forward(params, batch, cfg,
+                                      dataclasses.replace(opts, full_vocab=True)),
+            "columns": mdl.forward(params, batch, cfg,
+                                   dataclasses.replace(opts, full_vocab=False))}
+
+
+_PACKED_OUTPUTS = jax.jit(_packed_outputs, static_argnums=(2, 3))
+
+
+def rel_err(got, ref) -> float:
+    """max |got - ref| / max |ref|, in float64."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def rows_of(host, index: int) -> np.ndarray:
+    """Flat rows of sequence ``index`` of a packed ``host`` batch, ordered by position
+    (checked: one row per token, positions 0..n-1, the sequence's tokens)."""
+    seg = np.asarray(host.batch.segment_ids)
+    pos = np.asarray(host.batch.positions)
+    rows = np.nonzero(seg == index)[0]
+    rows = rows[np.argsort(pos[rows], kind="stable")]
+    n = len(host.sequences[index].token_ids)
+    assert len(rows) == n and np.array_equal(pos[rows], np.arange(n))
+    np.testing.assert_array_equal(np.asarray(host.batch.tokens)[rows],
+                                  host.sequences[index].token_ids)
+    return rows

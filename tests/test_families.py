@@ -23,7 +23,6 @@ module-scoped fixture per family builds, saves, loads and compiles once; the tes
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -37,12 +36,12 @@ transformers = pytest.importorskip(
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
 from backend_fixtures import max_rel_err, run_backend  # noqa: E402
+from hf_parity import packed_outputs, parity_sequences, rel_err, rows_of  # noqa: E402
 from benchmarks import prefill_cpu  # noqa: E402
 from hf_family_models import (FAMILY_SEEDS, V, build_family_model, moe_layers,  # noqa: E402
                               router_topk)
-from moejax import checkpoint, model  # noqa: E402
+from moejax import checkpoint  # noqa: E402
 from moejax.backends import BackendError, make_backend  # noqa: E402
-from moejax.model import ForwardOptions  # noqa: E402
 from moejax.ops import PrefillOp  # noqa: E402
 from moejax.packing import BucketPolicy, pack  # noqa: E402
 from serving import Generator  # noqa: E402
@@ -75,29 +74,8 @@ def _word_tokenizer() -> Tokenizer:
 
 
 def _sequences(seed: int) -> list[PrefillOp]:
-    """Four sequences of different lengths; sequence 1 scores three positions with ragged
-    candidate lists, the others their last position; all ask for the full vocabulary."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, n in enumerate(LENGTHS):
-        positions = (n - 1,) if i != 1 else (0, n // 2, n - 1)
-        cands = tuple(tuple(int(c) for c in rng.choice(V, size=1 + (j + i) % 3, replace=False))
-                      for j in range(len(positions)))
-        out.append(PrefillOp(key=f"s{i}", token_ids=rng.integers(3, V, n).astype(np.int32),
-                             score_positions=positions, score_token_ids=cands,
-                             full_vocab=True))
-    return out
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _all_outputs(params, batch, cfg, attn_block):
-    """Every packed-batch output the tests read, in one compiled program."""
-    opts = ForwardOptions(attn_block=attn_block)
-    return {"full_logits": model.full_logits(params, batch, cfg, opts),
-            "full_vocab": model.forward(params, batch, cfg,
-                                        dataclasses.replace(opts, full_vocab=True)),
-            "columns": model.forward(params, batch, cfg,
-                                     dataclasses.replace(opts, full_vocab=False))}
+    """Four sequences of different lengths (ids >= 3: no special tokens)."""
+    return parity_sequences(seed, V, LENGTHS, low=3)
 
 
 @dataclasses.dataclass
@@ -110,7 +88,7 @@ class Family:
     params: dict
     host: object                          # the one HostBatch of the packed sequences
     ref_logits: dict                      # key -> [n, V] float64 torch logits, run alone
-    outputs: dict                         # _all_outputs of the float32 params
+    outputs: dict                         # packed_outputs of the float32 params
     _torch_cache: dict = dataclasses.field(default_factory=dict)
     _generated: object = None
 
@@ -165,7 +143,7 @@ def _build(name: str, tmp_path_factory) -> Family:
         for seq in seqs:
             ids = torch.tensor(np.asarray(seq.token_ids, np.int64)[None])
             refs[seq.key] = hf(ids).logits[0].double().numpy()
-    outputs = jax.tree.map(np.asarray, _all_outputs(params, host.batch, cfg,
+    outputs = jax.tree.map(np.asarray, packed_outputs(params, host.batch, cfg,
                                                      host.options.attn_block))
     fam = Family(name, seed, path, hf, cfg, params, host, refs, outputs)
     _FAMILIES[name] = fam
@@ -178,20 +156,7 @@ def family(request, tmp_path_factory) -> Family:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _rel_err(got, ref) -> float:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
-
-
-def _rows_of(host, index: int) -> np.ndarray:
-    """Flat rows of sequence ``index`` of ``host``, ordered by position."""
-    seg = np.asarray(host.batch.segment_ids)
-    pos = np.asarray(host.batch.positions)
-    rows = np.nonzero(seg == index)[0]
-    rows = rows[np.argsort(pos[rows], kind="stable")]
-    n = len(host.sequences[index].token_ids)
-    assert len(rows) == n and np.array_equal(pos[rows], np.arange(n))
-    return rows
+_rel_err, _rows_of = rel_err, rows_of
 
 
 # ----------------------------------------------------------------------------- a. logits

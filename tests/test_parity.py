@@ -34,24 +34,12 @@ from moejax.model import ForwardOptions  # noqa: E402
 from moejax.ops import PrefillOp  # noqa: E402
 from moejax.packing import BucketPolicy, pack  # noqa: E402
 
+from hf_parity import packed_outputs, parity_sequences, rel_err, rows_of  # noqa: E402
 from hf_tiny_models import V, build_torch_model as _build_torch_model  # noqa: E402
 LENGTHS = (5, 17, 9, 30)
 POLICY = BucketPolicy(max_batch_tokens=64, min_block=8, min_positions=4, min_candidates=2)
 F32_TOL = 1e-4
 BF16_TOL = 2e-2
-
-
-# One compiled program per model computes every output a test reads (the forward's
-# hidden states are shared by XLA), which keeps the number of compiles, and the run
-# time on a 2-core CPU, low.
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _all_outputs(params, batch, cfg, attn_block):
-    opts = ForwardOptions(attn_block=attn_block)
-    return {"full_logits": model.full_logits(params, batch, cfg, opts),
-            "full_vocab": model.forward(params, batch, cfg,
-                                        dataclasses.replace(opts, full_vocab=True)),
-            "columns": model.forward(params, batch, cfg,
-                                     dataclasses.replace(opts, full_vocab=False))}
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
@@ -72,17 +60,7 @@ VARIANTS = {
 
 
 def _sequences(seed: int) -> list[PrefillOp]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i, n in enumerate(LENGTHS):
-        # Sequence 1 scores several positions with ragged candidate lists; the others one.
-        positions = (n - 1,) if i != 1 else (0, n // 2, n - 1)
-        cands = tuple(tuple(int(c) for c in rng.choice(V, size=1 + (j + i) % 3, replace=False))
-                      for j in range(len(positions)))
-        out.append(PrefillOp(key=f"s{i}", token_ids=rng.integers(0, V, n).astype(np.int32),
-                             score_positions=positions, score_token_ids=cands,
-                             full_vocab=True))
-    return out
+    return parity_sequences(seed, V, LENGTHS)
 
 
 @dataclasses.dataclass
@@ -94,10 +72,10 @@ class Fixture:
     host: object                  # the single HostBatch of the packed sequences
     ref_logits: dict              # key -> [n, V] float64 torch logits of the sequence alone
     hf: object
-    outputs: dict | None = None   # _all_outputs of the float32 params
+    outputs: dict | None = None   # packed_outputs of the float32 params
 
     def run(self, params=None, cfg=None) -> dict:
-        return jax.tree.map(np.asarray, _all_outputs(
+        return jax.tree.map(np.asarray, packed_outputs(
             self.params if params is None else params, self.host.batch,
             self.cfg if cfg is None else cfg, self.host.options.attn_block))
 
@@ -151,22 +129,7 @@ def mixtral(tmp_path_factory) -> Fixture:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _rel_err(got, ref) -> float:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-
-
-def _rows_of(host, index: int) -> np.ndarray:
-    """Flat rows of sequence ``index`` of ``host``, ordered by position."""
-    seg = np.asarray(host.batch.segment_ids)
-    pos = np.asarray(host.batch.positions)
-    rows = np.nonzero(seg == index)[0]
-    rows = rows[np.argsort(pos[rows], kind="stable")]
-    n = len(host.sequences[index].token_ids)
-    assert len(rows) == n and np.array_equal(pos[rows], np.arange(n))
-    np.testing.assert_array_equal(np.asarray(host.batch.tokens)[rows],
-                                  host.sequences[index].token_ids)
-    return rows
+_rel_err, _rows_of = rel_err, rows_of
 
 
 def _per_sequence(fx: Fixture, logits: np.ndarray) -> dict[str, np.ndarray]:
