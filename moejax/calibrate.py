@@ -179,7 +179,9 @@ def calibrate(backend, *, eps: float = DEFAULT_EPS, theta: float | None = None,
                              t_x=0.0, channel=channel, num_moe_layers=cfg.num_layers)
         log.info("calibration (%s): no expert transfer, Θ = 0", backend.name)
         return record
-    seconds = time_layers(cfg, backend.devices[0], backend.dtype, reference_tokens,
+    # A device of this process's own (over several processes, devices[0] may be another's).
+    device = next(d for d in backend.devices if d.process_index == jax.process_index())
+    seconds = time_layers(cfg, device, backend.dtype, reference_tokens,
                           reference_sequence, expert_impl)
     flops = layer_flops(cfg, reference_tokens, reference_sequence)
     rate = flops / statistics.median(seconds)

@@ -20,7 +20,8 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from moejax import checkpoint
+from moejax import checkpoint, distributed
+from moejax.distributed import DistributedOptions, join as distributed_join
 from moejax.checkpoint import resolve_model_dir  # noqa: F401  (serving's import path for it)
 from moejax.backends import backend_class, make_backend
 from moejax.backends.base import require_devices
@@ -89,12 +90,19 @@ class Scorer:
     ``backend_options`` (the backend's own keywords), ``calibrate``, ``calibration_eps``,
     ``theta``; plus ``deployment`` (a YAML file of options, e.g.
     ``configs/deployments/async_ep.yaml``, applied before the keyword arguments) and
-    ``normalize_options`` (prompt templates of "choice" and "multi").
+    ``normalize_options`` (prompt templates of "choice" and "multi"); ``distributed``
+    (:class:`moejax.distributed.DistributedOptions` or its dict: join the other processes
+    of a multi-process run first; every process then builds the same Scorer and scores the
+    same requests, see ``moejax.distributed``).
     """
 
     def __init__(self, model: str | os.PathLike = "demo", *,
                  normalize_options: NormalizeOptions | None = None,
-                 deployment: str | os.PathLike | None = None, **options: Any):
+                 deployment: str | os.PathLike | None = None,
+                 distributed: DistributedOptions | dict[str, Any] | None = None,
+                 **options: Any):
+        # Before anything computes: over several processes the backends' meshes span them.
+        distributed_join(distributed)
         self.options: ScorerOptions = load_options(options, deployment=deployment)
         enable_compilation_cache(self.options.compilation_cache)
         self.model_dir, self.is_demo = resolve_model_dir(model)
@@ -176,11 +184,13 @@ class Scorer:
     def _calibrate(self, backend, max_batch_tokens: int) -> Calibration:
         opts = self.options
         if opts.theta is not None or opts.calibrate:
-            return calibrate(backend, eps=opts.calibration_eps, theta=opts.theta,
-                             max_batch_tokens=max_batch_tokens,
-                             reference_tokens=min(DEFAULT_REFERENCE_TOKENS, max_batch_tokens),
-                             reference_sequence=min(DEFAULT_REFERENCE_SEQUENCE, max_batch_tokens),
-                             expert_impl=opts.expert_impl)
+            # Over several processes every one must route with the same Θ: process 0's.
+            return distributed.agree(calibrate(
+                backend, eps=opts.calibration_eps, theta=opts.theta,
+                max_batch_tokens=max_batch_tokens,
+                reference_tokens=min(DEFAULT_REFERENCE_TOKENS, max_batch_tokens),
+                reference_sequence=min(DEFAULT_REFERENCE_SEQUENCE, max_batch_tokens),
+                expert_impl=opts.expert_impl))
         return uncalibrated(backend, max_batch_tokens, opts.calibration_eps)
 
     def reset_prefix_cache(self) -> None:

@@ -45,6 +45,8 @@ import time
 from typing import Any, Sequence
 
 from moejax import configure_xla
+from serving.distributed_cli import (add_distributed_options, exit_now, host_devices_per_process,
+                                     join as join_processes, quiet_unless_output_process)
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
 # The commands keep a restarted job's compiled shapes (a library Scorer leaves the
@@ -119,6 +121,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="a request's prompt + candidate token ids (default: 16 x the context)")
     p.add_argument("--max-candidates", type=positive_int, default=None,
                    help="candidates of one request (default 4096)")
+    add_distributed_options(p)
 
 
 def command_compilation_cache(deployment: str | None) -> str:
@@ -159,6 +162,10 @@ def score_chunk(scorer: Any, chunk: list[JsonlLine]) -> list[Any]:
 
 def cmd_score(args: argparse.Namespace) -> int:
     """Run ``score``; returns the exit status (130 after Ctrl-C)."""
+    if getattr(args, "target", None) is not None:   # through a server: serving.remote_score
+        from serving.remote_score import run_remote
+
+        return run_remote(args)
     from serving import Scorer
 
     with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
@@ -246,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.eldr_cli import add_parser as add_eldr_fit_command
     from serving.prefetch_cli import add_parser as add_prefetch_calibrate_command
     from serving.grpc.cli import add_commands as add_grpc_commands
+    from serving.launch import add_launch_command
+    from serving.remote_score import add_remote_options
 
     parser = argparse.ArgumentParser(prog="moejax", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log compiles and batches")
@@ -260,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="progress bar (default: on for large inputs on a terminal)")
     add_line_limit_option(score)
     add_model_options(score)
+    add_remote_options(score)   # --target HOST:PORT: through a server, resumable
     score.set_defaults(func=cmd_score)
 
     convert = sub.add_parser("convert", help="convert a HF checkpoint to moejax params (orbax)")
@@ -277,25 +287,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_eldr_fit_command(sub)
     add_prefetch_calibrate_command(sub)
     add_grpc_commands(sub, add_model_options)
+    add_launch_command(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``moejax`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    # Before anything starts JAX's backends, which read XLA_FLAGS once.
-    configure_xla(host_devices=max(getattr(args, "devices", None) or 1,
-                                          getattr(args, "engines", None) or 1))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    multi_process = False
     try:
+        # Before anything starts JAX's backends, which read XLA_FLAGS once; then join the
+        # other processes of a multi-process run (serving.distributed_cli).
+        configure_xla(host_devices=host_devices_per_process(args))
+        multi_process = join_processes(args)
+        if multi_process:
+            quiet_unless_output_process(args)
         return args.func(args)
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE_STATUS
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
+        if not multi_process and isinstance(exc, RuntimeError):
+            raise
         print(f"moejax: error: {exc}", file=sys.stderr)
+        if multi_process:
+            exit_now(2)
         return 2
+    except BaseException:
+        if multi_process:   # a traceback, then end now rather than at JAX's shutdown barrier
+            import traceback
+
+            traceback.print_exc()
+            exit_now(1)
+        raise
 
 
 def _silence_stdout() -> None:

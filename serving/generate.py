@@ -58,7 +58,9 @@ import numpy as np
 
 from moejax import checkpoint
 from moejax.decode.programs import StepOptions
+from moejax.backends import check_multi_process
 from moejax.backends.base import BackendError, require_devices
+from moejax.distributed import DistributedOptions, join as join_processes
 from moejax.decode.runners import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, POLICIES, Policy, check_tau, make_policy
@@ -539,6 +541,24 @@ class GenerationEvent:
     result: GenerationResult | None = None
 
 
+def check_decode_processes(opts: GeneratorOptions) -> None:
+    """BackendError unless ``opts`` can decode over the processes of this run (no-op in one
+    process): only continuous batching on ``sync_ep`` spans them (its one mesh holds every
+    process's devices); the other runners place the model on one device."""
+    if jax.process_count() == 1:
+        return
+    single = [f"{name}={value!r}" for name, value, ok in (
+        ("backend", opts.backend, opts.backend == "sync_ep"),
+        ("runtime", opts.runtime, opts.runtime == "continuous"),
+        ("batching", opts.batching, opts.batching == "continuous"),
+        ("decoders", opts.decoders, opts.decoders == 1)) if not ok]
+    if single:
+        raise BackendError(f"generation over {jax.process_count()} processes runs on "
+                           f"backend='sync_ep' with continuous batching and one decoder; "
+                           f"got {', '.join(single)}")
+    check_multi_process(opts.backend, opts.devices)
+
+
 class Generator:
     """Generates text with one model: ``Generator(model, **options).generate(requests)``.
 
@@ -554,10 +574,16 @@ class Generator:
     second copy, where it can use them as they are (the same model, both resident on
     one device, one dtype, continuous batching; otherwise it loads its own and logs
     why). ``moejax serve`` does this.
+
+    ``distributed`` (:class:`moejax.distributed.DistributedOptions` or its dict): join the
+    other processes of a multi-process run first (backend ``sync_ep`` over every
+    process's devices; every process runs the same requests and gets the same tokens).
     """
 
     def __init__(self, model: str | os.PathLike = "demo", *, weights_of: Any = None,
+                 distributed: DistributedOptions | dict[str, Any] | None = None,
                  **options: Any):
+        join_processes(distributed)   # before anything computes (see moejax.distributed)
         self.options = make_options(options)
         shared = self.options.scorer_view()
         enable_compilation_cache(shared.compilation_cache)
@@ -569,6 +595,7 @@ class Generator:
         self.tokenizer = TokenizerAdapter(tokenizer)
         self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
         opts = self.options
+        check_decode_processes(opts)
         self.engine: DecodeEngine | None = None
         self.scheduler: Scheduler | DecoderPool | None = None
         self.mu_queue: Any = None

@@ -40,10 +40,36 @@ def backend_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
+# Backends whose one mesh spans every process's devices under jax.distributed (the others
+# place everything on one device, which only one process owns).
+MULTI_PROCESS_BACKENDS = ("async_ep", "sync_ep", "tp", "hybrid")
+
+
+def check_multi_process(name: str, devices: int) -> None:
+    """BackendError unless backend ``name`` over ``devices`` devices can run in this
+    multi-process run (no-op in a single process)."""
+    import jax
+
+    from moejax.backends.base import BackendError
+
+    if jax.process_count() == 1:
+        return
+    if name not in MULTI_PROCESS_BACKENDS:
+        raise BackendError(f"backend {name!r} runs on one device and cannot span the "
+                           f"{jax.process_count()} processes of this run; use one of "
+                           f"{list(MULTI_PROCESS_BACKENDS)}")
+    if devices != jax.device_count():
+        raise BackendError(f"backend {name!r} over {jax.process_count()} processes must use "
+                           f"every process's devices: devices={jax.device_count()} "
+                           f"({jax.local_device_count()} per process), got {devices}")
+
+
 def make_backend(name: str, cfg, params, *, devices: int = 1, **options: Any):
     """Build backend ``name`` over ``devices`` devices; ``options`` are its own keywords
     (``dtype`` for all; e.g. ``window`` for offload, ``capacity_factor`` for sync_ep)."""
+    check_multi_process(name, devices)
     return backend_class(name)(cfg, params, devices=devices, **options)
 
 
-__all__ = ["BACKENDS", "Backend", "BackendError", "MemoryReport", "backend_class", "make_backend"]
+__all__ = ["BACKENDS", "MULTI_PROCESS_BACKENDS", "Backend", "BackendError", "MemoryReport",
+           "backend_class", "check_multi_process", "make_backend"]

@@ -34,6 +34,7 @@ from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_b
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import GatheredAhead, gather_layer, local_dispatcher
+from moejax.distributed import place_local_ranks
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
@@ -117,14 +118,14 @@ class AsyncEPBackend(MeshBackend):
 
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
-        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         logits, lse = self.forward_fn(opts, opts.full_vocab)(
             self.params, self.shards, self.first_experts, batch)
         return unstack_outputs(logits, lse, self.num_ranks)
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """The lowered step (tests read its compiled HLO for the all-gather overlap)."""
-        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         return [self.forward_fn(opts, opts.full_vocab).lower(
             self.params, self.shards, self.first_experts, batch)]
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from moejax.attention_kinds import PrefixContext
 from moejax.config import ModelConfig
+from moejax.distributed import fetch_global
 from moejax.model import ForwardOptions, PackedBatch, check_params
 from moejax.param_layout import EXPERT_KEYS, Params
 
@@ -236,7 +237,9 @@ def stack_batches(batches: Sequence[PackedBatch]) -> PackedBatch:
 
 
 def unstack_outputs(logits: jax.Array, lse: jax.Array | None, count: int) -> list[StepOutput]:
-    """[G, P, C] logits (and [G, P] lse) -> G per-rank outputs."""
+    """[G, P, C] logits (and [G, P] lse) -> G per-rank outputs. Over several processes
+    the ranks of the others' devices are all-gathered first (every process gets all)."""
+    logits, lse = fetch_global(logits), fetch_global(lse)
     return [(logits[g], None if lse is None else lse[g]) for g in range(count)]
 
 

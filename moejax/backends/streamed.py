@@ -57,6 +57,7 @@ from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, Prefi
 from moejax.config import ModelConfig
 from moejax.dispatch import (ExpertWeights, GatheredAhead, GivenExperts, gather_layer,
                              local_dispatcher)
+from moejax.distributed import place_local_ranks
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
@@ -362,7 +363,7 @@ class StreamedBackend(MeshBackend):
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """The layer program (one for every layer but the last) and the last layer's."""
-        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         host_layer = self.host_experts[0]
         held = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=self._device_layer)
                 for k, v in host_layer.items()}
@@ -379,7 +380,7 @@ class StreamedBackend(MeshBackend):
     # ------------------------------------------------------------------ steps
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
-        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         logits, lse, _ = self._recovering(self._forward, batch, opts)
         return unstack_outputs(logits, lse, self.num_ranks)
 
@@ -480,7 +481,7 @@ class OffloadBackend(StreamedBackend):
 
     def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
                     opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
-        batch = jax.device_put(stack_batches([batch]), self._batch_sharding)
+        batch = place_local_ranks(stack_batches([batch]), self._batch_sharding)
         context = jax.device_put(context, self._replicated)
         logits, lse, pool = self._recovering(self._forward, batch, opts, context, pool)
         return (logits[0], None if lse is None else lse[0]), pool

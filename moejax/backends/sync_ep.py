@@ -99,6 +99,7 @@ from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepO
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import ExpertWeights, MoEDispatcher, StackedExperts
+from moejax.distributed import fetch_global, place_local_ranks
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
@@ -539,20 +540,20 @@ class SyncEPBackend(MeshBackend):
             shape_key, capacity_rows(rows, self.capacity_factor, self.num_ranks))
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
-        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         _, capacity = self._capacity(batches[0], opts)
         return [self.program(opts, capacity).lower(self.params, self.expert_slots, batch)]
 
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
-        batch = jax.device_put(stack_batches(batches), self._batch_sharding)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         shape_key, capacity = self._capacity(batches[0], opts)
         rows = self.rows_per_device(batches[0])
         retried = False
         while True:
             logits, lse, stats = self.program(opts, capacity)(self.params, self.expert_slots,
                                                               batch)
-            stats = np.asarray(jax.device_get(stats))             # [G, NUM_STATS]; syncs
+            stats = np.asarray(fetch_global(stats))              # [G, NUM_STATS]; syncs
             if not stats[:, STAT_OVERFLOW].any():
                 break
             if capacity >= rows:

@@ -55,6 +55,7 @@ from moejax.decode import programs
 from moejax.decode.paged import PagedKV, empty_paged_kv, write_rows
 from moejax.decode.programs import PagedBatch, StepOptions, StepResult
 from moejax.decode.runners import DecodeRunner
+from moejax.distributed import fetch_global
 from moejax.dispatch import MoEDispatcher, StackedExperts
 from moejax.param_layout import Params, split_experts
 
@@ -198,7 +199,13 @@ class SyncEPRunner(DecodeRunner):
         batch, samp = jax.device_put((batch, samp), self._ranks)
         result, stats = self._step(self.dense_params, self.expert_slots, kv, batch, samp)
         kv = self._write(kv, batch.write_slots, result.new_keys, result.new_values)
-        self._record(np.asarray(stats), batch.tokens.shape[0] // self.num_ranks)
+        self._record(np.asarray(fetch_global(stats)), batch.tokens.shape[0] // self.num_ranks)
+        if not result.tokens.is_fully_addressable:
+            # Over several processes: what the host reads back (the sampled tokens, the
+            # routing for traces) is gathered to every process; the KV stays sharded.
+            result = dataclasses.replace(result, tokens=fetch_global(result.tokens),
+                                         experts=fetch_global(result.experts),
+                                         weights=fetch_global(result.weights))
         return kv, result
 
     def _record(self, stats: np.ndarray, tokens: int) -> None:

@@ -74,6 +74,18 @@ def _serves_generation(args: argparse.Namespace) -> bool:
     ``--generation`` is asked for on a backend that cannot decode."""
     if args.generation is False:
         return False
+    import jax
+
+    if jax.process_count() > 1:
+        # Only process 0 hears the requests; its followers replay scoring runs
+        # (serving.multi_process), not a Generator's decode loop.
+        if args.generation:
+            raise ValueError("--generation: a multi-process serve serves scoring only; drop "
+                             "--generation (moejax generate runs over several processes)")
+        logging.getLogger("moejax.grpc").warning(
+            "serving scoring only over %d processes (no moejax.v1.Generation)",
+            jax.process_count())
+        return False
     if args.backend is None or args.backend in DECODE_BACKENDS:
         return True
     if args.generation:
@@ -108,12 +120,17 @@ def _share_prefix_cache(generator: Any, scorer: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/SIGINT (see the module docstring)."""
+    """Run the server until SIGTERM/SIGINT (see the module docstring). Over several
+    processes, process 0 serves and the others follow its runs."""
+    from moejax.distributed import is_output_process, process_count
     from serving import Scorer
     from serving.cli import scorer_options
     from serving.grpc.server import ScoringServer, ServerOptions
+    from serving.multi_process import LeaderScorer
 
     logging.getLogger("moejax.grpc").setLevel(logging.INFO)
+    if not is_output_process():
+        return _follow(args)
     try:
         generation = _serves_generation(args)
         options = ServerOptions(
@@ -160,11 +177,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loading.clear()
         server.stop(0)
         raise
+    if scorer is not None and process_count() > 1:
+        scorer = LeaderScorer(scorer)    # every run also runs on the other processes
     if scorer is not None and not stop.is_set():
         server.attach(scorer, generator)
     while not stop.wait(1.0):
         pass
     server.stop(args.grace_seconds)
+    if isinstance(scorer, LeaderScorer):
+        scorer.stop()
+    return 0
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """``serve`` on a process other than 0 of a multi-process run: load the same Scorer
+    and run what process 0 sends until it stops (serving.multi_process)."""
+    import jax
+
+    from serving import Scorer
+    from serving.cli import scorer_options
+    from serving.multi_process import follow
+
+    scorer = Scorer(args.model, **scorer_options(args))
+    runs = follow(scorer)
+    print(f"moejax serve (process {jax.process_index()}): ran {runs} batches for process 0",
+          file=sys.stderr)
     return 0
 
 
@@ -308,8 +345,13 @@ def cmd_client_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def _add_connection_options(p: argparse.ArgumentParser, timeout: float | None) -> None:
-    p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
+def _add_connection_options(p: argparse.ArgumentParser, timeout: float | None, *,
+                            target: bool = True, timeout_help: str | None = None) -> None:
+    """--target, --token, the TLS options and --timeout; ``target=False`` for a command
+    that defines --target itself (``moejax score``), ``timeout_help`` where --timeout means
+    something else than the whole call."""
+    if target:
+        p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
     p.add_argument("--token", default=None,
                    help=f"bearer token (default: ${TOKEN_ENV}, if set)")
     p.add_argument("--tls", action="store_true", help="use TLS with the system's root CAs")
@@ -318,14 +360,15 @@ def _add_connection_options(p: argparse.ArgumentParser, timeout: float | None) -
     p.add_argument("--tls-server-name", default=None,
                    help="name to check the server's certificate against (default: the host)")
     p.add_argument("--timeout", type=float, default=timeout,
-                   help="seconds for the whole call" + (f" (default {timeout})" if timeout
-                                                        else " (default: none)"))
+                   help=timeout_help or "seconds for the whole call" + (
+                       f" (default {timeout})" if timeout else " (default: none)"))
 
 
 def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
                  ) -> None:
-    """Register ``serve`` and ``client`` on the ``moejax`` subparsers."""
+    """Register ``serve``, ``router`` and ``client`` on the ``moejax`` subparsers."""
     from serving.cli import positive_int
+    from serving.grpc.router_cli import add_router_command
     from serving.jsonl import add_line_limit_option
 
     serve = sub.add_parser("serve", help="serve the scoring API over gRPC "
@@ -371,6 +414,7 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
                             "retry hint (default 4 x --generation-batch-size)")
     add_model_options(serve)
     serve.set_defaults(func=cmd_serve)
+    add_router_command(sub)
 
     client = sub.add_parser("client", help="call a moejax gRPC server")
     calls = client.add_subparsers(dest="client_command", required=True)
