@@ -28,8 +28,8 @@ import pytest
 from serving.cli import main
 from serving.grpc import convert, scoring_pb2 as pb
 from serving.jsonl import name_by_line, read_lines
-from serving.remote_score import (PROGRESS_FORMAT, check_same_input, input_fingerprint,
-                                  input_lines, load_progress, progress_path)
+from serving.score_progress import (PROGRESS_FORMAT, check_same_input, input_fingerprint,
+                                    input_lines, load_progress, progress_path)
 from serving.requests import RequestError, parse_request
 from tests.grpc_fakes import FakeUpstream, fake_result
 

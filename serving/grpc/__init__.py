@@ -13,7 +13,9 @@ and result objects), ``decoding`` (request parsing that names non-UTF-8 fields),
 ``service`` (the Scoring handlers), ``generation`` (the Generate handler, over a
 ``serving.generate.GeneratorLoop``), ``auth`` (bearer-token check), ``server`` (the gRPC server:
 health, reflection, TLS, graceful shutdown), ``client`` and ``cli`` (``moejax serve``,
-``moejax client``).
+``moejax client``); ``upstream_router`` (``moejax router``, started by ``router_cli``) with
+its parts ``upstreams``, ``router_core``, ``router_service``, ``router_stream`` and
+``router_calls``.
 """
 
 from __future__ import annotations

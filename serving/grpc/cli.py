@@ -53,12 +53,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 TOKEN_ENV = "MOEJAX_TOKEN"
 
 
-def _token(args: argparse.Namespace) -> str | None:
+def token_of(args: argparse.Namespace) -> str | None:
+    """The bearer token of a command: ``--token``, else ``$MOEJAX_TOKEN`` (None: no auth)."""
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
@@ -136,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options = ServerOptions(
             host=args.host, port=args.port, max_queued_tokens=args.max_queued_tokens,
             batch_tokens=args.batch_tokens, grace_seconds=args.grace_seconds,
-            drain_seconds=args.drain_seconds, token=_token(args), tls_cert=args.tls_cert,
+            drain_seconds=args.drain_seconds, token=token_of(args), tls_cert=args.tls_cert,
             tls_key=args.tls_key, max_message_mib=args.max_message_mib, workers=args.workers,
             max_concurrent_rpcs=args.max_concurrent_rpcs, generation=generation,
             max_generation_streams=args.max_generation_streams)
@@ -218,11 +219,13 @@ def _items(lines: Iterator[Any], order: collections.deque[int]) -> Iterator[tupl
                             else line.request)
 
 
-def _client(args: argparse.Namespace) -> Any:
+def connect(args: argparse.Namespace, options: Sequence[tuple[str, Any]] = ()) -> Any:
+    """A :class:`serving.grpc.client.Client` of the connection options
+    (:func:`add_connection_options`); ``options``: more gRPC channel options."""
     from serving.grpc.client import Client
 
-    return Client(args.target, token=_token(args), tls=args.tls, tls_ca=args.tls_ca,
-                  tls_server_name=args.tls_server_name)
+    return Client(args.target, token=token_of(args), tls=args.tls, tls_ca=args.tls_ca,
+                  tls_server_name=args.tls_server_name, options=options)
 
 
 def _rpc_failed(exc: Exception) -> int:
@@ -232,6 +235,18 @@ def _rpc_failed(exc: Exception) -> int:
         print(f"moejax client: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     raise exc
+
+
+def _summary(args: argparse.Namespace, written: str, start: float, status: int,
+             parts: str) -> None:
+    """The last line of ``client score`` / ``generate`` on stderr: what was written (for
+    how long, via which server), whether it stopped early (after which ``parts``: lines,
+    chunks), where the results are."""
+    print(f"{written} in {time.perf_counter() - start:.2f}s via {args.target}"
+          + ("" if status == 0 else f"; stopped early, the results of the {parts} before "
+                                    f"are written")
+          + (f", results in {args.output}" if args.output not in (None, "-") else ""),
+          file=sys.stderr)
 
 
 def cmd_client_score(args: argparse.Namespace) -> int:
@@ -255,7 +270,7 @@ def cmd_client_score(args: argparse.Namespace) -> int:
                        file=sys.stderr)
         start = time.perf_counter()
         try:
-            with _client(args) as client:
+            with connect(args) as client:
                 for number, result in client.stream(_items(files.lines(), order),
                                                     timeout=args.timeout):
                     result.error = name_by_line(result.error, number, number)
@@ -276,12 +291,8 @@ def cmd_client_score(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    print(f"{written} results written ({errors} with errors) in "
-          f"{time.perf_counter() - start:.2f}s via {args.target}"
-          + ("" if status == 0 else "; stopped early, the results of the lines before are "
-                                    "written")
-          + (f", results in {args.output}" if args.output not in (None, "-") else ""),
-          file=sys.stderr)
+    _summary(args, f"{written} results written ({errors} with errors)", start, status,
+             "lines")
     return status
 
 
@@ -299,7 +310,7 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
         files.start_output()
         start = time.perf_counter()
         try:
-            with _client(args) as client:
+            with connect(args) as client:
                 def run(requests: list[Any]) -> list[Any]:
                     return client.generate(requests, timeout=args.timeout,
                                            max_concurrency=args.concurrency)
@@ -315,19 +326,15 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
             status = _rpc_failed(exc)
         except KeyboardInterrupt:
             status = 130
-    print(f"{written} results written ({errors} with errors, {tokens} tokens generated) in "
-          f"{time.perf_counter() - start:.2f}s via {args.target}"
-          + ("" if status == 0 else "; stopped early, the results of the chunks before are "
-                                    "written")
-          + (f", results in {args.output}" if args.output not in (None, "-") else ""),
-          file=sys.stderr)
+    _summary(args, f"{written} results written ({errors} with errors, {tokens} tokens "
+                   f"generated)", start, status, "chunks")
     return status
 
 
 def cmd_client_info(args: argparse.Namespace) -> int:
     """Print the server's ModelInfo as JSON."""
     try:
-        with _client(args) as client:
+        with connect(args) as client:
             print(json.dumps(client.info(timeout=args.timeout), indent=2))
     except Exception as exc:
         return _rpc_failed(exc)
@@ -337,7 +344,7 @@ def cmd_client_info(args: argparse.Namespace) -> int:
 def cmd_client_health(args: argparse.Namespace) -> int:
     """Print the health status; exit 0 when SERVING, 1 otherwise."""
     try:
-        with _client(args) as client:
+        with connect(args) as client:
             status = client.health(args.service, timeout=args.timeout)
     except Exception as exc:
         return _rpc_failed(exc)
@@ -345,8 +352,8 @@ def cmd_client_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def _add_connection_options(p: argparse.ArgumentParser, timeout: float | None, *,
-                            target: bool = True, timeout_help: str | None = None) -> None:
+def add_connection_options(p: argparse.ArgumentParser, timeout: float | None, *,
+                           target: bool = True, timeout_help: str | None = None) -> None:
     """--target, --token, the TLS options and --timeout; ``target=False`` for a command
     that defines --target itself (``moejax score``), ``timeout_help`` where --timeout means
     something else than the whole call."""
@@ -424,7 +431,7 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar (default: on when stderr is a terminal)")
     add_line_limit_option(score)
-    _add_connection_options(score, None)
+    add_connection_options(score, None)
     score.set_defaults(func=cmd_client_score)
     generate = calls.add_parser("generate", help="generate for a JSONL file of requests "
                                                  "through the server (one stream each)")
@@ -437,13 +444,13 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
                           help="lines read per chunk; results are written after each chunk "
                                "(default 256)")
     add_line_limit_option(generate)
-    _add_connection_options(generate, None)
+    add_connection_options(generate, None)
     generate.set_defaults(func=cmd_client_generate)
     info = calls.add_parser("info", help="print what the server serves (ModelInfo) as JSON")
-    _add_connection_options(info, 10.0)
+    add_connection_options(info, 10.0)
     info.set_defaults(func=cmd_client_info)
     health = calls.add_parser("health", help="print the health status; exit 0 when SERVING")
     health.add_argument("--service", default="",
                         help="service to check (default: the whole server)")
-    _add_connection_options(health, 10.0)
+    add_connection_options(health, 10.0)
     health.set_defaults(func=cmd_client_health)

@@ -26,6 +26,11 @@ named by its position in the list, as ``Generator.generate`` names it. A refusal
 overload (RESOURCE_EXHAUSTED with ``retry-after-ms``) is retried after the hint, within
 the timeout. Leaving ``generate_stream`` early (``break``, ``close()``) cancels the call:
 the server frees the sequence at its next step.
+
+The channel helpers (:func:`channel_credentials`, :func:`open_channel`,
+:func:`bearer_metadata`) and :func:`retry_hint_seconds` are public: the router's upstream
+channels (:mod:`serving.grpc.upstreams`) and ``moejax score --target``
+(:mod:`serving.remote_score`) set up TLS and auth toward a server the same way.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _to_message(obj: Any, index: int) -> pb.StreamRequest | ScoreResult:
+def to_message(obj: Any, index: int) -> pb.StreamRequest | ScoreResult:
     """The stream message of one request, or its error result when it is invalid or the
     proto refuses it (the error is the request's, never the whole call's)."""
     try:
@@ -74,7 +79,7 @@ def _to_message(obj: Any, index: int) -> pb.StreamRequest | ScoreResult:
                                                 f"be sent: {_printable(str(exc))}")
 
 
-def _retry_hint_seconds(error: grpc.RpcError) -> float | None:
+def retry_hint_seconds(error: grpc.RpcError) -> float | None:
     """The server's ``retry-after-ms`` of an overload refusal (None: no hint)."""
     try:
         value = dict(error.trailing_metadata() or ()).get("retry-after-ms")
@@ -108,11 +113,48 @@ class _Calls:
                 call.cancel()
 
 
-def _read(value: str | bytes | None) -> bytes | None:
+# ---------------------------------------------------------------------------- channels
+def read_pem(value: str | bytes | None) -> bytes | None:
+    """PEM bytes of a path (or the bytes themselves); ValueError naming an unreadable file."""
     if value is None or isinstance(value, bytes):
         return value
-    with open(value, "rb") as fh:
-        return fh.read()
+    try:
+        with open(value, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise ValueError(f"TLS CA {value}: cannot be read ({exc.strerror})") from exc
+
+
+def channel_credentials(tls: bool = False, tls_ca: str | bytes | None = None
+                        ) -> grpc.ChannelCredentials | None:
+    """TLS credentials of a channel, None for plaintext: TLS with ``tls_ca`` (PEM path or
+    bytes of the CA, or of a self-signed server certificate) or, with ``tls`` alone, the
+    system's root CAs. The CA file is read now (ValueError naming it if it cannot be)."""
+    if not (tls or tls_ca is not None):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=read_pem(tls_ca))
+
+
+def open_channel(target: str, credentials: grpc.ChannelCredentials | None, *,
+                 max_receive_bytes: int, tls_server_name: str | None = None,
+                 options: Sequence[tuple[str, Any]] = (), aio: bool = False) -> Any:
+    """A channel to ``target`` ("host:port"): TLS with ``credentials``
+    (:func:`channel_credentials`), else plaintext. ``max_receive_bytes`` bounds a received
+    message; ``tls_server_name`` overrides the name checked against the server's
+    certificate; ``options`` are more channel options; ``aio``: a ``grpc.aio`` channel
+    (for the event loop of :func:`serving.grpc.server.server_loop`)."""
+    channel_options = [("grpc.max_receive_message_length", max_receive_bytes), *options]
+    if tls_server_name:
+        channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
+    module = grpc.aio if aio else grpc
+    if credentials is not None:
+        return module.secure_channel(target, credentials, options=channel_options)
+    return module.insecure_channel(target, options=channel_options)
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``token`` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 class Client:
@@ -127,20 +169,25 @@ class Client:
     def __init__(self, target: str, token: str | None = None, *, tls: bool = False,
                  tls_ca: str | bytes | None = None, tls_server_name: str | None = None,
                  max_message_mib: float = 256.0, options: Sequence[tuple[str, Any]] = ()):
-        channel_options = [("grpc.max_receive_message_length", int(max_message_mib * (1 << 20))),
-                           *options]
-        if tls_server_name:
-            channel_options.append(("grpc.ssl_target_name_override", tls_server_name))
-        if tls or tls_ca is not None:
-            credentials = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca))
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=channel_options)
+        self._channel = open_channel(target, channel_credentials(tls, tls_ca),
+                                     max_receive_bytes=int(max_message_mib * (1 << 20)),
+                                     tls_server_name=tls_server_name, options=options)
         self.target = target
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = bearer_metadata(token)
         self._stub = scoring_pb2_grpc.ScoringStub(self._channel)
         self._generation = scoring_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @property
+    def stub(self) -> scoring_pb2_grpc.ScoringStub:
+        """The ``moejax.v1.Scoring`` stub of this connection, for calls the methods below
+        do not make (send :attr:`metadata` with them)."""
+        return self._stub
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call sends (the bearer token, if any)."""
+        return self._metadata
 
     # ------------------------------------------------------------------ scoring
     def score(self, requests: Sequence[Any], *, progress: bool | None = None,
@@ -185,7 +232,7 @@ class Client:
 
         def messages() -> Iterator[pb.StreamRequest]:
             for index, obj in items:
-                message = obj if isinstance(obj, ScoreResult) else _to_message(obj, index)
+                message = obj if isinstance(obj, ScoreResult) else to_message(obj, index)
                 if isinstance(message, ScoreResult):
                     local.append((index, message))
                     continue
@@ -302,7 +349,7 @@ class Client:
                     # The server names an id-less request "request #0" (one per call).
                     yield failed(renamed(exc.details(), 0, request_label(None, index)))
                     return
-                wait = _retry_hint_seconds(exc)
+                wait = retry_hint_seconds(exc)
                 if (code != grpc.StatusCode.RESOURCE_EXHAUSTED or wait is None
                         or (deadline is not None and time.monotonic() + wait >= deadline)):
                     raise

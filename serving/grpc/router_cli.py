@@ -102,7 +102,7 @@ def add_router_command(sub: Any) -> None:
 
 def router_options(args: argparse.Namespace) -> Any:
     """The RouterOptions of parsed arguments; ValueError naming a bad value."""
-    from serving.grpc.cli import TOKEN_ENV
+    from serving.grpc.cli import token_of
     from serving.grpc.upstream_router import RouterOptions
     from serving.grpc.upstreams import UpstreamOptions, parse_upstreams
 
@@ -119,7 +119,7 @@ def router_options(args: argparse.Namespace) -> Any:
     return RouterOptions(
         upstreams=upstreams, model=args.model, host=args.host, port=args.port,
         routing=args.routing, theta=args.theta,
-        token=args.token or os.environ.get(TOKEN_ENV) or None, tls_cert=args.tls_cert,
+        token=token_of(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, upstream=upstream, max_message_mib=args.max_message_mib,
         workers=args.workers, grace_seconds=args.grace_seconds,
         startup_timeout=args.startup_timeout)

@@ -37,7 +37,7 @@ import logging
 import ssl
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -108,8 +108,7 @@ class ServerOptions:
 
     @property
     def address(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
-        return f"{host}:{self.port}"
+        return listen_address(self.host, self.port)
 
 
 def read_tls_files(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
@@ -137,8 +136,9 @@ def read_tls_files(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
     return pems["key"], pems["certificate"]
 
 
-def _method_handlers(service: ScoringService) -> grpc.GenericRpcHandler:
-    """The Scoring methods, with deserializers that name non-UTF-8 fields
+def scoring_handlers(service: Any) -> grpc.GenericRpcHandler:
+    """The Scoring methods of ``service`` (a :class:`ScoringService`, or any object with
+    its handler methods: the router's), with deserializers that name non-UTF-8 fields
     (:mod:`serving.grpc.decoding`) instead of failing the whole call."""
     handlers = {
         "Score": grpc.unary_unary_rpc_method_handler(
@@ -158,13 +158,67 @@ def _method_handlers(service: ScoringService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-def _generation_handlers(service: GenerationService) -> grpc.GenericRpcHandler:
-    """The Generation method (its deserializer names non-UTF-8 fields, as Scoring's)."""
+def generation_handlers(service: Any) -> grpc.GenericRpcHandler:
+    """The Generation method of ``service`` (a :class:`GenerationService`, or any object
+    with a ``Generate`` handler); its deserializer names non-UTF-8 fields, as Scoring's."""
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE_NAME, {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate,
             request_deserializer=lambda data: decoding.parse(pb.GenerateRequest, data),
             response_serializer=pb.GenerateResponse.SerializeToString)})
+
+
+def server_credentials(tls_cert: str | None, tls_key: str | None
+                       ) -> grpc.ServerCredentials | None:
+    """TLS credentials of a server (None: plaintext, no certificate given); the files are
+    read and checked now (:func:`read_tls_files`), so a bad pair fails before binding."""
+    if tls_cert is None:
+        return None
+    key, cert = read_tls_files(tls_cert, tls_key)
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def listen_address(host: str, port: int) -> str:
+    """The "host:port" address to bind (an IPv6 host in brackets)."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{host}:{port}"
+
+
+def new_server(services: Sequence[str], *, token: str | None,
+               max_message_bytes: int) -> grpc.aio.Server:
+    """A ``grpc.aio`` server whose ``services`` (full names) require ``token`` when one is
+    given (health and reflection stay open), taking requests of up to
+    ``max_message_bytes``; with SO_REUSEPORT off, so that a port in use fails to bind."""
+    interceptors = ([BearerTokenInterceptor(token, [f"/{name}/" for name in services])]
+                    if token else [])
+    return grpc.aio.server(interceptors=interceptors,
+                           options=[("grpc.max_receive_message_length", max_message_bytes),
+                                    ("grpc.so_reuseport", 0)])
+
+
+def add_health_and_reflection(server: grpc.aio.Server, services: Sequence[str]) -> Any:
+    """Serve ``grpc.health.v1`` and reflection (of ``services``, health and reflection) on
+    ``server``; returns the health servicer, whose statuses the caller sets."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    return servicer
+
+
+def listen(server: grpc.aio.Server, address: str,
+           credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``server`` to ``address`` (TLS with ``credentials``) -> the bound port;
+    OSError naming the address when it cannot be bound."""
+    try:
+        port = (server.add_secure_port(address, credentials) if credentials
+                else server.add_insecure_port(address))
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return port
 
 
 class ScoringServer:
@@ -199,23 +253,17 @@ class ScoringServer:
         for name in names:
             await self.health.set(name, status)
 
-    def _credentials(self) -> grpc.ServerCredentials | None:
-        opts = self.options
-        if opts.tls_cert is None:
-            return None
-        key, cert = read_tls_files(opts.tls_cert, opts.tls_key)
-        return grpc.ssl_server_credentials([(key, cert)])
-
     def start(self) -> int:
         """Bind and start serving health and reflection; returns the bound port."""
-        credentials = self._credentials()  # a bad key or certificate fails before binding
-        self._loop = _server_loop()
+        opts = self.options
+        # A bad key or certificate fails here, before binding.
+        credentials = server_credentials(opts.tls_cert, opts.tls_key)
+        self._loop = server_loop()
         try:
             port = self._run(self._start(credentials))
         except BaseException:
             self._close_loop()
             raise
-        opts = self.options
         log.info("listening on %s:%d (%s, %s); health NOT_SERVING until the model is loaded",
                  opts.host, port, "TLS" if credentials else "plaintext",
                  "bearer-token auth" if opts.token else "no auth")
@@ -223,30 +271,15 @@ class ScoringServer:
 
     async def _start(self, credentials: grpc.ServerCredentials | None) -> int:
         opts = self.options
-        interceptors = ([BearerTokenInterceptor(opts.token,
-                                                [f"/{name}/" for name in self._services()])]
-                        if opts.token else [])
-        server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", opts.max_message_bytes),
-                     ("grpc.so_reuseport", 0)])
-        server.add_generic_rpc_handlers((_method_handlers(self.service),))
+        server = new_server(self._services(), token=opts.token,
+                            max_message_bytes=opts.max_message_bytes)
+        server.add_generic_rpc_handlers((scoring_handlers(self.service),))
         if opts.generation:
-            server.add_generic_rpc_handlers((_generation_handlers(self.generation),))
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (*self._services(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+            server.add_generic_rpc_handlers((generation_handlers(self.generation),))
+        self.health = add_health_and_reflection(server, self._services())
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING,
                                ("", *self._services()))
-        try:
-            port = (server.add_secure_port(opts.address, credentials) if credentials
-                    else server.add_insecure_port(opts.address))
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {opts.address}: {exc}") from exc
-        if port == 0:
-            raise OSError(f"cannot listen on {opts.address}")
+        port = listen(server, opts.address, credentials)
         await server.start()
         self._server, self.port = server, port
         return port
@@ -331,9 +364,10 @@ _LOOP_LOCK = threading.Lock()
 _LOOP: asyncio.AbstractEventLoop | None = None
 
 
-def _server_loop() -> asyncio.AbstractEventLoop:
-    """The event loop every ScoringServer of this process runs on (one thread, started on
-    first use): gRPC's asyncio layer expects one loop per process."""
+def server_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every gRPC server (ScoringServer, RouterServer) and every
+    ``grpc.aio`` channel of this process runs on (one thread, started on first use):
+    gRPC's asyncio layer expects one loop per process."""
     global _LOOP
     with _LOOP_LOCK:
         if _LOOP is None:
