@@ -73,15 +73,23 @@ class JsonlLine:
 
 
 # ----------------------------------------------------------------------------- options
-def positive_mib(text: str) -> float:
-    """argparse type: a size in MiB > 0 (fractions allowed)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of MiB, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of MiB, got {text}")
-    return value
+def positive_number(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number of ``unit`` > 0 (fractions allowed)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of {unit}, got {text!r}") \
+                from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
+        return value
+
+    parse.__name__ = f"positive {unit}"   # argparse names the type in its messages
+    return parse
+
+
+positive_mib = positive_number("MiB")     # a size in MiB
 
 
 def add_line_limit_option(p: argparse.ArgumentParser) -> None:

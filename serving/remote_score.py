@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any, BinaryIO
 
-from serving.jsonl import CommandError, open_jsonl
+from serving.jsonl import CommandError, open_jsonl, positive_number
 from serving.score_progress import (check_same_input, input_fingerprint, load_progress,
                                     new_record, progress_path, write_progress)
 from serving.score_transport import Connection, RemoteScoring, RunStopped
@@ -54,15 +54,7 @@ DEFAULT_RETRY_SECONDS = 120.0
 
 
 # ----------------------------------------------------------------------------- options
-def positive_seconds(text: str) -> float:
-    """argparse type: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
+positive_seconds = positive_number("seconds")   # argparse type: seconds > 0
 
 
 def add_remote_options(p: argparse.ArgumentParser) -> None:
