@@ -4,7 +4,8 @@
 Four parts, each against its baseline in the same run (the built-in demo model, float32):
 
 * **Routing** (``router_high_share_over_round_robin``). ``--upstreams`` ``moejax serve``
-  processes (one CPU device each, prefix cache on) behind two ``moejax router`` processes
+  processes (one CPU device each, prefix cache on, 32K token-equivalents per model call)
+  behind two ``moejax router`` processes
   over the same upstreams: ``--routing prefix`` (Algorithm 1) and ``--routing
   round_robin``. A pass sends one QuALITY-shaped high-share workload
   (``benchmarks/workloads.py``: long documents, many questions each) through a router as
@@ -62,6 +63,10 @@ FULL = dict(upstreams=4, requests=48, scale=0.1, repeats=3, warmups=2, overhead_
 QUICK = dict(upstreams=2, requests=12, scale=0.04, repeats=1, warmups=1, overhead_calls=40,
              failover_requests=120, multiprocess_requests=4)
 START_SECONDS = 240
+# Token-equivalents per model call of an upstream: room for a document's queued questions
+# in one call (the default, 4 x max_batch_tokens, takes one long-document request a call),
+# so that in-call prompt sharing works for both routers as it does in one process.
+UPSTREAM_BATCH_TOKENS = 32_768
 
 
 def child_env() -> dict[str, str]:
@@ -278,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i in range(shape["upstreams"]):
                 upstreams.append(Process(
                     ["serve", "--model", "demo", "--port", "0", "--prefix-cache-blocks", "auto",
-                     "--no-generation", "--max-queued-tokens", "4000000"],
+                     "--no-generation", "--max-queued-tokens", "4000000",
+                     "--batch-tokens", str(UPSTREAM_BATCH_TOKENS)],
                     workdir / f"upstream{i}.log"))
             for upstream in upstreams:
                 upstream.wait_serving()
