@@ -250,7 +250,7 @@ def no_model(monkeypatch):
 
     monkeypatch.setattr(serving, "Scorer", loaded)
     monkeypatch.setattr(serving.generate, "Generator", loaded)
-    monkeypatch.setattr(grpc_cli, "_client", loaded)
+    monkeypatch.setattr(grpc_cli, "connect", loaded)
 
 
 def _command(name: str, src: str, *rest: str) -> list[str]:
