@@ -189,6 +189,28 @@ class Router(abc.ABC):
         self._pending: list[set[bytes]] = [set() for _ in range(num_engines)]
         self._runs: list[set[bytes]] = [set() for _ in range(num_engines)]
         self._round = 0
+        self._unavailable: frozenset[int] = frozenset()
+
+    # ------------------------------------------------------------------ availability
+    @property
+    def unavailable(self) -> frozenset[int]:
+        """Engines that take no work now (e.g. upstreams of ``moejax router`` that are not
+        serving): never chosen. Empty by default, and then every decision is the plain
+        rule's."""
+        return self._unavailable
+
+    def set_unavailable(self, engines: Iterable[int]) -> None:
+        """Mark ``engines`` as taking no work (the others as taking it); at least one
+        engine must stay available."""
+        down = frozenset(self._check_engine(g) for g in engines)
+        if len(down) >= self.num_engines:
+            raise ValueError("set_unavailable: at least one engine must stay available")
+        self._unavailable = down
+        self._on_availability()
+
+    def available(self) -> list[int]:
+        """The engines that take work, ascending."""
+        return [g for g in range(self.num_engines) if g not in self._unavailable]
 
     # ------------------------------------------------------------------ public
     def route(self, requests: Sequence[PrefillOp]) -> list[int]:
@@ -274,6 +296,9 @@ class Router(abc.ABC):
 
     def _on_executed(self, engine: int, event: FlopsExecuted, work_before: int | float) -> None:
         """Extra decay after W_g went down (subclasses with more counters)."""
+
+    def _on_availability(self) -> None:
+        """The set of unavailable engines changed."""
 
     def _on_assigned(self, engine: int, op: PrefillOp) -> None:
         """Extra bookkeeping after ``op`` went to ``engine``."""
@@ -443,8 +468,12 @@ class PrefixAwareRouter(Router):
     def _refresh_open(self) -> None:
         self._set_open(g for g in range(self.num_engines) if self._is_open(g))
 
+    def _on_availability(self) -> None:
+        self._refresh_open()
+
     def _set_open(self, engines: Iterable[int]) -> None:
-        self._open = list(engines)
+        # An unavailable engine is absent from every round (F3 never offers it).
+        self._open = [g for g in engines if g not in self._unavailable]
         self._open_tables = [self._held[g] for g in self._open]
 
     def _new_round(self) -> None:
@@ -465,9 +494,11 @@ class RoundRobinRouter(Router):
 
     def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
-        engine = self._next
-        self._next = (engine + 1) % self.num_engines
-        return engine, self._match(engine, hashes, limit)
+        while True:   # the rotation passes over unavailable engines
+            engine = self._next
+            self._next = (engine + 1) % self.num_engines
+            if engine not in self._unavailable:
+                return engine, self._match(engine, hashes, limit)
 
 
 class LeastTokensRouter(Router):
@@ -487,7 +518,8 @@ class LeastTokensRouter(Router):
     def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
         tokens = self._tokens
-        engine = min(range(self.num_engines), key=tokens.__getitem__)
+        engines = self.available() if self._unavailable else range(self.num_engines)
+        engine = min(engines, key=tokens.__getitem__)
         return engine, self._match(engine, hashes, limit)
 
     def _on_assigned(self, engine: int, op: PrefillOp) -> None:
@@ -513,8 +545,10 @@ class RandomRouter(Router):
 
     def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
                 limit: int) -> tuple[int, int]:
-        engine = self._rng.randrange(self.num_engines)
-        return engine, self._match(engine, hashes, limit)
+        while True:   # draws of unavailable engines are drawn again
+            engine = self._rng.randrange(self.num_engines)
+            if engine not in self._unavailable:
+                return engine, self._match(engine, hashes, limit)
 
 
 def make_router(name: str, cfg: ModelConfig, num_engines: int, theta: float = math.inf,

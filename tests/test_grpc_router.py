@@ -27,7 +27,8 @@ import pytest
 
 from serving.grpc import Client, convert, scoring_pb2 as pb, scoring_pb2_grpc
 from serving.grpc.upstream_router import RouterOptions, RouterServer
-from serving.grpc.upstreams import UpstreamOptions, load_model, parse_upstreams
+from serving.grpc.router_core import load_model
+from serving.grpc.upstreams import UpstreamOptions, parse_upstreams
 from serving.requests import normalize_requests, parse_request
 from serving.router import BlocksStored, FlopsExecuted, make_router
 from tests.grpc_fakes import FakeUpstream, comparable, fake_result

@@ -349,3 +349,30 @@ def test_router_reads_the_op_record_and_calibration():
     assert full_vocab.flops(CFG) == CFG.request_flops(64, 1, 0, 1, None)
     router = PrefixAwareRouter.from_calibration(CFG, 2, types.SimpleNamespace(theta=7.0))
     assert router.theta == 7.0
+
+
+# ---------------------------------------------------------------------------- availability
+@pytest.mark.parametrize("name", ["prefix", "round_robin", "least_tokens", "random"])
+def test_unavailable_engines_are_never_chosen(name):
+    """Engines marked unavailable get no request; with none marked, the decisions are the
+    plain rule's (a fresh router routes the same workload the same way)."""
+    requests = random_workload(3, 60)
+    plain = make_router(name, CFG, 4, theta=2e6).route(requests)
+    router = make_router(name, CFG, 4, theta=2e6)
+    router.set_unavailable([])
+    assert router.route(requests) == plain
+    router = make_router(name, CFG, 4, theta=2e6)
+    router.set_unavailable([1, 3])
+    assert router.available() == [0, 2] and router.unavailable == {1, 3}
+    engines = router.route(requests)
+    assert set(engines) <= {0, 2} and len(set(engines)) == 2
+    router.set_unavailable([])      # back: used again
+    assert set(router.route(random_workload(4, 60))) >= {1, 3}
+
+
+def test_at_least_one_engine_stays_available():
+    router = make_router("prefix", CFG, 2, theta=math.inf)
+    with pytest.raises(ValueError, match="at least one engine"):
+        router.set_unavailable([0, 1])
+    with pytest.raises(ValueError, match="out of range"):
+        router.set_unavailable([2])

@@ -9,8 +9,6 @@ forwarding calls and retrying them (:mod:`serving.grpc.router_service`,
 
 * :func:`load_model` / :func:`model_mismatch` — the router's model (config and tokenizer,
   never weights) and whether an upstream's ``ModelInfo`` is of the same model;
-* :func:`make_upstream_router` — a ``serving.router`` Router that never chooses an
-  upstream that takes no work now;
 * :class:`ShadowCache` — the LRU model of one upstream's prefix cache;
 * :class:`RoutingCore` — the requests' ops (``serving.requests`` with the model's
   tokenizer), the Router and the shadow caches together: :meth:`RoutingCore.route` picks
@@ -28,6 +26,10 @@ costs cache hits, never correctness — every answer is the upstream's. An upstr
 unreachable and back again is presumed restarted: its whole shadow is dropped
 (:meth:`RoutingCore.reset`).
 
+Upstreams that take no work now are the Router's own unavailable engines
+(``Router.set_unavailable``): never chosen, and with all available every decision is the
+plain rule's.
+
 Everything here runs on the router's event loop (one thread): no locks.
 """
 
@@ -38,7 +40,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -48,7 +50,7 @@ from serving.grpc import convert, scoring_pb2 as pb
 from serving.limits import RequestLimits
 from serving.requests import RequestError, TokenizerAdapter, normalize_requests
 from serving.router import (Assignment, BlocksEvicted, BlocksStored, FlopsExecuted,
-                            LeastTokensRouter, PrefixAwareRouter, Router, make_router)
+                            make_router)
 
 if TYPE_CHECKING:
     from serving.grpc.upstreams import UpstreamPool
@@ -80,58 +82,6 @@ def model_mismatch(cfg: ModelConfig, info: pb.ModelInfoResponse) -> str | None:
 
 
 # ---------------------------------------------------------------------------- routing
-def _with_availability(base: type[Router]) -> type[Router]:
-    """``base`` with a set ``down`` of engines (upstreams that take no work now) that are
-    never chosen. Algorithm 1 sees them as absent from its open set; a baseline's own rule
-    is asked again (rotation, random draw) or sees them as infinitely loaded (least
-    tokens). With ``down`` empty every decision is the plain Router's."""
-
-    class WithAvailability(base):  # type: ignore[valid-type, misc]
-        down: frozenset[int] = frozenset()
-
-        def _set_open(self, engines: Iterable[int]) -> None:   # PrefixAwareRouter only
-            super()._set_open([g for g in engines if g not in self.down])
-
-        def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
-                    limit: int) -> tuple[int, int]:
-            choose = super()._choose
-            if not self.down or isinstance(self, PrefixAwareRouter):
-                return choose(op, hashes, limit)
-            if isinstance(self, LeastTokensRouter):
-                saved = list(self._tokens)
-                for g in self.down:
-                    self._tokens[g] = math.inf
-                try:
-                    return choose(op, hashes, limit)
-                finally:
-                    self._tokens[:] = saved
-            for _ in range(64 * self.num_engines):
-                engine, matched = choose(op, hashes, limit)
-                if engine not in self.down:
-                    return engine, matched
-            raise RuntimeError("no engine is available")
-
-    WithAvailability.__name__ = WithAvailability.__qualname__ = f"Upstream{base.__name__}"
-    WithAvailability.__doc__ = base.__doc__
-    return WithAvailability
-
-
-_WITH_AVAILABILITY: dict[type, type] = {}
-
-
-def make_upstream_router(name: str, cfg: ModelConfig, num_upstreams: int,
-                         theta: float = math.inf, seed: int = 0) -> Router:
-    """``serving.router.make_router(name, ...)`` that never chooses an engine in its
-    ``down`` set. (The instance is made by ``make_router`` — the one place that maps a name
-    to its class and arguments — and then given the subclass, which adds no state.)"""
-    router = make_router(name, cfg, num_upstreams, theta=theta, seed=seed)
-    base = type(router)
-    if base not in _WITH_AVAILABILITY:
-        _WITH_AVAILABILITY[base] = _with_availability(base)
-    router.__class__ = _WITH_AVAILABILITY[base]
-    return router
-
-
 class ShadowCache:
     """The router's LRU model of one upstream's prefix cache (block hashes)."""
 
@@ -209,7 +159,7 @@ class RoutingCore:
     def __init__(self, cfg: ModelConfig, tokenizer: TokenizerAdapter, pool: UpstreamPool,
                  routing: str = "prefix", theta: float = math.inf, seed: int = 0):
         self.cfg, self.tokenizer, self.pool = cfg, tokenizer, pool
-        self.router = make_upstream_router(routing, cfg, len(pool), theta, seed)
+        self.router = make_router(routing, cfg, len(pool), theta=theta, seed=seed)
         self.shadows = [ShadowCache() for _ in range(len(pool))]
         self.limits = RequestLimits.resolve(cfg.max_context)
 
@@ -250,7 +200,7 @@ class RoutingCore:
         available = self.pool.available(generation=generation, exclude=exclude)
         if not available:
             raise NoUpstream()
-        self.router.down = frozenset(range(len(self.pool))) - set(available)
+        self.router.set_unavailable(set(range(len(self.pool))) - set(available))
         valid = [op for op in ops if op is not None]
         assignments = iter(self.router.assign(valid).assignments if valid else ())
         routed = []

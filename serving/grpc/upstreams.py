@@ -52,8 +52,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.grpc import scoring_pb2 as pb, scoring_pb2_grpc
 from serving.grpc.client import bearer_metadata, channel_credentials, open_channel
-from serving.grpc.router_core import (RoutingCore, ShadowCache,  # noqa: F401  (re-exported)
-                                      cache_capacity, load_model)
 
 log = logging.getLogger("moejax.grpc.router")
 
