@@ -196,12 +196,10 @@ def agree(value: Any) -> Any:
 
 
 def join(distributed: "DistributedOptions | dict[str, Any] | None") -> bool:
-    """:func:`initialize` from what an entry point was given (options, their dict, or None
-    for a single process). Returns whether the run is multi-process."""
+    """:func:`initialize` from what an entry point was given (options, their dict, or None:
+    nothing to join). Returns whether this call joined a multi-process run."""
     if distributed is None:
-        import jax
-
-        return jax.process_count() > 1 if _joined is not None else False
+        return False
     if isinstance(distributed, dict):
         distributed = DistributedOptions(**distributed)
     if not isinstance(distributed, DistributedOptions):

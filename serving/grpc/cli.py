@@ -371,6 +371,21 @@ def add_connection_options(p: argparse.ArgumentParser, timeout: float | None, *,
                        f" (default {timeout})" if timeout else " (default: none)"))
 
 
+def add_listener_options(p: argparse.ArgumentParser, *, default_port: int, callers: str
+                         ) -> None:
+    """Where a gRPC server listens and whom it lets in (``serve``, ``router``): ``--host``,
+    ``--port``, ``--token``, ``--tls-cert``, ``--tls-key``."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 or :: for all)")
+    p.add_argument("--port", type=int, default=default_port,
+                   help=f"port (default {default_port}; 0 = a free one); printed on stdout")
+    p.add_argument("--token", default=None,
+                   help=f"require 'authorization: Bearer TOKEN' on {callers} "
+                        f"(default: ${TOKEN_ENV}, if set; health stays open)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
 def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
                  ) -> None:
     """Register ``serve``, ``router`` and ``client`` on the ``moejax`` subparsers."""
@@ -380,10 +395,7 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
 
     serve = sub.add_parser("serve", help="serve the scoring API over gRPC "
                                          "(with grpc.health.v1 health and reflection)")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default 127.0.0.1; 0.0.0.0 or :: for all)")
-    serve.add_argument("--port", type=int, default=50051,
-                       help="port (default 50051; 0 = a free one); printed on stdout")
+    add_listener_options(serve, default_port=50051, callers="scoring calls")
     serve.add_argument("--max-queued-tokens", type=int, default=262_144,
                        help="admission bound: compute queued or being scored, in "
                             "token-equivalents (prompt sharing counted); over it, calls get "
@@ -396,11 +408,6 @@ def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser]
     serve.add_argument("--drain-seconds", type=float, default=0.0,
                        help="on SIGTERM/SIGINT, keep serving this long after health turns "
                             "NOT_SERVING, for load balancers to notice (default 0)")
-    serve.add_argument("--token", default=None,
-                       help=f"require 'authorization: Bearer TOKEN' on scoring calls "
-                            f"(default: ${TOKEN_ENV}, if set; health stays open)")
-    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
-    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     serve.add_argument("--max-message-mib", type=float, default=16.0,
                        help="largest request message accepted (default 16 MiB)")
     serve.add_argument("--workers", type=int, default=2,

@@ -48,7 +48,7 @@ def _positive_float(text: str) -> float:
 
 def add_router_command(sub: Any) -> None:
     """Register ``router`` on the ``moejax`` subparsers."""
-    from serving.grpc.cli import TOKEN_ENV
+    from serving.grpc.cli import add_listener_options
     from serving.router import ROUTER_NAMES
 
     p = sub.add_parser("router", help="route the gRPC API over many 'moejax serve' upstreams "
@@ -58,10 +58,7 @@ def add_router_command(sub: Any) -> None:
     p.add_argument("--model", default="demo",
                    help="the upstreams' model (directory or built-in name; only its config "
                         "and tokenizer are loaded; default demo)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; 0.0.0.0 or :: for all)")
-    p.add_argument("--port", type=int, default=50050,
-                   help="port (default 50050; 0 = a free one); printed on stdout")
+    add_listener_options(p, default_port=50050, callers="calls from clients")
     p.add_argument("--routing", choices=ROUTER_NAMES, default="prefix",
                    help="prefix = Algorithm 1 (prefix affinity, FLOP-aware load, Θ "
                         "saturation, spill; default); round_robin, least_tokens, random: "
@@ -69,11 +66,6 @@ def add_router_command(sub: Any) -> None:
     p.add_argument("--theta", type=float, default=None,
                    help="saturation threshold Θ in FLOPs (default: the first upstream's "
                         "calibrated Θ, else one full batch of its max_batch_tokens)")
-    p.add_argument("--token", default=None,
-                   help=f"require 'authorization: Bearer TOKEN' from clients (default: "
-                        f"${TOKEN_ENV}, if set; health stays open)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (TLS to clients)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--upstream-token", default=None,
                    help=f"bearer token sent to the upstreams (default: ${UPSTREAM_TOKEN_ENV}, "
                         f"if set)")
