@@ -402,6 +402,10 @@ class FakeUpstream:
                       context: grpc.ServicerContext) -> Iterator[pb.StreamResult]:
         fault = self._enter("ScoreStream", context)
         if fault is not None and fault.after <= 0:
+            # Take the first request off the wire before failing: aborting while the client
+            # is still writing it races in gRPC, which then reports a bare "Internal error
+            # from Core" instead of the fault's status and details.
+            next(messages, None)
             self._fail(fault, context)
         sent = 0
         for position, item in enumerate(messages):
