@@ -19,9 +19,12 @@ Two kernels share that structure:
 
 Inputs may be f32 or bf16; accumulation is f32 (f32 products at full precision,
 not TF32). On NVIDIA GPUs the kernels lower through the Triton backend of
-Pallas; elsewhere they run under ``interpret=True`` (slow: for tests).
-Tile sizes come from :data:`GMM_TILES` (and :data:`SWIGLU_TILES` for the fused kernel),
-keyed by device and dtype.
+Pallas, or — where :mod:`kernels_pallas.gmm_select`'s measured rule says so —
+run as the Mosaic GPU ports in :mod:`kernels_pallas.gmm_mosaic` (``backend=``
+forces either); elsewhere they run under ``interpret=True`` (slow: for tests).
+Tile sizes come from :data:`GMM_TILES` (and :data:`SWIGLU_TILES` for the fused
+kernel), keyed by device kind or platform, dtype and optionally the (d, f, E)
+shape (:mod:`kernels_pallas.tile_table`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Int, Integer
+
+from kernels_pallas import gmm_mosaic, gmm_select, tile_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +61,19 @@ class GmmTiles:
                 raise ValueError(f"GmmTiles.{name} must be a power of two, got {value}")
 
 
-# Keyed by (platform, dtype name). The CPU entries only matter for interpret-mode tests:
-# large blocks keep the number of interpreted programs small. The GPU float32 entry is
-# untuned (float32 is the parity path, not the fast one).
-GMM_TILES: dict[tuple[str, str], GmmTiles] = {
+# Keyed as in kernels_pallas.tile_table: (device kind prefix or platform, dtype[, (d, f, E)]).
+# The CPU entries only matter for interpret-mode tests: large blocks keep the number of
+# interpreted programs small. The GPU float32 entry is untuned (float32 is the parity
+# path, not the fast one).
+_H100_GMM = GmmTiles(block_m=128, block_k=64, block_n=256, num_warps=8, num_stages=3)
+GMM_TILES: dict[tuple, GmmTiles] = {
     # bf16/f16: fastest of benchmarks/gmm.py --sweep-tiles on an H100 (2026-11-22; Qwen3-30B-A3B
     # and Mixtral expert shapes at 16K tokens: 1.46x and 1.61x the m128_n128 tiles used before).
-    ("gpu", "bfloat16"): GmmTiles(block_m=128, block_k=64, block_n=256, num_warps=8, num_stages=3),
-    ("gpu", "float16"): GmmTiles(block_m=128, block_k=64, block_n=256, num_warps=8, num_stages=3),
+    # Other GPUs fall back to the platform entry, the same tiles, until swept.
+    ("NVIDIA H100", "bfloat16"): _H100_GMM,
+    ("NVIDIA H100", "float16"): _H100_GMM,
+    ("gpu", "bfloat16"): _H100_GMM,
+    ("gpu", "float16"): _H100_GMM,
     ("gpu", "float32"): GmmTiles(block_m=64, block_k=32, block_n=64, num_warps=4, num_stages=3),
     ("cpu", "bfloat16"): GmmTiles(block_m=64, block_k=64, block_n=128),
     ("cpu", "float16"): GmmTiles(block_m=64, block_k=64, block_n=128),
@@ -76,28 +86,36 @@ GMM_TILES: dict[tuple[str, str], GmmTiles] = {
 # an H100 for 256 KiB (it has 227). Entries here override GMM_TILES for that kernel;
 # m128_n128 with 4 stages was fastest on the Qwen3 expert shape (1.30x 3 stages) and
 # within 3% of the best on Mixtral's (H100 sweep, 2026-11-22).
-SWIGLU_TILES: dict[tuple[str, str], GmmTiles] = {
-    ("gpu", "bfloat16"): GmmTiles(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=4),
-    ("gpu", "float16"): GmmTiles(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=4),
+_H100_SWIGLU = GmmTiles(block_m=128, block_k=64, block_n=128, num_warps=8, num_stages=4)
+SWIGLU_TILES: dict[tuple, GmmTiles] = {
+    ("NVIDIA H100", "bfloat16"): _H100_SWIGLU,
+    ("NVIDIA H100", "float16"): _H100_SWIGLU,
+    ("gpu", "bfloat16"): _H100_SWIGLU,
+    ("gpu", "float16"): _H100_SWIGLU,
 }
 KERNELS = ("gmm", "swiglu")
 
 
 def _platform() -> str:
-    return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu"
+    return tile_table.platform_of()
 
 
-def tiles_for(dtype, platform: str | None = None, kernel: str = "gmm") -> GmmTiles:
+def tiles_for(dtype, platform: str | None = None, kernel: str = "gmm", *,
+              device_kind: str | None = None, shape: tile_table.Shape | None = None
+              ) -> GmmTiles:
     """The tuned tiles for a dtype on a platform (``gpu`` / ``cpu``; default: this one),
-    for the plain grouped GEMM (``kernel="gmm"``) or the fused gate/up kernel (``"swiglu"``)."""
+    for the plain grouped GEMM (``kernel="gmm"``) or the fused gate/up kernel
+    (``"swiglu"``): the most specific entry for the device kind (default: this machine's
+    where the platform is this one) and (d, f, E) shape."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
-    key = (platform or _platform(), jnp.dtype(dtype).name)
-    if kernel == "swiglu" and key in SWIGLU_TILES:
-        return SWIGLU_TILES[key]
-    if key not in GMM_TILES:
-        raise ValueError(f"no grouped-GEMM tiles for {key}; known: {sorted(GMM_TILES)}")
-    return GMM_TILES[key]
+    where = dict(device_kind=device_kind, platform=platform or _platform(), shape=shape)
+    tiles = tile_table.lookup(SWIGLU_TILES, dtype, **where) if kernel == "swiglu" else None
+    tiles = tiles or tile_table.lookup(GMM_TILES, dtype, **where)
+    if tiles is None:
+        raise ValueError(f"no grouped-GEMM tiles for {jnp.dtype(dtype).name} on "
+                         f"{where['platform']}; known: {sorted(GMM_TILES)}")
+    return tiles
 
 
 def _fit_block(block: int, dim: int) -> int:
@@ -205,8 +223,10 @@ def _check_operands(name: str, lhs: jax.Array, group_sizes: jax.Array, *weights:
 
 
 def _resolve(lhs: jax.Array, out_cols: int, tiles: GmmTiles | None,
-             interpret: bool | None, kernel: str = "gmm") -> tuple[GmmTiles, bool]:
-    tiles = tiles or tiles_for(lhs.dtype, kernel=kernel)
+             interpret: bool | None, kernel: str = "gmm", num_groups: int | None = None
+             ) -> tuple[GmmTiles, bool]:
+    shape = (lhs.shape[1], out_cols, num_groups) if num_groups else None
+    tiles = tiles or tiles_for(lhs.dtype, kernel=kernel, shape=shape)
     if interpret is None:
         interpret = _platform() != "gpu"
     depth = lhs.shape[1]
@@ -275,37 +295,84 @@ def _launch(kernel, lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
     return out[:num_rows]
 
 
+def _mosaic_backend(backend: str | None, lhs: jax.Array, out_cols: int, num_groups: int,
+                    tiles: GmmTiles | None, interpret: bool | None):
+    """The Mosaic GPU tiles when this call runs the Mosaic kernel, else None (Triton).
+
+    ``backend=None`` follows :func:`kernels_pallas.gmm_select.choose_backend` (and stays on
+    Triton where the call pins Triton tiles or interpret mode, or the Mosaic tiles do not
+    divide d and f); ``"mosaic"`` insists and says why it cannot."""
+    if backend not in (None, *gmm_select.BACKENDS):
+        raise ValueError(f"unknown grouped-GEMM backend {backend!r}; choose one of "
+                         f"{gmm_select.BACKENDS} or None (the measured rule)")
+    if backend is None:
+        if tiles is not None or interpret or gmm_select.choose_backend(lhs.dtype) != "mosaic":
+            return None
+    elif backend == "triton":
+        return None
+    mosaic_tiles = gmm_select.mosaic_tiles_for(lhs.dtype,
+                                               shape=(lhs.shape[1], out_cols, num_groups))
+    fits = lhs.shape[1] % mosaic_tiles.block_k == 0 and out_cols % mosaic_tiles.block_n == 0
+    if not fits and backend is None:
+        return None
+    if not fits:
+        raise ValueError(f"the Mosaic GPU kernel's tiles {mosaic_tiles} do not divide d="
+                         f"{lhs.shape[1]} and f={out_cols}")
+    return mosaic_tiles
+
+
+def _mosaic_interpret(interpret: bool | None):
+    """This module's ``interpret`` (None: off a GPU) as the Mosaic kernels take it."""
+    if interpret is None:
+        return None
+    return gmm_mosaic.interpret_params() if interpret else False
+
+
 def gmm(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"], group_sizes: Integer[Array, "E"],
         *, interpret: bool | None = None, tiles: GmmTiles | None = None,
-        out: Float[Array, "T f"] | None = None) -> Float[Array, "T f"]:
+        out: Float[Array, "T f"] | None = None, backend: str | None = None
+        ) -> Float[Array, "T f"]:
     """Grouped matmul: lhs [T, d] (rows sorted by group) × rhs [E, d, f] -> [T, f].
 
     group_sizes [E] int: rows of each group, in order; rows past their sum are zero in
     the output. f32 accumulation; output in lhs's dtype (rhs is cast to it).
     interpret: None = interpret everywhere but on a GPU. tiles: override the table.
-    out: optional [T, f] buffer the kernel writes into (donated; every element is
-    overwritten, which the tests check by passing NaNs).
+    out: optional [T, f] buffer the Triton kernel writes into (donated; every element is
+    overwritten, which the tests check by passing NaNs; the Mosaic kernel returns a new
+    array of the same values). backend: ``"triton"``, ``"mosaic"``
+    (:mod:`kernels_pallas.gmm_mosaic`) or None, the measured rule of
+    :mod:`kernels_pallas.gmm_select`.
     """
     _check_operands("gmm", lhs, group_sizes, rhs)
     out_cols = rhs.shape[2]
-    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret)
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, rhs.shape[0], tiles, interpret)
+    if mosaic_tiles is not None:
+        return gmm_mosaic.gmm_mosaic(lhs, rhs, group_sizes, tiles=mosaic_tiles,
+                                     interpret=_mosaic_interpret(interpret))
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, num_groups=rhs.shape[0])
     return _launch(_gmm_kernel, lhs, (rhs,), group_sizes, out_cols, tiles, interpret, out)
 
 
 def gmm_swiglu(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
                w_up: Float[Array, "E d f"], group_sizes: Integer[Array, "E"], *,
                interpret: bool | None = None, tiles: GmmTiles | None = None,
-               out: Float[Array, "T f"] | None = None) -> Float[Array, "T f"]:
+               out: Float[Array, "T f"] | None = None, backend: str | None = None
+               ) -> Float[Array, "T f"]:
     """silu(lhs · w_gate[g]) * (lhs · w_up[g]) per group in one kernel.
 
     lhs [T, d]; w_gate, w_up [E, d, f] -> [T, f] in lhs's dtype; rows past
-    sum(group_sizes) are zero. interpret, tiles, out: as in :func:`gmm`.
+    sum(group_sizes) are zero. interpret, tiles, out, backend: as in :func:`gmm`.
     """
     _check_operands("gmm_swiglu", lhs, group_sizes, w_gate, w_up)
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gmm_swiglu: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
     out_cols = w_gate.shape[2]
-    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu")
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate.shape[0], tiles, interpret)
+    if mosaic_tiles is not None:
+        return gmm_mosaic.gmm_swiglu_mosaic(lhs, w_gate, w_up, group_sizes, tiles=mosaic_tiles,
+                                            interpret=_mosaic_interpret(interpret))
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu",
+                                num_groups=w_gate.shape[0])
     return _launch(_swiglu_kernel, lhs, (w_gate, w_up), group_sizes, out_cols, tiles,
                    interpret, out, up_col_offset=0)
 
@@ -313,7 +380,8 @@ def gmm_swiglu(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
 def gmm_swiglu_stacked(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "E d two_f"],
                        group_sizes: Integer[Array, "E"], *,
                        interpret: bool | None = None, tiles: GmmTiles | None = None,
-                       out: Float[Array, "T f"] | None = None) -> Float[Array, "T f"]:
+                       out: Float[Array, "T f"] | None = None, backend: str | None = None
+                       ) -> Float[Array, "T f"]:
     """:func:`gmm_swiglu` over stacked weights w_gate_up [E, d, 2f] (gate columns first,
     then up), read in place: the kernel takes up's columns at an offset of f."""
     _check_operands("gmm_swiglu_stacked", lhs, group_sizes, w_gate_up)
@@ -321,6 +389,12 @@ def gmm_swiglu_stacked(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "E d tw
         raise ValueError(f"gmm_swiglu_stacked: w_gate_up's last dim must be 2f, got "
                          f"{w_gate_up.shape[2]}")
     out_cols = w_gate_up.shape[2] // 2
-    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu")
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate_up.shape[0], tiles, interpret)
+    if mosaic_tiles is not None:
+        return gmm_mosaic.gmm_swiglu_stacked_mosaic(lhs, w_gate_up, group_sizes,
+                                                    tiles=mosaic_tiles,
+                                                    interpret=_mosaic_interpret(interpret))
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu",
+                                num_groups=w_gate_up.shape[0])
     return _launch(_swiglu_kernel, lhs, (w_gate_up, w_gate_up), group_sizes, out_cols, tiles,
                    interpret, out, up_col_offset=out_cols)

@@ -141,22 +141,28 @@ def test_group_tile_map_lists_the_groups_each_tile_meets():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_kernels_lower_for_nvidia_gpus(dtype):
-    """The Pallas → Triton lowering runs in Python, so CPU-only CI still catches kernels
-    that would not lower for a GPU (the final Triton compile needs the GPU itself)."""
+    """The Pallas → Triton and Pallas → Mosaic GPU lowerings run in Python, so CPU-only CI
+    still catches kernels that would not lower for a GPU (the final compile needs the GPU
+    itself). Mosaic GPU takes 2-byte dtypes only."""
     x = jax.ShapeDtypeStruct((200, 256), dtype)
     w = jax.ShapeDtypeStruct((8, 256, 384), dtype)
     sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
-    for fn, weights in ((kernels.gmm, (w,)), (kernels.gmm_swiglu, (w, w))):
-        lowered = jax.jit(functools.partial(fn_gpu, fn)).trace(x, *weights, sizes).lower(
-            lowering_platforms=("cuda",))
-        assert "__gpu$xla.gpu.triton" in lowered.as_text(), fn.__name__
+    marks = {"triton": "__gpu$xla.gpu.triton", "mosaic": "custom_call @mosaic_gpu"}
+    backends = ("triton", "mosaic") if dtype == "bfloat16" else ("triton",)
+    for backend in backends:
+        for fn, weights in ((kernels.gmm, (w,)), (kernels.gmm_swiglu, (w, w))):
+            lowered = jax.jit(functools.partial(fn_gpu, fn, backend)).trace(
+                x, *weights, sizes).lower(lowering_platforms=("cuda",))
+            assert marks[backend] in lowered.as_text(), (backend, fn.__name__)
 
 
-def fn_gpu(fn, x, *weights_and_sizes):
+def fn_gpu(fn, backend, x, *weights_and_sizes):
     *weights, sizes = weights_and_sizes
+    if backend == "mosaic":      # the Mosaic kernel's own table (tiles= pins Triton's)
+        return fn(x, *weights, sizes, interpret=False, backend="mosaic")
     kernel = "swiglu" if fn is kernels.gmm_swiglu else "gmm"
     tiles = kernels.tiles_for(x.dtype, platform="gpu", kernel=kernel)
-    return fn(x, *weights, sizes, interpret=False, tiles=tiles)
+    return fn(x, *weights, sizes, interpret=False, tiles=tiles, backend="triton")
 
 
 def test_bad_inputs_are_named(typechecks_off):
