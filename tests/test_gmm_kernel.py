@@ -238,5 +238,12 @@ def test_gmm_benchmark_quick_sweep_writes_its_keys(tmp_path):
         best = figures[f"tiny_256_{kernel}_best_tiles"]
         assert re.fullmatch(r"m\d+_k\d+_n\d+_w\d+_s\d+", best)
         assert figures[f"tiny_256_{kernel}_best_over_table"] >= 1.0
+    # No GPU here: the Mosaic kernel is not timed, so the best backend is Triton's.
+    assert "tiny_256_mosaic_tflops" not in figures
+    assert figures["tiny_256_best_backend"] == "triton"
+    assert figures["tiny_256_best_fraction_of_matmul"] == pytest.approx(
+        figures["tiny_256_pallas_tflops"] / figures["matmul_tflops"])
+    assert 0.0 <= figures["tiny_256_padded_waste"] < 1.0
+    assert 0.0 <= figures["tiny_256_work_item_waste"] < 1.0
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--skip", "ragged_dot"])
