@@ -9,7 +9,8 @@ replicas; 8..256 tokens per device) and every instance:
 2. a batch of (tokens per device x devices) tokens is drawn from the same
    distribution and routed by EPLB-even, METRO (the Pallas kernel, default visiting
    order; checked equal to the NumPy reference), METRO with the seed's index order
-   (NumPy reference), and the optimum (max-flow);
+   (NumPy reference), the vectorized rounds variant (``route_metro_jax(impl=
+   "rounds")``; checked valid), and the optimum (max-flow);
 3. the figure is each router's maximum activated experts over devices.
 
 Expert popularity is Zipf-like, ``p_e ∝ rank_e^-ZIPF_EXPONENT`` over a random
@@ -21,7 +22,19 @@ Ratios are means over instances of per-instance ratios. Then the greedy is timed
 (256 experts, 16 devices, 1.5x): the Pallas kernel (interpreted unless JAX runs on
 a GPU), the same loop as plain jitted JAX, the NumPy reference, and the optimum.
 
-    python benchmarks/metro_quality.py [--quick] [--json PATH] [--seed S]
+``--timing`` adds device time apart from dispatch (256 experts, 16 devices): every
+``route_metro_jax`` implementation (``pallas``, ``jax``, ``rounds``) is called
+repeatedly under ``jax.profiler.trace``; the Chrome trace is read with
+``benchmarks.backends``' helpers, each call's device events are the device-plane
+events (GPU: stream and op lines; CPU: the XLA:CPU runtime threads' thunk and op
+events) that start between its host ``PjitFunction(route_metro_jax)`` event and the
+next call's, and the median per-call busy time (union of those events) is reported,
+with the span (first start to last end) and the host wall per call (timed without
+the profiler). On a GPU the Pallas kernel's own event (``metro.KERNEL_NAME``) is
+also reported. On CPU the figure is XLA:CPU's (the kernel interpreted as XLA ops,
+and the profiler's per-op events inflate loops), not a GPU figure.
+
+    python benchmarks/metro_quality.py [--quick] [--timing] [--json PATH] [--seed S]
 
 JSON keys (flat): metro_over_optimal, metro_over_eplb_even, metro_over_eplb_even_32,
 metro_index_over_optimal, metro_index_over_eplb_even_32, per-configuration
@@ -29,7 +42,15 @@ metro_index_over_optimal, metro_index_over_eplb_even_32, per-configuration
 kernel_us_256_experts_16_devices, kernel_us_128_experts_8_devices,
 jax_loop_us_256_experts_16_devices, reference_us_256_experts_16_devices,
 optimal_us_256_experts_16_devices, kernel_backend, kernel_interpret, instances,
-targets_met (METRO/optimal <= 1.11 and METRO/EPLB-even at 32 tokens/device <= 0.80).
+targets_met (METRO/optimal <= 1.11 and METRO/EPLB-even at 32 tokens/device <= 0.80);
+the rounds variant: metro_rounds_over_optimal, metro_rounds_over_metro (means of
+per-instance max-activated ratios), metro_rounds_over_metro_max,
+metro_rounds_over_eplb_even_32, and per configuration. With ``--timing``:
+metro_kernel_device_us and metro_kernel_host_wall_us (the default implementation,
+``metro.DEFAULT_IMPL``), per implementation I: metro_I_device_us,
+metro_I_device_span_us, metro_I_host_wall_us, metro_I_traced_calls; and
+metro_pallas_kernel_only_device_us (null where the trace has no kernel event, e.g.
+CPU), metro_default_impl, metro_timing_backend, metro_timing_calls, metro_timing_shape.
 """
 
 from __future__ import annotations
@@ -60,6 +81,8 @@ TARGET_METRO_OVER_EPLB_32 = 0.80  # at least 20% fewer max activated experts
 TIMING_SHAPES = ((256, 16), (128, 8))  # (experts, devices), 1.5x replicas, 32 tokens/device
 TIMING_REPEATS_FULL = 200
 TIMING_REPEATS_QUICK = 30
+TRACED_CALLS_FULL = 50  # calls per implementation under the profiler (--timing)
+TRACED_CALLS_QUICK = 5
 
 
 def popularity(rng: np.random.Generator, num_experts: int) -> np.ndarray:
@@ -85,11 +108,12 @@ def run_quality(metro, instances: int, seed: int) -> tuple[dict, list[dict]]:
     rng = np.random.default_rng(seed)
     figures, rows = {}, []
     all_opt, all_eplb, all_index, all_eplb_32, all_index_eplb_32 = [], [], [], [], []
+    all_rounds_opt, all_rounds_metro, all_rounds_eplb_32 = [], [], []
     for devices in DEVICE_COUNTS:
         for repl in REPLICATION:
             replicas = round(repl * NUM_EXPERTS)
             for tpd in TOKENS_PER_DEVICE:
-                per = {name: [] for name in ("eplb", "metro", "index", "opt")}
+                per = {name: [] for name in ("eplb", "metro", "index", "opt", "rounds")}
                 for _ in range(instances):
                     probs = popularity(rng, NUM_EXPERTS)
                     history = sample_topk(rng, probs, HISTORY_TOKENS, TOP_K)
@@ -102,35 +126,67 @@ def run_quality(metro, instances: int, seed: int) -> tuple[dict, list[dict]]:
                         raise AssertionError("kernel and NumPy reference disagree")
                     index = metro.route_metro_reference(placement, tokens, order="index")
                     optimal = metro.route_optimal(placement, tokens)
+                    rounds = route_rounds_checked(metro, placement, tokens)
 
                     per["eplb"].append(int(metro.activated_per_device(
                         metro.route_eplb_even(placement, tokens)).max()))
-                    for name, device in (("metro", greedy), ("index", index), ("opt", optimal)):
+                    for name, device in (("metro", greedy), ("index", index), ("opt", optimal),
+                                         ("rounds", rounds)):
                         per[name].append(int(metro.activated_per_device(
                             metro.routed_tokens(device, tokens, devices)).max()))
-                m, e, x, o = (np.array(per[k], np.float64) for k in ("metro", "eplb", "index", "opt"))
+                m, e, x, o, r = (np.array(per[k], np.float64)
+                                 for k in ("metro", "eplb", "index", "opt", "rounds"))
                 row = dict(devices=devices, repl=repl, tpd=tpd, eplb=e.mean(), metro=m.mean(),
-                           index=x.mean(), opt=o.mean(), metro_over_optimal=(m / o).mean(),
+                           index=x.mean(), opt=o.mean(), rounds=r.mean(),
+                           metro_over_optimal=(m / o).mean(),
                            metro_over_eplb_even=(m / e).mean(),
-                           metro_index_over_optimal=(x / o).mean())
+                           metro_index_over_optimal=(x / o).mean(),
+                           metro_rounds_over_optimal=(r / o).mean(),
+                           metro_rounds_over_metro=(r / m).mean())
                 rows.append(row)
                 key = config_key(devices, repl, tpd)
-                for name in ("metro_over_optimal", "metro_over_eplb_even", "metro_index_over_optimal"):
+                for name in ("metro_over_optimal", "metro_over_eplb_even", "metro_index_over_optimal",
+                             "metro_rounds_over_optimal", "metro_rounds_over_metro"):
                     figures[f"{name}_{key}"] = round(float(row[name]), 4)
                 all_opt.extend(m / o)
                 all_eplb.extend(m / e)
                 all_index.extend(x / o)
+                all_rounds_opt.extend(r / o)
+                all_rounds_metro.extend(r / m)
                 if tpd == 32:
                     all_eplb_32.extend(m / e)
                     all_index_eplb_32.extend(x / e)
+                    all_rounds_eplb_32.extend(r / e)
     figures.update(
         metro_over_optimal=round(float(np.mean(all_opt)), 4),
         metro_over_eplb_even=round(float(np.mean(all_eplb)), 4),
         metro_over_eplb_even_32=round(float(np.mean(all_eplb_32)), 4),
         metro_index_over_optimal=round(float(np.mean(all_index)), 4),
         metro_index_over_eplb_even_32=round(float(np.mean(all_index_eplb_32)), 4),
+        metro_rounds_over_optimal=round(float(np.mean(all_rounds_opt)), 4),
+        metro_rounds_over_metro=round(float(np.mean(all_rounds_metro)), 4),
+        metro_rounds_over_metro_max=round(float(np.max(all_rounds_metro)), 4),
+        metro_rounds_over_eplb_even_32=round(float(np.mean(all_rounds_eplb_32)), 4),
     )
     return figures, rows
+
+
+def route_rounds_checked(metro, placement: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """``route_metro_jax(impl="rounds")`` as a NumPy device per expert, checked valid.
+
+    The rounds variant need not equal the greedy, so it cannot be checked against the
+    reference; validity (every active expert on one of its devices, the rest -1) can.
+    """
+    import jax.numpy as jnp
+
+    device = np.asarray(metro.route_metro_jax(jnp.asarray(placement),
+                                              jnp.asarray(tokens > 0, jnp.int32),
+                                              impl="rounds")).astype(np.int64)
+    active = tokens > 0
+    if (device[~active] != metro.NO_DEVICE).any() or not placement[
+            np.flatnonzero(active), device[active]].all():
+        raise AssertionError("rounds variant returned an invalid routing")
+    return device
 
 
 def median_us(fn, repeats: int) -> float:
@@ -171,16 +227,189 @@ def run_timing(metro, repeats: int, seed: int) -> dict:
     return figures
 
 
+# --------------------------------------------------------------------------- device timing
+
+
+def _outermost(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals not nested in an earlier one (the host traces each jit call twice, nested)."""
+    kept: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if not kept or start >= kept[-1][1]:
+            kept.append((start, end))
+    return kept
+
+
+def call_windows(events: list[dict], function: str) -> list[tuple[float, float]]:
+    """One window per host call of the jitted ``function``: [its start, the next one's start).
+
+    The host marks each call with a ``PjitFunction(<name>)`` event (the jitted
+    function's name). Calls are blocked on one by one, so a call's device work starts
+    after its host call starts and ends before the next call starts (the last window
+    is open-ended).
+    """
+    marker = f"PjitFunction({function})"
+    calls = _outermost([
+        (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))) for ev in events
+        if ev.get("ph") == "X" and ev.get("name") == marker])
+    starts = [start for start, _ in calls]
+    return list(zip(starts, starts[1:] + [float("inf")]))
+
+
+def device_events(trace: dict) -> list[tuple[float, float, str]]:
+    """(start, end, name + args) of device work in a Chrome trace, microseconds.
+
+    Device work: on a GPU the events of the device planes' stream and op lines (lines
+    that only summarize, such as "XLA Modules" or "Steps", are left out by
+    ``benchmarks.backends.lane_of``); on CPU the events of the XLA:CPU runtime
+    threads (the thunk executor and the ops it runs), not the Python thread's.
+    Zero-length markers are dropped.
+    """
+    from benchmarks.backends import HOST_LANE, lane_of, metadata
+
+    events = trace.get("traceEvents", [])
+    processes, threads = metadata(events)
+    device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+    out = []
+    for ev in events:
+        if ev.get("ph") != "X" or float(ev.get("dur", 0.0)) <= 0.0:
+            continue
+        if str(ev.get("name", "")).startswith(("end: ", "$")):
+            continue
+        lane = lane_of(ev, threads, device_pids)
+        if lane is None or lane == HOST_LANE:
+            continue
+        start = float(ev["ts"])
+        label = f"{ev.get('name', '')} {json.dumps(ev.get('args', {}), sort_keys=True)}"
+        out.append((start, start + float(ev["dur"]), label))
+    return out
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of intervals (overlapping lines, e.g. ops and kernels, count once)."""
+    from benchmarks.backends import length, merge
+
+    return length(merge(intervals))
+
+
+def per_call_device_us(trace: dict, function: str, name_filter: str | None = None
+                       ) -> tuple[list[float], list[float]]:
+    """Per call of ``function``: device busy time and device span (first start to last end).
+
+    ``name_filter`` keeps only events whose name or args contain it (the kernel's own
+    events); calls without any kept event are left out.
+    """
+    windows = call_windows(trace.get("traceEvents", []), function)
+    work = [(a, b) for a, b, label in device_events(trace)
+            if name_filter is None or name_filter in label]
+    busy, span = [], []
+    for lo, hi in windows:
+        mine = [(a, b) for a, b in work if lo <= a < hi]
+        if mine:
+            busy.append(busy_us(mine))
+            span.append(max(b for _, b in mine) - min(a for a, _ in mine))
+    return busy, span
+
+
+def traced_calls(fn, calls: int) -> dict:
+    """Chrome trace of ``calls`` blocked calls of ``fn`` (compiled beforehand)."""
+    import tempfile
+
+    import jax
+
+    from benchmarks.backends import find_trace_file, load_trace
+
+    fn()  # compile and warm up outside the trace
+    with tempfile.TemporaryDirectory(prefix="metro_trace_") as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(calls):
+                fn()
+        return load_trace(find_trace_file(log_dir))
+
+
+def timing_instance(metro, experts: int, devices: int, seed: int):
+    """(placement, tokens) device arrays of the timing shape: EPLB placement at 1.5x
+    replicas from a Zipf history, a batch of 32 tokens per device."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed + 2)
+    probs = popularity(rng, experts)
+    placement = metro.eplb_placement(
+        metro.tokens_per_expert(sample_topk(rng, probs, HISTORY_TOKENS, TOP_K), experts),
+        devices, int(1.5 * experts))
+    tokens = metro.tokens_per_expert(sample_topk(rng, probs, 32 * devices, TOP_K), experts)
+    return jnp.asarray(placement), jnp.asarray(tokens, jnp.int32)
+
+
+def run_device_timing(metro, calls: int, repeats: int, seed: int) -> dict:
+    """Device time per call of every ``route_metro_jax`` implementation, from a profile.
+
+    Per implementation: ``calls`` blocked calls under ``jax.profiler.trace``; per call
+    the device busy time (union of its device events) and span; medians are reported.
+    The host wall per call (dispatch + run + block, no profiler) is timed separately.
+    On a GPU the Pallas kernel's own event (named :data:`metro.KERNEL_NAME`) is also
+    picked out; on CPU the kernel is interpreted into XLA ops and has no event of its own.
+    """
+    import jax
+
+    experts, devices = TIMING_SHAPES[0]
+    placement, tokens = timing_instance(metro, experts, devices, seed)
+    figures: dict = {"metro_timing_backend": jax.default_backend(),
+                     "metro_default_impl": metro.DEFAULT_IMPL, "metro_timing_calls": calls,
+                     "metro_timing_shape": f"{experts}_experts_{devices}_devices"}
+    for impl in metro.METRO_IMPLS:
+        def call(impl=impl):
+            return metro.route_metro_jax(placement, tokens, impl=impl).block_until_ready()
+
+        trace = traced_calls(call, calls)
+        busy, span = per_call_device_us(trace, "route_metro_jax")
+        if not busy:
+            raise RuntimeError(f"no device events of route_metro_jax(impl={impl!r}) in the trace")
+        figures[f"metro_{impl}_device_us"] = round(statistics.median(busy), 1)
+        figures[f"metro_{impl}_device_span_us"] = round(statistics.median(span), 1)
+        figures[f"metro_{impl}_traced_calls"] = len(busy)
+        figures[f"metro_{impl}_host_wall_us"] = round(median_us(call, repeats), 1)
+        if impl == "pallas":
+            kernel, _ = per_call_device_us(trace, "route_metro_jax", metro.KERNEL_NAME)
+            figures["metro_pallas_kernel_only_device_us"] = (
+                round(statistics.median(kernel), 1) if kernel else None)
+    figures["metro_kernel_device_us"] = figures[f"metro_{metro.DEFAULT_IMPL}_device_us"]
+    figures["metro_kernel_host_wall_us"] = figures[f"metro_{metro.DEFAULT_IMPL}_host_wall_us"]
+    return figures
+
+
+def print_device_timing(figures: dict) -> None:
+    backend = figures["metro_timing_backend"]
+    print(f"device time per call, {figures['metro_timing_shape'].replace('_', ' ')}, median of "
+          f"{figures['metro_timing_calls']} traced calls ({backend}):")
+    if backend != "gpu":
+        print("  NOTE: CPU figures. This is XLA:CPU running the program (the Pallas kernel "
+              "in interpret mode, i.e. as XLA:CPU ops), timed from the profiler's thunk "
+              "events, which the per-op tracing inflates for loops; it is NOT the GPU figure "
+              "(run this with --timing on the GPU for that).")
+    for impl in ("pallas", "jax", "rounds"):
+        print(f"  {impl:>6}: device busy {figures[f'metro_{impl}_device_us']} us, span "
+              f"{figures[f'metro_{impl}_device_span_us']} us; host wall per call "
+              f"{figures[f'metro_{impl}_host_wall_us']} us")
+    kernel = figures.get("metro_pallas_kernel_only_device_us")
+    print(f"  Pallas kernel event alone: "
+          f"{'not in the trace (no GPU kernel event)' if kernel is None else f'{kernel} us'}; "
+          f"default impl {figures['metro_default_impl']!r}: device "
+          f"{figures['metro_kernel_device_us']} us, host wall {figures['metro_kernel_host_wall_us']} us")
+
+
 def print_table(rows: list[dict]) -> None:
     header = (f"{'G':>3} {'repl':>5} {'tok/dev':>7} | {'EPLB-even':>9} {'METRO':>7} "
-              f"{'METRO-idx':>9} {'optimal':>7} | {'METRO/opt':>9} {'idx/opt':>7} {'METRO/EPLB':>10}")
+              f"{'METRO-idx':>9} {'rounds':>7} {'optimal':>7} | {'METRO/opt':>9} {'idx/opt':>7} "
+              f"{'METRO/EPLB':>10} {'rnd/opt':>7} {'rnd/METRO':>9}")
     print("max activated experts per device (mean over instances); ratios: mean of per-instance ratios")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['devices']:>3} {r['repl']:>5.2f} {r['tpd']:>7} | {r['eplb']:>9.2f} {r['metro']:>7.2f} "
-              f"{r['index']:>9.2f} {r['opt']:>7.2f} | {r['metro_over_optimal']:>9.3f} "
-              f"{r['metro_index_over_optimal']:>7.3f} {r['metro_over_eplb_even']:>10.3f}")
+              f"{r['index']:>9.2f} {r['rounds']:>7.2f} {r['opt']:>7.2f} | "
+              f"{r['metro_over_optimal']:>9.3f} {r['metro_index_over_optimal']:>7.3f} "
+              f"{r['metro_over_eplb_even']:>10.3f} {r['metro_rounds_over_optimal']:>7.3f} "
+              f"{r['metro_rounds_over_metro']:>9.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer instances and timing repeats")
     parser.add_argument("--json", type=Path, help="write the figures as a flat JSON object here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timing", action="store_true",
+                        help="also trace every route_metro_jax implementation and report its "
+                             "device time per call apart from the host wall (dispatch)")
     args = parser.parse_args(argv)
 
     from kernels_pallas import metro
@@ -196,8 +428,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     figures, rows = run_quality(metro, instances, args.seed)
     print_table(rows)
-    figures.update(run_timing(metro, TIMING_REPEATS_QUICK if args.quick else TIMING_REPEATS_FULL,
-                              args.seed))
+    repeats = TIMING_REPEATS_QUICK if args.quick else TIMING_REPEATS_FULL
+    figures.update(run_timing(metro, repeats, args.seed))
+    if args.timing:
+        figures.update(run_device_timing(
+            metro, TRACED_CALLS_QUICK if args.quick else TRACED_CALLS_FULL, repeats, args.seed))
     figures["instances"] = instances * len(rows)
     figures["targets_met"] = bool(figures["metro_over_optimal"] <= TARGET_METRO_OVER_OPTIMAL
                                   and figures["metro_over_eplb_even_32"] <= TARGET_METRO_OVER_EPLB_32)
@@ -217,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{figures['reference_us_256_experts_16_devices']} us, optimum "
           f"{figures['optimal_us_256_experts_16_devices']} us; 128 x 8 kernel "
           f"{figures['kernel_us_128_experts_8_devices']} us")
+    print(f"rounds variant (impl='rounds') / optimal: {figures['metro_rounds_over_optimal']:.4f}; "
+          f"/ METRO greedy: {figures['metro_rounds_over_metro']:.4f} (mean; worst instance "
+          f"{figures['metro_rounds_over_metro_max']:.4f}); / EPLB-even at 32 tokens/device: "
+          f"{figures['metro_rounds_over_eplb_even_32']:.4f}")
+    if args.timing:
+        print_device_timing(figures)
     print(f"targets met: {figures['targets_met']}  ({figures['seconds']} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
