@@ -214,19 +214,25 @@ def attention_block(p: LayerParams, layer, x: Float[Array, "n d"], attn, cfg: Mo
                     ) -> tuple[jax.Array, Any, jax.Array, "jax.Array | None"]:
     """The attention half of a layer: (x + attn(norm(x)), the attention kind after it, the
     normed MoE input, the valid rows). See :func:`decoder_layer` for the keywords."""
-    h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    heads, attn = attn.attend(p, layer, h_in, rows, cfg)
-    out = heads.reshape(heads.shape[0], -1) @ p["wo"].astype(x.dtype)
-    if psum_axis is not None:
-        out = jax.lax.psum(out, psum_axis)
-    if "bo" in p:       # the output projection's bias, once (after any partial-sum)
-        out = out + p["bo"].astype(out.dtype)
-    x = (x if rows is None else jnp.take(x, rows, axis=0)) + out
-    moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    # Named scopes (``attention``, ``norm``, ``experts``, ...) label the compiled ops'
+    # metadata, so that a profile can be attributed to stages (benchmarks/time_breakdown.py).
+    with jax.named_scope("norm"):
+        h_in = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    with jax.named_scope("attention"):
+        heads, attn = attn.attend(p, layer, h_in, rows, cfg)
+        out = heads.reshape(heads.shape[0], -1) @ p["wo"].astype(x.dtype)
+        if psum_axis is not None:
+            out = jax.lax.psum(out, psum_axis)
+        if "bo" in p:       # the output projection's bias, once (after any partial-sum)
+            out = out + p["bo"].astype(out.dtype)
+        x = (x if rows is None else jnp.take(x, rows, axis=0)) + out
+    with jax.named_scope("norm"):
+        moe_in = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     # The resident MLP (shared experts, a dense layer's MLP) is added here, with the
     # attention half: every driver (fused, layerwise, host-side) then sums in one order,
     # and the routed experts are all that is left for the MoE seam.
-    resident = resident_mlp(p, moe_in, layer, cfg)
+    with jax.named_scope("experts"):
+        resident = resident_mlp(p, moe_in, layer, cfg)
     if resident is not None:
         x = x + resident
     return x, attn, moe_in, attn.valid_rows(rows)
@@ -237,14 +243,15 @@ def route_layer(p: LayerParams, moe_in: Float[Array, "n d"], cfg: ModelConfig,
     """The layer's router on the normed MoE input (the family's scoring, groups and
     scaling). A dense layer (``layer`` given) routes with weight 0: its zero experts add
     nothing, and every layer keeps one structure."""
-    routing = moe.route_scored(
-        moe_in, p["router"], cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-        scoring=cfg.router_scoring, choice_bias=p.get("score_bias"), n_group=cfg.n_group,
-        topk_group=cfg.topk_group, group_score=cfg.group_score,
-        scaling=cfg.routed_scaling_factor, logit_bias=p.get("router_bias"))
-    if cfg.dense_layers and layer is not None:
-        routing = dataclasses.replace(
-            routing, weights=jnp.where(_is_dense(layer, cfg), 0.0, routing.weights))
+    with jax.named_scope("route"):
+        routing = moe.route_scored(
+            moe_in, p["router"], cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+            scoring=cfg.router_scoring, choice_bias=p.get("score_bias"), n_group=cfg.n_group,
+            topk_group=cfg.topk_group, group_score=cfg.group_score,
+            scaling=cfg.routed_scaling_factor, logit_bias=p.get("router_bias"))
+        if cfg.dense_layers and layer is not None:
+            routing = dataclasses.replace(
+                routing, weights=jnp.where(_is_dense(layer, cfg), 0.0, routing.weights))
     return routing
 
 

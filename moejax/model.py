@@ -147,7 +147,8 @@ class MoEDecoder(nnx.Module):
     # ------------------------------------------------------------ the pieces
     def embed_tokens(self, tokens: Int[Array | np.ndarray, "*n"]) -> Float[Array, "*n d"]:
         """Token embeddings."""
-        return jnp.take(self.embed[...], tokens, axis=0)
+        with jax.named_scope("embed"):
+            return jnp.take(self.embed[...], tokens, axis=0)
 
     def local_dispatcher(self, expert_impl: moe.ExpertImpl = "auto",
                          tile_rows: int | tuple[int, int] | None = None) -> MoEDispatcher:
@@ -176,7 +177,8 @@ class MoEDecoder(nnx.Module):
 
     def final(self, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
         """The final norm."""
-        return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+        with jax.named_scope("norm"):
+            return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
 
     def head(self) -> Float[Array, "d V"]:
         return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
@@ -191,6 +193,12 @@ class MoEDecoder(nnx.Module):
         """Logits of ``token_ids`` [P, C] at final hidden states [P, d] -> ([P, C] f32,
         log-sum-exp [P] | None). With ``full_vocab`` the whole [P, V] row is computed (the
         log-softmax over the vocabulary needs it); otherwise only the C columns."""
+        with jax.named_scope("lm_head"):     # labels the ops for profile attribution
+            return self._candidate_logits(hidden, token_ids, full_vocab)
+
+    def _candidate_logits(self, hidden: Float[Array, "P d"], token_ids: Int[Array, "P C"],
+                          full_vocab: bool) -> tuple[jax.Array, jax.Array | None]:
+        """:meth:`candidate_logits`' body (outside its named scope)."""
         if full_vocab:
             logits = self.vocab_logits(hidden)
             return jnp.take_along_axis(logits, token_ids, axis=1), jax.nn.logsumexp(logits, -1)

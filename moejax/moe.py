@@ -131,13 +131,14 @@ def permute(x: Float[Array, "T d"], routing: Routing, num_experts: int,
     id E, sort after every real row and are counted in no group, so the expert
     compute never touches them.
     """
-    t, k = routing.experts.shape
-    flat_experts = routing.experts.reshape(-1)
-    if valid is not None:
-        flat_experts = jnp.where(jnp.repeat(valid, k), flat_experts, num_experts)
-    order = jnp.argsort(flat_experts, stable=True).astype(jnp.int32)
-    x_sorted = jnp.take(x, order // k, axis=0)
-    group_sizes = jnp.bincount(flat_experts, length=num_experts + 1)[:num_experts]
+    with jax.named_scope("permute"):
+        t, k = routing.experts.shape
+        flat_experts = routing.experts.reshape(-1)
+        if valid is not None:
+            flat_experts = jnp.where(jnp.repeat(valid, k), flat_experts, num_experts)
+        order = jnp.argsort(flat_experts, stable=True).astype(jnp.int32)
+        x_sorted = jnp.take(x, order // k, axis=0)
+        group_sizes = jnp.bincount(flat_experts, length=num_experts + 1)[:num_experts]
     return Permutation(x_sorted=x_sorted, order=order, group_sizes=group_sizes.astype(jnp.int32))
 
 
@@ -213,6 +214,14 @@ def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"], w_up: Float
     [E, d]) and ``activation`` (:class:`ClampedSwiGLU`): GPT-OSS's experts, computed by
     the implementations of :data:`BIASED_IMPLS` ("auto" picks "gmm"); the others refuse.
     """
+    with jax.named_scope("experts"):     # labels the ops for profile attribution
+        return _expert_compute(perm, w_gate, w_up, w_down, impl, tile_rows, biases, activation)
+
+
+def _expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                    impl: ExpertImpl, tile_rows: int | tuple[int, int] | None,
+                    biases: dict | None, activation: ClampedSwiGLU | None) -> jax.Array:
+    """:func:`expert_compute`'s body (outside its named scope)."""
     x, sizes = perm.x_sorted, perm.group_sizes
     if biases or activation is not None:
         if impl == "auto":
@@ -247,8 +256,9 @@ def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"], w_up: Float
 def combine(y_sorted: Float[Array, "M d"], perm: Permutation, routing: Routing,
             valid: Bool[Array, "T"] | None = None) -> Float[Array, "T d"]:
     """Unsort the expert outputs [M, d] and sum each token's k rows with its weights -> [T, d]."""
-    inverse = jnp.argsort(perm.order).astype(jnp.int32)
-    return weighted_sum(jnp.take(y_sorted, inverse, axis=0), routing, valid)
+    with jax.named_scope("permute"):     # the unpermute + combine: the permute's inverse
+        inverse = jnp.argsort(perm.order).astype(jnp.int32)
+        return weighted_sum(jnp.take(y_sorted, inverse, axis=0), routing, valid)
 
 
 def weighted_sum(y_rows: Float[Array, "M d"], routing: Routing,

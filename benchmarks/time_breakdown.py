@@ -1,0 +1,442 @@
+"""Where the device time of one resident prefill batch goes, by stage of the layer.
+
+Runs one packed batch through the resident forward (every weight on one device,
+``moejax.model.forward`` jitted as ``ResidentBackend`` jits it) under
+``jax.profiler.trace`` and attributes every device-side op of the trace to one stage:
+
+    attention, experts, route, permute, norm, lm_head, embed, other
+
+The stages are the ``jax.named_scope`` s of the layer driver (``moejax.layers``,
+``moejax.moe``, ``moejax.model``): XLA keeps them in each instruction's
+``metadata={op_name="jit(forward)/while/body/.../attention/dot_general"}``. The
+compiled module's text maps each instruction name to its op_name; a trace event names
+its instruction (arg ``hlo_op`` on CPU thunks and GPU kernels; else the event name,
+GPU kernel names being fusion names with '.' -> '_'; else the ``long_name`` /
+``tf_op`` args). The innermost scope of the op_name wins (a norm inside attention is
+a norm). A fusion without metadata takes the most common scope of its fused
+instructions; an instruction with no scope (loop bookkeeping, layer slicing, XLA's
+copies) and a device event of no instruction (a memcpy) count as ``other``.
+
+Times: the device wall is first op start to last op end of the traced forward; busy
+is the union of its op intervals. Where ops overlap (CPU runtime threads, GPU
+streams), each instant is split equally between the stages running then, so the
+stage times sum to busy <= wall. Printed: each stage's share of wall and of busy.
+
+On a GPU, CUDA-graph command buffers hide the kernels' HLO names from the profiler,
+so they are switched off here (``--command-buffers`` keeps them); the unattributed
+share is printed so that a reader can check. Model and dtype as
+``benchmarks/backends.py``'s ``model_shape`` (GPU: Qwen3-30B-A3B shape, 8 layers,
+bf16). Random weights are made on the device (``benchmarks/full_model.py``).
+
+    python benchmarks/time_breakdown.py [--quick] [--json PATH] [--tokens T] [--block B]
+        [--layers L] [--dtype bfloat16|float32] [--repeats N] [--peak-tflops X]
+        [--command-buffers] [--trace-dir DIR]
+
+JSON keys (flat): ``breakdown_<stage>_fraction`` (share of the device wall),
+``breakdown_<stage>_busy_fraction``, ``breakdown_wall_s``, ``breakdown_busy_s``,
+``breakdown_tokens``, ``breakdown_tokens_per_s``, ``breakdown_mfu``,
+``breakdown_unattributed_fraction`` (share of busy in ``other`` events of no
+instruction), ``platform``, ``device_kind``, ``dtype``, ``layers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import backends as bk  # noqa: E402  (sets the CPU host-device flag)
+from benchmarks.figures import write_json  # noqa: E402
+
+import moejax  # noqa: E402
+
+SCOPES = ("attention", "experts", "route", "permute", "norm", "lm_head", "embed")
+CATEGORIES = SCOPES + ("other",)
+COMMAND_BUFFER_OFF = "--xla_gpu_enable_command_buffer="
+# A scope may appear wrapped by a transformation: 'jvp(attention)', 'transpose(jvp(norm))'.
+_COMPONENT = re.compile(r"^(?:(?:jvp|transpose|vmap|remat|checkpoint)\()*([A-Za-z_]+)\)*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+# Control flow wraps other ops (a CPU while thunk's event encloses its body's): dropped.
+_CONTROL = re.compile(r"\s(while|conditional|call)\(")
+CONTROL = "control"
+
+
+# ==================================================================== HLO metadata
+def scope_of(op_name: str | None) -> str | None:
+    """The innermost stage scope in an op_name path, or None."""
+    for component in reversed((op_name or "").split("/")):
+        match = _COMPONENT.match(component)
+        if match and match.group(1) in SCOPES:
+            return match.group(1)
+    return None
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    computation: str
+    op_name: str | None
+    calls: str | None
+    control: bool = False
+
+
+def parse_instructions(hlo_text: str) -> dict[str, Instruction]:
+    """Every instruction of a compiled module's text: name -> its computation, op_name
+    metadata and the computation it calls (a fusion's)."""
+    out: dict[str, Instruction] = {}
+    computation = ""
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match:
+            rest = match.group(2)
+            op_name, calls = _OP_NAME.search(rest), _CALLS.search(rest)
+            out[match.group(1)] = Instruction(
+                name=match.group(1), computation=computation,
+                op_name=op_name.group(1) if op_name else None,
+                calls=calls.group(1) if calls else None,
+                control=bool(_CONTROL.search(rest)))
+            continue
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+    return out
+
+
+def instruction_categories(hlo_text: str) -> dict[str, str]:
+    """Instruction name (as printed, and with '.'/'-' -> '_' as GPU kernels are named)
+    -> stage, for every instruction of the module (module docstring); control flow
+    (while, conditional, call) -> :data:`CONTROL`."""
+    instructions = parse_instructions(hlo_text)
+    by_computation: dict[str, list[str]] = collections.defaultdict(list)
+    for ins in instructions.values():
+        scope = scope_of(ins.op_name)
+        if scope:
+            by_computation[ins.computation].append(scope)
+    table: dict[str, str] = {}
+    for ins in instructions.values():
+        scope = scope_of(ins.op_name)
+        if scope is None and ins.calls and by_computation.get(ins.calls):
+            scope = collections.Counter(by_computation[ins.calls]).most_common(1)[0][0]
+        category = CONTROL if ins.control else scope or "other"
+        table[ins.name] = category
+        table.setdefault(kernel_key(ins.name), category)
+    return table
+
+
+def kernel_key(name: str) -> str:
+    """A name as GPU kernels spell it: '.' and '-' -> '_'."""
+    return name.replace(".", "_").replace("-", "_")
+
+
+def module_name(hlo_text: str) -> str | None:
+    """'jit_forward' from the module's first line 'HloModule jit_forward, ...'."""
+    match = re.search(r"HloModule\s+([\w.\-]+)", hlo_text)
+    return match.group(1) if match else None
+
+
+# ==================================================================== trace events
+@dataclasses.dataclass(frozen=True)
+class OpEvent:
+    """One device-side op of the trace: lane, [start, end) seconds, its stage, and
+    whether it named an instruction of the module."""
+
+    lane: Any
+    start: float
+    end: float
+    category: str
+    attributed: bool
+    name: str = ""
+
+
+def event_instruction(ev: Mapping[str, Any], table: Mapping[str, str]) -> str | None:
+    """The module instruction an event ran, if any can be read from it."""
+    args = ev.get("args", {}) or {}
+    candidates = [args.get("hlo_op"), ev.get("name")]
+    long_name = str(args.get("long_name", ""))
+    if long_name:
+        candidates.append(long_name.split("=")[0].strip().lstrip("%").split(" ")[0])
+    for name in candidates:
+        if not name:
+            continue
+        name = str(name)
+        for key in (name, kernel_key(name)):
+            if key in table:
+                return key
+    return None
+
+
+def event_category(ev: Mapping[str, Any], table: Mapping[str, str]) -> tuple[str, bool]:
+    """(stage, attributed) of one event: through its instruction, else a scope in its
+    ``tf_op`` / ``long_name`` args, else ('other', False)."""
+    instruction = event_instruction(ev, table)
+    if instruction is not None:
+        return table[instruction], True
+    args = ev.get("args", {}) or {}
+    for key in ("tf_op", "long_name"):
+        text = str(args.get(key, ""))
+        found = _OP_NAME.search(text)
+        scope = scope_of(found.group(1) if found else text)
+        if scope:
+            return scope, True
+    return "other", False
+
+
+def is_op_event(ev: Mapping[str, Any], lane: Any, device_lanes: bool,
+                module: str | None) -> bool:
+    """A complete event of device work of ``module``: any event on a device plane (GPU,
+    TPU), an event naming an HLO op on CPU (the runtime's thunks); not a marker."""
+    if ev.get("ph") != "X" or "dur" not in ev or lane is None:
+        return False
+    if str(ev.get("name", "")).startswith(bk.MARKER_PREFIXES):
+        return False
+    args = ev.get("args", {}) or {}
+    if module and args.get("hlo_module") not in (None, module):
+        return False
+    return device_lanes or "hlo_op" in args
+
+
+def op_events(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+              table: Mapping[str, str], module: str | None) -> list[OpEvent]:
+    """The device-side op events of a Chrome trace (lanes as ``benchmarks.backends``)."""
+    events = trace.get("traceEvents", []) if isinstance(trace, Mapping) else list(trace)
+    processes, threads = bk.metadata(events)
+    device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+    out = []
+    for ev in events:
+        lane = bk.lane_of(ev, threads, device_pids)
+        if lane == bk.HOST_LANE or not is_op_event(ev, lane, bool(device_pids), module):
+            continue
+        start = float(ev["ts"]) * 1e-6
+        category, attributed = event_category(ev, table)
+        if category == CONTROL:
+            continue
+        name = event_instruction(ev, table) or str(ev.get("name", ""))
+        out.append(OpEvent(lane=lane, start=start, end=start + float(ev["dur"]) * 1e-6,
+                           category=category, attributed=attributed, name=name))
+    return out
+
+
+# ==================================================================== attribution
+@dataclasses.dataclass
+class Breakdown:
+    """Seconds per stage (summing to busy_s), the device wall and busy time, and the
+    busy seconds in events of no instruction."""
+
+    wall_s: float
+    busy_s: float
+    seconds: dict[str, float]
+    unattributed_s: float
+
+    def wall_fraction(self, category: str) -> float:
+        return self.seconds.get(category, 0.0) / self.wall_s if self.wall_s else 0.0
+
+    def busy_fraction(self, category: str) -> float:
+        return self.seconds.get(category, 0.0) / self.busy_s if self.busy_s else 0.0
+
+
+def split_time(intervals: Iterable[tuple[float, float, str]]) -> dict[str, float]:
+    """Seconds per label over the union of [start, end) intervals: every instant is
+    split equally between the distinct labels running then."""
+    edges: list[tuple[float, int, str]] = []
+    for start, end, label in intervals:
+        if end > start:
+            edges += [(start, 1, label), (end, -1, label)]
+    edges.sort(key=lambda e: (e[0], e[1]))
+    active: collections.Counter[str] = collections.Counter()
+    out: dict[str, float] = collections.defaultdict(float)
+    previous = None
+    for time_s, step, label in edges:
+        running = [name for name, count in active.items() if count > 0]
+        if previous is not None and running and time_s > previous:
+            for name in running:
+                out[name] += (time_s - previous) / len(running)
+        active[label] += step
+        previous = time_s
+    return dict(out)
+
+
+def attribute(events: Sequence[OpEvent]) -> Breakdown:
+    """The stage breakdown of a forward's op events (module docstring)."""
+    if not events:
+        return Breakdown(wall_s=0.0, busy_s=0.0, seconds={}, unattributed_s=0.0)
+    wall = max(e.end for e in events) - min(e.start for e in events)
+    busy = bk.length(bk.merge((e.start, e.end) for e in events))
+    labelled = [(e.start, e.end, e.category if e.attributed else "other:unattributed")
+                for e in events]
+    split = split_time(labelled)
+    unattributed = split.pop("other:unattributed", 0.0)
+    seconds = {c: split.get(c, 0.0) for c in CATEGORIES}
+    seconds["other"] += unattributed
+    return Breakdown(wall_s=wall, busy_s=busy, seconds=seconds, unattributed_s=unattributed)
+
+
+def top_other(events: Sequence[OpEvent], op_names: Mapping[str, str | None],
+              count: int = 6) -> list[tuple[str, float]]:
+    """The ``other`` events' largest (instruction: op_name tail, summed seconds)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.category == "other":
+            tail = "/".join((op_names.get(e.name) or "").split("/")[-2:])
+            totals[f"{bk.base_name(e.name)} ({tail or 'no op_name'})"] += e.end - e.start
+    return sorted(totals.items(), key=lambda kv: -kv[1])[:count]
+
+
+def breakdown_figures(result: Breakdown) -> dict[str, float]:
+    """The flat JSON figures of a breakdown (shares of wall and of busy)."""
+    out: dict[str, float] = {"breakdown_wall_s": result.wall_s,
+                             "breakdown_busy_s": result.busy_s,
+                             "breakdown_unattributed_fraction":
+                                 result.unattributed_s / result.busy_s if result.busy_s else 0.0}
+    for category in CATEGORIES:
+        out[f"breakdown_{category}_fraction"] = result.wall_fraction(category)
+        out[f"breakdown_{category}_busy_fraction"] = result.busy_fraction(category)
+    return out
+
+
+def print_breakdown(result: Breakdown) -> None:
+    print(f"device wall {result.wall_s * 1e3:.2f} ms, busy {result.busy_s * 1e3:.2f} ms "
+          f"({100 * result.busy_s / max(result.wall_s, 1e-30):.1f}% of wall)")
+    print(f"{'stage':<11}{'ms':>10}{'% wall':>9}{'% busy':>9}")
+    for category in CATEGORIES:
+        print(f"{category:<11}{result.seconds[category] * 1e3:>10.3f}"
+              f"{100 * result.wall_fraction(category):>9.1f}"
+              f"{100 * result.busy_fraction(category):>9.1f}")
+    print(f"(of 'other', {result.unattributed_s * 1e3:.3f} ms ran in events naming no "
+          f"instruction of the module)")
+
+
+# ==================================================================== the run
+def workload_tokens(args: argparse.Namespace) -> tuple[int, int]:
+    """(attention block, batch tokens): 32768 tokens on a GPU, 1024 on CPU, 128 quick."""
+    block = args.block or (32 if args.quick else 512 if bk.is_gpu() else 128)
+    tokens = args.tokens or (128 if args.quick else 32768 if bk.is_gpu() else 1024)
+    if block & (block - 1) or tokens & (tokens - 1) or tokens < block:
+        raise SystemExit(f"--block ({block}) and --tokens ({tokens}) must be powers of two "
+                         f"with tokens >= block")
+    return block, tokens
+
+
+def compile_forward(params: Any, batch: Any, cfg: Any, opts: Any) -> Any:
+    """The resident forward, lowered and compiled for this batch (the executable that is
+    run and traced, so its text names the trace's instructions)."""
+    import jax
+
+    from moejax import model as model_lib
+
+    jitted = jax.jit(model_lib.forward, static_argnames=("cfg", "opts"))
+    return jitted.lower(params, batch, cfg=cfg, opts=opts).compile()
+
+
+def timed_runs(compiled: Any, params: Any, batch: Any, repeats: int) -> float:
+    """Median wall seconds of ``repeats`` synchronized runs (after one warm-up)."""
+    import jax
+
+    jax.block_until_ready(compiled(params, batch))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(params, batch))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def traced_run(compiled: Any, params: Any, batch: Any, log_dir: str) -> dict:
+    """One run under the profiler (no Python tracer) -> the Chrome trace."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(log_dir, profiler_options=options):
+        jax.block_until_ready(compiled(params, batch))
+    return bk.load_trace(bk.find_trace_file(log_dir))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, seconds on CPU")
+    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+    parser.add_argument("--tokens", type=int, help="tokens in the batch (power of two; "
+                        "default 32768 GPU, 1024 CPU, 128 quick)")
+    parser.add_argument("--block", type=int, help="attention block = longest sequence")
+    parser.add_argument("--layers", type=int, help="decoder layers (GPU default 8)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"))
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
+    parser.add_argument("--peak-tflops", type=float, help="device peak used for MFU")
+    parser.add_argument("--command-buffers", action="store_true",
+                        help="keep XLA's GPU command buffers (hides kernel names)")
+    parser.add_argument("--trace-dir", help="keep the trace here (default: a temporary dir)")
+    return parser.parse_args(argv)
+
+
+def configure_flags(keep_command_buffers: bool) -> None:
+    """Before JAX starts: moejax's GPU flags, and command buffers off unless kept."""
+    moejax.configure_xla()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not keep_command_buffers and "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_OFF}".strip()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    configure_flags(args.command_buffers)
+    import jax
+
+    from benchmarks.full_model import device_params
+
+    cfg, dtype = bk.model_shape(args)
+    block, tokens = workload_tokens(args)
+    host = bk.make_workload(cfg, 1, block, tokens)[0]
+    peak, peak_source = bk.device_peak(args, dtype)
+    print(f"time breakdown on {jax.default_backend()} ({jax.devices()[0].device_kind}): "
+          f"Qwen3-MoE d={cfg.hidden_size} L={cfg.num_layers} E={cfg.num_experts} "
+          f"k={cfg.num_experts_per_tok} f={cfg.moe_intermediate_size} V={cfg.vocab_size}, "
+          f"{dtype}; one batch of {tokens} tokens (block {block}), {host.real_tokens} real",
+          flush=True)
+    params = device_params(cfg, dtype, jax.devices()[0])
+    batch = jax.device_put(host.batch, jax.devices()[0])
+    compiled = compile_forward(params, batch, cfg, host.options)
+    hlo = compiled.as_text()
+    wall = timed_runs(compiled, params, batch, args.repeats)
+    flops = bk.useful_flops(cfg, [host])
+    log_dir = args.trace_dir or tempfile.mkdtemp(prefix="moejax-breakdown-")
+    try:
+        trace = traced_run(compiled, params, batch, log_dir)
+    finally:
+        if not args.trace_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    events = op_events(trace, instruction_categories(hlo), module_name(hlo))
+    result = attribute(events)
+    mfu = flops / (wall * peak * 1e12)
+    print(f"timed: {wall * 1e3:.2f} ms per batch (median of {args.repeats}), "
+          f"{host.real_tokens / wall:.0f} tokens/s, MFU {100 * mfu:.2f}% of {peak:.3g} "
+          f"TFLOP/s ({peak_source})")
+    print_breakdown(result)
+    op_names = {name: ins.op_name for name, ins in parse_instructions(hlo).items()}
+    print("largest 'other' ops (summed over lanes): " + ", ".join(
+        f"{name} {seconds * 1e3:.3f} ms" for name, seconds in top_other(events, op_names)))
+    figures: dict[str, Any] = {
+        "platform": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+        "dtype": dtype, "layers": cfg.num_layers, "breakdown_tokens": host.real_tokens,
+        "breakdown_padded_tokens": tokens, "breakdown_tokens_per_s": host.real_tokens / wall,
+        "breakdown_mfu": mfu, "breakdown_timed_wall_s": wall, "peak_tflops": peak,
+        "command_buffers": bool(args.command_buffers), **breakdown_figures(result)}
+    write_json(args.json_path, figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
