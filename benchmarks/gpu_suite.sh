@@ -2,15 +2,22 @@
 # Every GPU-only measurement of moejax, for a lent GPU machine (one call per part, each
 # well inside ten minutes). Run from the repository root:
 #
-#     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped GEMM, tile sweep
+#     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped GEMM (Triton, Mosaic)
+#     bash benchmarks/gpu_suite.sh OUT_DIR sweep     # tile sweeps of both grouped-GEMM kernels
 #     bash benchmarks/gpu_suite.sh OUT_DIR serving   # METRO kernel, resident vs offload
 #     bash benchmarks/gpu_suite.sh OUT_DIR eldr      # ELDR decode-layer cost model (Qwen3 shape)
+#     bash benchmarks/gpu_suite.sh OUT_DIR mfu       # stage time breakdown (32K tokens), the
+#                                                    # 131K-token resident MFU, the 48-layer model
+#     bash benchmarks/gpu_suite.sh OUT_DIR summary   # summary.json of the issue's figures
 #
+# Time limits per part (each under one 10-minute device call): kernels 8.2 min, sweep 7 min,
+# serving 7.5 min, eldr 7.5 min, mfu 9.5 min (breakdown <2, 131K resident <3.2, full model
+# <4.5), summary 1 min.
 # Writes OUT_DIR/suite.log (every step's output) and one JSON per benchmark; prints each
 # step's exit status and the end of its output. Uses the machine's own JAX (no install).
 set -u
-out=${1:?usage: gpu_suite.sh OUT_DIR kernels|serving|eldr}
-part=${2:?usage: gpu_suite.sh OUT_DIR kernels|serving|eldr}
+out=${1:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|eldr|mfu|summary}
+part=${2:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|eldr|mfu|summary}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 log=$out/suite.log
@@ -32,18 +39,26 @@ case $part in
 kernels)
     step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
         python3 -c "import jax, jaxlib, sys; print(sys.version); print(jax.__version__, jax.devices())"'
-    step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -o addopts= \
-        tests/test_gmm_kernel.py tests/test_metro.py tests/test_moe.py tests/test_overlap.py
+    # The kernels compiled for real (Triton and Mosaic GPU), METRO's kernels, the MoE layer,
+    # and the streamed backends' layer pipeline on a GPU's own copy engine.
+    step gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -o addopts= \
+        tests/test_gmm_kernel.py tests/test_gmm_mosaic.py tests/test_metro.py \
+        tests/test_metro_rounds.py tests/test_moe.py tests/test_overlap.py \
+        tests/test_streamed_pipeline.py
     step gmm 280 python3 benchmarks/gmm.py --json "$out/gmm.json" --repeats 5
-    step gmm_tiles 170 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
+    ;;
+sweep)
+    # Tile sweeps of the Triton and Mosaic GPU kernels at 16K tokens (fills GMM_TILES,
+    # SWIGLU_TILES and gmm_select.MOSAIC_TILES; mosaic_over_triton feeds the backend rule).
+    step gmm_tiles 420 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
         --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
     ;;
 serving)
     step backends 300 python3 benchmarks/backends.py --backends resident,offload \
         --json "$out/backends.json"
-    step gmm_tiles 200 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
-        --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
-    step metro 90 python3 benchmarks/metro_quality.py --json "$out/metro.json"
+    # Quality of the greedy and the vectorized rounds, and each one's device time from a
+    # profiler trace apart from host wall (metro_kernel_device_us).
+    step metro 150 python3 benchmarks/metro_quality.py --timing --json "$out/metro.json"
     ;;
 eldr)
     # MoE decode-layer time against active experts (benchmarks/eldr_cost.py), Qwen3-30B-A3B
@@ -57,8 +72,21 @@ eldr)
         --cost-out "$out/eldr_cost.json" ${ELDR_DATE:+--date "$ELDR_DATE"} \
         ${ELDR_MACHINE:+--machine "$ELDR_MACHINE"}
     ;;
+mfu)
+    # Where a resident prefill batch's device time goes (Qwen3 shape, 8 layers, 32K tokens;
+    # rerun after a kernel change to compare), the resident MFU at a 131K-token batch, and
+    # the whole 48-layer model (resident when it fits, by the printed arithmetic).
+    step breakdown 110 python3 benchmarks/time_breakdown.py --tokens 32768 \
+        --json "$out/breakdown.json"
+    step backends_131k 190 python3 benchmarks/backends.py --backends resident \
+        --batch-tokens 131072 --steps 1 --json "$out/backends_131k.json"
+    step full_model 270 python3 benchmarks/full_model.py --tokens 65536,32768 --json "$out/full_model.json"
+    ;;
+summary)
+    step summary 60 python3 benchmarks/gpu_summary.py "$out"
+    ;;
 *)
-    echo "unknown part $part (kernels, serving or eldr)" >&2
+    echo "unknown part $part (kernels, sweep, serving, eldr, mfu or summary)" >&2
     exit 2
     ;;
 esac
