@@ -16,6 +16,19 @@ i.e. the time a device moves data with no compute running. The fraction printed 
 Σ_lanes exposed / (traced wall time × devices used). The transfer event names found
 are printed so that a reader can check the classification.
 
+Where it falls (``offload``, ``hybrid``): the program executions are read from the
+trace (GPU: a device plane's "XLA Modules" line; CPU: the ops sharing one
+``run_id``), and the streamed programs by name (``jit_streamed_embed``, ``_gather``,
+``_layer``, ``_last``). Exposed transfer is split by the gaps between programs it
+falls in: *step start* (before a step's first layer program: from the previous
+step's last program or the trace's start, across the embedding and hybrid's first
+gather), *between layers* (the device waiting between two layer programs of a step:
+the host's per-layer synchronization) and *other* (the rest, e.g. inside a program).
+Device idle = the time with no program running between programs. ``sync_lag``
+(``--sync-lag``; ``offload_waiting`` / ``hybrid_waiting`` in ``--backends`` run the
+same backend with ``sync_lag=0``) is how many layer programs the host dispatches
+ahead of the one it waits for (moejax/backends/streamed.py).
+
 MFU = useful model FLOPs (DESIGN.md: per sequence ``cfg.request_flops(len, 0,
 scoring_positions=1, num_candidates=2)``; padding not counted) / (wall × peak ×
 devices). Peak: ``--peak-tflops``, else a table keyed by the device kind (H100/H200
@@ -44,7 +57,7 @@ collective program in flight, XLA:CPU was seen to deadlock in a rendezvous (8 ho
 devices on 2 cores) and abort after its 40 s timeout.
 
     python benchmarks/backends.py [--quick] [--json PATH] [--backends resident,offload,...]
-        [--devices G] [--window W] [--layers L] [--steps K] [--repeats N]
+        [--devices G] [--window W] [--sync-lag K] [--layers L] [--steps K] [--repeats N]
         [--block B] [--batch-tokens T] [--peak-tflops X] [--dtype bfloat16|float32]
         [--sync-steps] [--trace-dir DIR]
 
@@ -52,7 +65,12 @@ JSON keys (flat), per backend B: ``B_tokens_per_s``, ``B_tokens_per_s_per_device
 ``B_mfu``, ``B_exposed_transfer_fraction``, ``B_over_resident``,
 ``B_over_best_baseline``, ``B_expert_bytes_per_device``, ``B_expert_saving``,
 ``B_expected_expert_saving``, ``B_peak_temp_bytes``, ``B_theta_flops``,
-``B_batch_over_theta``, ``B_devices``, ``B_wall_s``; and ``platform``,
+``B_batch_over_theta``, ``B_devices``, ``B_wall_s``; for the streamed backends also
+``B_sync_lag``, ``B_exposed_first_layer_fraction`` (step start),
+``B_exposed_between_layers_fraction``, ``B_exposed_other_fraction`` (the three add up
+to ``B_exposed_transfer_fraction``), ``B_device_idle_fraction``,
+``B_idle_between_layers_fraction``; ``offload_lagged_over_waiting`` /
+``hybrid_lagged_over_waiting`` (tokens/s, when both entries ran); and ``platform``,
 ``device_kind``, ``peak_tflops``, ``peak_source``, ``dtype``, ``devices``,
 ``tokens``, ``padded_tokens``, ``useful_flops``, ``skipped`` (backend -> reason).
 """
@@ -104,7 +122,18 @@ from moejax.packing import BucketPolicy, HostBatch, pack  # noqa: E402
 ALL_BACKENDS = ("resident", "offload", "async_ep", "hybrid", "sync_ep", "tp")
 BASELINES = ("sync_ep", "tp")
 SINGLE_DEVICE = ("resident", "offload")
+STREAMED = ("offload", "hybrid")
+# "offload_waiting": offload with sync_lag=0 (wait for each layer before the next is
+# dispatched), to compare with the lagged default in the same run.
+WAITING = "_waiting"
 CANDIDATES = 2
+
+
+def base_backend(name: str) -> str:
+    """The registered backend a benchmark entry runs ('offload_waiting' -> 'offload')."""
+    if name.endswith(WAITING) and name[:-len(WAITING)] in STREAMED:
+        return name[:-len(WAITING)]
+    return name
 
 
 # ==================================================================== trace parsing
@@ -192,6 +221,11 @@ class TraceSummary:
     exposed_s: float
     device_lanes: bool
     names: dict[str, dict[str, float]]
+    # For the split of exposed transfer by where it falls (:func:`split_exposed`):
+    # lane -> merged exposed intervals; timeline -> program executions; first event.
+    exposed: dict[Any, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    programs: dict[Any, list["Program"]] = dataclasses.field(default_factory=dict)
+    start_s: float = 0.0
 
     def top(self, kind: str, count: int = 6) -> list[tuple[str, float]]:
         return sorted(self.names.get(kind, {}).items(), key=lambda kv: -kv[1])[:count]
@@ -234,6 +268,25 @@ def base_name(name: str) -> str:
     return re.sub(r"[.:]\d+$", "", name)
 
 
+def subtract(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]
+             ) -> list[tuple[float, float]]:
+    """The parts of merged intervals ``a`` outside merged intervals ``b`` (merged)."""
+    out: list[tuple[float, float]] = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
 def summarize_trace(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> TraceSummary:
     """Transfer, compute and exposed transfer time of a Chrome-trace dict ('X' events,
     microsecond timestamps), per lane and summed (see the module docstring).
@@ -244,6 +297,7 @@ def summarize_trace(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> T
     events = trace.get("traceEvents", []) if isinstance(trace, Mapping) else list(trace)
     processes, threads = metadata(events)
     device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+    timed = [float(ev["ts"]) * 1e-6 for ev in events if ev.get("ph") == "X" and "ts" in ev]
     per_lane: dict[Any, dict[str, list]] = collections.defaultdict(
         lambda: {"transfer": [], "compute": []})
     names: dict[str, dict[str, float]] = {"transfer": {}, "compute": {}, "other": {}}
@@ -263,14 +317,144 @@ def summarize_trace(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> T
             per_lane[lane][kind].append((start, start + dur))
     all_compute = merge(iv for lane in per_lane.values() for iv in lane["compute"])
     transfer = compute = exposed = 0.0
+    exposed_by_lane = {}
     for key, lane in per_lane.items():
         moving = merge(lane["transfer"])
         working = all_compute if key == HOST_LANE else merge(lane["compute"])
         transfer += length(moving)
         compute += length(merge(lane["compute"]))
         exposed += length(moving) - overlap(moving, working)
+        exposed_by_lane[key] = subtract(moving, working)
     return TraceSummary(lanes=len(per_lane), transfer_s=transfer, compute_s=compute,
-                        exposed_s=exposed, device_lanes=bool(device_pids), names=names)
+                        exposed_s=exposed, device_lanes=bool(device_pids), names=names,
+                        exposed=exposed_by_lane,
+                        programs=program_executions(events, threads, device_pids),
+                        start_s=min(timed, default=0.0))
+
+
+# ---------------------------------------------------------- where exposed transfer falls
+# The streamed backends name their programs jit_streamed_{embed,gather,layer,last}.
+STREAMED_PROGRAM = re.compile(r"streamed[-_](embed|gather|layer|last)")
+CPU_TIMELINE = "cpu"          # on CPU the host devices share the cores: one timeline
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program execution on a timeline: [start, end) s, and its kind ('embed',
+    'gather', 'layer', 'last' for a streamed backend's programs, else 'other')."""
+
+    start: float
+    end: float
+    kind: str
+
+
+def program_kind(module: str) -> str:
+    found = STREAMED_PROGRAM.search(module.lower())
+    return found.group(1) if found else "other"
+
+
+def program_executions(events: Sequence[Mapping[str, Any]], threads: Mapping,
+                       device_pids: set) -> dict[Any, list[Program]]:
+    """Timeline -> its program executions, by start. GPU/TPU: a device plane's "XLA
+    Modules" line (one event per execution). CPU (or a plane without that line): the
+    ops of one execution share ``args.run_id`` and ``args.hlo_module``; its span runs
+    from the first op's start to the last op's end."""
+    modules: dict[Any, list[Program]] = collections.defaultdict(list)
+    runs: dict[tuple, list[float]] = {}
+    for ev in events:
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        pid = ev.get("pid")
+        start = float(ev["ts"]) * 1e-6
+        end = start + float(ev["dur"]) * 1e-6
+        line = threads.get((pid, ev.get("tid")), "").lower()
+        if pid in device_pids and "xla modules" in line:
+            modules[pid].append(Program(start, end, program_kind(str(ev.get("name", "")))))
+            continue
+        args = ev.get("args") or {}
+        if "hlo_module" in args and "run_id" in args:
+            timeline = pid if device_pids else CPU_TIMELINE
+            key = (timeline, str(args["hlo_module"]), str(args["run_id"]))
+            span = runs.setdefault(key, [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+    with_line = set(modules)              # (their ops would count each program twice)
+    for (timeline, module, _), (start, end) in runs.items():
+        if timeline not in with_line:
+            modules[timeline].append(Program(start, end, program_kind(module)))
+    for spans in modules.values():
+        spans.sort(key=lambda p: (p.start, p.end))
+    return dict(modules)
+
+
+STEP_START, BETWEEN_LAYERS = "step_start", "between_layers"
+
+
+def gap_label(before: str | None, after: str | None) -> str | None:
+    """What a gap between programs is, from the streamed programs either side of it
+    (None: none there): the wait between two layers of a step, the stretch before a
+    step's first layer (after the previous step's last program, or the trace's start:
+    the embedding and hybrid's first gather fall there), or neither."""
+    if before == "layer" and after in ("layer", "last"):
+        return BETWEEN_LAYERS
+    if before in (None, "last", "embed", "gather") and after in ("embed", "gather", "layer"):
+        return STEP_START
+    return None
+
+
+def program_gaps(programs: Sequence[Program], start: float
+                 ) -> list[tuple[float, float, str | None, bool]]:
+    """The gaps of a timeline with no program running, from ``start`` (the trace's
+    first event) to its last program: (start, end, :func:`gap_label`, whether it lies
+    between two programs)."""
+    streamed = [p for p in programs if p.kind != "other"]
+    gaps, busy_until, seen = [], start, 0
+    for i, program in enumerate(programs):
+        if program.start > busy_until:
+            before = next((p.kind for p in reversed(streamed[:seen])), None)
+            after = next((p.kind for p in streamed[seen:]), None)
+            gaps.append((busy_until, program.start, gap_label(before, after), i > 0))
+        busy_until = max(busy_until, program.end)
+        seen += program.kind != "other"
+    return gaps
+
+
+@dataclasses.dataclass
+class ExposedSplit:
+    """Seconds summed over timelines: exposed transfer before a step's first layer
+    (``step_start_s``), in the waits between layers (``between_layers_s``) and
+    elsewhere (``other_s``: e.g. during a program, between its kernels); the timelines'
+    idle time between programs (``idle_s``), of which between layers
+    (``idle_between_layers_s``)."""
+
+    step_start_s: float
+    between_layers_s: float
+    other_s: float
+    idle_s: float
+    idle_between_layers_s: float
+
+
+def split_exposed(summary: TraceSummary) -> ExposedSplit | None:
+    """Where the exposed transfer of a streamed backend's trace falls (None without
+    streamed programs in it). A lane's exposed intervals meet its device's gaps (on
+    CPU, every lane meets the one CPU timeline)."""
+    if not any(p.kind != "other" for spans in summary.programs.values() for p in spans):
+        return None
+    gaps = {timeline: program_gaps(spans, summary.start_s)
+            for timeline, spans in summary.programs.items()}
+    step = between = idle = idle_between = 0.0
+    for timeline, timeline_gaps in gaps.items():
+        idle += sum(e - s for s, e, _, inner in timeline_gaps if inner)
+        idle_between += sum(e - s for s, e, label, _ in timeline_gaps
+                            if label == BETWEEN_LAYERS)
+    for lane, exposed in summary.exposed.items():
+        timeline_gaps = gaps.get(lane if summary.device_lanes else CPU_TIMELINE, [])
+        step += overlap(exposed, [(s, e) for s, e, label, _ in timeline_gaps
+                                  if label == STEP_START])
+        between += overlap(exposed, [(s, e) for s, e, label, _ in timeline_gaps
+                                     if label == BETWEEN_LAYERS])
+    return ExposedSplit(step_start_s=step, between_layers_s=between,
+                        other_s=summary.exposed_s - step - between, idle_s=idle,
+                        idle_between_layers_s=idle_between)
 
 
 def find_trace_file(log_dir: str) -> str:
@@ -401,6 +585,7 @@ def mfu_devices(num_devices: int) -> int:
 def backend_devices(name: str, cfg: ModelConfig, devices: int) -> int:
     """Devices a backend runs on: 1 for the single-device ones; tp shards attention by
     head, so it gets the largest count dividing both head counts."""
+    name = base_backend(name)
     if name in SINGLE_DEVICE:
         return 1
     if name == "tp":
@@ -411,15 +596,20 @@ def backend_devices(name: str, cfg: ModelConfig, devices: int) -> int:
 
 def backend_options(name: str, args, dtype: str) -> dict[str, Any]:
     options: dict[str, Any] = {"dtype": dtype}
-    if name in ("offload", "hybrid"):
-        options["window"] = max(args.window, 2) if name == "hybrid" else args.window
+    base = base_backend(name)
+    if base in STREAMED:
+        options["window"] = max(args.window, 2) if base == "hybrid" else args.window
+        if name != base:
+            options["sync_lag"] = 0
+        elif args.sync_lag is not None:
+            options["sync_lag"] = args.sync_lag
     return options
 
 
 def build_backend(name: str, cfg: ModelConfig, params, devices: int, options: Mapping):
     """The backend, or (None, reason) when it cannot be built here."""
     try:
-        return make_backend(name, cfg, params, devices=devices, **options), None
+        return make_backend(base_backend(name), cfg, params, devices=devices, **options), None
     except (ImportError, AttributeError) as exc:
         return None, f"not importable ({type(exc).__name__}: {exc})"
     except (BackendError, ValueError) as exc:
@@ -461,17 +651,19 @@ def traced_pass(backend, hosts: Sequence[HostBatch], log_dir: str, sync: bool = 
     return wall, summarize_trace(load_trace(find_trace_file(log_dir)))
 
 
-def expected_saving(name: str, cfg: ModelConfig, devices: int, window: int) -> float:
+def expected_saving(name: str, cfg: ModelConfig, devices: int, window: int,
+                    sync_lag: int = 0) -> float:
     """The expert-memory saving per device DESIGN.md's table implies (from first
     principles, not from the backend's own report)."""
     L, E, G = cfg.num_layers, cfg.num_experts, devices
     padded = -(-E // G) * G
-    if name == "offload":
+    name = base_backend(name)
+    if name == "offload":             # W layers, whatever the lag
         return L / min(window, L)
     if name == "async_ep":            # 1/G of every layer + layer 0 whole + two gathered
         return L * E / (L * padded / G + 3 * E)
-    if name == "hybrid":              # W shard-layers + two gathered layers
-        return L * E / (min(window, L) * padded / G + 2 * E)
+    if name == "hybrid":              # W shard-layers + two gathered + one per lagged layer
+        return L * E / (min(window, L) * padded / G + (2 + sync_lag) * E)
     if name == "sync_ep":
         return E / (padded / G)
     if name == "tp":
@@ -518,6 +710,8 @@ class Result:
     batch_over_theta: float
     live_window_bytes: int | None
     synced_steps: bool
+    split: ExposedSplit | None = None     # streamed backends: where exposed transfer falls
+    sync_lag: int | None = None
 
 
 def measure_backend(name: str, backend, hosts: Sequence[HostBatch], ctx: Mapping[str, Any]
@@ -542,15 +736,18 @@ def measure_backend(name: str, backend, hosts: Sequence[HostBatch], ctx: Mapping
     devices = len(backend.devices)
     peak = ctx["peak_tflops"] * 1e12 * mfu_devices(devices)
     temp, temp_source = peak_temp_bytes(backend, hosts[0])
+    lag = getattr(backend, "sync_lag", None)
     return Result(
         name=name, devices=devices, wall_s=wall, tokens_per_s=ctx["tokens"] / wall,
         mfu=ctx["flops"] / (wall * peak), traced_wall_s=traced_wall, trace=summary,
         exposed_fraction=summary.exposed_s / (traced_wall * devices),
         memory=backend.memory_report().as_dict(),
-        expected_saving=expected_saving(name, cfg, devices, getattr(backend, "window", 0)),
+        expected_saving=expected_saving(name, cfg, devices, getattr(backend, "window", 0),
+                                        lag or 0),
         peak_temp=temp, peak_temp_source=temp_source, theta=calibration.theta,
         theta_source=calibration.source, t_x=calibration.t_x, channel=calibration.channel,
-        batch_over_theta=batch_over_theta, live_window_bytes=live, synced_steps=sync)
+        batch_over_theta=batch_over_theta, live_window_bytes=live, synced_steps=sync,
+        split=split_exposed(summary) if base_backend(name) in STREAMED else None, sync_lag=lag)
 
 
 def live_window(backend, hosts: Sequence[HostBatch], sync: bool) -> int | None:
@@ -589,7 +786,7 @@ def _fmt(value, spec: str, none: str = "-") -> str:
 
 
 def print_table(results: Mapping[str, Result], rel: Mapping[str, Mapping]) -> None:
-    header = (f"{'backend':<9}{'dev':>4}{'wall s':>9}{'tok/s':>10}{'tok/s/dev':>10}"
+    header = (f"{'backend':<16}{'dev':>4}{'wall s':>9}{'tok/s':>10}{'tok/s/dev':>10}"
               f"{'×resid':>8}{'×best_bl':>9}{'MFU %':>7}{'exp.xfer %':>11}{'expert MiB/dev':>15}"
               f"{'saving ×':>9}{'expect ×':>9}{'temp MiB':>9}{'Θ FLOPs':>10}")
     print(header)
@@ -597,7 +794,7 @@ def print_table(results: Mapping[str, Result], rel: Mapping[str, Mapping]) -> No
     for name, r in results.items():
         mib = r.memory["expert_weight_bytes"] / 2 ** 20
         temp = None if r.peak_temp is None else r.peak_temp / 2 ** 20
-        print(f"{name:<9}{r.devices:>4}{r.wall_s:>9.3f}{r.tokens_per_s:>10.0f}"
+        print(f"{name:<16}{r.devices:>4}{r.wall_s:>9.3f}{r.tokens_per_s:>10.0f}"
               f"{r.tokens_per_s / r.devices:>10.0f}{_fmt(rel[name]['over_resident'], '.2f'):>8}"
               f"{_fmt(rel[name]['over_best_baseline'], '.2f'):>9}{100 * r.mfu:>7.2f}"
               f"{100 * r.exposed_fraction:>11.1f}{mib:>15.2f}"
@@ -615,7 +812,7 @@ def print_memory(results: Mapping[str, Result]) -> None:
         live = "" if r.live_window_bytes is None else f", live peak={r.live_window_bytes}"
         match = "matches" if math.isclose(m["expert_saving"], r.expected_saving, rel_tol=1e-6) \
             else "DIFFERS from"
-        print(f"  {name:<9} dense={m['dense_weight_bytes']} experts={m['expert_weight_bytes']} "
+        print(f"  {name:<16} dense={m['dense_weight_bytes']} experts={m['expert_weight_bytes']} "
               f"(all layers {m['expert_bytes_all_layers']}, host {m['host_weight_bytes']}"
               f"{'; ' + detail if detail else ''}{live}); saving {m['expert_saving']:.2f}× "
               f"{match} the expected {r.expected_saving:.2f}×; peak temp "
@@ -627,13 +824,62 @@ def print_trace_details(results: Mapping[str, Result]) -> None:
           "runtime threads on CPU):")
     for name, r in results.items():
         t = r.trace
-        print(f"  {name:<9} wall {r.traced_wall_s:.3f} s, {t.lanes} lanes, compute "
+        print(f"  {name:<16} wall {r.traced_wall_s:.3f} s, {t.lanes} lanes, compute "
               f"{t.compute_s:.3f} s, transfer {t.transfer_s:.3f} s, exposed {t.exposed_s:.3f} s "
               f"({100 * r.exposed_fraction:.1f}% of wall × {r.devices} device(s))")
         transfers = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in t.top("transfer", 8))
         computes = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in t.top("compute", 4))
         print(f"      transfer events: {transfers or 'none'}")
         print(f"      top compute events: {computes or 'none'}")
+
+
+def _pct(seconds: float, r: Result) -> str:
+    return f"{100 * seconds / (r.traced_wall_s * r.devices):.1f}%"
+
+
+def print_exposed_split(results: Mapping[str, Result]) -> None:
+    streamed = [name for name in results if base_backend(name) in STREAMED]
+    missing = [name for name in streamed if results[name].split is None]
+    if missing:
+        print(f"\nno streamed program executions found in the trace of {', '.join(missing)} "
+              f"(looked for an \"XLA Modules\" line per device, or ops with hlo_module and "
+              f"run_id args): exposed transfer not split")
+    rows = {name: results[name] for name in streamed if results[name].split is not None}
+    if not rows:
+        return
+    print("\nwhere the streamed backends' exposed transfer falls (% of traced wall × devices): "
+          "step start = before a step's first layer program (from the previous step's last "
+          "program: the embedding and hybrid's first gather are there); between layers = "
+          "the device waiting between two layer programs of a step; other = the rest (e.g. "
+          "inside a program). idle = no program running, between programs:")
+    for name, r in rows.items():
+        sp = r.split
+        print(f"  {name:<16} sync_lag {r.sync_lag}: exposed {_pct(r.trace.exposed_s, r)} = "
+              f"step start {_pct(sp.step_start_s, r)} + between layers "
+              f"{_pct(sp.between_layers_s, r)} + other {_pct(sp.other_s, r)}; device idle "
+              f"{_pct(sp.idle_s, r)} (between layers {_pct(sp.idle_between_layers_s, r)})")
+
+
+def lag_ratios(results: Mapping[str, Result]) -> dict[str, float]:
+    """tokens/s of each streamed backend run lagged over the same run waiting (both in
+    this run: ``--backends offload,offload_waiting``)."""
+    return {f"{b}_lagged_over_waiting": results[b].tokens_per_s / results[b + WAITING].tokens_per_s
+            for b in STREAMED if b in results and b + WAITING in results}
+
+
+LAG_CPU_NOTE = ("note (CPU): the lagged/waiting ratio is not the GPU figure: CPU copies run "
+                "on the Python thread and the programs share the same cores, so there is no "
+                "copy engine for the lag to keep busy beside compute. Measure it on a GPU.")
+
+
+def print_lag_ratios(results: Mapping[str, Result]) -> None:
+    for key, ratio in lag_ratios(results).items():
+        base = key[:-len("_lagged_over_waiting")]
+        print(f"\n{base}: sync_lag {results[base].sync_lag} over sync_lag 0 "
+              f"({base}{WAITING}): {ratio:.3f}× tokens/s (measured one after the other, "
+              f"same workload)")
+        if jax.default_backend() == "cpu":
+            print(LAG_CPU_NOTE)
 
 
 def json_figures(results: Mapping[str, Result], rel: Mapping, ctx: Mapping, skipped: Mapping
@@ -661,7 +907,22 @@ def json_figures(results: Mapping[str, Result], rel: Mapping, ctx: Mapping, skip
             else None,
             f"{name}_devices": r.devices,
             f"{name}_wall_s": r.wall_s})
+        if r.split is not None:
+            out.update(split_figures(name, r.split, r.traced_wall_s * r.devices, r.sync_lag))
+    out.update(lag_ratios(results))
     return out
+
+
+def split_figures(name: str, split: ExposedSplit, wall_devices_s: float, sync_lag: int | None
+                  ) -> dict[str, Any]:
+    """A streamed backend's exposed-transfer split as fractions of traced wall × devices
+    (``wall_devices_s``), the denominator of ``B_exposed_transfer_fraction``."""
+    return {f"{name}_sync_lag": sync_lag,
+            f"{name}_exposed_first_layer_fraction": split.step_start_s / wall_devices_s,
+            f"{name}_exposed_between_layers_fraction": split.between_layers_s / wall_devices_s,
+            f"{name}_exposed_other_fraction": split.other_s / wall_devices_s,
+            f"{name}_device_idle_fraction": split.idle_s / wall_devices_s,
+            f"{name}_idle_between_layers_fraction": split.idle_between_layers_s / wall_devices_s}
 
 
 CPU_NOTE = ("note (CPU): the trace shows the mechanics only. CPU collectives are synchronous "
@@ -682,6 +943,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, help="G for the multi-device backends "
                         "(default: every device)")
     parser.add_argument("--window", type=int, default=2, help="offload/hybrid window (layers)")
+    parser.add_argument("--sync-lag", type=int, help="offload/hybrid: layer programs "
+                        "dispatched ahead of the one the host waits for (default: the "
+                        "backend's, 1). Add e.g. offload_waiting to --backends for the same "
+                        "backend with sync_lag 0, side by side")
     parser.add_argument("--layers", type=int, help="decoder layers (GPU default 8)")
     parser.add_argument("--block", type=int, help="attention block = longest sequence "
                         "(power of two; default 512 GPU, 128 CPU, 32 quick)")
@@ -702,9 +967,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "temporary directory, removed at the end)")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
-    unknown = [b for b in args.backends.split(",") if b not in BACKENDS]
+    unknown = [b for b in args.backends.split(",") if base_backend(b) not in BACKENDS]
     if unknown:
-        parser.error(f"unknown backend(s) {unknown}; choose from {sorted(BACKENDS)}")
+        parser.error(f"unknown backend(s) {unknown}; choose from {sorted(BACKENDS)} "
+                     f"(or {', '.join(b + WAITING for b in STREAMED)})")
     return args
 
 
@@ -761,6 +1027,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(results, rel)
     print_memory(results)
     print_trace_details(results)
+    print_exposed_split(results)
+    print_lag_ratios(results)
     if jax.default_backend() == "cpu":
         print("\n" + CPU_NOTE)
         print("MFU on CPU: peak = measured matmul of the whole machine; device factor 1 "

@@ -95,11 +95,21 @@ def test_interval_helpers():
 
 def test_quick_run_writes_the_json_keys(tmp_path):
     out = tmp_path / "backends.json"
-    bench.main(["--quick", "--backends", "resident,offload", "--json", str(out)])
+    bench.main(["--quick", "--backends", "resident,offload,offload_waiting", "--json", str(out)])
     figures = json.loads(out.read_text())
-    for name in ("resident", "offload"):
+    for name in ("resident", "offload", "offload_waiting"):
         for key in ("tokens_per_s", "mfu", "exposed_transfer_fraction", "over_resident",
                     "expert_bytes_per_device", "expert_saving", "theta_flops"):
             assert f"{name}_{key}" in figures
     assert figures["offload_expert_saving"] == pytest.approx(1.5)   # 3 layers, window 2
+    # The streamed backends' split of exposed transfer adds up to the whole.
+    assert (figures["offload_sync_lag"], figures["offload_waiting_sync_lag"]) == (1, 0)
+    for name in ("offload", "offload_waiting"):
+        parts = [figures[f"{name}_exposed_{part}_fraction"]
+                 for part in ("first_layer", "between_layers", "other")]
+        assert sum(parts) == pytest.approx(figures[f"{name}_exposed_transfer_fraction"])
+        assert 0 < figures[f"{name}_device_idle_fraction"] < 1
+    assert "resident_exposed_first_layer_fraction" not in figures
+    assert figures["offload_lagged_over_waiting"] == pytest.approx(
+        figures["offload_tokens_per_s"] / figures["offload_waiting_tokens_per_s"])
     assert {"platform", "peak_tflops", "devices", "tokens"} <= set(figures)

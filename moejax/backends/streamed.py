@@ -24,10 +24,30 @@ differs from the fused forward:
   experts (gathered by the program before it) and layer l+1's shards, whose
   all-gather it issues when it fetches layer l's experts (``GatheredAhead`` over the
   one layer the window hands in), so a device holds W shard-layers plus two
-  gathered layers.
+  gathered layers (one more per lagged layer, below).
+
+Synchronization (``sync_lag``, default :data:`DEFAULT_SYNC_LAG` = 1). The host must see
+a layer finish before it frees that layer's experts and issues the next copy. Waiting
+for layer l before dispatching layer l+1 (``sync_lag=0``) leaves the device idle while
+the host notices, frees, issues the copy and dispatches the next program. With
+``sync_lag=k`` the host dispatches layer l+k first and only then waits for layer l, so
+the device always has a program queued. A copy is still issued when the layer W
+before it has finished, so it has the same W-1 layers of compute to hide under; the
+host waits for the last program of a step before it returns (a step leaves nothing
+running but the window's copies). The lag is at most W-1 (the window must already
+hold the experts of the layers dispatched ahead), and 0 where several CPU devices
+run collectives (``serialize_steps``: two collective programs in flight can deadlock
+XLA:CPU's rendezvous).
 
 The device-resident expert bytes are bounded by the window, and measured from the
-live arrays when ``track_memory=True`` (``peak_window_bytes``).
+live arrays when ``track_memory=True`` (``peak_window_bytes``):
+
+* ``offload``: W layers, whatever the lag (the layers the host has not yet seen
+  finish are counted in the window: a copy is issued only after one is freed).
+* ``hybrid``: W shard-layers plus 2 + k gathered layers (k = the lag): the layer a
+  program runs, the layer it gathers, and the k layers of the programs the host has
+  not yet seen finish. (A layer's shards are freed once the program that gathered
+  them has finished.)
 
 A step that raises (a copy, a program, anything in between) leaves the window out of
 step with the layers; the backend then waits out what the step left running, frees
@@ -39,7 +59,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+import itertools
+from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +83,8 @@ from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
 DEFAULT_WINDOW = 2
+# Layer programs the host dispatches ahead of the one it waits for (see the docstring).
+DEFAULT_SYNC_LAG = 1
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 LayerArrays = dict[str, jax.Array]
@@ -80,16 +103,26 @@ def free(arrays: LayerArrays) -> None:
             array.delete()
 
 
-def wait_quietly(arrays: Sequence[LayerArrays]) -> None:
+def wait_quietly(arrays: Iterable[jax.Array]) -> None:
     """Wait until nothing is computing into ``arrays`` (their own errors are the failed
     step's, already raised)."""
-    for layer in arrays:
-        for array in layer.values():
-            try:
-                if not array.is_deleted():
-                    array.block_until_ready()
-            except Exception:    # noqa: BLE001  (a failed producer: nothing left running)
-                pass
+    for array in arrays:
+        try:
+            if not array.is_deleted():
+                array.block_until_ready()
+        except Exception:    # noqa: BLE001  (a failed producer: nothing left running)
+            pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """A program the host has dispatched and not yet seen finish: ``done`` (one of its
+    outputs) is ready when it has, and it is the last reader of ``release`` (window
+    arrays) and ``drop`` (gathered layers), freed then."""
+
+    done: jax.Array
+    release: tuple[LayerArrays, ...] = ()
+    drop: tuple[LayerArrays, ...] = ()
 
 
 # ------------------------------------------------------------ the window
@@ -99,7 +132,8 @@ class ExpertWindow:
     Copies are issued in layer order (0, 1, …, L-1, 0, …) and taken in that order;
     releasing a taken layer frees it and issues the next copy. The window also keeps
     track of the arrays a step holds (taken layers, and the layers gathered from
-    them, ``adopt``) so that :meth:`reset` can free them after a failed step."""
+    them, ``adopt``) and of the programs reading them (:meth:`dispatched`, freed by
+    :meth:`settle`), so that :meth:`reset` can free them after a failed step."""
 
     def __init__(self, host_layers: Sequence[Any], sharding: NamedSharding, size: int):
         self._host_layers = host_layers
@@ -108,6 +142,7 @@ class ExpertWindow:
         self._incoming: collections.deque[tuple[int, LayerArrays]] = collections.deque()
         self._taken: list[LayerArrays] = []
         self._adopted: list[LayerArrays] = []
+        self._dispatched: collections.deque[Dispatched] = collections.deque()
         self._next_layer = 0
         self.fill()
 
@@ -146,15 +181,36 @@ class ExpertWindow:
         self._adopted = [a for a in self._adopted if a is not arrays]
         free(arrays)
 
+    def dispatched(self, done: jax.Array, release: Sequence[LayerArrays] = (),
+                   drop: Sequence[LayerArrays] = ()) -> None:
+        """Note a program just dispatched: once :meth:`settle` has seen ``done`` ready,
+        ``release`` goes back to the window and ``drop`` is freed."""
+        self._dispatched.append(Dispatched(done, tuple(release), tuple(drop)))
+
+    def settle(self, lag: int) -> None:
+        """Wait for the oldest dispatched programs, oldest first, until at most ``lag``
+        are left that the host has not seen finish; free what each read (which issues
+        the next copies). ``lag=0``: wait for all of them."""
+        while len(self._dispatched) > lag:
+            program = self._dispatched[0]
+            jax.block_until_ready(program.done)
+            self._dispatched.popleft()
+            for arrays in program.drop:        # gathered layers first: the freed bytes
+                self.drop(arrays)              # are never beside the next copy's
+            for arrays in program.release:
+                self.release(arrays)
+
     def reset(self) -> None:
-        """Forget a failed step: wait out the copies and programs still writing the
-        window's arrays, free them all, and start again at layer 0 (the copies are
-        issued by the next :meth:`fill`)."""
+        """Forget a failed step: wait out the copies and programs still writing or
+        reading the window's arrays, free them all, and start again at layer 0 (the
+        copies are issued by the next :meth:`fill`)."""
         held = [arrays for _, arrays in self._incoming] + self._taken + self._adopted
-        wait_quietly(held)
+        running = [program.done for program in self._dispatched]
+        wait_quietly(itertools.chain(running, (a for arrays in held for a in arrays.values())))
         for arrays in held:
             free(arrays)
         self._incoming.clear()
+        self._dispatched.clear()
         self._taken, self._adopted = [], []
         self._next_layer = 0
 
@@ -245,7 +301,8 @@ class StreamedBackend(MeshBackend):
     serves_expert_bias = True
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
-                 devices: int = 1, window: int = DEFAULT_WINDOW, track_memory: bool = False):
+                 devices: int = 1, window: int = DEFAULT_WINDOW,
+                 sync_lag: int = DEFAULT_SYNC_LAG, track_memory: bool = False):
         super().__init__(cfg, dtype=dtype)
         self._devices = require_devices(self.name, devices)
         # With several devices a layer's shards and the next layer's are held together.
@@ -254,6 +311,11 @@ class StreamedBackend(MeshBackend):
             raise BackendError(f"backend {self.name!r}: window must be at least {smallest} "
                                f"layer(s) on {len(self._devices)} device(s), got {window!r}")
         self.window = min(window, cfg.num_layers)
+        if isinstance(sync_lag, bool) or not isinstance(sync_lag, int) or sync_lag < 0:
+            raise BackendError(f"backend {self.name!r}: sync_lag must be an integer >= 0, "
+                               f"got {sync_lag!r}")
+        self.requested_sync_lag = sync_lag
+        self.sync_lag = self._usable_lag(sync_lag)
         if len(self._devices) > 1:
             xla_flags.warn_if_overlap_flags_missing(self.name)
         self.mesh = Mesh(np.array(self._devices), (AXIS,))
@@ -281,6 +343,9 @@ class StreamedBackend(MeshBackend):
             for layer in range(cfg.num_layers)]
         self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
         self._programs: dict[Any, Any] = {}
+        # Placed once: an index made per layer would be a host->device copy per layer.
+        self._layer_index = [jax.device_put(np.int32(layer), self._replicated)
+                             for layer in range(cfg.num_layers)]
 
         self._memory = self._memory_report(host, experts)
         self._expert_shapes = {tuple(v.shape[1:]) for v in experts.values()} | {
@@ -288,19 +353,27 @@ class StreamedBackend(MeshBackend):
         self._foreign = {id(a) for a in self._live_expert_arrays()}  # not ours: never counted
         self._window = ExpertWindow(self.host_experts, self._device_layer, self.window)
 
+    def _usable_lag(self, requested: int) -> int:
+        """The lag the layer loop runs with: at most W-1 (the layers dispatched ahead
+        must already be in the window), 0 where steps are serialized (CPU collectives)."""
+        if self.serialize_steps:
+            return 0
+        return min(requested, self.window - 1)
+
     def _memory_report(self, host: Params, experts: dict[str, np.ndarray]) -> MemoryReport:
         cfg, window = self.cfg, self.window
         per_layer = expert_bytes_per_layer(host)
         padded_layer = per_layer * experts["w_gate"].shape[1] // cfg.num_experts
         window_layer = padded_layer // len(self._devices)
-        gathered = 2 * per_layer if self.gather else 0
+        # hybrid: the layer a program runs, the one it gathers, and one per lagged program.
+        gathered = (2 + self.sync_lag) * per_layer if self.gather else 0
         return MemoryReport(
             dense_weight_bytes=dense_bytes(host),
             expert_weight_bytes=window * window_layer + gathered,
             expert_bytes_all_layers=per_layer * cfg.num_layers,
             host_weight_bytes=per_layer * cfg.num_layers,
             detail={"window": window * window_layer, "window_layers": window,
-                    "gathered": gathered})
+                    "gathered": gathered, "sync_lag": self.sync_lag})
 
     # ------------------------------------------------------------------ memory
     def _live_expert_arrays(self) -> list[jax.Array]:
@@ -332,21 +405,33 @@ class StreamedBackend(MeshBackend):
         return self._programs[key]
 
     def _build(self, kind: str, opts: ForwardOptions):
+        # The functions are named so that a profiler trace tells the programs apart
+        # (jit_streamed_embed, jit_streamed_layer, jit_streamed_last, jit_streamed_gather):
+        # benchmarks/backends.py reads the gaps between layers from them.
         cfg = self.cfg
         if kind == "embed":
-            return jax.jit(lambda params, tokens: embed_program(params, tokens, cfg=cfg),
-                           out_shardings=self._batch_sharding)
+            def streamed_embed(params, tokens):
+                return embed_program(params, tokens, cfg=cfg)
+
+            return jax.jit(streamed_embed, out_shardings=self._batch_sharding)
         # Arguments: params, (layer), experts, (next shards), x, batch, context, pool. The
         # pool is donated: each layer writes its slots in place.
         if kind == "layer":
+            def streamed_layer(*args):
+                return layer_program(*args, cfg=cfg, opts=opts)
+
             shards = P(AXIS) if self.gather else P()
             body = jax.shard_map(
-                lambda *args: layer_program(*args, cfg=cfg, opts=opts), mesh=self.mesh,
+                streamed_layer, mesh=self.mesh,
                 in_specs=(P(), P(), P(), shards, P(AXIS), P(AXIS), P(), P()),
                 out_specs=(P(AXIS), P(), P()), check_vma=False)
             return jax.jit(body, donate_argnums=(7,))
+
+        def streamed_last(*args):
+            return last_layer_program(*args, cfg=cfg, opts=opts)
+
         body = jax.shard_map(
-            lambda *args: last_layer_program(*args, cfg=cfg, opts=opts), mesh=self.mesh,
+            streamed_last, mesh=self.mesh,
             in_specs=(P(), P(), P(AXIS), P(AXIS), P(), P()),
             out_specs=(P(AXIS), P(AXIS) if opts.full_vocab else None, P()), check_vma=False)
         return jax.jit(body, donate_argnums=(5,))
@@ -356,9 +441,13 @@ class StreamedBackend(MeshBackend):
         key = ("gather", None)
         if key not in self._programs:
             num_experts = self.cfg.num_experts
+
+            def streamed_gather(s):
+                return gather_layer({k: v[None] for k, v in s.items()}, 0, AXIS, num_experts)
+
             self._programs[key] = jax.jit(jax.shard_map(
-                lambda s: gather_layer({k: v[None] for k, v in s.items()}, 0, AXIS, num_experts),
-                mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(), check_vma=False))
+                streamed_gather, mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(),
+                check_vma=False))
         return self._programs[key](shards)
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
@@ -393,47 +482,55 @@ class StreamedBackend(MeshBackend):
             self._window.reset()
             raise
 
-    def _first_experts(self, held: LayerArrays) -> LayerArrays:
-        """Layer 0's experts as its program takes them (hybrid: gathered from the shards)."""
+    def _first_experts(self) -> LayerArrays:
+        """Layer 0's experts as its program takes them (hybrid: gathered from the shards
+        by a program of their own, which is their last reader)."""
+        held = self._window.take(0)
         if not self.gather:
             return held
         current = self._window.adopt(self._gather_first(held))
+        self._window.dispatched(next(iter(current.values())), release=[held])
         if self.serialize_steps:    # one collective program in flight at a time on CPU
             jax.block_until_ready(current)
         return current
 
+    def _dispatched_layer(self, done: jax.Array, current: LayerArrays,
+                          incoming: LayerArrays | None) -> None:
+        """Note a layer program just dispatched with what it reads last: offload's layer
+        (back to the window), or hybrid's gathered layer (dropped) and the next layer's
+        shards, which it gathered (back to the window)."""
+        if self.gather:        # (the last layer's program gathers nothing)
+            shards = [] if incoming is None else [incoming]
+            self._window.dispatched(done, release=shards, drop=[current])
+        else:
+            self._window.dispatched(done, release=[current])
+
     def _forward(self, batch: PackedBatch, opts: ForwardOptions,
                  context: PrefixContext | None = None, pool: PrefixPool | None = None):
         """Every layer of one step, each with its experts from the window -> (logits,
-        lse, pool)."""
+        lse, pool). After dispatching a layer the host waits for the one ``sync_lag``
+        layers back, frees its experts and issues the next copy."""
         window = self._window
         window.fill()                          # refills from layer 0 after a failed step
         x = self._program("embed", opts)(self.params, batch.tokens)
         layer_fn = self._program("layer", opts)
-        held = window.take(0)                  # what the window gave for the current layer
-        current = self._first_experts(held)
+        current = self._first_experts()
         for layer in range(self.cfg.num_layers - 1):
-            self._measure()
             # hybrid: the next layer's shards are gathered inside this layer's program
             incoming = window.take(layer + 1) if self.gather else None
-            x, gathered, pool = layer_fn(self.params, jnp.int32(layer), current, incoming, x,
-                                         batch, context, pool)
+            x, gathered, pool = layer_fn(self.params, self._layer_index[layer], current,
+                                         incoming, x, batch, context, pool)
             if self.gather:
                 window.adopt(gathered)           # (freed by a reset from here on)
-            jax.block_until_ready(x)         # layer done: free its experts, start the next copy
-            window.release(held)
-            if self.gather:
-                window.drop(current)
-                held, current = incoming, gathered
-            else:
-                held = current = window.take(layer + 1)
-        self._measure()
+            self._measure()                      # (the peak: the new program's outputs are in)
+            self._dispatched_layer(x, current, incoming)
+            window.settle(self.sync_lag)
+            current = gathered if self.gather else window.take(layer + 1)
         logits, lse, pool = self._program("last", opts)(self.params, current, x, batch, context,
                                                         pool)
-        jax.block_until_ready(logits)
-        window.release(held)
-        if self.gather:
-            window.drop(current)
+        self._measure()
+        self._dispatched_layer(logits, current, None)
+        window.settle(0)                 # the step leaves no program of its own running
         return logits, lse, pool
 
     def memory_report(self) -> MemoryReport:
@@ -459,7 +556,7 @@ class StreamedBackend(MeshBackend):
         return channel, timings[channel]
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "window": self.window,
+        return {**super().describe(), "window": self.window, "sync_lag": self.sync_lag,
                 "host_memory": self.host_kind or "numpy"}
 
 
