@@ -4,20 +4,21 @@
 #
 #     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped GEMM (Triton, Mosaic)
 #     bash benchmarks/gpu_suite.sh OUT_DIR sweep     # tile sweeps of both grouped-GEMM kernels
-#     bash benchmarks/gpu_suite.sh OUT_DIR serving   # METRO kernel, resident vs offload
+#     bash benchmarks/gpu_suite.sh OUT_DIR serving   # resident vs offload at 1.86 Θ (lagged, waiting)
+#     bash benchmarks/gpu_suite.sh OUT_DIR metro     # METRO quality and device time
 #     bash benchmarks/gpu_suite.sh OUT_DIR eldr      # ELDR decode-layer cost model (Qwen3 shape)
 #     bash benchmarks/gpu_suite.sh OUT_DIR mfu       # stage time breakdown (32K tokens), the
 #                                                    # 131K-token resident MFU, the 48-layer model
 #     bash benchmarks/gpu_suite.sh OUT_DIR summary   # summary.json of the figures
 #
 # Time limits per part (each under one 10-minute device call): kernels 8.2 min, sweep 7 min,
-# serving 7.5 min, eldr 7.5 min, mfu 9.5 min (breakdown <2, 131K resident <3.2, full model
+# serving 9 min, metro 2.5 min, eldr 7.5 min, mfu 9.5 min (breakdown <2, 131K resident <3.2, full model
 # <4.5), summary 1 min.
 # Writes OUT_DIR/suite.log (every step's output) and one JSON per benchmark; prints each
 # step's exit status and the end of its output. Uses the machine's own JAX (no install).
 set -u
-out=${1:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|eldr|mfu|summary}
-part=${2:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|eldr|mfu|summary}
+out=${1:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|metro|eldr|mfu|summary}
+part=${2:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|metro|eldr|mfu|summary}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 log=$out/suite.log
@@ -54,8 +55,14 @@ sweep)
         --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
     ;;
 serving)
-    step backends 300 python3 benchmarks/backends.py --backends resident,offload \
-        --json "$out/backends.json"
+    # Resident against offload at 131K tokens (~1.86 Θ on an H100), offload with the lagged
+    # layer loop (default) and with a wait after every layer (offload_waiting), side by side:
+    # offload_over_resident, offload_exposed_transfer_fraction and where the exposed copy
+    # falls (step start / between layers), offload_lagged_over_waiting.
+    step backends 540 python3 benchmarks/backends.py --backends resident,offload,offload_waiting \
+        --batch-tokens 131072 --block 1024 --json "$out/backends.json"
+    ;;
+metro)
     # Quality of the greedy and the vectorized rounds, and each one's device time from a
     # profiler trace apart from host wall (metro_kernel_device_us).
     step metro 150 python3 benchmarks/metro_quality.py --timing --json "$out/metro.json"
@@ -86,7 +93,7 @@ summary)
     step summary 60 python3 benchmarks/gpu_summary.py "$out"
     ;;
 *)
-    echo "unknown part $part (kernels, sweep, serving, eldr, mfu or summary)" >&2
+    echo "unknown part $part (kernels, sweep, serving, metro, eldr, mfu or summary)" >&2
     exit 2
     ;;
 esac

@@ -91,6 +91,7 @@ def test_summary_of_a_complete_suite_run(tmp_path):
                                             "offload_over_resident": 0.93,
                                             "offload_batch_over_theta": 2.5})
     _write(tmp_path, "backends_theta.json", {"offload_over_resident": 0.9,
+                                             "offload_exposed_transfer_fraction": 0.04,
                                              "offload_batch_over_theta": 1.6})
     _write(tmp_path, "gmm.json", {"qwen3_16384_pallas_fraction_of_matmul": 0.4,
                                   "qwen3_16384_best_fraction_of_matmul": 0.55,
@@ -101,7 +102,8 @@ def test_summary_of_a_complete_suite_run(tmp_path):
     summary = gs.main([str(tmp_path)])
     assert summary == {"resident_mfu_qwen3_30b": 0.236, "gmm_qwen3_fraction_of_matmul": 0.55,
                        "gmm_mixtral_fraction_of_matmul": 0.6,
-                       "offload_exposed_transfer_fraction": 0.12,
+                       # both offload figures from the run at the smallest batch >= 1.5 Θ
+                       "offload_exposed_transfer_fraction": 0.04,
                        "offload_over_resident_at_1p5_theta": 0.9,
                        "metro_kernel_device_us": 41.5, "full_model_tokens_per_s": 12345.0,
                        "missing": {}}
@@ -120,12 +122,23 @@ def test_summary_names_what_is_missing_and_why(tmp_path):
     assert set(missing) == set(gs.KEYS) - {"gmm_qwen3_fraction_of_matmul"}
     assert "32768 padded tokens" in missing["resident_mfu_qwen3_30b"]
     assert "mixtral_16384_best_fraction_of_matmul" in missing["gmm_mixtral_fraction_of_matmul"]
-    assert "no number under offload_exposed_transfer_fraction" in \
-        missing["offload_exposed_transfer_fraction"]
+    assert "1.2" in missing["offload_exposed_transfer_fraction"]
     assert "1.2" in missing["offload_over_resident_at_1p5_theta"]
     assert "unreadable" in missing["metro_kernel_device_us"]
     assert missing["full_model_tokens_per_s"] == "full_model.json not found"
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_summary_takes_the_exposed_transfer_of_the_qualifying_run_only(tmp_path):
+    _write(tmp_path, "backends.json", {"offload_over_resident": 0.5,
+                                       "offload_exposed_transfer_fraction": 0.6,
+                                       "offload_batch_over_theta": 0.2})
+    _write(tmp_path, "backends_131k.json", {"offload_over_resident": 0.96,
+                                            "offload_batch_over_theta": 1.9})
+    summary = gs.main([str(tmp_path)])
+    assert summary["offload_over_resident_at_1p5_theta"] == 0.96
+    assert "backends_131k.json has no number under offload_exposed_transfer_fraction" in \
+        summary["missing"]["offload_exposed_transfer_fraction"]
 
 
 def test_summary_rejects_non_numbers():
