@@ -47,10 +47,8 @@ import dataclasses
 import os
 import re
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -345,13 +343,9 @@ def timed_runs(compiled: Any, params: Any, batch: Any, repeats: int) -> float:
     """Median wall seconds of ``repeats`` synchronized runs (after one warm-up)."""
     import jax
 
-    jax.block_until_ready(compiled(params, batch))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(params, batch))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    from moejax.calibrate import median_seconds
+
+    return median_seconds(lambda: jax.block_until_ready(compiled(params, batch)), repeats)
 
 
 def traced_run(compiled: Any, params: Any, batch: Any, log_dir: str) -> dict:

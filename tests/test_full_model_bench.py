@@ -9,7 +9,6 @@ import math
 
 import jax
 import numpy as np
-import pytest
 
 from benchmarks import backends as bk
 from benchmarks import full_model as fm
