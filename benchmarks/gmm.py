@@ -97,10 +97,10 @@ TILE_CANDIDATES = ((64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 32, 128, 4, 4),
                    (128, 64, 256, 8, 4), (128, 32, 256, 8, 4), (256, 64, 256, 8, 3))
 
 # Mosaic GPU tiles tried by --sweep-tiles: (block_m, block_n, stages, grid_block_n); those
-# over an H100 block's shared memory for the kernel at hand are left out.
+# over an H100 block's shared memory or the accumulator register budget are left out.
 MOSAIC_TILE_CANDIDATES = ((128, 128, 4, 1), (128, 128, 4, 4), (128, 128, 3, 8),
-                          (128, 256, 3, 1), (128, 256, 3, 4), (64, 256, 4, 4),
-                          (128, 192, 3, 4), (256, 128, 3, 4), (128, 64, 6, 8))
+                          (128, 128, 6, 4), (64, 256, 4, 4), (64, 256, 3, 1),
+                          (64, 128, 6, 4), (128, 64, 6, 8), (64, 192, 4, 4))
 
 
 def is_gpu() -> bool:
@@ -319,8 +319,8 @@ def mosaic_figures(prefix: str, figures: dict, seconds: dict, matmul_rate: float
                    swiglu_sets, fused_triton: float, repeats: int, shape: ExpertShape,
                    dtype) -> dict:
     """The Mosaic kernels against the Triton ones (the measured rule's inputs)."""
-    tiles = gmm_select.mosaic_tiles_for(dtype, shape=(shape.hidden, shape.intermediate,
-                                                      shape.experts))
+    tiles = gmm_select.mosaic_tiles_for(dtype, kernel="swiglu",
+                                        shape=(shape.hidden, shape.intermediate, shape.experts))
     fused = median_seconds(jax.jit(lambda *a: gmm_mosaic.gmm_swiglu_mosaic(*a, tiles=tiles)),
                            swiglu_sets, repeats)
     out = {f"{prefix}_mosaic_fraction_of_matmul": figures[f"{prefix}_mosaic_tflops"] / matmul_rate,
@@ -342,6 +342,7 @@ def sweep_mosaic_tiles(prefix: str, sets, flops: float, dtype, repeats: int,
     for m, n, stages, group_n in MOSAIC_TILE_CANDIDATES:
         tiles = gmm_mosaic.MosaicTiles(block_m=m, block_n=n, stages=stages, grid_block_n=group_n)
         if (tiles.smem_bytes(item, 1) <= gmm_mosaic.HOPPER_SMEM_BYTES
+                and tiles.accumulator_registers(1) <= gmm_mosaic.ACCUMULATOR_REGISTERS
                 and shape.intermediate % n == 0):
             candidates.setdefault(mosaic_tiles_name(tiles), tiles)
     seconds = {}

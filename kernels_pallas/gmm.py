@@ -296,7 +296,7 @@ def _launch(kernel, lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
 
 
 def _mosaic_backend(backend: str | None, lhs: jax.Array, out_cols: int, num_groups: int,
-                    tiles: GmmTiles | None, interpret: bool | None):
+                    tiles: GmmTiles | None, interpret: bool | None, kernel: str = "gmm"):
     """The Mosaic GPU tiles when this call runs the Mosaic kernel, else None (Triton).
 
     ``backend=None`` follows :func:`kernels_pallas.gmm_select.choose_backend` (and stays on
@@ -310,7 +310,7 @@ def _mosaic_backend(backend: str | None, lhs: jax.Array, out_cols: int, num_grou
             return None
     elif backend == "triton":
         return None
-    mosaic_tiles = gmm_select.mosaic_tiles_for(lhs.dtype,
+    mosaic_tiles = gmm_select.mosaic_tiles_for(lhs.dtype, kernel=kernel,
                                                shape=(lhs.shape[1], out_cols, num_groups))
     fits = lhs.shape[1] % mosaic_tiles.block_k == 0 and out_cols % mosaic_tiles.block_n == 0
     if not fits and backend is None:
@@ -367,7 +367,8 @@ def gmm_swiglu(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gmm_swiglu: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
     out_cols = w_gate.shape[2]
-    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate.shape[0], tiles, interpret)
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate.shape[0], tiles, interpret,
+                                   kernel="swiglu")
     if mosaic_tiles is not None:
         return gmm_mosaic.gmm_swiglu_mosaic(lhs, w_gate, w_up, group_sizes, tiles=mosaic_tiles,
                                             interpret=_mosaic_interpret(interpret))
@@ -389,7 +390,8 @@ def gmm_swiglu_stacked(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "E d tw
         raise ValueError(f"gmm_swiglu_stacked: w_gate_up's last dim must be 2f, got "
                          f"{w_gate_up.shape[2]}")
     out_cols = w_gate_up.shape[2] // 2
-    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate_up.shape[0], tiles, interpret)
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate_up.shape[0], tiles, interpret,
+                                   kernel="swiglu")
     if mosaic_tiles is not None:
         return gmm_mosaic.gmm_swiglu_stacked_mosaic(lhs, w_gate_up, group_sizes,
                                                     tiles=mosaic_tiles,

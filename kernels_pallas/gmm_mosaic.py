@@ -42,6 +42,12 @@ WGMMA_ROWS = 64
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 # Shared memory of one H100 block, bytes (the largest dynamic allocation allowed).
 HOPPER_SMEM_BYTES = 227 * 1024
+# One warpgroup (128 threads) holds each WGMMA accumulator in registers, f32: a
+# [block_m, block_n] accumulator costs block_m·block_n/128 registers per thread. A thread
+# has 255; half of them for accumulators leaves room for addresses and the epilogue
+# (128×128 for one accumulator, as CUTLASS's Hopper kernels use per warpgroup).
+WARPGROUP_THREADS = 128
+ACCUMULATOR_REGISTERS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +83,10 @@ class MosaicTiles:
         if self.grid_block_n < 1:
             raise ValueError(f"MosaicTiles.grid_block_n must be >= 1, got {self.grid_block_n}")
 
+    def accumulator_registers(self, num_weights: int) -> int:
+        """f32 registers per thread for ``num_weights`` accumulators (one per product)."""
+        return num_weights * self.block_m * self.block_n // WARPGROUP_THREADS
+
     def smem_bytes(self, itemsize: int, num_weights: int) -> int:
         """Shared memory the kernel asks for: ``stages`` copies of the row block and of
         each weight block, plus the output block."""
@@ -94,7 +104,7 @@ class _Shape:
 
 
 def _check(name: str, lhs: jax.Array, group_sizes: jax.Array, tiles: MosaicTiles,
-           out_cols: int, *weights: jax.Array) -> None:
+           out_cols: int, accumulators: int, *weights: jax.Array) -> None:
     if lhs.ndim != 2:
         raise ValueError(f"{name}: lhs must be [T, d], got shape {lhs.shape}")
     if jnp.dtype(lhs.dtype).name not in SUPPORTED_DTYPES:
@@ -112,6 +122,11 @@ def _check(name: str, lhs: jax.Array, group_sizes: jax.Array, tiles: MosaicTiles
                          f"{tiles.block_k}")
     if out_cols % tiles.block_n:
         raise ValueError(f"{name}: f={out_cols} must be a multiple of block_n={tiles.block_n}")
+    if tiles.accumulator_registers(accumulators) > ACCUMULATOR_REGISTERS:
+        raise ValueError(f"{name}: {accumulators} accumulator(s) of [{tiles.block_m}, "
+                         f"{tiles.block_n}] f32 need {tiles.accumulator_registers(accumulators)}"
+                         f" registers per thread, over the {ACCUMULATOR_REGISTERS} budgeted; "
+                         f"use smaller tiles")
 
 
 def _store_rows(acc: jax.Array, out_gmem, first_row, row_lo, rows, col, *, block_m: int,
@@ -233,10 +248,16 @@ def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda")
 
 
-def _defaults(tiles: MosaicTiles | None, num_sms: int | None, interpret):
-    """Tiles (a plain default; the tuned table lives in gmm_select), the persistent
-    grid (one program per SM on a GPU) and the interpret mode (off a GPU: simulate)."""
-    tiles = tiles or MosaicTiles()
+# Plain defaults per kernel (the tuned table lives in gmm_select): the fused gate/up
+# kernel holds two accumulators, so half the rows keep it inside ACCUMULATOR_REGISTERS.
+DEFAULT_TILES = {"gmm": MosaicTiles(block_m=128, block_n=128),
+                 "swiglu": MosaicTiles(block_m=64, block_n=128)}
+
+
+def _defaults(tiles: MosaicTiles | None, num_sms: int | None, interpret, kernel: str):
+    """Tiles, the persistent grid (one program per SM on a GPU) and the interpret mode
+    (off a GPU: simulate)."""
+    tiles = tiles or DEFAULT_TILES[kernel]
     if num_sms is None:
         num_sms = getattr(jax.devices()[0], "core_count", None) if _on_gpu() else 2
     if interpret is None:
@@ -254,8 +275,8 @@ def gmm_mosaic(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"],
     the GPU's SM count); interpret: None = simulate off a GPU, else Pallas's interpret
     argument.
     """
-    tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret)
-    _check("gmm_mosaic", lhs, group_sizes, tiles, rhs.shape[-1], rhs)
+    tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret, "gmm")
+    _check("gmm_mosaic", lhs, group_sizes, tiles, rhs.shape[-1], 1, rhs)
     return _launch(lhs, (rhs,), group_sizes, rhs.shape[2], tiles, "gmm", 0, num_sms,
                    interpret)
 
@@ -266,11 +287,11 @@ def gmm_swiglu_mosaic(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
                       interpret=None) -> Float[Array, "T f"]:
     """silu(lhs · w_gate[g]) * (lhs · w_up[g]) per group in one kernel; as
     :func:`gmm_mosaic` otherwise."""
-    tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret)
+    tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret, "swiglu")
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gmm_swiglu_mosaic: w_gate {w_gate.shape} and w_up {w_up.shape} "
                          f"differ")
-    _check("gmm_swiglu_mosaic", lhs, group_sizes, tiles, w_gate.shape[-1], w_gate, w_up)
+    _check("gmm_swiglu_mosaic", lhs, group_sizes, tiles, w_gate.shape[-1], 2, w_gate, w_up)
     return _launch(lhs, (w_gate, w_up), group_sizes, w_gate.shape[2], tiles, "swiglu", 0,
                    num_sms, interpret)
 
@@ -281,11 +302,11 @@ def gmm_swiglu_stacked_mosaic(lhs: Float[Array, "T d"], w_gate_up: Float[Array, 
                               interpret=None) -> Float[Array, "T f"]:
     """:func:`gmm_swiglu_mosaic` over stacked weights [E, d, 2f] (gate columns, then up),
     read in place: up's column blocks start f / block_n blocks in."""
-    tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret)
+    tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret, "swiglu")
     if w_gate_up.ndim != 3 or w_gate_up.shape[-1] % 2:
         raise ValueError(f"gmm_swiglu_stacked_mosaic: w_gate_up must be [E, d, 2f], got "
                          f"{w_gate_up.shape}")
     out_cols = w_gate_up.shape[2] // 2
-    _check("gmm_swiglu_stacked_mosaic", lhs, group_sizes, tiles, out_cols, w_gate_up)
+    _check("gmm_swiglu_stacked_mosaic", lhs, group_sizes, tiles, out_cols, 2, w_gate_up)
     return _launch(lhs, (w_gate_up, w_gate_up), group_sizes, out_cols, tiles, "swiglu",
                    out_cols // tiles.block_n, num_sms, interpret)

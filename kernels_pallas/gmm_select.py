@@ -19,20 +19,22 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 
 from kernels_pallas import tile_table
-from kernels_pallas.gmm_mosaic import SUPPORTED_DTYPES, MosaicTiles
+from kernels_pallas.gmm_mosaic import DEFAULT_TILES, SUPPORTED_DTYPES, MosaicTiles
 
 BACKENDS = ("triton", "mosaic")
+KERNELS = ("gmm", "swiglu")
 
 # (device kind prefix or platform, dtype) -> backend, from measurements only.
 MEASURED_BACKENDS: dict[tuple, str] = {}
 
-# Mosaic GPU tiles, keyed as in kernels_pallas.tile_table. The platform default is the
-# largest tile whose fused gate/up kernel fits an H100 block (see MosaicTiles.smem_bytes);
-# no sweep has been run on a GPU yet (benchmarks/gmm.py --sweep-tiles times these).
-MOSAIC_TILES: dict[tuple, MosaicTiles] = {
-    ("gpu", "bfloat16"): MosaicTiles(block_m=128, block_n=128, block_k=64, stages=4),
-    ("gpu", "float16"): MosaicTiles(block_m=128, block_n=128, block_k=64, stages=4),
-}
+# Mosaic GPU tiles, keyed as in kernels_pallas.tile_table, per kernel. The platform
+# entries are the plain defaults (gmm_mosaic.DEFAULT_TILES: 128×128 for the grouped GEMM,
+# 64×128 for the fused gate/up kernel, whose two accumulators would otherwise outgrow the
+# register budget); no sweep has run on a GPU yet (benchmarks/gmm.py --sweep-tiles times
+# the candidates).
+MOSAIC_TILES: dict[str, dict[tuple, MosaicTiles]] = {
+    kernel: {("gpu", dtype): DEFAULT_TILES[kernel] for dtype in SUPPORTED_DTYPES}
+    for kernel in KERNELS}
 
 
 def choose_backend(dtype, *, device_kind: str | None = None, platform: str | None = None,
@@ -48,12 +50,16 @@ def choose_backend(dtype, *, device_kind: str | None = None, platform: str | Non
     return chosen or "triton"
 
 
-def mosaic_tiles_for(dtype, *, shape: tile_table.Shape | None = None,
+def mosaic_tiles_for(dtype, *, kernel: str = "gmm", shape: tile_table.Shape | None = None,
                      device_kind: str | None = None, platform: str = "gpu") -> MosaicTiles:
-    """The Mosaic GPU tiles for this dtype (and (d, f, E) shape, where swept)."""
-    tiles = tile_table.lookup(MOSAIC_TILES, dtype, device_kind=device_kind, platform=platform,
+    """The Mosaic GPU tiles of ``kernel`` (``"gmm"`` or the fused ``"swiglu"``) for this
+    dtype (and (d, f, E) shape, where swept)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {KERNELS}")
+    table = MOSAIC_TILES[kernel]
+    tiles = tile_table.lookup(table, dtype, device_kind=device_kind, platform=platform,
                               shape=shape)
     if tiles is None:
-        raise ValueError(f"no Mosaic GPU tiles for {jnp.dtype(dtype).name} on {platform}; "
-                         f"known: {sorted(MOSAIC_TILES)}")
+        raise ValueError(f"no Mosaic GPU {kernel} tiles for {jnp.dtype(dtype).name} on "
+                         f"{platform}; known: {sorted(table)}")
     return tiles

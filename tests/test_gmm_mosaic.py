@@ -184,22 +184,31 @@ def test_mosaic_kernels_lower_for_nvidia_gpus():
     w = jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16)
     stacked = jax.ShapeDtypeStruct((8, 256, 768), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
-    tiles = gmm_select.mosaic_tiles_for(jnp.bfloat16, platform="gpu")
-    compiled = dict(interpret=False, num_sms=132, tiles=tiles)
-    for name, fn, args in (
-            ("gmm", gmm_mosaic.gmm_mosaic, (x, w, sizes)),
-            ("swiglu", gmm_mosaic.gmm_swiglu_mosaic, (x, w, w, sizes)),
-            ("stacked", gmm_mosaic.gmm_swiglu_stacked_mosaic, (x, stacked, sizes))):
+    for name, kernel, fn, args in (
+            ("gmm", "gmm", gmm_mosaic.gmm_mosaic, (x, w, sizes)),
+            ("swiglu", "swiglu", gmm_mosaic.gmm_swiglu_mosaic, (x, w, w, sizes)),
+            ("stacked", "swiglu", gmm_mosaic.gmm_swiglu_stacked_mosaic, (x, stacked, sizes))):
+        tiles = gmm_select.mosaic_tiles_for(jnp.bfloat16, kernel=kernel, platform="gpu")
+        compiled = dict(interpret=False, num_sms=132, tiles=tiles)
         text = lower_for_cuda(functools.partial(fn, **compiled), *args)
         assert "custom_call @mosaic_gpu" in text, name
         assert "triton" not in text, name
 
 
-def test_mosaic_tiles_fit_a_hopper_block():
-    for dtype in gmm_mosaic.SUPPORTED_DTYPES:
-        tiles = gmm_select.mosaic_tiles_for(dtype, platform="gpu")
-        item = jnp.dtype(dtype).itemsize
-        assert tiles.smem_bytes(item, num_weights=2) <= gmm_mosaic.HOPPER_SMEM_BYTES
+def test_mosaic_tiles_fit_a_hopper_block_and_its_registers():
+    for kernel, accumulators in (("gmm", 1), ("swiglu", 2)):
+        for dtype in gmm_mosaic.SUPPORTED_DTYPES:
+            tiles = gmm_select.mosaic_tiles_for(dtype, kernel=kernel, platform="gpu")
+            item = jnp.dtype(dtype).itemsize
+            assert tiles.smem_bytes(item, accumulators) <= gmm_mosaic.HOPPER_SMEM_BYTES
+            assert tiles.accumulator_registers(accumulators) <= gmm_mosaic.ACCUMULATOR_REGISTERS
+    # Two 128×128 f32 accumulators in one warpgroup would need 256 registers per thread.
+    x, w, _, _ = operands(4, 64, 64, 128, 2)
+    with pytest.raises(ValueError, match="need 256 registers per thread"):
+        gmm_mosaic.gmm_swiglu_mosaic(x, w, w, jnp.asarray([32, 32], jnp.int32),
+                                     tiles=MosaicTiles(block_m=128, block_n=128))
+    with pytest.raises(ValueError, match="unknown kernel"):
+        gmm_select.mosaic_tiles_for(jnp.bfloat16, kernel="down")
 
 
 # ------------------------------------------------------------------ tables and the rule
