@@ -75,6 +75,11 @@ class ExpertShape:
     experts: int
     top_k: int
 
+    @property
+    def gemm_shape(self) -> tuple[int, int, int]:
+        """(d, f, E): the key of the tile tables' shape entries."""
+        return self.hidden, self.intermediate, self.experts
+
 
 MODELS = {
     "qwen3": ExpertShape(hidden=2048, intermediate=768, experts=128, top_k=8),
@@ -135,8 +140,7 @@ def mosaic_path(shape: ExpertShape, dtype):
                 "tests/test_gmm_mosaic.py checks it there)")
     if jnp.dtype(dtype).name not in gmm_mosaic.SUPPORTED_DTYPES:
         return f"Mosaic GPU takes {gmm_mosaic.SUPPORTED_DTYPES}, not {jnp.dtype(dtype).name}"
-    tiles = gmm_select.mosaic_tiles_for(dtype, shape=(shape.hidden, shape.intermediate,
-                                                      shape.experts))
+    tiles = gmm_select.mosaic_tiles_for(dtype, shape=shape.gemm_shape)
     if shape.hidden % tiles.block_k or shape.intermediate % tiles.block_n:
         return f"its tiles {tiles} do not divide d={shape.hidden}, f={shape.intermediate}"
     return jax.jit(lambda x, w, s: gmm_mosaic.gmm_mosaic(x, w, s, tiles=tiles))
@@ -199,6 +203,32 @@ def tiles_name(tiles: pallas_gmm.GmmTiles) -> str:
             f"_s{tiles.num_stages}")
 
 
+def rank_tiles(key: str, candidates: dict, table_name: str, run, sets, flops: float,
+               repeats: int) -> dict:
+    """Time ``run(*inputs, tiles=t)`` for every named candidate ``t``; print them fastest
+    first (the table's own marked) and return ``{key}_best_tiles``, ``{key}_best_tflops``
+    and ``{key}_best_over_table`` (None: the table's own tiles failed on this device)."""
+    seconds = {}
+    for name, tiles in candidates.items():
+        fn = jax.jit(lambda *args, _t=tiles: run(*args, tiles=_t))
+        try:
+            seconds[name] = median_seconds(fn, sets, repeats)
+        except Exception as exc:  # noqa: BLE001  (a tile the chip or compiler refuses)
+            print(f"    tiles {name:<22} failed: {type(exc).__name__}: {str(exc)[:120]}")
+    ranked = sorted(seconds, key=seconds.get)
+    if not ranked:
+        return {}
+    for name in ranked:
+        mark = "  (table)" if name == table_name else ""
+        print(f"    tiles {name:<22} {seconds[name] * 1e3:9.3f} ms "
+              f"{flops / seconds[name] / 1e12:8.1f} TFLOP/s{mark}")
+    best, table_seconds = ranked[0], seconds.get(table_name)
+    return {f"{key}_best_tiles": best,
+            f"{key}_best_tflops": flops / seconds[best] / 1e12,
+            f"{key}_best_over_table": (table_seconds / seconds[best]
+                                       if table_seconds is not None else None)}
+
+
 def sweep_tiles(prefix: str, sets, flops: float, dtype, repeats: int,
                 kernel: str = "gmm") -> dict:
     """Time a Pallas kernel (``gmm`` or the fused ``swiglu``) with each of
@@ -211,26 +241,8 @@ def sweep_tiles(prefix: str, sets, flops: float, dtype, repeats: int,
         tiles = pallas_gmm.GmmTiles(block_m=m, block_k=k, block_n=n, num_warps=warps,
                                     num_stages=stages)
         candidates.setdefault(tiles_name(tiles), tiles)
-    seconds = {}
-    for name, tiles in candidates.items():
-        fn = jax.jit(lambda *args, _t=tiles: run(*args, tiles=_t))
-        try:
-            seconds[name] = median_seconds(fn, sets, repeats)
-        except Exception as exc:  # a tile that does not fit the chip (shared memory)
-            print(f"    tiles {name:<22} failed: {type(exc).__name__}: {str(exc)[:120]}")
-    ranked = sorted(seconds, key=seconds.get)
-    if not ranked:
-        return {}
-    for name in ranked:
-        mark = "  (table)" if name == tiles_name(table) else ""
-        print(f"    tiles {name:<22} {seconds[name] * 1e3:9.3f} ms "
-              f"{flops / seconds[name] / 1e12:8.1f} TFLOP/s{mark}")
-    best, table_seconds = ranked[0], seconds.get(tiles_name(table))
-    return {f"{prefix}_pallas_best_tiles": best,
-            f"{prefix}_pallas_best_tflops": flops / seconds[best] / 1e12,
-            # None: the table's own tiles failed on this device
-            f"{prefix}_pallas_best_over_table": (table_seconds / seconds[best]
-                                                 if table_seconds is not None else None)}
+    return rank_tiles(f"{prefix}_pallas", candidates, tiles_name(table), run, sets, flops,
+                      repeats)
 
 
 def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
@@ -319,8 +331,7 @@ def mosaic_figures(prefix: str, figures: dict, seconds: dict, matmul_rate: float
                    swiglu_sets, fused_triton: float, repeats: int, shape: ExpertShape,
                    dtype) -> dict:
     """The Mosaic kernels against the Triton ones (the measured rule's inputs)."""
-    tiles = gmm_select.mosaic_tiles_for(dtype, kernel="swiglu",
-                                        shape=(shape.hidden, shape.intermediate, shape.experts))
+    tiles = gmm_select.mosaic_tiles_for(dtype, kernel="swiglu", shape=shape.gemm_shape)
     fused = median_seconds(jax.jit(lambda *a: gmm_mosaic.gmm_swiglu_mosaic(*a, tiles=tiles)),
                            swiglu_sets, repeats)
     out = {f"{prefix}_mosaic_fraction_of_matmul": figures[f"{prefix}_mosaic_tflops"] / matmul_rate,
@@ -335,8 +346,7 @@ def mosaic_figures(prefix: str, figures: dict, seconds: dict, matmul_rate: float
 def sweep_mosaic_tiles(prefix: str, sets, flops: float, dtype, repeats: int,
                        shape: ExpertShape) -> dict:
     """Time the Mosaic grouped GEMM over :data:`MOSAIC_TILE_CANDIDATES` that fit."""
-    table = gmm_select.mosaic_tiles_for(dtype, shape=(shape.hidden, shape.intermediate,
-                                                      shape.experts))
+    table = gmm_select.mosaic_tiles_for(dtype, shape=shape.gemm_shape)
     item = jnp.dtype(dtype).itemsize
     candidates = {mosaic_tiles_name(table): table}
     for m, n, stages, group_n in MOSAIC_TILE_CANDIDATES:
@@ -345,24 +355,8 @@ def sweep_mosaic_tiles(prefix: str, sets, flops: float, dtype, repeats: int,
                 and tiles.accumulator_registers(1) <= gmm_mosaic.ACCUMULATOR_REGISTERS
                 and shape.intermediate % n == 0):
             candidates.setdefault(mosaic_tiles_name(tiles), tiles)
-    seconds = {}
-    for name, tiles in candidates.items():
-        fn = jax.jit(lambda x, w, s, _t=tiles: gmm_mosaic.gmm_mosaic(x, w, s, tiles=_t))
-        try:
-            seconds[name] = median_seconds(fn, sets, repeats)
-        except Exception as exc:  # noqa: BLE001  (a tile the chip or compiler refuses)
-            print(f"    tiles {name:<22} failed: {type(exc).__name__}: {str(exc)[:120]}")
-    ranked = sorted(seconds, key=seconds.get)
-    for name in ranked:
-        print(f"    tiles {name:<22} {seconds[name] * 1e3:9.3f} ms "
-              f"{flops / seconds[name] / 1e12:8.1f} TFLOP/s")
-    if not ranked:
-        return {}
-    best, table_seconds = ranked[0], seconds.get(mosaic_tiles_name(table))
-    return {f"{prefix}_mosaic_best_tiles": best,
-            f"{prefix}_mosaic_best_tflops": flops / seconds[best] / 1e12,
-            f"{prefix}_mosaic_best_over_table": (table_seconds / seconds[best]
-                                                 if table_seconds is not None else None)}
+    return rank_tiles(f"{prefix}_mosaic", candidates, mosaic_tiles_name(table),
+                      gmm_mosaic.gmm_mosaic, sets, flops, repeats)
 
 
 def mosaic_tiles_name(tiles: gmm_mosaic.MosaicTiles) -> str:

@@ -18,9 +18,8 @@ stores only its own rows. TMA stores take static shapes, so a partial row range
 of ``r`` rows is stored as one copy per set bit of ``r`` (at most log2(block_m)+1
 copies), each of a power-of-two height.
 
-Off a GPU the kernels run under Mosaic GPU's interpret mode
-(``plgpu.InterpretParams``-style simulation of shared memory, TMA and WGMMA on
-the CPU): slow, for tests at small shapes only.
+Off a GPU the kernels run under Mosaic GPU's interpret mode (:func:`interpret_params`:
+a CPU simulation of shared memory, TMA and WGMMA): slow, for tests at small shapes only.
 """
 
 from __future__ import annotations
@@ -47,6 +46,8 @@ HOPPER_SMEM_BYTES = 227 * 1024
 # has 255; half of them for accumulators leaves room for addresses and the epilogue
 # (128×128 for one accumulator, as CUTLASS's Hopper kernels use per warpgroup).
 WARPGROUP_THREADS = 128
+# SMs of an H100 SXM: the persistent grid when a GPU device does not report its count.
+H100_SMS = 132
 ACCUMULATOR_REGISTERS = 128
 
 
@@ -262,7 +263,7 @@ def _defaults(tiles: MosaicTiles | None, num_sms: int | None, interpret, kernel:
         num_sms = getattr(jax.devices()[0], "core_count", None) if _on_gpu() else 2
     if interpret is None:
         interpret = None if _on_gpu() else interpret_params()
-    return tiles, int(num_sms or 132), interpret
+    return tiles, int(num_sms or H100_SMS), interpret
 
 
 def gmm_mosaic(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"],

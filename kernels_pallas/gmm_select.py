@@ -33,7 +33,7 @@ MEASURED_BACKENDS: dict[tuple, str] = {}
 # register budget); no sweep has run on a GPU yet (benchmarks/gmm.py --sweep-tiles times
 # the candidates).
 MOSAIC_TILES: dict[str, dict[tuple, MosaicTiles]] = {
-    kernel: {("gpu", dtype): DEFAULT_TILES[kernel] for dtype in SUPPORTED_DTYPES}
+    kernel: tile_table.entries(("gpu",), SUPPORTED_DTYPES, DEFAULT_TILES[kernel])
     for kernel in KERNELS}
 
 

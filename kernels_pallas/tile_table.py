@@ -21,6 +21,12 @@ Shape = tuple[int, int, int]          # (d, f, E) of the grouped GEMM
 PLATFORMS = ("gpu", "cpu")
 
 
+def entries(devices: tuple[str, ...], dtypes: tuple[str, ...], value: Value
+            ) -> dict[tuple, Value]:
+    """One table entry of ``value`` for every (device, dtype) pair."""
+    return {(device, dtype): value for device in devices for dtype in dtypes}
+
+
 def platform_of(backend: str | None = None) -> str:
     """``gpu`` for CUDA/ROCm backends, else ``cpu`` (the key the tables use)."""
     backend = backend or jax.default_backend()

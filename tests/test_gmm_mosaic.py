@@ -15,21 +15,13 @@ import pytest
 from kernels_pallas import gmm as kernels
 from kernels_pallas import gmm_mosaic, gmm_select, tile_schedule, tile_table
 from kernels_pallas.gmm_mosaic import MosaicTiles
+from test_gmm_kernel import np_gmm
 
 SMALL = MosaicTiles(block_m=64, block_n=64, block_k=64, stages=2)
 
 
-def np_grouped(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    out = np.zeros((x.shape[0], w.shape[2]))
-    start = 0
-    for g, n in enumerate(sizes):
-        out[start:start + n] = x[start:start + n] @ w[g]
-        start += n
-    return out
-
-
 def np_swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, sizes) -> np.ndarray:
-    gate, up = np_grouped(x, w_gate, sizes), np_grouped(x, w_up, sizes)
+    gate, up = np_gmm(x, w_gate, sizes), np_gmm(x, w_up, sizes)
     return gate / (1.0 + np.exp(-gate)) * up
 
 
@@ -123,7 +115,7 @@ def test_schedule_cost_counts_straddling_and_padding():
 def test_gmm_mosaic_matches_float64_reference(sizes, rows):
     x, w, _, _ = operands(0, rows, 128, 128, len(sizes))
     got = gmm_mosaic.gmm_mosaic(x, w, jnp.asarray(sizes, jnp.int32), tiles=SMALL)
-    want = np_grouped(as64(x), as64(w), np.array(sizes))
+    want = np_gmm(as64(x), as64(w), np.array(sizes))
     assert got.shape == (rows, 128) and got.dtype == jnp.bfloat16
     assert_close_bf16(got, want)
     assert np.all(as64(got)[sum(sizes):] == 0.0)          # tail rows are written as zeros
