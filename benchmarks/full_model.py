@@ -39,9 +39,7 @@ import argparse
 import dataclasses
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -276,13 +274,9 @@ def median_wall(run: Callable[[], Any], repeats: int) -> float:
     """Median synchronized wall seconds of ``run`` (after one warm-up)."""
     import jax
 
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    from moejax.calibrate import median_seconds
+
+    return median_seconds(lambda: jax.block_until_ready(run()), repeats)
 
 
 def measure_resident(plan: Plan, cfg: Any, dtype: str, host: Any, repeats: int) -> Measured:
