@@ -21,42 +21,26 @@ compile, host wall including dispatch):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import median_seconds
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.host_devices import force_host_devices  # noqa: E402
-
-force_host_devices(2)   # the link is timed between two CPU devices
-from benchmarks.figures import write_json  # noqa: E402
-
+LINK_DEVICES = 2        # the link is timed between two CPU devices
 FULL = dict(batches=(1, 4, 16, 64), contexts=(64, 256, 1024), expert_batches=(1, 4, 16, 64, 256),
             link_rows=(1, 16, 256, 4096), repeats=30)
 QUICK = dict(batches=(1, 16), contexts=(64, 256), expert_batches=(1, 16, 64),
              link_rows=(1, 256), repeats=5)
-DEFAULT_OUT = ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
-
-
-def median_seconds(fn: Any, repeats: int) -> float:
-    """Median wall seconds of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()                                               # compile / warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
 
 
 def decode_batch(rows: int, context: int) -> Any:
@@ -92,7 +76,7 @@ def attention_table(cfg: Any, dense: Any, batches: Sequence[int], contexts: Sequ
                 out = programs.ATTENTION(dense, np.int32(0), x, kv, attn, cfg=cfg)
                 jax.block_until_ready(out[0])
 
-            line.append(median_seconds(run, repeats))
+            line.append(median_seconds(run, repeats, label=f"attention_b{rows}_c{context}"))
         table.append(line)
     return table
 
@@ -113,7 +97,8 @@ def expert_table(cfg: Any, params: Any, batches: Sequence[int], repeats: int) ->
                               experts=jnp.zeros((rows, 1), jnp.int32))
         valid = jnp.ones(rows, bool)
         out.append(median_seconds(lambda: jax.block_until_ready(
-            programs.MOE(one, np.int32(0), x, x, routing, valid, opts=opts)), repeats))
+            programs.MOE(one, np.int32(0), x, x, routing, valid, opts=opts)), repeats,
+            label=f"expert_b{rows}"))
     return out
 
 
@@ -131,7 +116,7 @@ def head_table(cfg: Any, dense: Any, batches: Sequence[int], repeats: int) -> li
                                                             list(range(rows))))
         x = jnp.ones((rows, cfg.hidden_size), jnp.float32)
         out.append(median_seconds(lambda: jax.block_until_ready(
-            programs.HEAD(dense, x, batch, samp, cfg=cfg)), repeats))
+            programs.HEAD(dense, x, batch, samp, cfg=cfg)), repeats, label=f"head_b{rows}"))
     return out
 
 
@@ -148,7 +133,8 @@ def link_fit(hidden: int, rows: Sequence[int], repeats: int) -> dict[str, float]
     for n in rows:
         x = jax.device_put(jnp.ones((n, hidden), jnp.float32), devices[0])
         seconds.append(median_seconds(
-            lambda: jax.block_until_ready(jax.device_put(x, devices[1])), repeats))
+            lambda: jax.block_until_ready(jax.device_put(x, devices[1])), repeats,
+            label=f"link_n{n}"))
         sizes.append(x.nbytes)
     slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds), 1)
     slope = max(float(slope), 1e-15)
@@ -179,19 +165,17 @@ def measure(model: str, shape: dict[str, Any]) -> dict[str, Any]:
                  "machine": f"{platform.machine()} {os.cpu_count()} cpus, "
                             f"{platform.python_version()}",
                  "date": datetime.date.today().isoformat(),
-                 "command": " ".join(["python", *sys.argv])},
+                 "command": " ".join(["python", "-m", "benchmarks.asyncmoe_cost", *sys.argv[1:]])},
     }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="two sizes per axis, 5 repeats")
-    parser.add_argument("--model", default="demo-e32")
-    parser.add_argument("--json", dest="json_path", help="write the flat figures here")
+    parser = bench_parser(__doc__, quick_help="two sizes per axis, 5 repeats", model="demo-e32",
+                          repeats_help="timed calls per entry, median kept (default 30; "
+                                       "quick 5)")
     parser.add_argument("--cost-out", default=None,
                         help=f"write the cost tables here (default with a full run: {DEFAULT_OUT})")
-    parser.add_argument("--repeats", type=int)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, host_devices=LINK_DEVICES)
     shape = dict(QUICK if args.quick else FULL)
     if args.repeats:
         shape["repeats"] = args.repeats
@@ -214,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"{key:>24} {value:10.2f}")
     if out:
         print(f"cost tables -> {out}")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

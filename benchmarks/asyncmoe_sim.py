@@ -252,9 +252,9 @@ REAL_ARRIVAL_GAP = 3.0        # virtual units between arrivals in the real run
 def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
                          new_tokens: int) -> dict[str, float]:
     """The real μ-queue run on CPU devices (module docstring)."""
-    import time
-
     import jax
+
+    from benchmarks.lib.timing import timed_call
 
     from moejax.asyncmoe import simulator
     from moejax.asyncmoe.runtime import MuQueueRuntime
@@ -266,24 +266,27 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
     specs = [SequenceSpec(prompt=p, max_new_tokens=new_tokens) for p in prompts]
     arrivals = [REAL_ARRIVAL_GAP * i for i in range(len(specs))]
     resident = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
-    want, seconds = None, 0.0
-    for _ in range(2):                                   # the first pass compiles
-        scheduler = Scheduler(resident, 256, SchedulerOptions(max_batch_size=len(specs),
-                                                              max_prefill_tokens=256))
-        start = time.perf_counter()
+    def resident_pass(scheduler: Any) -> list[list[int]]:
         seqs = [scheduler.submit(s) for s in specs]
         scheduler.run_until_idle()
-        seconds = time.perf_counter() - start
-        want = [list(s.output.token_ids) for s in seqs]
+        return [list(s.output.token_ids) for s in seqs]
+
+    want, seconds = None, 0.0
+    for timed in (False, True):                          # the first pass compiles
+        scheduler = Scheduler(resident, 256, SchedulerOptions(max_batch_size=len(specs),
+                                                              max_prefill_tokens=256))
+        if timed:
+            seconds, want = timed_call(lambda: resident_pass(scheduler), label="decode_runtime")
+        else:
+            resident_pass(scheduler)
     tokens = sum(len(t) for t in want)
     out: dict[str, float] = {"decode_runtime_wall_tokens_per_s": tokens / seconds}
     equal, match = True, True
     for name in SCHEDULERS:
         runtime = MuQueueRuntime(cfg, params, jax.devices()[:REAL_DEVICES], scheduler=name)
-        for _ in range(2):
-            start = time.perf_counter()
-            outputs = runtime.generate(specs, arrivals)
-            seconds = time.perf_counter() - start
+        runtime.generate(specs, arrivals)                # the first pass compiles
+        seconds, outputs = timed_call(lambda: runtime.generate(specs, arrivals),
+                                      label=f"mu_queue_{name}")
         equal = equal and [o.token_ids for o in outputs] == want
         run = runtime.last_run
         out[f"mu_queue_batches_{name}"] = len(run.batches)

@@ -1,7 +1,7 @@
 """Compare the compiled XLA programs of two checkouts of moejax (a refactor's first check).
 
-For each backend named, builds it in a fresh process per checkout (each process puts its
-checkout first on ``sys.path``), lowers and compiles one packed scoring step
+For each backend named, builds it in a fresh process per checkout (each process has its
+checkout first on ``PYTHONPATH``), lowers and compiles one packed scoring step
 (``Backend.lowered_steps``) and keeps the optimized HLO text with value names and
 source-location metadata stripped. Equal texts mean the refactor changed no computation,
 so any timing difference between the two is noise or host-side Python.
@@ -15,7 +15,6 @@ program's multiset and not the other's, both directions).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -24,9 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
 
 FULL = dict(vocab=4096, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, experts=32,
             top_k=4, intermediate=256, tokens=4096, block=512)
@@ -91,13 +89,11 @@ def dump_program(backend: str, shape: dict) -> list[str]:
 
 def program_of(root: Path, backend: str, shape: dict) -> list[str]:
     """The normalized program of ``backend`` as the checkout at ``root`` compiles it."""
+    # ``root`` first, so that moejax comes from it; this checkout after it, for this module
+    # (a ``benchmarks`` package of ``root`` without it falls through to this one's).
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
-               JAX_PLATFORMS="cpu")
-    # This module puts ROOT first on sys.path when imported, so ``root`` goes in front of
-    # it afterwards, before anything imports moejax.
-    code = (f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); "
-            f"from benchmarks.compare_programs import dump_program; "
-            f"sys.path.insert(0, {str(root)!r}); "
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(root), str(REPO_ROOT)]))
+    code = (f"import json; from benchmarks.compare_programs import dump_program; "
             f"print(json.dumps(dump_program({backend!r}, {shape!r})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, cwd=root, timeout=900)
@@ -110,28 +106,26 @@ def program_of(root: Path, backend: str, shape: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__, quick_help="small shapes (seconds)")
     parser.add_argument("--old-root", required=True, type=Path, help="the other checkout")
     parser.add_argument("--backends", default="resident,tp,async_ep,sync_ep",
                         help="comma list of backends")
-    parser.add_argument("--quick", action="store_true", help="small shapes (seconds)")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this file")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not (args.old_root / "moejax").is_dir():
         parser.error(f"--old-root {args.old_root} has no moejax/ package")
     shape = QUICK if args.quick else FULL
     figures: dict = {}
-    print(f"compiled programs, {args.old_root} (old) vs {ROOT} (new), "
+    print(f"compiled programs, {args.old_root} (old) vs {REPO_ROOT} (new), "
           f"d={shape['hidden']} L={shape['layers']} E={shape['experts']} T={shape['tokens']}")
     for backend in args.backends.split(","):
-        old, new = program_of(args.old_root, backend, shape), program_of(ROOT, backend, shape)
+        old, new = (program_of(args.old_root, backend, shape),
+                    program_of(REPO_ROOT, backend, shape))
         a, b = collections.Counter(old), collections.Counter(new)
         differing = sum((a - b).values()) + sum((b - a).values())
         figures.update({f"{backend}_old_lines": len(old), f"{backend}_new_lines": len(new),
                         f"{backend}_differing_lines": differing})
         print(f"  {backend:9s} {len(old):6d} vs {len(new):6d} lines, {differing} differing")
-    if args.json_path:
-        write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -64,44 +64,31 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.reference_traces import reference_traces
+from benchmarks.lib.timing import median
+from moejax.eldr.policies import HandOff, Policy, make_policy  # (no JAX)
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.host_devices import force_host_devices  # noqa: E402
-
-force_host_devices(8)   # the real runs need several CPU devices
-from benchmarks.figures import write_json  # noqa: E402
-from moejax.eldr.policies import HandOff, Policy, make_policy  # noqa: E402  (no JAX)
-
+HOST_DEVICES = 8        # the real runs need several CPU devices
 MODEL = "demo-e32"
 FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, sim_requests=4000,
             ks=(8, 16, 24), real_requests=None, decoders=4, batch=8, max_prefill_tokens=512)
 QUICK = dict(per_domain=2, prompt_tokens=32, new_tokens=8, sim_requests=300, ks=(8,),
              real_requests=8, decoders=2, batch=4, max_prefill_tokens=128)
-GPU_COST = ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
+GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
 BASELINES = ("random", "round_robin", "jsq", "p2c")
 TAUS = (0.0, 0.1, 1.0)
 
 
 # ----------------------------------------------------------------------------- inputs
-def reference_traces(traces_dir: str, shape: dict[str, Any], seed: int) -> dict[str, Any]:
-    """{"": the model's trace, "_twin": its twin's}, from ``traces_dir`` (written there
-    by benchmarks/expert_traces.py when missing)."""
-    from benchmarks import expert_traces
-
-    return expert_traces.reference_pair(MODEL, traces_dir, per_domain=shape["per_domain"],
-                                        prompt_tokens=shape["prompt_tokens"],
-                                        new_tokens=shape["new_tokens"], seed=seed)
-
-
 def model_of(suffix: str) -> str:
     return MODEL if not suffix else f"{MODEL}-init"
 
@@ -152,12 +139,13 @@ def route_time_us(fit: Any, prefill: np.ndarray, seed: int) -> float:
     rng = np.random.default_rng(seed)
     loads = rng.integers(0, 8, (len(prefill), fit.num_decoders)).tolist()
     times = []
-    for _ in range(3):
-        for counts, load in zip(prefill, loads):
-            start = time.perf_counter()
-            policy.choose(HandOff(counts=counts), load)
-            times.append(time.perf_counter() - start)
-    return 1e6 * float(np.median(times))
+    with timed_pass("eldr_choose"):
+        for _ in range(3):
+            for counts, load in zip(prefill, loads):
+                start = time.perf_counter()
+                policy.choose(HandOff(counts=counts), load)
+                times.append(time.perf_counter() - start)
+    return 1e6 * median(times)
 
 
 # ----------------------------------------------------------------------------- policies
@@ -218,14 +206,15 @@ def real_run(name: str, policy: Any, requests: list[dict[str, Any]], steps: np.n
     pool = gen.scheduler
     specs = [gen.parse(r, i) for i, r in enumerate(requests)]
     seqs: list[Any] = []
-    start = time.perf_counter()
-    step = 0
-    while len(seqs) < len(specs) or pool.busy:
-        while len(seqs) < len(specs) and steps[len(seqs)] <= step:
-            seqs.append(pool.submit(specs[len(seqs)]))
-        pool.step()
-        step += 1
-    seconds = time.perf_counter() - start
+    with timed_pass(f"real_{type(policy).__name__}_{os.path.basename(name)}"):
+        start = time.perf_counter()
+        step = 0
+        while len(seqs) < len(specs) or pool.busy:
+            while len(seqs) < len(specs) and steps[len(seqs)] <= step:
+                seqs.append(pool.submit(specs[len(seqs)]))
+            pool.step()
+            step += 1
+        seconds = time.perf_counter() - start
     records = [(d, r) for d, dec in enumerate(pool.decoders) for r in dec.step_records
                if r.active_experts is not None]
     tokens_per_decoder = np.zeros(len(pool.decoders))
@@ -485,12 +474,9 @@ def run_model(suffix: str, trace: Any, args: argparse.Namespace, shape: dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="small traces (2 requests per domain, 8 new tokens), 2 "
-                             "decoders, 300 simulated arrivals, K = 8 only")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--traces", default=str(ROOT / "out" / "traces"),
+    parser = bench_parser(__doc__, quick_help="small traces (2 requests per domain, 8 new "
+                          "tokens), 2 decoders, 300 simulated arrivals, K = 8 only")
+    parser.add_argument("--traces", default=str(REPO_ROOT / "out" / "traces"),
                         help="folder of the reference traces (written when missing; "
                              "--quick uses a temporary one)")
     parser.add_argument("--decoders", type=int,
@@ -517,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "weights given apart; R² 0.9998), one of its other 'fits', or "
                              "'top'")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, host_devices=HOST_DEVICES)
     shape = dict(QUICK if args.quick else FULL)
     if args.sim_requests:
         shape["sim_requests"] = args.sim_requests
@@ -533,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                "gpu_cost": args.gpu_cost or "",
                                "gpu_fit": args.gpu_fit if args.gpu_cost else ""}
     with tempfile.TemporaryDirectory(prefix="moejax-eldr-") as tmp:
-        traces = reference_traces(tmp if args.quick else args.traces, shape, args.seed)
+        traces = reference_traces(MODEL, tmp if args.quick else args.traces, shape, args.seed)
         figures["requests"] = len(traces[""])
         for suffix, trace in traces.items():
             for key, value in run_model(suffix, trace, args, shape, args.gpu_cost).items():
@@ -551,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{figures['rho_count_idf'] > figures['rho_binary']}; τ=1 == JSQ: "
           f"{figures['tau1_matches_jsq']}; route {figures['route_us']:.1f} µs; "
           f"{figures['seconds']:.0f} s")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -65,29 +65,25 @@ model to use.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
-from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import scipy.optimize
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from moejax import grouped_gemm, moe  # noqa: E402
-from moejax.dispatch import GivenExperts, StackedExperts, local_dispatcher  # noqa: E402
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run, write_json
+from benchmarks.lib.timing import is_gpu, median
+from moejax import grouped_gemm, moe
+from moejax.dispatch import GivenExperts, StackedExperts, local_dispatcher
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +108,6 @@ QUICK_POINTS = ((4, 16, 32), (4, 16))     # demo-e32 only
 ROUTER_LOGIT = 16.0       # the chosen experts' logit (the others get 0): exp(-16) ≈ 1e-7
 SOURCES = ("stacked", "given")
 SEED_RATIO_FROM = 16      # the seed reports t(128 experts) / t(16 experts) = 4.7
-
-
-def is_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 # ----------------------------------------------------------------------------- routing
@@ -271,7 +263,7 @@ def check_routing(experts: np.ndarray, x_all, router_all, k: int) -> None:
         raise AssertionError(f"gate weights are not 1/k: {weights.min()}..{weights.max()}")
 
 
-def interleaved_medians(calls: dict, repeats: int, warmup: int = 2) -> dict:
+def interleaved_medians(calls: dict, repeats: int, label: str, warmup: int = 2) -> dict:
     """Median wall time of each ``fn(*args)`` in ``calls`` (key -> (fn, args)), synchronized,
     after ``warmup`` calls of each. The repeats go round-robin over the calls, so a slow
     spell of the machine (another process) falls on every point alike, not on a few."""
@@ -279,12 +271,13 @@ def interleaved_medians(calls: dict, repeats: int, warmup: int = 2) -> dict:
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     times: dict = {key: [] for key in calls}
-    for _ in range(repeats):
-        for key, (fn, args) in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(values) for key, values in times.items()}
+    with timed_pass(label):
+        for _ in range(repeats):
+            for key, (fn, args) in calls.items():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times[key].append(time.perf_counter() - start)
+    return {key: median(values) for key, values in times.items()}
 
 
 def temp_mib(compiled) -> float | None:
@@ -316,7 +309,7 @@ def measure(shape: Shape, impl: str, source: str, points: list[tuple[int, int]],
                   f" s, temporary memory {temps[batch]} MiB", flush=True)
         calls[(n, batch)] = (compiled[batch], args)
     table = {point: seconds / layers
-             for point, seconds in interleaved_medians(calls, repeats).items()}
+             for point, seconds in interleaved_medians(calls, repeats, f"{impl}_{source}").items()}
     for (n, batch), seconds in table.items():
         print(f"  {impl:>11} {source:>7}  n={n:4d} B={batch:3d}  {seconds * 1e6:10.1f} us/layer",
               flush=True)
@@ -375,9 +368,9 @@ def device_description() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="demo-e32 at 6 points, 2 layers (under a minute on 2 CPU cores)")
+    parser = bench_parser(__doc__, quick_help="demo-e32 at 6 points, 2 layers (under a minute "
+                          "on 2 CPU cores)", repeats_help="timed rounds over the points, median "
+                          "kept (default 3 quick, 20 GPU, 7 CPU)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="default: qwen3-30b-a3b on GPUs, demo-e32 elsewhere")
     parser.add_argument("--expert-impl", default="auto",
@@ -388,13 +381,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", help="comma list of B (default: the shape's)")
     parser.add_argument("--layers", type=int, default=None,
                         help="MoE layers per timed program (default 8 on GPUs, 4 on CPUs)")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
     parser.add_argument("--cost-out", help="write the ELDR cost model (JSON) here")
     parser.add_argument("--machine", default=None,
                         help="machine description for the cost model (default: the device)")
     parser.add_argument("--date", default=None, help="date for the cost model (default: today)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
 
     gpu = is_gpu()
     shape_name = args.shape or ("demo-e32" if args.quick or not gpu else "qwen3-30b-a3b")
@@ -456,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
                             "source": source, **figs})
         if len(configs) > 1:
             figures.update({f"{label}_{key}": value for key, value in figs.items()})
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
 
     if args.cost_out:
         label = next(iter(configs))
@@ -470,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "layers_per_program": layers, "repeats": repeats,
                  "points_n_b": [list(p) for p in points],
                  "date": args.date or datetime.date.today().isoformat(),
-                 "command": "python benchmarks/eldr_cost.py " + shlex.join(
+                 "command": "python -m benchmarks.eldr_cost " + shlex.join(
                      sys.argv[1:] if argv is None else argv),
                  "fits": fits}
         write_json(args.cost_out, model)

@@ -51,10 +51,8 @@ the defrag scheduler's δ / lookahead sweep.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,14 +60,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.host_devices import force_host_devices  # noqa: E402
+from benchmarks import asyncmoe_sim
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.reference_traces import reference_traces
+from benchmarks.lib.timing import median, median_seconds
 
-force_host_devices(8)   # the real runs need several CPU devices
-from benchmarks import asyncmoe_sim  # noqa: E402
-from benchmarks.figures import write_json  # noqa: E402
-
+HOST_DEVICES = 8        # the real runs need several CPU devices
 MODEL = "demo-e32"
 FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, devices=(4, 8),
             replication=(1.0, 1.25, 1.5), tokens=(8, 16, 32, 64), instances=24,
@@ -82,8 +80,8 @@ QUICK = dict(per_domain=2, prompt_tokens=32, new_tokens=8, devices=(4,),
              real_requests=4, real_new_tokens=4,
              sim_devices=(4,), sim_sources=("trace", "uniform"), rate_fractions=(0.5, 1.0),
              sim_requests=12, sweep_deltas=(0.5,), sweep_lookaheads=(1, 2))
-CPU_TABLES = ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
-GPU_COST = ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
+CPU_TABLES = REPO_ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
+GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
 GPU_FIT = "fused_tiles_given"
 QWEN_HIDDEN = 2048
 BF16_BYTES = 2
@@ -95,16 +93,6 @@ REAL_REPLICAS = 1.5
 
 
 # ----------------------------------------------------------------------------- inputs
-def reference_traces(traces_dir: str, shape: dict[str, Any], seed: int) -> dict[str, Any]:
-    """{"": the model's trace, "_twin": its twin's}, from ``traces_dir`` (written there
-    by benchmarks/expert_traces.py when missing)."""
-    from benchmarks import expert_traces
-
-    return expert_traces.reference_pair(MODEL, traces_dir, per_domain=shape["per_domain"],
-                                        prompt_tokens=shape["prompt_tokens"],
-                                        new_tokens=shape["new_tokens"], seed=seed)
-
-
 def decode_pools(trace: Any) -> tuple[np.ndarray, list[np.ndarray]]:
     """(per-layer load [L, E] of the even requests' decode tokens, per layer the odd
     requests' decode top-k ids [N, k])."""
@@ -200,7 +188,6 @@ def router_costs(seed: int) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.asyncmoe_cost import median_seconds
     from kernels_pallas import metro
 
     rng = np.random.default_rng(seed)
@@ -218,9 +205,9 @@ def router_costs(seed: int) -> dict[str, float]:
 
         one = jax.jit(lambda p, c: metro.route_metro_jax(p, c, impl="jax"))
         loop_s = median_seconds(lambda: repeated(placement, counts).block_until_ready(),
-                                ROUTER_TIMINGS)
+                                ROUTER_TIMINGS, label=f"router_loop_e{experts}_g{devices}")
         call_s = median_seconds(lambda: one(placement, counts[0]).block_until_ready(),
-                                ROUTER_TIMINGS)
+                                ROUTER_TIMINGS, label=f"router_call_e{experts}_g{devices}")
         out[f"metro_router_us_per_layer_e{experts}_g{devices}"] = 1e6 * loop_s / ROUTER_REPEATS
         out[f"metro_router_dispatch_us_e{experts}_g{devices}"] = 1e6 * call_s
     out["metro_router_us_per_layer"] = out["metro_router_us_per_layer_e32_g4"]
@@ -255,12 +242,16 @@ def real_decode(trace: Any, shape: dict[str, Any]) -> dict[str, Any]:
                 record_steps=True))
             seqs = [scheduler.submit(SequenceSpec(prompt=p, max_new_tokens=shape["real_new_tokens"]))
                     for p in prompts]
-            scheduler.run_until_idle()
+            if repeat:
+                with timed_pass(f"decode_{name}"):
+                    scheduler.run_until_idle()
+            else:
+                scheduler.run_until_idle()
             times = [r.seconds for r in scheduler.step_records
                      if r.prefill_sequences == 0 and r.decode_sequences > 0]
         tokens[name] = [list(s.output.token_ids) for s in seqs]
         overflow += runner.overflow_steps
-        out[f"step_ms_{name}"] = 1000 * float(np.median(times))
+        out[f"step_ms_{name}"] = 1000 * median(times)
     out["tokens_equal_across_routers"] = int(tokens["metro"] == tokens["eplb_even"]
                                              == tokens["no_replicas"])
     out["overflow_steps"] = overflow
@@ -308,12 +299,9 @@ def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="small traces, 4 devices, r 1.0 and 1.5, 8 and 32 tokens per "
-                             "device, 3 instances per layer")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--traces", default=str(ROOT / "out" / "traces"),
+    parser = bench_parser(__doc__, quick_help="small traces, 4 devices, r 1.0 and 1.5, 8 and 32 "
+                          "tokens per device, 3 instances per layer")
+    parser.add_argument("--traces", default=str(REPO_ROOT / "out" / "traces"),
                         help="folder of the reference traces (written when missing; "
                              "--quick uses a temporary one)")
     parser.add_argument("--instances", type=int, help="draws per layer and configuration")
@@ -323,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="AsyncMoE simulator cost tables (benchmarks/asyncmoe_cost.py; "
                              "measured here, quickly, when the file is missing)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, host_devices=HOST_DEVICES)
     shape = dict(QUICK if args.quick else FULL)
     if args.instances:
         shape["instances"] = args.instances
@@ -332,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     figures: dict[str, Any] = {"model": MODEL, "quick": int(args.quick), "gpu_fit": GPU_FIT,
                                "link_gbps": args.link_gbps}
     with tempfile.TemporaryDirectory(prefix="moejax-ep-decode-") as tmp:
-        traces = reference_traces(tmp if args.quick else args.traces, shape, args.seed)
+        traces = reference_traces(MODEL, tmp if args.quick else args.traces, shape, args.seed)
         trace = traces[""]
         sources = {suffix: decode_pools(t) for suffix, t in traces.items()}
         sources["_uniform"] = uniform_pools(trace.num_layers, trace.num_experts, trace.top_k,
@@ -354,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     figures["seconds"] = time.perf_counter() - started
     report(figures, shape)
     asyncmoe_sim.report(figures, shape)
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -47,10 +47,9 @@ Trained model only (the twin has no task skill to keep):
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,9 +57,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.reference_traces import reference_traces
 
 MODEL = "demo-e32"
 FULL = dict(per_domain=64, prompt_tokens=64, trace_new_tokens=32, steps=2000, items=24,
@@ -70,7 +70,7 @@ QUICK = dict(per_domain=2, prompt_tokens=32, trace_new_tokens=8, steps=60, items
 TASKS = ("domain_question", "arithmetic_yes_no", "arithmetic_claim", "multiple_choice")
 COMPUTED = ("router", "quasi", "estimator", "hybrid")
 FLOORS = ("random", "popularity", "previous")
-GPU_COST = ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
+GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
 # docs/PERF.md: a Qwen3-30B-A3B layer of experts (128 x 3 x 2048 x 768 bf16, 1.21 GB)
 # copies host -> device in 22.7 ms on the H100.
 QWEN_EXPERT_BYTES = 3 * 2048 * 768 * 2
@@ -78,16 +78,6 @@ QWEN_LAYER_BYTES = 128 * QWEN_EXPERT_BYTES
 H2D_SECONDS_PER_LAYER = 22.7e-3
 QWEN_TOP_K = 8
 CUE_TOKENS = 2    # prompt tokens cut from each task item (" Answer" ":", "false" "?")
-
-
-def reference_traces(traces_dir: str, shape: dict[str, Any], seed: int) -> dict[str, Any]:
-    """{"": the model's trace, "_twin": its twin's}, from ``traces_dir`` (written there
-    by benchmarks/expert_traces.py when missing)."""
-    from benchmarks import expert_traces
-
-    return expert_traces.reference_pair(MODEL, traces_dir, per_domain=shape["per_domain"],
-                                        prompt_tokens=shape["prompt_tokens"],
-                                        new_tokens=shape["trace_new_tokens"], seed=seed)
 
 
 # ----------------------------------------------------------------------------- recall
@@ -138,8 +128,10 @@ class Decoding:
         return self.runners[key]
 
     def generate(self, prefetch: str, mode: str, prompts: list[list[int]], new_tokens: int,
-                 batch: int | None = None) -> tuple[list[list[int]], Any, float]:
-        """Greedy tokens of every prompt, the runner's stats, decode ms per token."""
+                 batch: int | None = None, timed: str | None = None
+                 ) -> tuple[list[list[int]], Any, float]:
+        """Greedy tokens of every prompt, the runner's stats, decode ms per token (a
+        counted timed pass named ``timed`` when given)."""
         from moejax.generate import SequenceSpec
         from serving.continuous import Scheduler, SchedulerOptions
 
@@ -149,7 +141,8 @@ class Decoding:
         scheduler = Scheduler(runner, 64 * (batch or self.batch), options)
         runner.reset_stats()
         seqs = [scheduler.submit(SequenceSpec(prompt=tuple(p), max_new_tokens=new_tokens)) for p in prompts]
-        scheduler.run_until_idle()
+        with timed_pass(timed) if timed else contextlib.nullcontext():
+            scheduler.run_until_idle()
         decode = [r for r in scheduler.step_records
                   if r.prefill_sequences == 0 and r.decode_sequences > 0]
         ms = 1000 * sum(r.seconds for r in decode) / max(
@@ -220,7 +213,8 @@ def decode_figures(dec: Decoding, tokenizer: Any, prompts: list[list[int]],
     configs += [("oracle", "oracle", "exact")]
     for name, prefetch, mode in configs:
         dec.generate(prefetch, mode, prompts[:1], 2, batch=1)     # compile outside the clock
-        tokens, stats, ms = dec.generate(prefetch, mode, prompts, shape["new_tokens"], batch=1)
+        tokens, stats, ms = dec.generate(prefetch, mode, prompts, shape["new_tokens"], batch=1,
+                                         timed=f"tpot_{name}")
         if mode == "exact":
             same = same and tokens == resident[1]
         else:
@@ -367,12 +361,9 @@ def report(figures: dict[str, Any], num_layers: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="small traces (2 requests per domain), 60 training steps, "
-                             "2 items per task, 8-token continuations")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--traces", default=str(ROOT / "out" / "traces"),
+    parser = bench_parser(__doc__, quick_help="small traces (2 requests per domain), 60 "
+                          "training steps, 2 items per task, 8-token continuations")
+    parser.add_argument("--traces", default=str(REPO_ROOT / "out" / "traces"),
                         help="folder of the reference traces (written when missing; "
                              "--quick uses a temporary one)")
     parser.add_argument("--steps", type=int, help="estimator training steps (default 2000)")
@@ -382,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="modelled H100 compute per layer: k x the per-expert time "
                              "(default) or plus the cost file's per-layer term")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     for key in ("steps", "items", "new_tokens"):
         if getattr(args, key):
@@ -392,13 +383,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                "quick": int(args.quick), **{f"shape_{k}": v
                                                             for k, v in shape.items()}}
     with tempfile.TemporaryDirectory(prefix="moejax-prefetch-") as tmp:
-        traces = reference_traces(tmp if args.quick else args.traces, shape, args.seed)
+        traces = reference_traces(MODEL, tmp if args.quick else args.traces, shape, args.seed,
+                                  new_tokens_key="trace_new_tokens")
         for suffix, trace in traces.items():
             for key, value in run_model(suffix, trace, shape, tmp, args).items():
                 figures[f"{key}{suffix}"] = value
     figures["seconds"] = time.perf_counter() - started
     report(figures, traces[""].num_layers)
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

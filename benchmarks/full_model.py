@@ -15,8 +15,8 @@ arguments (nothing allocated); device memory from the device's ``bytes_limit``.
 checked the same way: the host copy plus the pinned copy).
 
 Reported: tokens/s (real tokens of the packed batch, median of ``--repeats``), MFU =
-useful FLOPs (``benchmarks.backends.useful_flops``: the config's own FLOP model, padding
-not counted) / (wall × peak), the peak as ``benchmarks.backends.device_peak``; for
+useful FLOPs (``benchmarks.lib.models.useful_flops``: the config's own FLOP model, padding
+not counted) / (wall × peak), the peak as ``benchmarks.lib.timing.device_peak``; for
 offload also Θ and the batch over Θ (``moejax.calibrate``: offload hides its copies
 when one batch is at least Θ of work; raise ``--tokens`` until it is). Beside it the
 paper's per-GPU MoE-Prefill figures (29.8-36.2% MFU).
@@ -39,116 +39,19 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks import backends as bk  # noqa: E402  (sets the CPU host-device flag)
-from benchmarks.figures import write_json  # noqa: E402
-
-import moejax  # noqa: E402
+from benchmarks.lib import models
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run, platform_figures
+from benchmarks.lib.timing import device_peak, is_gpu, median_seconds
 
 PAPER_MFU = (0.298, 0.362)      # the paper's per-GPU MoE-Prefill MFU range
 FULL_LAYERS = 48
-SCALE = 0.02
 HEADROOM = 1.05                 # weights + activations must fit with 5% to spare
 GIB = 2 ** 30
-
-
-# ==================================================================== random weights
-def is_norm(name: str) -> bool:
-    return name.endswith("norm")
-
-
-def random_slice(key: Any, shape: tuple[int, ...], dtype: Any, norm: bool) -> Any:
-    """One array of random weights on the default device: ones for a norm, else
-    N(0, SCALE²) drawn in f32 and cast."""
-    import jax
-    import jax.numpy as jnp
-
-    if norm:
-        return jnp.ones(shape, dtype)
-    return (jax.random.normal(key, shape, jnp.float32) * SCALE).astype(dtype)
-
-
-def _fill_layer(stack: Any, index: Any, key: Any, *, norm: bool) -> Any:
-    import jax
-
-    piece = random_slice(key, stack.shape[1:], stack.dtype, norm)
-    return jax.lax.dynamic_update_index_in_dim(stack, piece, index, axis=0)
-
-
-def device_stack(name: str, shape: tuple[int, ...], dtype: Any, key: Any, device: Any) -> Any:
-    """A stacked [L, ...] leaf made on ``device`` one layer at a time (the stack is
-    donated to each fill: the only extra memory is one layer's f32 draw)."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    fill = jax.jit(functools.partial(_fill_layer, norm=is_norm(name)), donate_argnums=0)
-    stack = jax.device_put(jnp.zeros(shape, dtype), device)
-    for layer in range(shape[0]):
-        stack = fill(stack, layer, jax.random.fold_in(key, layer))
-    return stack
-
-
-def leaf_keys(cfg: Any, seed: int) -> dict[str, Any]:
-    """One PRNG key per parameter path ('embed', 'layers.w_gate', ...)."""
-    import jax
-
-    from moejax.param_layout import param_shapes, tree_items
-
-    root = jax.random.PRNGKey(seed)
-    return {path: jax.random.fold_in(root, i)
-            for i, (path, _) in enumerate(tree_items(param_shapes(cfg)))}
-
-
-def device_params(cfg: Any, dtype: Any, device: Any, seed: int = 0) -> dict[str, Any]:
-    """Random params (the layout of ``moejax.param_layout``) made on ``device``."""
-    import jax
-    import jax.numpy as jnp
-
-    from moejax.param_layout import param_shapes
-
-    dtype, keys = jnp.dtype(dtype), leaf_keys(cfg, seed)
-    out: dict[str, Any] = {"layers": {}}
-    for name, shape in param_shapes(cfg).items():
-        if name == "layers":
-            for sub, sub_shape in shape.items():
-                out["layers"][sub] = device_stack(sub, sub_shape, dtype,
-                                                  keys[f"layers.{sub}"], device)
-        else:
-            with jax.default_device(device):
-                out[name] = random_slice(keys[name], shape, dtype, is_norm(name))
-    return out
-
-
-def host_params(cfg: Any, dtype: Any, seed: int = 0) -> dict[str, Any]:
-    """The same random params as NumPy arrays in host memory, drawn on the default
-    device one layer slice at a time and copied into a preallocated host stack."""
-    import jax
-    import jax.numpy as jnp
-
-    from moejax.param_layout import param_shapes
-
-    dtype, keys = jnp.dtype(dtype), leaf_keys(cfg, seed)
-    out: dict[str, Any] = {"layers": {}}
-    for name, shape in param_shapes(cfg).items():
-        if name == "layers":
-            for sub, sub_shape in shape.items():
-                stack = np.empty(sub_shape, dtype)
-                for layer in range(sub_shape[0]):
-                    key = jax.random.fold_in(keys[f"layers.{sub}"], layer)
-                    stack[layer] = np.asarray(random_slice(key, sub_shape[1:], dtype, is_norm(sub)))
-                out["layers"][sub] = stack
-        else:
-            out[name] = np.asarray(random_slice(keys[name], shape, dtype, is_norm(name)))
-    return out
 
 
 # ==================================================================== arithmetic
@@ -270,22 +173,14 @@ class Measured:
     batch_over_theta: float | None
 
 
-def median_wall(run: Callable[[], Any], repeats: int) -> float:
-    """Median synchronized wall seconds of ``run`` (after one warm-up)."""
-    import jax
-
-    from moejax.calibrate import median_seconds
-
-    return median_seconds(lambda: jax.block_until_ready(run()), repeats)
-
-
 def measure_resident(plan: Plan, cfg: Any, dtype: str, host: Any, repeats: int) -> Measured:
     import jax
 
     device = jax.devices()[0]
-    params = device_params(cfg, dtype, device)
+    params = models.device_params(cfg, dtype, device)
     batch = jax.device_put(host.batch, device)
-    wall = median_wall(lambda: plan.compiled(params, batch), repeats)
+    wall = median_seconds(lambda: jax.block_until_ready(plan.compiled(params, batch)), repeats,
+                          label="resident_forward")
     return Measured(wall_s=wall, batch_over_theta=None)
 
 
@@ -293,13 +188,16 @@ def measure_offload(cfg: Any, dtype: str, host: Any, args: argparse.Namespace) -
     from moejax.backends import make_backend
     from moejax.calibrate import calibrate
 
-    backend = make_backend("offload", cfg, host_params(cfg, dtype), dtype=dtype,
+    import jax
+
+    backend = make_backend("offload", cfg, models.host_params(cfg, dtype), dtype=dtype,
                            window=args.window)
-    wall = median_wall(lambda: backend.step([host.batch], host.options), args.repeats)
+    wall = median_seconds(lambda: jax.block_until_ready(backend.step([host.batch], host.options)),
+                          args.repeats, label="offload_step")
     calibration = calibrate(backend, reference_tokens=host.batch.tokens.shape[0],
                             reference_sequence=host.options.attn_block, repeats=2,
                             max_batch_tokens=host.batch.tokens.shape[0])
-    over = (bk.useful_flops(cfg, [host]) / calibration.theta if calibration.theta
+    over = (models.useful_flops(cfg, [host]) / calibration.theta if calibration.theta
             else math.inf)
     print(f"offload: Θ = {calibration.theta:.3g} FLOPs ({calibration.source}); one batch = "
           f"{over:.3g} Θ{'' if over >= 1 else ' (< 1: copies exposed; raise --tokens)'}")
@@ -308,10 +206,11 @@ def measure_offload(cfg: Any, dtype: str, host: Any, args: argparse.Namespace) -
 
 # ==================================================================== main
 def model_config(args: argparse.Namespace) -> tuple[Any, str]:
-    """benchmarks.backends' model shape at the full depth (48 layers unless --layers)."""
+    """The benchmark model (``benchmarks.lib.models.model_shape``) at the full depth (48
+    layers unless --layers)."""
     shape_args = argparse.Namespace(quick=args.quick, dtype=args.dtype,
                                     layers=args.layers or (None if args.quick else FULL_LAYERS))
-    return bk.model_shape(shape_args)
+    return models.model_shape(shape_args)
 
 
 def token_candidates(args: argparse.Namespace) -> list[int]:
@@ -319,13 +218,12 @@ def token_candidates(args: argparse.Namespace) -> list[int]:
         return [int(t) for t in args.tokens.split(",")]
     if args.quick:
         return [128]
-    return [65536, 32768, 16384] if bk.is_gpu() else [1024]
+    return [65536, 32768, 16384] if is_gpu() else [1024]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, seconds on CPU")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, quick_help="tiny model, seconds on CPU", repeats=3,
+                          repeats_help="timed runs (median)")
     parser.add_argument("--backend", choices=("auto", "resident", "offload"), default="auto")
     parser.add_argument("--tokens", help="batch sizes to try, largest first that fits "
                         "(powers of two; default 65536,32768,16384 GPU, 1024 CPU, 128 quick)")
@@ -336,18 +234,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help=f"decoder layers (default {FULL_LAYERS})")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
     parser.add_argument("--window", type=int, default=2, help="offload window (layers)")
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, help="device peak used for MFU")
-    return parser.parse_args(argv)
+    return parser
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     cfg, dtype = model_config(args)
-    block = args.block or (32 if args.quick else 512 if bk.is_gpu() else 128)
     candidates = token_candidates(args)
-    workload = lambda tokens: bk.make_workload(cfg, 1, block, tokens)[0]  # noqa: E731
+    block, _ = models.workload_shape(args.quick, args.block, min(candidates), tokens_flag="--tokens")
+    workload = lambda tokens: models.make_workload(cfg, 1, block, tokens)[0]  # noqa: E731
     capacity = device_bytes(jax.devices()[0])
     plan = plan_resident(cfg, dtype, candidates, args.min_tokens or min(candidates), capacity,
                          workload) if args.backend != "offload" else \
@@ -364,8 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     host = workload(plan.tokens)
     measured = (measure_resident(plan, cfg, dtype, host, args.repeats) if plan.backend ==
                 "resident" else measure_offload(cfg, dtype, host, args))
-    peak, peak_source = bk.device_peak(args, dtype)
-    mfu = bk.useful_flops(cfg, [host]) / (measured.wall_s * peak * 1e12)
+    peak, peak_source = device_peak(args.peak_tflops, dtype)
+    mfu = models.useful_flops(cfg, [host]) / (measured.wall_s * peak * 1e12)
     tokens_per_s = host.real_tokens / measured.wall_s
     print(f"full model ({cfg.num_layers} layers, {plan.backend}, {dtype}) on "
           f"{jax.devices()[0].device_kind}: {plan.tokens}-token batch ({host.real_tokens} real) "
@@ -373,8 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{100 * mfu:.2f}% of {peak:.3g} TFLOP/s ({peak_source}); paper MoE-Prefill per GPU: "
           f"{100 * PAPER_MFU[0]:.1f}-{100 * PAPER_MFU[1]:.1f}% MFU")
     return {
-        "platform": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-        "dtype": dtype, "peak_tflops": peak, "full_model_backend": plan.backend,
+        **platform_figures(), "dtype": dtype, "peak_tflops": peak, "full_model_backend": plan.backend,
         "full_model_layers": cfg.num_layers, "full_model_tokens": host.real_tokens,
         "full_model_padded_tokens": plan.tokens, "full_model_wall_s": measured.wall_s,
         "full_model_tokens_per_s": tokens_per_s, "full_model_mfu": mfu,
@@ -386,10 +282,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    moejax.configure_xla()          # before JAX starts: the GPU flags
+    args = parse_args(build_parser(), argv, gpu_overlap_flags=True)
     figures = run(args)
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -47,25 +47,19 @@ over :data:`MOSAIC_TILE_CANDIDATES` under ``{M}_{N}_mosaic_best_*``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import statistics
 import sys
-import time
-from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from kernels_pallas import gmm as pallas_gmm  # noqa: E402
-from kernels_pallas import gmm_mosaic, gmm_select, tile_schedule  # noqa: E402
-from moejax import grouped_gemm  # noqa: E402
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import is_gpu, matmul_tflops, median_seconds_rotating
+from kernels_pallas import gmm as pallas_gmm
+from kernels_pallas import gmm_mosaic, gmm_select, tile_schedule
+from moejax import grouped_gemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,29 +102,12 @@ MOSAIC_TILE_CANDIDATES = ((128, 128, 4, 1), (128, 128, 4, 4), (128, 128, 3, 8),
                           (64, 128, 6, 4), (128, 64, 6, 8), (64, 192, 4, 4))
 
 
-def is_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
-
-
 def routed_group_sizes(tokens: int, shape: ExpertShape, seed: int) -> np.ndarray:
     """Rows per expert after a random top-k routing of ``tokens`` tokens."""
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((tokens, shape.experts)).astype(np.float32)
     topk = np.argpartition(-logits, shape.top_k - 1, axis=1)[:, :shape.top_k]
     return np.bincount(topk.reshape(-1), minlength=shape.experts).astype(np.int32)
-
-
-def median_seconds(fn, input_sets, repeats: int) -> float:
-    """Median wall time of ``fn(*inputs)`` (synchronized), after one warm-up per input set."""
-    for inputs in input_sets:
-        jax.block_until_ready(fn(*inputs))
-    times = []
-    for i in range(repeats):
-        inputs = input_sets[i % len(input_sets)]
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*inputs))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def mosaic_path(shape: ExpertShape, dtype):
@@ -189,15 +166,6 @@ def separate_swiglu(x, w_gate, w_up, sizes):
     return (jax.nn.silu(gate) * up).astype(x.dtype)
 
 
-def matmul_tflops(dtype, size: int, repeats: int) -> float:
-    """The device's dense matmul rate at [size, size] × [size, size] in ``dtype``."""
-    rng = np.random.default_rng(0)
-    sets = [tuple(jnp.asarray(rng.standard_normal((size, size)), dtype) for _ in range(2))
-            for _ in range(INPUT_SETS)]
-    fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
-    return 2 * size ** 3 / median_seconds(fn, sets, repeats) / 1e12
-
-
 def tiles_name(tiles: pallas_gmm.GmmTiles) -> str:
     return (f"m{tiles.block_m}_k{tiles.block_k}_n{tiles.block_n}_w{tiles.num_warps}"
             f"_s{tiles.num_stages}")
@@ -212,7 +180,7 @@ def rank_tiles(key: str, candidates: dict, table_name: str, run, sets, flops: fl
     for name, tiles in candidates.items():
         fn = jax.jit(lambda *args, _t=tiles: run(*args, tiles=_t))
         try:
-            seconds[name] = median_seconds(fn, sets, repeats)
+            seconds[name] = median_seconds_rotating(fn, sets, repeats, label=f"{key}_{name}")
         except Exception as exc:  # noqa: BLE001  (a tile the chip or compiler refuses)
             print(f"    tiles {name:<22} failed: {type(exc).__name__}: {str(exc)[:120]}")
     ranked = sorted(seconds, key=seconds.get)
@@ -269,7 +237,7 @@ def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
             print(f"  {path:<13} skipped: {fn}")
             continue
         try:
-            seconds[path] = median_seconds(fn, sets, repeats)
+            seconds[path] = median_seconds_rotating(fn, sets, repeats, label=f"{prefix}_{path}")
         except jax.errors.JaxRuntimeError as exc:   # ragged_dot's dense product can OOM
             reason = str(exc).split("\n")[0][:160]
             figures[f"{prefix}_{path}_failed"] = reason
@@ -291,8 +259,10 @@ def bench_shape(name: str, shape: ExpertShape, tokens: int, dtype, repeats: int,
           f"matmul rate ({matmul_rate:.3f} TFLOP/s)")
 
     swiglu_sets = [(x, w, w[:, :, ::-1], s) for x, w, s in sets]
-    fused = median_seconds(jax.jit(pallas_gmm.gmm_swiglu), swiglu_sets, repeats)
-    separate = median_seconds(jax.jit(separate_swiglu), swiglu_sets, repeats)
+    fused = median_seconds_rotating(jax.jit(pallas_gmm.gmm_swiglu), swiglu_sets, repeats,
+                                    label=f"{prefix}_swiglu_fused")
+    separate = median_seconds_rotating(jax.jit(separate_swiglu), swiglu_sets, repeats,
+                                       label=f"{prefix}_swiglu_separate")
     figures[f"{prefix}_swiglu_fused_over_separate"] = separate / fused
     print(f"  gate/up+SiLU: fused kernel {fused * 1e3:.3f} ms, two GEMMs + SiLU "
           f"{separate * 1e3:.3f} ms ({separate / fused:.2f}×)")
@@ -332,8 +302,9 @@ def mosaic_figures(prefix: str, figures: dict, seconds: dict, matmul_rate: float
                    dtype) -> dict:
     """The Mosaic kernels against the Triton ones (the measured rule's inputs)."""
     tiles = gmm_select.mosaic_tiles_for(dtype, kernel="swiglu", shape=shape.gemm_shape)
-    fused = median_seconds(jax.jit(lambda *a: gmm_mosaic.gmm_swiglu_mosaic(*a, tiles=tiles)),
-                           swiglu_sets, repeats)
+    fused = median_seconds_rotating(
+        jax.jit(lambda *a: gmm_mosaic.gmm_swiglu_mosaic(*a, tiles=tiles)), swiglu_sets, repeats,
+        label=f"{prefix}_swiglu_mosaic")
     out = {f"{prefix}_mosaic_fraction_of_matmul": figures[f"{prefix}_mosaic_tflops"] / matmul_rate,
            f"{prefix}_mosaic_over_triton": seconds["pallas"] / seconds["mosaic"],
            f"{prefix}_swiglu_mosaic_over_triton": fused_triton / fused}
@@ -365,19 +336,17 @@ def mosaic_tiles_name(tiles: gmm_mosaic.MosaicTiles) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one tiny shape (under a minute)")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+    parser = bench_parser(__doc__, quick_help="one tiny shape (under a minute)",
+                          repeats_help="timed runs per path, median kept (default 20 GPU, 3 CPU)")
     parser.add_argument("--models", help=f"comma-separated, from {sorted(MODELS)}")
     parser.add_argument("--tokens", help="comma-separated token counts")
     parser.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 "
                                                       "(CPU default)")
-    parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--sweep-tiles", action="store_true",
                         help="also time the Pallas kernel over TILE_CANDIDATES per shape")
     parser.add_argument("--skip", default="",
                         help="comma-separated paths not to time (e.g. jax_tiles,dense_onehot)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
 
     gpu = is_gpu()
     models, token_counts = QUICK if args.quick else (GPU_DEFAULT if gpu else CPU_DEFAULT)
@@ -398,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not gpu:
         print("note: no GPU; Pallas runs interpreted, so its times here only show it works")
 
-    matmul_rate = matmul_tflops(dtype, 8192 if gpu else 1024, repeats)
+    matmul_rate = matmul_tflops(dtype, 8192 if gpu else 1024, repeats, INPUT_SETS)
     print(f"dense matmul rate: {matmul_rate:.3f} TFLOP/s")
     figures: dict = {"platform": jax.default_backend(), "dtype": dtype.name,
                      "matmul_tflops": matmul_rate}
@@ -406,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         for tokens in token_counts:
             figures.update(bench_shape(model, MODELS[model], tokens, dtype, repeats,
                                        matmul_rate, args.sweep_tiles, skip))
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -22,18 +22,14 @@ of each figure is printed.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import math
 import os
-import sys
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
 
 GMM_TOKENS = 16384
 RESIDENT_TOKENS = 131072
@@ -167,17 +163,18 @@ def summarize(files: Files) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", help="the directory a gpu_suite.sh run wrote")
-    parser.add_argument("--json", dest="json_path", help="default: OUT_DIR/summary.json")
-    args = parser.parse_args(argv)
+    parser = bench_parser(__doc__, quick_help="no effect (the summary only reads the files; "
+                                              "accepted as every benchmark accepts it)")
+    parser.add_argument("out_dir", help="the directory a gpu_suite.sh run wrote (--json "
+                                        "default: OUT_DIR/summary.json)")
+    args = parse_args(parser, argv)
     summary, sources = summarize(load_dir(args.out_dir))
     for key in KEYS:
         if key in summary:
             print(f"{key:<36} {summary[key]:<12.6g} from {sources[key]}")
         else:
             print(f"{key:<36} {'missing':<12} {summary['missing'][key]}")
-    write_json(args.json_path or os.path.join(args.out_dir, "summary.json"), summary)
+    finish_run(summary, args.json_path or os.path.join(args.out_dir, "summary.json"))
     return summary
 
 

@@ -35,17 +35,15 @@ health_checks_under_burst, health_checks_failed.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import percentile, sample_seconds
 
 CONCURRENCY = (1, 8, 32)
 FULL = dict(requests=2000, prompt_words=48, burst=1000, burst_words=300)
@@ -255,13 +253,6 @@ def overload(target: str, large: list[bytes], small: list[bytes], deadline: floa
     return result
 
 
-def percentile_ms(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def rss_mib(peak: bool = False) -> float:
     """This process's resident memory now (or its peak), MiB."""
     if peak:
@@ -288,13 +279,14 @@ def measure_overload(target: str, scorer, shape: dict, figures: dict) -> None:
     # the figures are of the second.
     overload(target, payloads, small[len(small) // 2:], deadline=600.0)
     figures["rss_before_burst_mib"] = rss_mib()
-    result = overload(target, payloads, small, deadline=600.0)
+    with timed_pass("overload_burst"):
+        result = overload(target, payloads, small, deadline=600.0)
     figures["peak_rss_mib"] = rss_mib(peak=True)
     figures.update(
-        small_request_p99_ms_under_burst=percentile_ms(result["small"], 0.99),
-        small_request_p50_ms_under_burst=percentile_ms(result["small"], 0.5),
-        health_p99_ms_under_burst=percentile_ms(result["health"], 0.99),
-        health_max_ms_under_burst=percentile_ms(result["health"], 1.0),
+        small_request_p99_ms_under_burst=1000 * percentile(result["small"], 99),
+        small_request_p50_ms_under_burst=1000 * percentile(result["small"], 50),
+        health_p99_ms_under_burst=1000 * percentile(result["health"], 99),
+        health_max_ms_under_burst=1000 * percentile(result["health"], 100),
         requests_lost=result["lost"], burst_seconds=result["burst_seconds"],
         burst_retries=result["retries"], small_requests_under_burst=len(result["small"]),
         health_checks_under_burst=len(result["health"]),
@@ -326,27 +318,20 @@ def warm_shapes(scorer, requests: list[dict], largest: int) -> None:
 
 def inprocess_rate(scorer, requests: list[dict]) -> float:
     """Requests/s of ``Scorer.score`` on the whole list; best of two after a warm-up."""
-    scorer.score(requests, progress=False)
-    best = 0.0
-    for _ in range(2):
-        start = time.perf_counter()
-        scorer.score(requests, progress=False)
-        best = max(best, len(requests) / (time.perf_counter() - start))
-    return best
+    seconds = sample_seconds(lambda: scorer.score(requests, progress=False), 2,
+                             label="inprocess")
+    return len(requests) / min(seconds)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests (under a minute)")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--model", default="demo", help="model directory or 'demo'")
+    parser = bench_parser(__doc__, quick_help="fewer requests (under a minute)", model="demo")
     parser.add_argument("--requests", type=int, help="timed calls per concurrency level")
     parser.add_argument("--prompt-words", type=int, help="words per prompt")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="Scorer max_batch_tokens (default: the Scorer's)")
     parser.add_argument("--burst", type=int, help="large requests in the overload burst "
                                                  "(0: no overload part)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     if args.burst is not None:
         shape["burst"] = args.burst
@@ -386,17 +371,17 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for concurrency in CONCURRENCY:
             before = server.stats()
-            result = drive(target, payloads, concurrency)
+            with timed_pass(f"{concurrency}_clients"):
+                result = drive(target, payloads, concurrency)
             after = server.stats()
             if result["failures"]:
                 raise RuntimeError(f"{len(result['failures'])} calls failed at {concurrency} "
                                    f"clients: {sorted(set(result['failures']))}")
-            latencies = sorted(result["latencies"])
+            latencies = result["latencies"]
             key = f"{concurrency}_clients"
             figures[f"requests_per_s_{key}"] = len(latencies) / result["wall"]
-            figures[f"p50_ms_{key}"] = 1000 * latencies[len(latencies) // 2]
-            figures[f"p99_ms_{key}"] = 1000 * latencies[min(len(latencies) - 1,
-                                                            int(0.99 * len(latencies)))]
+            figures[f"p50_ms_{key}"] = 1000 * percentile(latencies, 50)
+            figures[f"p99_ms_{key}"] = 1000 * percentile(latencies, 99)
             batches = after["batches"] - before["batches"]
             figures[f"mean_batch_requests_{key}"] = (after["requests"] - before["requests"]) / \
                 max(batches, 1)
@@ -412,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures["served_over_inprocess_32"] = ratio
     verdict = "meets" if ratio >= 0.8 else "MISSES"
     print(f"served at 32 clients / in-process: {ratio:.2f} (target ≥ 0.8: {verdict})")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

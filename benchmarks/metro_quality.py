@@ -55,17 +55,16 @@ CPU), metro_default_impl, metro_timing_backend, metro_timing_calls, metro_timing
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.lib import trace as chrome_trace
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.tables import print_table
+from benchmarks.lib.timing import median, median_seconds
 
 NUM_EXPERTS = 128
 TOP_K = 8
@@ -189,14 +188,9 @@ def route_rounds_checked(metro, placement: np.ndarray, tokens: np.ndarray) -> np
     return device
 
 
-def median_us(fn, repeats: int) -> float:
-    fn()  # warm-up (compiles)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+def median_us(fn, repeats: int, label: str) -> float:
+    """Median wall microseconds of ``fn`` (after one warm-up call, which compiles)."""
+    return median_seconds(fn, repeats, label=label) * 1e6
 
 
 def run_timing(metro, repeats: int, seed: int) -> dict:
@@ -223,7 +217,7 @@ def run_timing(metro, repeats: int, seed: int) -> dict:
                 optimal_us=lambda p=placement, n=tokens: metro.route_optimal(p, n))
         for name, fn in timed.items():
             runs = max(repeats // 10, 3) if name == "optimal_us" else repeats
-            figures[f"{name}_{tag}"] = round(median_us(fn, runs), 1)
+            figures[f"{name}_{tag}"] = round(median_us(fn, runs, f"{name}_{tag}"), 1)
     return figures
 
 
@@ -258,25 +252,15 @@ def call_windows(events: list[dict], function: str) -> list[tuple[float, float]]
 def device_events(trace: dict) -> list[tuple[float, float, str]]:
     """(start, end, name + args) of device work in a Chrome trace, microseconds.
 
-    Device work: on a GPU the events of the device planes' stream and op lines (lines
-    that only summarize, such as "XLA Modules" or "Steps", are left out by
-    ``benchmarks.backends.lane_of``); on CPU the events of the XLA:CPU runtime
-    threads (the thunk executor and the ops it runs), not the Python thread's.
-    Zero-length markers are dropped.
+    Device work (:func:`benchmarks.lib.trace.device_work`): on a GPU the events of the
+    device planes' stream and op lines (not the lines that only summarize, such as "XLA
+    Modules" or "Steps"); on CPU the events of the XLA:CPU runtime threads (the thunk
+    executor and the ops it runs), not the Python thread's. Markers and zero-length
+    events are dropped.
     """
-    from benchmarks.backends import HOST_LANE, lane_of, metadata
-
-    events = trace.get("traceEvents", [])
-    processes, threads = metadata(events)
-    device_pids = {pid for pid, name in processes.items() if "/device:" in name}
     out = []
-    for ev in events:
-        if ev.get("ph") != "X" or float(ev.get("dur", 0.0)) <= 0.0:
-            continue
-        if str(ev.get("name", "")).startswith(("end: ", "$")):
-            continue
-        lane = lane_of(ev, threads, device_pids)
-        if lane is None or lane == HOST_LANE:
+    for _, ev in chrome_trace.device_work(trace)[1]:
+        if float(ev["dur"]) <= 0.0:
             continue
         start = float(ev["ts"])
         label = f"{ev.get('name', '')} {json.dumps(ev.get('args', {}), sort_keys=True)}"
@@ -286,9 +270,7 @@ def device_events(trace: dict) -> list[tuple[float, float, str]]:
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of intervals (overlapping lines, e.g. ops and kernels, count once)."""
-    from benchmarks.backends import length, merge
-
-    return length(merge(intervals))
+    return chrome_trace.length(chrome_trace.merge(intervals))
 
 
 def per_call_device_us(trace: dict, function: str, name_filter: str | None = None
@@ -310,20 +292,16 @@ def per_call_device_us(trace: dict, function: str, name_filter: str | None = Non
     return busy, span
 
 
-def traced_calls(fn, calls: int) -> dict:
-    """Chrome trace of ``calls`` blocked calls of ``fn`` (compiled beforehand)."""
-    import tempfile
-
-    import jax
-
-    from benchmarks.backends import find_trace_file, load_trace
+def traced_calls(fn, calls: int, label: str) -> dict:
+    """Chrome trace of ``calls`` blocked calls of ``fn`` (compiled beforehand), the Python
+    tracer on (as the per-call windows were first read with it)."""
+    from benchmarks.lib.compiles import timed_pass
 
     fn()  # compile and warm up outside the trace
-    with tempfile.TemporaryDirectory(prefix="metro_trace_") as log_dir:
-        with jax.profiler.trace(log_dir):
-            for _ in range(calls):
-                fn()
-        return load_trace(find_trace_file(log_dir))
+    with chrome_trace.profile(python_tracer=True) as captured, timed_pass(label):
+        for _ in range(calls):
+            fn()
+    return captured.trace
 
 
 def timing_instance(metro, experts: int, devices: int, seed: int):
@@ -360,18 +338,19 @@ def run_device_timing(metro, calls: int, repeats: int, seed: int) -> dict:
         def call(impl=impl):
             return metro.route_metro_jax(placement, tokens, impl=impl).block_until_ready()
 
-        trace = traced_calls(call, calls)
+        trace = traced_calls(call, calls, f"metro_{impl}_traced")
         busy, span = per_call_device_us(trace, "route_metro_jax")
         if not busy:
             raise RuntimeError(f"no device events of route_metro_jax(impl={impl!r}) in the trace")
-        figures[f"metro_{impl}_device_us"] = round(statistics.median(busy), 1)
-        figures[f"metro_{impl}_device_span_us"] = round(statistics.median(span), 1)
+        figures[f"metro_{impl}_device_us"] = round(median(busy), 1)
+        figures[f"metro_{impl}_device_span_us"] = round(median(span), 1)
         figures[f"metro_{impl}_traced_calls"] = len(busy)
-        figures[f"metro_{impl}_host_wall_us"] = round(median_us(call, repeats), 1)
+        figures[f"metro_{impl}_host_wall_us"] = round(median_us(call, repeats,
+                                                               f"metro_{impl}_host_wall"), 1)
         if impl == "pallas":
             kernel, _ = per_call_device_us(trace, "route_metro_jax", metro.KERNEL_NAME)
             figures["metro_pallas_kernel_only_device_us"] = (
-                round(statistics.median(kernel), 1) if kernel else None)
+                round(median(kernel), 1) if kernel else None)
     figures["metro_kernel_device_us"] = figures[f"metro_{metro.DEFAULT_IMPL}_device_us"]
     figures["metro_kernel_host_wall_us"] = figures[f"metro_{metro.DEFAULT_IMPL}_host_wall_us"]
     return figures
@@ -397,37 +376,36 @@ def print_device_timing(figures: dict) -> None:
           f"{figures['metro_kernel_device_us']} us, host wall {figures['metro_kernel_host_wall_us']} us")
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'G':>3} {'repl':>5} {'tok/dev':>7} | {'EPLB-even':>9} {'METRO':>7} "
-              f"{'METRO-idx':>9} {'rounds':>7} {'optimal':>7} | {'METRO/opt':>9} {'idx/opt':>7} "
-              f"{'METRO/EPLB':>10} {'rnd/opt':>7} {'rnd/METRO':>9}")
-    print("max activated experts per device (mean over instances); ratios: mean of per-instance ratios")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['devices']:>3} {r['repl']:>5.2f} {r['tpd']:>7} | {r['eplb']:>9.2f} {r['metro']:>7.2f} "
-              f"{r['index']:>9.2f} {r['rounds']:>7.2f} {r['opt']:>7.2f} | "
-              f"{r['metro_over_optimal']:>9.3f} {r['metro_index_over_optimal']:>7.3f} "
-              f"{r['metro_over_eplb_even']:>10.3f} {r['metro_rounds_over_optimal']:>7.3f} "
-              f"{r['metro_rounds_over_metro']:>9.3f}")
+def print_rows(rows: list[dict]) -> None:
+    number = lambda key, spec: lambda r: format(r[key], spec)  # noqa: E731
+    print_table([("G", 3, number("devices", "")), ("repl", 6, number("repl", ".2f")),
+                 ("tok/dev", 8, number("tpd", "")), (" |", 2, lambda r: " |"),
+                 ("EPLB-even", 10, number("eplb", ".2f")), ("METRO", 8, number("metro", ".2f")),
+                 ("METRO-idx", 10, number("index", ".2f")), ("rounds", 8, number("rounds", ".2f")),
+                 ("optimal", 8, number("opt", ".2f")), (" |", 2, lambda r: " |"),
+                 ("METRO/opt", 10, number("metro_over_optimal", ".3f")),
+                 ("idx/opt", 8, number("metro_index_over_optimal", ".3f")),
+                 ("METRO/EPLB", 11, number("metro_over_eplb_even", ".3f")),
+                 ("rnd/opt", 8, number("metro_rounds_over_optimal", ".3f")),
+                 ("rnd/METRO", 10, number("metro_rounds_over_metro", ".3f"))], rows,
+                title="max activated experts per device (mean over instances); ratios: mean "
+                      "of per-instance ratios")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer instances and timing repeats")
-    parser.add_argument("--json", type=Path, help="write the figures as a flat JSON object here")
+    parser = bench_parser(__doc__, quick_help="fewer instances and timing repeats")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timing", action="store_true",
                         help="also trace every route_metro_jax implementation and report its "
                              "device time per call apart from the host wall (dispatch)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
 
     from kernels_pallas import metro
 
     instances = INSTANCES_QUICK if args.quick else INSTANCES_FULL
     start = time.perf_counter()
     figures, rows = run_quality(metro, instances, args.seed)
-    print_table(rows)
+    print_rows(rows)
     repeats = TIMING_REPEATS_QUICK if args.quick else TIMING_REPEATS_FULL
     figures.update(run_timing(metro, repeats, args.seed))
     if args.timing:
@@ -459,9 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.timing:
         print_device_timing(figures)
     print(f"targets met: {figures['targets_met']}  ({figures['seconds']} s)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+    finish_run(figures, args.json_path)
     return 0
 
 

@@ -39,7 +39,6 @@ JSON keys: the four above, ``router_prefix_tokens_per_s``, ``router_round_robin_
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -52,11 +51,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import workloads  # noqa: E402
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks import workloads
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import median, timed_call
 
 FULL = dict(upstreams=4, requests=48, scale=0.1, repeats=3, warmups=2, overhead_calls=200,
             failover_requests=400, multiprocess_requests=24)
@@ -73,7 +72,7 @@ def child_env() -> dict[str, str]:
     """The environment of a child process: no inherited XLA_FLAGS (each command sets the
     host devices it needs) and the checkout on the path."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -86,7 +85,7 @@ class Process:
 
     def __init__(self, args: Sequence[str], log_path: Path):
         self.log = open(log_path, "w")
-        self.popen = subprocess.Popen(moejax_command(*args), cwd=ROOT, env=child_env(),
+        self.popen = subprocess.Popen(moejax_command(*args), cwd=REPO_ROOT, env=child_env(),
                                       stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.popen.stdout.readline()
         if not line.strip().isdigit():
@@ -148,9 +147,9 @@ def score_pass(target: str, requests: list[dict[str, Any]]) -> float:
     from serving.grpc.client import Client
 
     with Client(target) as client:
-        start = time.perf_counter()
-        results = client.score(requests, progress=False, timeout=1800)
-        seconds = time.perf_counter() - start
+        # (The upstreams compile in their own processes, which this count does not see.)
+        seconds, results = timed_call(
+            lambda: client.score(requests, progress=False, timeout=1800), label=f"score_{target}")
     failed = [r.error for r in results if r.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed through {target}: {failed[0]}")
@@ -175,7 +174,7 @@ def bench_routing(routers: dict[str, Process], shape: dict[str, Any]) -> dict[st
             seconds[name].append(score_pass(routers[name].target, requests))
     for name in routers:
         rates = [t / s for t, s in zip(tokens, seconds[name])]
-        out[f"router_{name}_tokens_per_s"] = statistics.median(rates)
+        out[f"router_{name}_tokens_per_s"] = median(rates)
         out.update({f"router_{name}_pass{i}_seconds": s for i, s in enumerate(seconds[name])})
     out["router_high_share_over_round_robin"] = (out["router_prefix_tokens_per_s"]
                                                  / out["router_round_robin_tokens_per_s"])
@@ -191,13 +190,14 @@ def bench_overhead(router: Process, upstream: Process, calls: int) -> dict[str, 
     with Client(router.target) as routed, Client(upstream.target) as direct:
         for client in (routed, direct):            # warm: channels, compiled shape
             client.score([request] * 3, progress=False)
-        for _ in range(calls):
-            for name, client in (("routed", routed), ("direct", direct)):
-                start = time.perf_counter()
-                client.score([request], progress=False)
-                times[name].append(time.perf_counter() - start)
-    routed_us = statistics.median(times["routed"]) * 1e6
-    direct_us = statistics.median(times["direct"]) * 1e6
+        with timed_pass("router_overhead"):
+            for _ in range(calls):
+                for name, client in (("routed", routed), ("direct", direct)):
+                    start = time.perf_counter()
+                    client.score([request], progress=False)
+                    times[name].append(time.perf_counter() - start)
+    routed_us = median(times["routed"]) * 1e6
+    direct_us = median(times["direct"]) * 1e6
     return {"router_overhead_us": routed_us - direct_us, "router_overhead_routed_us": routed_us,
             "router_overhead_direct_us": direct_us}
 
@@ -237,10 +237,10 @@ def bench_multiprocess(count: int, workdir: Path) -> dict[str, Any]:
                                  "--backend", "async_ep", "--devices", "8", "--no-progress")}
     seconds = {}
     for name, command in commands.items():
-        start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True,
-                              text=True, timeout=900)
-        seconds[name] = time.perf_counter() - start
+        seconds[name], done = timed_call(
+            lambda command=command: subprocess.run(command, cwd=REPO_ROOT, env=child_env(),
+                                                   capture_output=True, text=True, timeout=900),
+            label=f"{name}_process_scoring")
         if done.returncode != 0:
             raise RuntimeError(f"{name}-process scoring failed: {done.stderr[-2000:]}")
 
@@ -257,14 +257,12 @@ def bench_multiprocess(count: int, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes (about a minute)")
-    parser.add_argument("--json", default=None, help="write the figures as flat JSON here")
+    parser = bench_parser(__doc__, quick_help="small shapes (about a minute)",
+                          repeats_help="timed passes per router")
     parser.add_argument("--upstreams", type=int, default=None, help="moejax serve upstreams")
-    parser.add_argument("--repeats", type=int, default=None, help="timed passes per router")
     parser.add_argument("--requests", type=int, default=None, help="requests per pass")
     parser.add_argument("--scale", type=float, default=None, help="workload length scale")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     for key in ("upstreams", "repeats", "requests", "scale"):
         if getattr(args, key) is not None:
@@ -320,8 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"devices {figures['multiprocess_seconds']:.1f} s, 1 x 8 "
           f"{figures['single_process_seconds']:.1f} s)")
     print(f"wall {figures['wall_seconds']:.0f} s")
-    if args.json:
-        write_json(args.json, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -22,19 +22,16 @@ max_abs_logprob_diff, label_agreement, tokens, requests, threads.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.tables import print_table
+from benchmarks.lib.timing import timed_call
 
 FULL = dict(hidden=512, layers=8, experts=32, top_k=4, moe_intermediate=256, heads=8,
             kv_heads=4, head_dim=64, vocab=4096, requests=64, min_len=64, max_len=512,
@@ -191,23 +188,14 @@ def moejax_pass(model_dir: str, requests: list[dict]):
     return run_once, scorer
 
 
-def timed(run_once) -> tuple[float, np.ndarray]:
-    start = time.perf_counter()
-    out = run_once()
-    return time.perf_counter() - start, out
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes, under a minute")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+    parser = bench_parser(__doc__, quick_help="small shapes, under a minute",
+                          repeats_help="timed passes per engine, alternating; the best is kept "
+                                       "(default 3, 1 with --quick)")
     parser.add_argument("--family", choices=list(FAMILIES), default="qwen3_moe",
                         help="model family (default qwen3_moe)")
     parser.add_argument("--requests", type=int, help="override the number of prompts")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed passes per engine, alternating; the best is kept "
-                             "(default 3, 1 with --quick)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     if args.requests:
         shape["requests"] = args.requests
@@ -225,9 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
         hf_once = transformers_pass(tmp, requests, shape["hf_batch"])
         t_moejax, t_hf = float("inf"), float("inf")
         for _ in range(repeats):   # alternate, so both see the same background load
-            t, lp_moejax = timed(moejax_once)
+            t, lp_moejax = timed_call(moejax_once, label="moejax")
             t_moejax = min(t_moejax, t)
-            t, lp_hf = timed(hf_once)
+            t, lp_hf = timed_call(hf_once, label="transformers")
             t_hf = min(t_hf, t)
     stats = scorer.engine.stats
     extra = {"compiled_shapes": stats.compiles,
@@ -245,13 +233,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"prefill scoring (best of {repeats} alternating passes), {args.family} d={shape['hidden']} L={shape['layers']} "
           f"E={shape['experts']} k={shape['top_k']}, {len(requests)} prompts of "
           f"{shape['min_len']}-{shape['max_len']} tokens ({tokens} tokens), {threads} threads, f32")
-    print(f"{'engine':<14}{'seconds':>10}{'tokens/s':>12}")
-    print(f"{'moejax':<14}{t_moejax:>10.2f}{figures['moejax_tokens_per_s']:>12.0f}")
-    print(f"{'transformers':<14}{t_hf:>10.2f}{figures['transformers_tokens_per_s']:>12.0f}")
+    print_table([("engine", -14, lambda row: row[0]), ("seconds", 10, lambda row: f"{row[1]:.2f}"),
+                 ("tokens/s", 12, lambda row: f"{tokens / row[1]:.0f}")],
+                [("moejax", t_moejax), ("transformers", t_hf)], rule="")
     print(f"speedup_vs_transformers = {figures['speedup_vs_transformers']:.2f}x  "
           f"(max |Δ logprob| = {figures['max_abs_logprob_diff']:.2e}, "
           f"label agreement = {figures['label_agreement']:.3f})")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -29,23 +29,19 @@ mean_prompt_tokens, blocks_per_engine, requests, repeats, load_average_at_start,
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
-
-from moejax.config import ModelConfig  # noqa: E402
-from serving.prefix_hash import BLOCK_SIZE, DIGEST_SIZE, block_hashes  # noqa: E402
-from moejax.ops import PrefillOp  # noqa: E402
-from serving.router import (BlocksEvicted, BlocksStored, FlopsExecuted,  # noqa: E402
-                            make_router)
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import percentile
+from moejax.config import ModelConfig
+from moejax.ops import PrefillOp
+from serving.prefix_hash import BLOCK_SIZE, DIGEST_SIZE, block_hashes
+from serving.router import BlocksEvicted, BlocksStored, FlopsExecuted, make_router
 
 # Qwen3-30B-A3B shapes: only the FLOP model reads them.
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48,
@@ -149,19 +145,20 @@ def run_once(name: str, engines: int, shape: dict, workload: dict, seed: int = 0
     fillers = preload(router, rng, shape["blocks"], workload["hot"])
     requests, batch = workload["requests"], shape["batch"]
     elapsed, per_call, rounds, cached = 0.0, [], 0, 0
-    for start in range(0, len(requests), batch):
-        chunk = requests[start:start + batch]
-        t0 = time.perf_counter()
-        report = router.assign(chunk)            # drains the previous call's events first
-        seconds = time.perf_counter() - t0
-        elapsed += seconds
-        per_call.append(seconds / len(chunk) * 1e6)
-        rounds += report.num_rounds
-        cached += report.cached_tokens
-        for event in engine_reports(router, fillers):   # engine side: not timed
-            router.channel.put(event)
+    with timed_pass(f"{name}_{engines}_engines"):
+        for start in range(0, len(requests), batch):
+            chunk = requests[start:start + batch]
+            t0 = time.perf_counter()
+            report = router.assign(chunk)            # drains the previous call's events first
+            seconds = time.perf_counter() - t0
+            elapsed += seconds
+            per_call.append(seconds / len(chunk) * 1e6)
+            rounds += report.num_rounds
+            cached += report.cached_tokens
+            for event in engine_reports(router, fillers):   # engine side: not timed
+                router.channel.put(event)
     prefix_tokens = sum(r.prefix_len for r in requests)
-    return dict(us=elapsed / len(requests) * 1e6, p99=float(np.percentile(per_call, 99)),
+    return dict(us=elapsed / len(requests) * 1e6, p99=percentile(per_call, 99),
                 rounds=rounds, cached_fraction=cached / prefix_tokens)
 
 
@@ -173,13 +170,11 @@ def bench(name: str, engines: int, shape: dict, workload: dict, repeats: int) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests (seconds)")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+    parser = bench_parser(__doc__, quick_help="fewer requests (seconds)",
+                          repeats_help="runs per configuration (best is reported)")
     parser.add_argument("--blocks", type=int, help="committed blocks per engine at the start")
     parser.add_argument("--requests", type=int, help="requests routed per configuration")
-    parser.add_argument("--repeats", type=int, help="runs per configuration (best is reported)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     if args.blocks is not None:
         shape["blocks"] = args.blocks
@@ -226,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = 20.0
     verdict = "meets" if figures["us_per_request_8_engines"] <= target else "MISSES"
     print(f"target ≤ {target:.0f} µs/request at 8 engines: {verdict}")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -17,15 +17,11 @@ shared_cost_token_equivalents, unshared_cost_token_equivalents, load_average_at_
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import sample_seconds
 
 FULL = dict(prompt_tokens=1900, candidates=200)
 QUICK = dict(prompt_tokens=1900, candidates=50)
@@ -49,23 +45,16 @@ def long_prompt(tokenizer, tokens: int, seed: int = 0) -> str:
     return " ".join(words)
 
 
-def best_ms(scorer, requests: list[dict]) -> float:
-    scorer.score(requests, progress=False)    # compiles
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        scorer.score(requests, progress=False)
-        best = min(best, time.perf_counter() - start)
-    return 1000 * best
+def best_ms(scorer, requests: list[dict], label: str) -> float:
+    """The best of :data:`REPEATS` timed calls (after one that compiles), milliseconds."""
+    return 1000 * min(sample_seconds(lambda: scorer.score(requests, progress=False), REPEATS,
+                                     label=label))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer candidates (under a minute)")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--model", default="demo", help="model directory or 'demo'")
+    parser = bench_parser(__doc__, quick_help="fewer candidates (under a minute)", model="demo")
     parser.add_argument("--candidates", type=int, help="two-token candidates of the request")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     if args.candidates is not None:
         shape["candidates"] = args.candidates
@@ -88,9 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
                      "load_average_at_start": load, "cpus": os.cpu_count()}
     print(f"one request: a {figures['prompt_tokens']}-token prompt, {len(candidates)} two-token "
           f"candidates; model {args.model}; load average {load:.2f} on {os.cpu_count()} CPUs")
-    figures["prompt_alone_ms"] = best_ms(shared, [alone])
-    figures["shared_ms"] = best_ms(shared, [request])
-    figures["unshared_ms"] = best_ms(unshared, [request])
+    figures["prompt_alone_ms"] = best_ms(shared, [alone], "prompt_alone")
+    figures["shared_ms"] = best_ms(shared, [request], "shared")
+    figures["unshared_ms"] = best_ms(unshared, [request], "unshared")
     figures["shared_over_prompt"] = figures["shared_ms"] / figures["prompt_alone_ms"]
     figures["unshared_over_prompt"] = figures["unshared_ms"] / figures["prompt_alone_ms"]
     figures["unshared_over_shared"] = figures["unshared_ms"] / figures["shared_ms"]
@@ -102,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"({figures['unshared_over_prompt']:.1f}x the prompt alone; "
           f"{figures['unshared_over_shared']:.1f}x shared; cost "
           f"{figures['unshared_cost_token_equivalents']} token-equivalents)")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

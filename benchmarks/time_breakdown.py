@@ -46,18 +46,12 @@ import collections
 import dataclasses
 import os
 import re
-import shutil
-import sys
-import tempfile
-from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks import backends as bk  # noqa: E402  (sets the CPU host-device flag)
-from benchmarks.figures import write_json  # noqa: E402
-
-import moejax  # noqa: E402
+from benchmarks.lib import models, trace
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run, platform_figures
+from benchmarks.lib.timing import device_peak, median_seconds
 
 SCOPES = ("attention", "experts", "route", "permute", "norm", "lm_head", "embed")
 CATEGORIES = SCOPES + ("other",)
@@ -199,24 +193,19 @@ def is_op_event(ev: Mapping[str, Any], lane: Any, device_lanes: bool,
     TPU), an event naming an HLO op on CPU (the runtime's thunks); not a marker."""
     if ev.get("ph") != "X" or "dur" not in ev or lane is None:
         return False
-    if str(ev.get("name", "")).startswith(bk.MARKER_PREFIXES):
-        return False
     args = ev.get("args", {}) or {}
     if module and args.get("hlo_module") not in (None, module):
         return False
     return device_lanes or "hlo_op" in args
 
 
-def op_events(trace: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+def op_events(chrome_trace: Mapping[str, Any] | Sequence[Mapping[str, Any]],
               table: Mapping[str, str], module: str | None) -> list[OpEvent]:
-    """The device-side op events of a Chrome trace (lanes as ``benchmarks.backends``)."""
-    events = trace.get("traceEvents", []) if isinstance(trace, Mapping) else list(trace)
-    processes, threads = bk.metadata(events)
-    device_pids = {pid for pid, name in processes.items() if "/device:" in name}
+    """The device-side op events of a Chrome trace (lanes as :func:`trace.device_work`)."""
+    device_lanes, work = trace.device_work(chrome_trace)
     out = []
-    for ev in events:
-        lane = bk.lane_of(ev, threads, device_pids)
-        if lane == bk.HOST_LANE or not is_op_event(ev, lane, bool(device_pids), module):
+    for lane, ev in work:
+        if not is_op_event(ev, lane, device_lanes, module):
             continue
         start = float(ev["ts"]) * 1e-6
         category, attributed = event_category(ev, table)
@@ -246,36 +235,15 @@ class Breakdown:
         return self.seconds.get(category, 0.0) / self.busy_s if self.busy_s else 0.0
 
 
-def split_time(intervals: Iterable[tuple[float, float, str]]) -> dict[str, float]:
-    """Seconds per label over the union of [start, end) intervals: every instant is
-    split equally between the distinct labels running then."""
-    edges: list[tuple[float, int, str]] = []
-    for start, end, label in intervals:
-        if end > start:
-            edges += [(start, 1, label), (end, -1, label)]
-    edges.sort(key=lambda e: (e[0], e[1]))
-    active: collections.Counter[str] = collections.Counter()
-    out: dict[str, float] = collections.defaultdict(float)
-    previous = None
-    for time_s, step, label in edges:
-        running = [name for name, count in active.items() if count > 0]
-        if previous is not None and running and time_s > previous:
-            for name in running:
-                out[name] += (time_s - previous) / len(running)
-        active[label] += step
-        previous = time_s
-    return dict(out)
-
-
 def attribute(events: Sequence[OpEvent]) -> Breakdown:
     """The stage breakdown of a forward's op events (module docstring)."""
     if not events:
         return Breakdown(wall_s=0.0, busy_s=0.0, seconds={}, unattributed_s=0.0)
     wall = max(e.end for e in events) - min(e.start for e in events)
-    busy = bk.length(bk.merge((e.start, e.end) for e in events))
+    busy = trace.length(trace.merge((e.start, e.end) for e in events))
     labelled = [(e.start, e.end, e.category if e.attributed else "other:unattributed")
                 for e in events]
-    split = split_time(labelled)
+    split = trace.split_time(labelled)
     unattributed = split.pop("other:unattributed", 0.0)
     seconds = {c: split.get(c, 0.0) for c in CATEGORIES}
     seconds["other"] += unattributed
@@ -289,7 +257,7 @@ def top_other(events: Sequence[OpEvent], op_names: Mapping[str, str | None],
     for e in events:
         if e.category == "other":
             tail = "/".join((op_names.get(e.name) or "").split("/")[-2:])
-            totals[f"{bk.base_name(e.name)} ({tail or 'no op_name'})"] += e.end - e.start
+            totals[f"{trace.base_name(e.name)} ({tail or 'no op_name'})"] += e.end - e.start
     return sorted(totals.items(), key=lambda kv: -kv[1])[:count]
 
 
@@ -318,16 +286,6 @@ def print_breakdown(result: Breakdown) -> None:
 
 
 # ==================================================================== the run
-def workload_tokens(args: argparse.Namespace) -> tuple[int, int]:
-    """(attention block, batch tokens): 32768 tokens on a GPU, 1024 on CPU, 128 quick."""
-    block = args.block or (32 if args.quick else 512 if bk.is_gpu() else 128)
-    tokens = args.tokens or (128 if args.quick else 32768 if bk.is_gpu() else 1024)
-    if block & (block - 1) or tokens & (tokens - 1) or tokens < block:
-        raise SystemExit(f"--block ({block}) and --tokens ({tokens}) must be powers of two "
-                         f"with tokens >= block")
-    return block, tokens
-
-
 def compile_forward(params: Any, batch: Any, cfg: Any, opts: Any) -> Any:
     """The resident forward, lowered and compiled for this batch (the executable that is
     run and traced, so its text names the trace's instructions)."""
@@ -339,80 +297,53 @@ def compile_forward(params: Any, batch: Any, cfg: Any, opts: Any) -> Any:
     return jitted.lower(params, batch, cfg=cfg, opts=opts).compile()
 
 
-def timed_runs(compiled: Any, params: Any, batch: Any, repeats: int) -> float:
-    """Median wall seconds of ``repeats`` synchronized runs (after one warm-up)."""
-    import jax
-
-    from moejax.calibrate import median_seconds
-
-    return median_seconds(lambda: jax.block_until_ready(compiled(params, batch)), repeats)
-
-
-def traced_run(compiled: Any, params: Any, batch: Any, log_dir: str) -> dict:
-    """One run under the profiler (no Python tracer) -> the Chrome trace."""
-    import jax
-
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
-    with jax.profiler.trace(log_dir, profiler_options=options):
-        jax.block_until_ready(compiled(params, batch))
-    return bk.load_trace(bk.find_trace_file(log_dir))
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, seconds on CPU")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, quick_help="tiny model, seconds on CPU", repeats=3,
+                          repeats_help="timed runs (median)")
     parser.add_argument("--tokens", type=int, help="tokens in the batch (power of two; "
                         "default 32768 GPU, 1024 CPU, 128 quick)")
     parser.add_argument("--block", type=int, help="attention block = longest sequence")
     parser.add_argument("--layers", type=int, help="decoder layers (GPU default 8)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"))
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
     parser.add_argument("--peak-tflops", type=float, help="device peak used for MFU")
     parser.add_argument("--command-buffers", action="store_true",
                         help="keep XLA's GPU command buffers (hides kernel names)")
     parser.add_argument("--trace-dir", help="keep the trace here (default: a temporary dir)")
-    return parser.parse_args(argv)
+    return parser
 
 
-def configure_flags(keep_command_buffers: bool) -> None:
-    """Before JAX starts: moejax's GPU flags, and command buffers off unless kept."""
-    moejax.configure_xla()
+def command_buffers_off(keep_command_buffers: bool) -> None:
+    """Before JAX starts: XLA's GPU command buffers off unless kept."""
     flags = os.environ.get("XLA_FLAGS", "")
     if not keep_command_buffers and "xla_gpu_enable_command_buffer" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_OFF}".strip()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    configure_flags(args.command_buffers)
+    args = parse_args(build_parser(), argv, gpu_overlap_flags=True)
+    command_buffers_off(args.command_buffers)
     import jax
 
-    from benchmarks.full_model import device_params
-
-    cfg, dtype = bk.model_shape(args)
-    block, tokens = workload_tokens(args)
-    host = bk.make_workload(cfg, 1, block, tokens)[0]
-    peak, peak_source = bk.device_peak(args, dtype)
+    cfg, dtype = models.model_shape(args)
+    block, tokens = models.workload_shape(args.quick, args.block, args.tokens, gpu_tokens=32768,
+                                          tokens_flag="--tokens")
+    host = models.make_workload(cfg, 1, block, tokens)[0]
+    peak, peak_source = device_peak(args.peak_tflops, dtype)
     print(f"time breakdown on {jax.default_backend()} ({jax.devices()[0].device_kind}): "
           f"Qwen3-MoE d={cfg.hidden_size} L={cfg.num_layers} E={cfg.num_experts} "
           f"k={cfg.num_experts_per_tok} f={cfg.moe_intermediate_size} V={cfg.vocab_size}, "
           f"{dtype}; one batch of {tokens} tokens (block {block}), {host.real_tokens} real",
           flush=True)
-    params = device_params(cfg, dtype, jax.devices()[0])
+    params = models.device_params(cfg, dtype, jax.devices()[0])
     batch = jax.device_put(host.batch, jax.devices()[0])
     compiled = compile_forward(params, batch, cfg, host.options)
     hlo = compiled.as_text()
-    wall = timed_runs(compiled, params, batch, args.repeats)
-    flops = bk.useful_flops(cfg, [host])
-    log_dir = args.trace_dir or tempfile.mkdtemp(prefix="moejax-breakdown-")
-    try:
-        trace = traced_run(compiled, params, batch, log_dir)
-    finally:
-        if not args.trace_dir:
-            shutil.rmtree(log_dir, ignore_errors=True)
-    events = op_events(trace, instruction_categories(hlo), module_name(hlo))
+    wall = median_seconds(lambda: jax.block_until_ready(compiled(params, batch)), args.repeats,
+                          label="forward")
+    flops = models.useful_flops(cfg, [host])
+    with trace.profile(args.trace_dir) as captured:
+        jax.block_until_ready(compiled(params, batch))
+    events = op_events(captured.trace, instruction_categories(hlo), module_name(hlo))
     result = attribute(events)
     mfu = flops / (wall * peak * 1e12)
     print(f"timed: {wall * 1e3:.2f} ms per batch (median of {args.repeats}), "
@@ -423,12 +354,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("largest 'other' ops (summed over lanes): " + ", ".join(
         f"{name} {seconds * 1e3:.3f} ms" for name, seconds in top_other(events, op_names)))
     figures: dict[str, Any] = {
-        "platform": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-        "dtype": dtype, "layers": cfg.num_layers, "breakdown_tokens": host.real_tokens,
+        **platform_figures(), "dtype": dtype, "layers": cfg.num_layers, "breakdown_tokens": host.real_tokens,
         "breakdown_padded_tokens": tokens, "breakdown_tokens_per_s": host.real_tokens / wall,
         "breakdown_mfu": mfu, "breakdown_timed_wall_s": wall, "peak_tflops": peak,
         "command_buffers": bool(args.command_buffers), **breakdown_figures(result)}
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -62,15 +62,16 @@ sweep; ``--json`` writes them as flat keys ``{name}_{stat}`` (e.g. ``quality_sha
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
 import zlib
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.tables import print_table
 
 FIRST_TOKEN_ID = 2          # ids 0 and 1 are left to specials (pad / BOS) in small vocabularies
 REQUEST_KINDS = ("classify", "multi", "multi_token")
@@ -637,33 +638,33 @@ def self_check(shape: Mapping[str, Any], seed: int = 0) -> dict[str, dict[str, f
 _OTHER_LEVELS = {"aggregated": "mixed", "no_sharing_sweep": "none"}
 
 
-def _print_table(stats: Mapping[str, Mapping[str, float | int]]) -> None:
-    print(f"{'workload':<18}{'level':>7}{'reqs':>6}{'ops':>7}{'mean_len':>10}{'max_len':>9}"
-          f"{'prefixes':>9}{'share':>7}{'reuse':>7}")
-    for name, s in stats.items():
-        level = SPECS[name].share_level if name in SPECS else _OTHER_LEVELS.get(name, "")
-        print(f"{name:<18}{level:>7}{s['requests']:>6}{s['ops']:>7}{s['mean_len']:>10.0f}"
-              f"{s['max_len']:>9}{s['distinct_prefixes']:>9}{s['share_ratio']:>7.3f}"
-              f"{s['reuse_ratio']:>7.3f}")
+def _print_stats(stats: Mapping[str, Mapping[str, float | int]]) -> None:
+    def level(name: str) -> str:
+        return SPECS[name].share_level if name in SPECS else _OTHER_LEVELS.get(name, "")
+
+    rows = [(name, s) for name, s in stats.items()]
+    print_table([("workload", -18, lambda r: r[0]), ("level", 7, lambda r: level(r[0])),
+                 ("reqs", 6, lambda r: str(r[1]["requests"])), ("ops", 7, lambda r: str(r[1]["ops"])),
+                 ("mean_len", 10, lambda r: f"{r[1]['mean_len']:.0f}"),
+                 ("max_len", 9, lambda r: str(r[1]["max_len"])),
+                 ("prefixes", 9, lambda r: str(r[1]["distinct_prefixes"])),
+                 ("share", 7, lambda r: f"{r[1]['share_ratio']:.3f}"),
+                 ("reuse", 7, lambda r: f"{r[1]['reuse_ratio']:.3f}")], rows, rule="")
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | int]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small samples, scale 0.1")
-    parser.add_argument("--json", dest="json_path", help="write the stats to this JSON file")
+    parser = bench_parser(__doc__, quick_help="small samples, scale 0.1")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = QUICK if args.quick else FULL
     stats = self_check(shape, seed=args.seed)
     print(f"workload self-check: vocab {shape['vocab']}, max_context {shape['max_context']}, "
           f"scale {shape['scale']}, seed {args.seed}")
-    _print_table(stats)
+    _print_stats(stats)
     flat = {f"{name}_{key}": value for name, s in stats.items() for key, value in s.items()}
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(flat, fh, indent=2)
+    finish_run(flat, args.json_path)
     return flat
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -196,12 +196,19 @@ def calibrate(backend, *, eps: float = DEFAULT_EPS, theta: float | None = None,
     return record
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` (which must synchronize) after one warm-up call."""
-    fn()
+def sample_seconds(fn, repeats: int, warmup: int = 1) -> list[float]:
+    """Wall times of ``repeats`` (at least one) calls of ``fn()`` (which must synchronize)
+    after ``warmup`` untimed calls. (The benchmarks time through this too.)"""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(max(1, repeats)):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` (which must synchronize) after one warm-up call."""
+    return statistics.median(sample_seconds(fn, repeats))

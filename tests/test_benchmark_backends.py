@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import backends as bench  # noqa: E402
+from benchmarks import backends as bench
+from benchmarks.lib import trace as bench_trace
 
 
 def meta(pid, name, tid=None):
@@ -48,7 +45,7 @@ def gpu_trace():
 
 
 def test_exposed_transfer_is_transfer_minus_its_overlap_with_compute():
-    s = bench.summarize_trace(gpu_trace())
+    s = bench_trace.summarize_trace(gpu_trace())
     assert s.device_lanes and s.lanes == 2
     # device 0: transfers 50–150 ∪ 200–210 = 110 µs; compute 0–100 ∪ 120–130 = 110 µs;
     # overlap 50–100 and 120–130 = 60 µs -> exposed 50 µs. device 1: 30 µs all hidden.
@@ -72,7 +69,7 @@ def test_cpu_lanes_are_threads_and_host_copies_meet_any_compute():
         op(9, 1, "DevicePutWithSharding", 70, 20),        # host copy: hidden 70–80 by thread 3
         op(9, 1, "PjitFunction(step)", 0, 100),
     ]}
-    s = bench.summarize_trace(trace)
+    s = bench_trace.summarize_trace(trace)
     assert not s.device_lanes and s.lanes == 3
     assert s.exposed_s == pytest.approx(20e-6 + 10e-6, abs=1e-12)
     assert s.transfer_s == pytest.approx(40e-6, abs=1e-12)
@@ -81,16 +78,16 @@ def test_cpu_lanes_are_threads_and_host_copies_meet_any_compute():
 
 
 def test_interval_helpers():
-    merged = bench.merge([(5, 7), (0, 2), (1, 3), (7, 8), (9, 9)])
+    merged = bench_trace.merge([(5, 7), (0, 2), (1, 3), (7, 8), (9, 9)])
     assert merged == [(0, 3), (5, 8)]
-    assert bench.length(merged) == 6
-    assert bench.overlap(merged, [(2, 6), (7.5, 20)]) == pytest.approx(2.5)
-    assert bench.classify("all-reduce-start.1") == "transfer"
-    assert bench.classify("psum") == "transfer"
-    assert bench.classify("recv-done.2") == "transfer"
-    assert bench.classify("while.4") == "other"
-    assert bench.classify("end: all_gather.3") == "other"
-    assert bench.classify("transpose_copy_fusion") == "compute"
+    assert bench_trace.length(merged) == 6
+    assert bench_trace.overlap(merged, [(2, 6), (7.5, 20)]) == pytest.approx(2.5)
+    assert bench_trace.classify("all-reduce-start.1") == "transfer"
+    assert bench_trace.classify("psum") == "transfer"
+    assert bench_trace.classify("recv-done.2") == "transfer"
+    assert bench_trace.classify("while.4") == "other"
+    assert bench_trace.classify("end: all_gather.3") == "other"
+    assert bench_trace.classify("transpose_copy_fusion") == "compute"
 
 
 def test_quick_run_writes_the_json_keys(tmp_path):

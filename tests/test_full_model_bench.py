@@ -10,14 +10,14 @@ import math
 import jax
 import numpy as np
 
-from benchmarks import backends as bk
 from benchmarks import full_model as fm
 from benchmarks import gpu_summary as gs
+from benchmarks.lib import models
 from moejax.param_layout import param_shapes
 
 
 def _tiny():
-    return bk.model_shape(argparse.Namespace(quick=True, layers=2, dtype=None))
+    return models.model_shape(argparse.Namespace(quick=True, layers=2, dtype=None))
 
 
 def test_weight_bytes_by_hand():
@@ -31,8 +31,8 @@ def test_weight_bytes_by_hand():
 
 def test_device_and_host_params_agree_with_the_layout():
     cfg, _ = _tiny()
-    on_device = fm.device_params(cfg, "float32", jax.devices()[0], seed=3)
-    on_host = fm.host_params(cfg, "float32", seed=3)
+    on_device = models.device_params(cfg, "float32", jax.devices()[0], seed=3)
+    on_host = models.host_params(cfg, "float32", seed=3)
     shapes = param_shapes(cfg)
     assert on_device["layers"]["w_gate"].shape == shapes["layers"]["w_gate"]
     assert isinstance(on_host["layers"]["w_up"], np.ndarray)
@@ -43,7 +43,7 @@ def test_device_and_host_params_agree_with_the_layout():
     w = on_host["layers"]["w_down"]
     assert not np.array_equal(w[0], w[1])                  # each layer its own draw
     assert 0.015 < float(np.std(w)) < 0.025
-    assert fm.device_params(cfg, "bfloat16", jax.devices()[0])["embed"].dtype == jnp_bf16()
+    assert models.device_params(cfg, "bfloat16", jax.devices()[0])["embed"].dtype == jnp_bf16()
 
 
 def jnp_bf16():
@@ -54,7 +54,7 @@ def jnp_bf16():
 
 def test_plan_picks_the_largest_batch_that_fits_and_else_offload():
     cfg, dtype = _tiny()
-    workload = lambda tokens: bk.make_workload(cfg, 1, 32, tokens)[0]  # noqa: E731
+    workload = lambda tokens: models.make_workload(cfg, 1, 32, tokens)[0]  # noqa: E731
     weights = fm.weight_bytes(cfg, dtype)
     roomy = fm.plan_resident(cfg, dtype, [128, 256], 128, 100 * weights + 2 ** 30, workload)
     assert (roomy.backend, roomy.tokens) == ("resident", 256)

@@ -17,8 +17,6 @@ hybrid tests need two devices of the platform.
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -31,9 +29,8 @@ from moejax.backends.streamed import HybridBackend
 from serving.engine import Engine
 from test_recovery import POLICY, check_recovery, failing_on_call, failing_program, make_ops
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import backends as bench  # noqa: E402
+from benchmarks import backends as bench
+from benchmarks.lib import trace as bench_trace
 
 
 ON_CPU = jax.default_backend() == "cpu"
@@ -236,13 +233,13 @@ def gpu_trace():
 
 
 def test_gpu_split_of_exposed_transfer_by_where_it_falls():
-    summary = bench.summarize_trace(gpu_trace())
+    summary = bench_trace.summarize_trace(gpu_trace())
     # Exposed: 0–10, 20–25 (before the first layer: step start, 15); 100–110 and
     # 180–200 (waits between layers, 30); 150–160 (inside a layer) and 400–410 (after
     # the last program), other 20; 260–270 and 275–300 (after a step's last program,
     # before the next step's: step start, 35).
     assert summary.exposed_s == pytest.approx(100e-6, abs=1e-12)
-    split = bench.split_exposed(summary)
+    split = bench_trace.split_exposed(summary)
     assert split.step_start_s == pytest.approx(50e-6, abs=1e-12)
     assert split.between_layers_s == pytest.approx(30e-6, abs=1e-12)
     assert split.other_s == pytest.approx(20e-6, abs=1e-12)
@@ -271,12 +268,12 @@ def test_cpu_split_reads_programs_from_their_ops_run_ids():
         kernel("jit_streamed_last", 4, 75, 15),
         op(9, 1, "DevicePutWithSharding", 5, 3), op(9, 1, "DevicePutWithSharding", 20, 5),
         op(9, 1, "DevicePutWithSharding", 40, 12)]}
-    summary = bench.summarize_trace(trace)
-    programs = summary.programs[bench.CPU_TIMELINE]
+    summary = bench_trace.summarize_trace(trace)
+    programs = summary.programs[bench_trace.CPU_TIMELINE]
     assert [p.kind for p in programs] == ["embed", "layer", "layer", "last"]
     assert [t for p in programs for t in (p.start, p.end)] == pytest.approx(
         [0.0, 5e-6, 10e-6, 40e-6, 50e-6, 70e-6, 75e-6, 90e-6], abs=1e-12)
-    split = bench.split_exposed(summary)
+    split = bench_trace.split_exposed(summary)
     # 5–8: before the first layer; 20–25: inside the first layer's program; 40–50:
     # between the layers (50–52 runs beside the second layer's kernel).
     assert summary.exposed_s == pytest.approx(18e-6, abs=1e-12)
@@ -288,15 +285,15 @@ def test_cpu_split_reads_programs_from_their_ops_run_ids():
 
 
 def test_split_helpers():
-    assert bench.subtract([(0, 10), (20, 30)], [(2, 3), (5, 22), (29, 40)]) == [
+    assert bench_trace.subtract([(0, 10), (20, 30)], [(2, 3), (5, 22), (29, 40)]) == [
         (0, 2), (3, 5), (22, 29)]
-    assert bench.subtract([(0, 5)], []) == [(0, 5)]
-    assert bench.program_kind("jit_streamed_layer(17)") == "layer"
-    assert bench.program_kind("jit_squeeze") == "other"
-    assert bench.gap_label("layer", "last") == bench.BETWEEN_LAYERS
-    assert bench.gap_label("last", "embed") == bench.STEP_START
-    assert bench.gap_label("gather", "layer") == bench.STEP_START
-    assert bench.gap_label("last", None) is None
-    assert bench.split_exposed(bench.summarize_trace({"traceEvents": []})) is None
+    assert bench_trace.subtract([(0, 5)], []) == [(0, 5)]
+    assert bench_trace.program_kind("jit_streamed_layer(17)") == "layer"
+    assert bench_trace.program_kind("jit_squeeze") == "other"
+    assert bench_trace.gap_label("layer", "last") == bench_trace.BETWEEN_LAYERS
+    assert bench_trace.gap_label("last", "embed") == bench_trace.STEP_START
+    assert bench_trace.gap_label("gather", "layer") == bench_trace.STEP_START
+    assert bench_trace.gap_label("last", None) is None
+    assert bench_trace.split_exposed(bench_trace.summarize_trace({"traceEvents": []})) is None
     assert bench.base_backend("offload_waiting") == "offload"
     assert bench.base_backend("resident_waiting") == "resident_waiting"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from benchmarks import time_breakdown as tb
+from benchmarks.lib import trace as bench_trace
 
 HLO = """HloModule jit_forward, entry_computation_layout={()->f32[4]}
 
@@ -51,7 +52,7 @@ def test_instruction_categories_from_hlo_text():
 
 
 def test_split_time_shares_overlaps_equally():
-    split = tb.split_time([(0.0, 4.0, "a"), (2.0, 6.0, "b"), (8.0, 10.0, "a"),
+    split = bench_trace.split_time([(0.0, 4.0, "a"), (2.0, 6.0, "b"), (8.0, 10.0, "a"),
                            (9.0, 10.0, "a")])
     # a: [0,2) alone 2, [2,4) half 1, [8,10) alone 2 (a second 'a' adds nothing); b: 1 + 2
     assert split == pytest.approx({"a": 5.0, "b": 3.0})
@@ -132,13 +133,12 @@ def test_op_events_of_a_gpu_trace():
 
 
 def test_named_scopes_reach_the_compiled_metadata():
-    from benchmarks import backends as bk
-    from benchmarks.full_model import device_params
+    from benchmarks.lib import models
     import argparse
 
-    cfg, dtype = bk.model_shape(argparse.Namespace(quick=True, layers=2, dtype=None))
-    host = bk.make_workload(cfg, 1, 32, 128)[0]
-    params = device_params(cfg, dtype, jax.devices()[0])
+    cfg, dtype = models.model_shape(argparse.Namespace(quick=True, layers=2, dtype=None))
+    host = models.make_workload(cfg, 1, 32, 128)[0]
+    params = models.device_params(cfg, dtype, jax.devices()[0])
     hlo = tb.compile_forward(params, jax.device_put(host.batch), cfg, host.options).as_text()
     scopes = {tb.scope_of(ins.op_name) for ins in tb.parse_instructions(hlo).values()}
     assert set(tb.SCOPES) <= scopes

@@ -1,0 +1,85 @@
+"""The metadata of a run, and the one JSON a benchmark writes (``--json PATH``).
+
+The JSON is the script's flat object of named figures (every printed ratio included),
+plus ``meta`` (where and when it ran: :func:`run_metadata`) and the compile figures of
+its timed passes (:func:`benchmarks.lib.compiles.run_figures`), so runs can be compared
+and recorded. The figures keep their names; the added keys are only these.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from typing import Any, Mapping
+
+from benchmarks.lib import compiles
+from benchmarks.lib.cli import REPO_ROOT
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with ``-dirty`` when it has changes), None outside git."""
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO_ROOT), "describe", "--always",
+                                 "--dirty", "--abbrev=40"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit or None
+
+
+def run_metadata() -> dict[str, Any]:
+    """Machine, date (UTC), Python, JAX and jaxlib versions, JAX's platform and device
+    kind (only when the script has started JAX: a metadata call must not start it), and
+    the git commit."""
+    meta: dict[str, Any] = {
+        "hostname": socket.gethostname(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "system": platform.platform(),
+        "python": platform.python_version(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit()}
+    if "jax" in sys.modules:
+        import jax
+        import jaxlib
+
+        meta.update(jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
+                    jax_platform=jax.default_backend(),
+                    device_kind=jax.devices()[0].device_kind, device_count=jax.device_count())
+    return meta
+
+
+def platform_figures() -> dict[str, str]:
+    """``platform`` (JAX's default backend) and ``device_kind`` (of device 0), the two
+    figures most benchmarks print beside their measurements (starts JAX)."""
+    import jax
+
+    return {"platform": jax.default_backend(), "device_kind": jax.devices()[0].device_kind}
+
+
+def write_json(path: str | os.PathLike | None, figures: Mapping[str, Any]) -> None:
+    """Write ``figures`` with ``meta`` and the compile figures to ``path`` (nothing when
+    ``path`` is None or empty)."""
+    if not path:
+        return
+    out = {**figures, **compiles.run_figures(), "meta": run_metadata()}
+    directory = os.path.dirname(os.fspath(path))
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(out, fh, indent=2, default=str)
+
+
+def finish_run(figures: Mapping[str, Any], path: str | os.PathLike | None) -> None:
+    """The end of a benchmark: print how many compiles its timed passes saw (a warning
+    when any did) and write its JSON."""
+    counts = compiles.run_figures()
+    if counts["timed_passes"]:
+        compiled = {k: v for k, v in counts["timed_pass_compiles"].items() if v}
+        line = (f"compiles in timed passes: {counts['compiles_in_timed_passes']} over "
+                f"{counts['timed_passes']} counted pass(es)")
+        print(f"WARNING: {line} (compiled: {compiled})" if compiled else line, flush=True)
+    write_json(path, figures)

@@ -1,0 +1,32 @@
+"""Printing a table of figures: one header line, a rule, one line per row."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+# A column: (title, width, cell) where cell formats one row's value; the title and cells
+# are right-aligned to the width (a negative width left-aligns).
+Column = tuple[str, int, Callable[[Any], str]]
+
+
+def fmt(value: Any, spec: str, none: str = "-") -> str:
+    """``format(value, spec)``, or ``none`` for None."""
+    return none if value is None else format(value, spec)
+
+
+def _align(text: str, width: int) -> str:
+    return f"{text:<{-width}}" if width < 0 else f"{text:>{width}}"
+
+
+def print_table(columns: Sequence[Column], rows: Sequence[Any] | Mapping[Any, Any],
+                title: str | None = None, rule: str = "-") -> None:
+    """Print ``rows`` (a sequence, or a mapping's values) under ``columns``, after an
+    optional ``title`` line."""
+    if title:
+        print(title)
+    header = "".join(_align(name, width) for name, width, _ in columns)
+    print(header)
+    if rule:
+        print(rule * len(header))
+    for row in (rows.values() if isinstance(rows, Mapping) else rows):
+        print("".join(_align(cell(row), width) for _, width, cell in columns))
