@@ -89,17 +89,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib import reference_traces as expert_traces
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
 
 FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, batches=400)
 QUICK = dict(per_domain=16, prompt_tokens=32, new_tokens=16, batches=200)
@@ -510,9 +508,8 @@ def model_traces(args: argparse.Namespace, shape: dict[str, Any], model_dir: str
                  domains: Sequence[str], tmp: str) -> list[tuple[str, str, str, Any]]:
     """(label, model dir, JSON suffix, trace) of the model and its untrained twin: read
     from ``--traces DIR`` (``DIR/<model>.npz``, ``DIR/<twin>.npz``), else generated here
-    by ``benchmarks/expert_traces.py``'s code on the same prompts. A model without a
-    built-in twin gets one written to ``tmp`` (:func:`untrained_model_dir`)."""
-    from benchmarks import expert_traces
+    by ``benchmarks.lib.reference_traces`` on the same prompts. A model without a
+    built-in twin gets one written to ``tmp`` (``untrained_model_dir``)."""
     from moejax import traces
     from serving.api import resolve_model_dir
     from serving.requests import TokenizerAdapter
@@ -531,7 +528,7 @@ def model_traces(args: argparse.Namespace, shape: dict[str, Any], model_dir: str
             file = os.path.join(args.traces, expert_traces.trace_file_name(args.model, bool(suffix)))
             if not os.path.isfile(file):
                 raise SystemExit(f"--traces {args.traces}: no trace {file} (write them with "
-                                 f"benchmarks/expert_traces.py --model {args.model})")
+                                 f"python -m benchmarks.expert_traces --model {args.model})")
             out.append((label, path, suffix, traces.load(file)))
         return out
     tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
@@ -547,12 +544,9 @@ def model_traces(args: argparse.Namespace, shape: dict[str, Any], model_dir: str
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="16 requests per domain, 32-token prompts, 16 new tokens")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--model", default="demo",
-                        help="model directory, or a built-in model: demo (default), demo-e32")
+    parser = bench_parser(__doc__, quick_help="16 requests per domain, 32-token prompts, 16 "
+                          "new tokens", model="demo", model_help="model directory, or a "
+                          "built-in model: demo (default), demo-e32")
     parser.add_argument("--traces", default=None,
                         help="read the traces benchmarks/expert_traces.py wrote to this "
                              "directory instead of generating them")
@@ -568,7 +562,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--gen-batch", type=int, default=16,
                         help="Generator max_batch_size (default 16)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     for key in ("per_domain", "prompt_tokens", "new_tokens", "batches"):
         if getattr(args, key) is not None:
@@ -582,7 +576,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("batch sizes must be >= 1")
 
     run_start = time.perf_counter()
-    from benchmarks import expert_traces
     from moejax.config import load_config
     from serving.api import resolve_model_dir
     from serving.generate import model_eos_ids
@@ -648,7 +641,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("  (ELDR: 17-21% fewer experts for task domains; correlation 0.70-0.92)")
     figures["total_seconds"] = time.perf_counter() - run_start
     print(f"total {figures['total_seconds']:.0f} s")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -40,7 +40,11 @@ timed passes alternate prefill, generate, prefill, ...; the median of each is re
   the paper's 5.5x compares).
 
 Both run float32 on this machine's default JAX device; the Scorer with its default options
-(prefix cache off), the Generator with ``--gen-batch`` rows per decode batch.
+(prefix cache off), the Generator with ``--gen-batch`` rows per decode batch, a fresh one
+for every pass (built outside the clock): a Generator keeps the prompt blocks it prefilled,
+so a second pass on it would skip the prompts' prefill, which the Scorer does every pass,
+and would run step programs of shapes the warm-up never compiled. Every timed pass counts
+its compiles (``compiles_in_timed_passes``; a pass that compiled is flagged).
 
     python benchmarks/reformulation_accuracy.py [--quick] [--json PATH] [--model DIR|demo]
         [--per-task N] [--max-new-tokens N] [--gen-batch N] [--repeats N] [--seed N]
@@ -57,21 +61,16 @@ accuracy_generate, agreement, unparsed, majority, items; and the run's settings.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import statistics
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, Hashable, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
-
-from serving.requests import NormalizeOptions, PrefillOp, normalize_requests  # noqa: E402
+from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import median, timed_call
+from serving.requests import NormalizeOptions, PrefillOp, normalize_requests
 
 FULL = dict(per_task=100, repeats=3)
 QUICK = dict(per_task=12, repeats=1)
@@ -178,16 +177,21 @@ def prefill_answer(result) -> Answer:
     return result.label if result.selected is None else tuple(result.selected)
 
 
-def run_prefill(scorer, requests: list[dict]) -> tuple[list, float]:
-    start = time.perf_counter()
-    results = scorer.score(requests, progress=False)
-    return results, time.perf_counter() - start
+def run_prefill(scorer, requests: list[dict], label: str | None) -> tuple[list, float]:
+    seconds, results = timed_call(lambda: scorer.score(requests, progress=False), label=label)
+    return results, seconds
 
 
-def run_generate(generator, gen_requests: list[dict]) -> tuple[list, float]:
-    start = time.perf_counter()
-    results = generator.generate(gen_requests)
-    seconds = time.perf_counter() - start
+def run_generate(new_generator, gen_requests: list[dict], label: str | None
+                 ) -> tuple[list, float]:
+    """One generate pass on a Generator made for it (outside the clock): a Generator keeps
+    the prompt blocks it prefilled cached in its KV pool, so a second pass on the same one
+    would skip the prompts' prefill (not the work the Scorer repeats every pass) and run
+    step programs of other shapes than the warm-up compiled. Its compiled step programs
+    are JAX's, shared by every Generator of the same options: a fresh one compiles
+    nothing."""
+    generator = new_generator()
+    seconds, results = timed_call(lambda: generator.generate(gen_requests), label=label)
     for r in results:
         if r.error is not None:
             raise RuntimeError(f"{r.id}: {r.error}")
@@ -195,24 +199,20 @@ def run_generate(generator, gen_requests: list[dict]) -> tuple[list, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="12 items per task, 1 timed pass")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--model", default="demo",
-                        help="model directory, or 'demo' (the built-in model; default)")
+    parser = bench_parser(__doc__, quick_help="12 items per task, 1 timed pass", model="demo",
+                          model_help="model directory, or 'demo' (the built-in model; default)",
+                          repeats_help="timed passes per mode (median kept; default 3, quick 1)")
     parser.add_argument("--per-task", type=int, help="held-out items per task (default 100; "
                                                      "quick 12)")
     parser.add_argument("--max-new-tokens", type=int, default=4,
                         help="generation budget per answer (default 4)")
     parser.add_argument("--gen-batch", type=int, default=16,
                         help="Generator max_batch_size: rows decoded together (default 16)")
-    parser.add_argument("--repeats", type=int, help="timed passes per mode (median kept; "
-                                                    "default 3, quick 1)")
     parser.add_argument("--seed", type=int, help="held-out item seed (default "
                                                  "moejax.demo.heldout.HELDOUT_SEED)")
     parser.add_argument("--tasks", help="comma-separated subset of the held-out tasks "
                                         "(default: all)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     for key in ("per_task", "repeats"):
         if getattr(args, key) is not None:
@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     requests = [item.request for item in items]
 
     scorer = Scorer(args.model, dtype="float32", compilation_cache="auto")
-    generator = Generator(args.model, dtype="float32", max_batch_size=args.gen_batch)
+
+    def new_generator() -> Generator:
+        return Generator(args.model, dtype="float32", max_batch_size=args.gen_batch)
+
     cfg = scorer.config
     options = scorer.normalize_options
     ops, errors, _ = normalize_requests(requests, scorer.tokenizer, vocab_size=cfg.vocab_size,
@@ -264,13 +267,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{shape['repeats']} timed passes after a warm-up; load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
-    _, warm_prefill = run_prefill(scorer, requests)
-    _, warm_generate = run_generate(generator, gen_requests)
+    _, warm_prefill = run_prefill(scorer, requests, label=None)           # warm-ups
+    _, warm_generate = run_generate(new_generator, gen_requests, label=None)
     prefill_times, generate_times = [], []
     for _ in range(shape["repeats"]):
-        score_results, seconds = run_prefill(scorer, requests)
+        score_results, seconds = run_prefill(scorer, requests, label="prefill")
         prefill_times.append(seconds)
-        gen_results, seconds = run_generate(generator, gen_requests)
+        gen_results, seconds = run_generate(new_generator, gen_requests, label="generate")
         generate_times.append(seconds)
 
     # answers
@@ -317,8 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"prefill - generate: {100 * gap:+.1f} pp (the paper: within ~1 pp, same model)")
 
     # throughput
-    prefill_s = statistics.median(prefill_times)
-    generate_s = statistics.median(generate_times)
+    prefill_s = median(prefill_times)
+    generate_s = median(generate_times)
     prompt_tokens = sum(r.prompt_tokens for r in gen_results)
     new_tokens = sum(len(r.token_ids) for r in gen_results)
     n_items = len(items)
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{figures['tokens_per_s_ratio']:.2f}x (the paper: 5.5x tokens/s)")
     figures["total_seconds"] = time.perf_counter() - run_start
     print(f"total {figures['total_seconds']:.0f} s")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks import expert_specialization as es
-from benchmarks import expert_traces
+from benchmarks.lib import reference_traces as expert_traces
 from benchmarks import reformulation_accuracy as ra
 from serving.requests import NormalizeOptions, OpKey, PrefillOp, normalize_requests
 

@@ -7,6 +7,7 @@ is ``moejax.calibrate.sample_seconds``, the one the engine calibrates with.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import statistics
@@ -41,10 +42,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
 
 
-def timed_call(fn: Callable[[], Any], *, label: str) -> tuple[float, Any]:
-    """(wall seconds, result) of one call of ``fn``, a counted pass named ``label`` (for
-    a pass whose result is used, or a loop that alternates several workloads)."""
-    with timed_pass(label):
+def timed_call(fn: Callable[[], Any], *, label: str | None) -> tuple[float, Any]:
+    """(wall seconds, result) of one call of ``fn`` (for a pass whose result is used, or a
+    loop that alternates several workloads): a counted pass named ``label``, or, with
+    ``label`` None, a warm-up whose time is reported but is no measurement."""
+    with timed_pass(label) if label else contextlib.nullcontext():
         start = time.perf_counter()
         result = fn()
         seconds = time.perf_counter() - start
