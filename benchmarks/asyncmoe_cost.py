@@ -15,7 +15,7 @@ compile, host wall including dispatch):
 
 ``batch_overhead_s`` is 0: the dispatch cost is inside every measured entry.
 
-    python benchmarks/asyncmoe_cost.py [--quick] [--model demo-e32] [--json PATH]
+    python -m benchmarks.asyncmoe_cost [--quick] [--model demo-e32] [--json PATH]
         [--cost-out benchmarks/data/asyncmoe_cost_cpu_demo-e32.json] [--repeats N]
 """
 

@@ -56,7 +56,7 @@ the multi-device backends are synchronized after every step: with two steps of a
 collective program in flight, XLA:CPU was seen to deadlock in a rendezvous (8 host
 devices on 2 cores) and abort after its 40 s timeout.
 
-    python benchmarks/backends.py [--quick] [--json PATH] [--backends resident,offload,...]
+    python -m benchmarks.backends [--quick] [--json PATH] [--backends resident,offload,...]
         [--devices G] [--window W] [--sync-lag K] [--layers L] [--steps K] [--repeats N]
         [--block B] [--batch-tokens T] [--peak-tflops X] [--dtype bfloat16|float32]
         [--sync-steps] [--trace-dir DIR]

@@ -6,7 +6,7 @@ checkout first on ``PYTHONPATH``), lowers and compiles one packed scoring step
 source-location metadata stripped. Equal texts mean the refactor changed no computation,
 so any timing difference between the two is noise or host-side Python.
 
-    python benchmarks/compare_programs.py --old-root /path/to/old/checkout [--quick] [--json PATH]
+    python -m benchmarks.compare_programs --old-root /path/to/old/checkout [--quick] [--json PATH]
 
 (make the old checkout with ``git worktree add /tmp/old <commit>``.)
 JSON keys, per backend B: B_old_lines, B_new_lines, B_differing_lines (lines in one

@@ -55,7 +55,7 @@ chose exactly what JSQ chose, in the real run and in every simulation). Each als
 ``_twin`` and, where it applies, ``_shuffled``; per-K, per-cost and per-policy figures
 under longer names.
 
-    python benchmarks/eldr.py [--quick] [--json PATH] [--traces DIR] [--decoders 4]
+    python -m benchmarks.eldr [--quick] [--json PATH] [--traces DIR] [--decoders 4]
         [--batch 8] [--load 0.75] [--sim-max-batch N] [--sim-requests N] [--headline-k 16]
         [--gpu-cost FILE] [--gpu-fit NAME] [--seed N]
 """

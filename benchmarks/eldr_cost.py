@@ -41,7 +41,7 @@ Shapes (``--shape``): ``qwen3-30b-a3b`` (d=2048, f=768, E=128, k=8, bf16; n ∈
 {8..128}, B ∈ {8..64}) and ``demo-e32`` (configs/demo-e32.yaml: d=128, f=64, E=32,
 k=4, f32; n ∈ {4..32}, B ∈ {1..16}). Points with B·k < n are skipped.
 
-    python benchmarks/eldr_cost.py [--quick] [--shape qwen3-30b-a3b] [--expert-impl auto]
+    python -m benchmarks.eldr_cost [--quick] [--shape qwen3-30b-a3b] [--expert-impl auto]
         [--source stacked] [--json PATH] [--cost-out PATH]
 
 JSON keys (flat), for the first (impl, source) configuration: ``a_us_per_expert``,

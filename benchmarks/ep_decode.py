@@ -45,7 +45,7 @@ scheduler against synchronous EP, on the cost tables of ``benchmarks/asyncmoe_co
 device count under longer keys), batch sizes, stalls, queue depth, completion rate, and
 the defrag scheduler's δ / lookahead sweep.
 
-    python benchmarks/ep_decode.py [--quick] [--json PATH] [--traces DIR] [--instances N]
+    python -m benchmarks.ep_decode [--quick] [--json PATH] [--traces DIR] [--instances N]
         [--link-gbps 450] [--tables PATH] [--seed N]
 """
 

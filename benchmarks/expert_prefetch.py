@@ -41,7 +41,7 @@ Trained model only (the twin has no task skill to keep):
   then copies its misses). ``tpot_prefetch_over_ondemand_modelled`` is speculative decode
   with the estimator (the seed's Est-PF) over on-demand; ``tpot_<config>_modelled_ms``.
 
-    python benchmarks/expert_prefetch.py [--quick] [--json PATH] [--traces DIR]
+    python -m benchmarks.expert_prefetch [--quick] [--json PATH] [--traces DIR]
         [--steps N] [--new-tokens N] [--items N] [--seed N]
 """
 

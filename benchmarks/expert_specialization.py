@@ -62,7 +62,7 @@ printed (after it the model starts a new text, which can leave the domain), and 
 correlation is also given over each request's decode tokens before its first EOS only
 (``prefill_decode_correlation_before_eos``; requests whose first token is EOS left out).
 
-    python benchmarks/expert_specialization.py [--quick] [--json PATH]
+    python -m benchmarks.expert_specialization [--quick] [--json PATH]
         [--model demo|demo-e32|DIR] [--traces DIR] [--per-domain N] [--prompt-tokens N]
         [--new-tokens N] [--batch N] [--batch-sizes 2,4,8,16] [--batches N] [--seed N]
 

@@ -18,7 +18,7 @@ same prompts and (greedy, float32) the same traces. The full set (64 requests x 
 64-token prompts, 32 new tokens, router inputs) is about 160 MB per model uncompressed, so
 it is not committed: it takes about 3 minutes to rebuild on the 2-core CPU.
 
-    python benchmarks/expert_traces.py [--quick] [--json PATH] [--model demo-e32]
+    python -m benchmarks.expert_traces [--quick] [--json PATH] [--model demo-e32]
         [--out out/traces] [--per-domain N] [--prompt-tokens N] [--new-tokens N]
         [--router-inputs | --no-router-inputs] [--seed N]
 

@@ -21,7 +21,7 @@ offload also Θ and the batch over Θ (``moejax.calibrate``: offload hides its c
 when one batch is at least Θ of work; raise ``--tokens`` until it is). Beside it the
 paper's per-GPU MoE-Prefill figures (29.8-36.2% MFU).
 
-    python benchmarks/full_model.py [--quick] [--json PATH] [--backend auto|resident|offload]
+    python -m benchmarks.full_model [--quick] [--json PATH] [--backend auto|resident|offload]
         [--tokens T[,T...]] [--min-tokens T] [--block B] [--layers L] [--dtype D]
         [--window W] [--repeats N] [--peak-tflops X]
 

@@ -1,7 +1,7 @@
 """Generation serving on one arrival trace: moejax's batching modes, decode steps and
 backends, and the Hugging Face `transformers` reference, each replaying the same requests.
 
-    python benchmarks/generation_serving.py [--quick] [--json PATH] [--configs a,b,...]
+    python -m benchmarks.generation_serving [--quick] [--json PATH] [--configs a,b,...]
                                             [--model demo|DIR] [--rate R | --load L]
 
 **Workload.** ``--requests`` requests (full 200, quick 48), seeded (``--seed``):
@@ -121,14 +121,15 @@ import platform
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
+from benchmarks.lib import cli
+from benchmarks.lib.compiles import counting, timed_pass
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.tables import print_table
+from benchmarks.lib.timing import percentile
 
 FULL = dict(requests=200, prompt_min=16, prompt_max=512, max_new=128, max_batch_size=16)
 QUICK = dict(requests=48, prompt_min=16, prompt_max=128, max_new=32, max_batch_size=8)
@@ -224,11 +225,6 @@ class Timing:
         self.last = now
         self.tokens += count
         self.events += 1
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0–100, numpy's linear interpolation); NaN when empty."""
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
 
 
 def ttfts(timings: Sequence[Timing]) -> list[float]:
@@ -349,32 +345,6 @@ def replay_loop(loop: Any, trace: Sequence[TraceRequest], rate: float,
     return timings
 
 
-class CompileCounter:
-    """Counts JAX compiles (jax.monitoring events, process-wide): ``count`` backend
-    compiles (a program loaded from a persistent cache counts too), ``seconds`` spent
-    tracing, lowering and compiling."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-    PREFIX = "/jax/core/compile/"
-    count = 0
-    seconds = 0.0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        if not cls._installed:
-            from jax import monitoring
-
-            def listener(name: str, seconds: float, **_: Any) -> None:
-                if name == cls.EVENT:
-                    cls.count += 1
-                if name.startswith(cls.PREFIX):
-                    cls.seconds += seconds
-
-            monitoring.register_event_duration_secs_listener(listener)
-            cls._installed = True
-
-
 # ============================================================================ runners
 class MoejaxRunner:
     """One moejax configuration: a Generator with its options, replayed through its
@@ -385,7 +355,6 @@ class MoejaxRunner:
                  extra: dict[str, Any]):
         from serving import Generator
 
-        CompileCounter.install()
         self.name = name
         self.max_batch_size = max_batch_size
         base = dict(dtype="float32", max_batch_size=max_batch_size,
@@ -599,11 +568,8 @@ def machine_line() -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="48 short requests, max_new_tokens up to 32, batches of 8")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
-    parser.add_argument("--model", default="demo", help="model directory or 'demo'")
+    parser = cli.bench_parser(__doc__, quick_help="48 short requests, max_new_tokens up to 32, "
+                              "batches of 8", model="demo")
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS),
                         help=f"comma-separated subset of {','.join(ALL_CONFIGS)}")
     parser.add_argument("--requests", type=int, help="requests in the trace")
@@ -623,7 +589,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "torch's own, every core)")
     parser.add_argument("--max-prefill-tokens", type=int, help="moejax continuous option")
     parser.add_argument("--kv-cache-blocks", type=int, help="moejax continuous option")
-    args = parser.parse_args(argv)
+    args = cli.parse_args(parser, argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(args.configs) - set(ALL_CONFIGS))
     if unknown or not args.configs:
@@ -636,9 +602,9 @@ def warm_up(runner: Any, trace: Sequence[TraceRequest], rate: float, seed: int, 
     """Replay warm-up traces (``trace`` with fresh token ids each time) until one compiles
     nothing, at most ``most`` times; the number of passes."""
     for done in range(1, most + 1):
-        before = CompileCounter.count
-        runner.warm_up(fresh_tokens(trace, seed + WARMUP_SEED_OFFSET + done, vocab), rate)
-        if CompileCounter.count == before:
+        with counting() as compiled:
+            runner.warm_up(fresh_tokens(trace, seed + WARMUP_SEED_OFFSET + done, vocab), rate)
+        if not compiled.count:
             break
     return done
 
@@ -689,7 +655,7 @@ def main(argv: list[str] | None = None) -> dict:
         "configs": ",".join(args.configs),
         "machine": machine_line(), "cpus": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "benchmarks/generation_serving.py",
+        "command": " ".join(["python", "-m", "benchmarks.generation_serving",
                              *(sys.argv[1:] if argv is None else argv)]),
         "load_average_at_start": load_average, "jax_backend": jax.default_backend(),
         "torch_threads": torch.get_num_threads(),
@@ -745,10 +711,9 @@ def main(argv: list[str] | None = None) -> dict:
             start = time.perf_counter()
             passes = warm_up(current, trace, rate, args.seed, vocab, args.warmup_passes)
             warmup_s = time.perf_counter() - start
-            compiles, compile_s = CompileCounter.count, CompileCounter.seconds
-            timings = current.replay(trace, rate)
-            compiles = CompileCounter.count - compiles
-            compile_s = CompileCounter.seconds - compile_s
+            with timed_pass(f"{name}_replay") as compiled:
+                timings = current.replay(trace, rate)
+            compiles, compile_s = compiled.count, compiled.seconds
         except ConfigUnavailable as exc:
             skipped[name] = str(exc)
             print(f"{name}: skipped ({exc})")
@@ -778,10 +743,10 @@ def main(argv: list[str] | None = None) -> dict:
     figures["skipped_configs"] = ",".join(skipped)
 
     report_ratios(figures)
-    print_table(figures, [c for c in args.configs if c not in skipped])
+    print_results(figures, [c for c in args.configs if c not in skipped])
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in figures.items()}
-    write_json(args.json_path, clean)
+    finish_run(clean, args.json_path)
     return clean
 
 
@@ -814,15 +779,20 @@ def report_ratios(figures: dict) -> None:
         print(f"{key}: {shown}" + (f"  ({note})" if note and value is not None else ""))
 
 
-def print_table(figures: dict, configs: list[str]) -> None:
-    print("\n| configuration | tokens/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-          "TPOT p99 ms |\n| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name in configs:
-        cells = [figures.get(f"{name}_{k}") for k in
-                 ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")]
-        print(f"| {name} | " + " | ".join("n/a" if v is None or not math.isfinite(v)
-                                          else f"{v:.1f}" if i < 3 else f"{v:.2f}"
-                                          for i, v in enumerate(cells)) + " |")
+def print_results(figures: dict, configs: list[str]) -> None:
+    def cell(key: str, spec: str) -> Callable[[str], str]:
+        def text(name: str) -> str:
+            value = figures.get(f"{name}_{key}")
+            return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
+        return text
+
+    print()
+    print_table([("configuration", -1, lambda name: name),
+                 ("tokens/s", 1, cell("tokens_per_s", ".1f")),
+                 ("TTFT p50 ms", 1, cell("ttft_p50_ms", ".1f")),
+                 ("TTFT p99 ms", 1, cell("ttft_p99_ms", ".1f")),
+                 ("TPOT p50 ms", 1, cell("tpot_p50_ms", ".2f")),
+                 ("TPOT p99 ms", 1, cell("tpot_p99_ms", ".2f"))], configs, markdown=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ masked (``work_item_waste``: one whole tile per (group, tile) pair) against padd
 group to whole tiles (``padded_waste``). Off GPU the defaults shrink to CPU-sized shapes: the run only
 shows the paths work (Pallas is interpreted there).
 
-    python benchmarks/gmm.py [--quick] [--json PATH] [--models qwen3,mixtral] [--tokens 4096,16384]
+    python -m benchmarks.gmm [--quick] [--json PATH] [--models qwen3,mixtral] [--tokens 4096,16384]
 
 JSON keys (flat): ``matmul_tflops``; per model M and token count N:
 ``{M}_{N}_{path}_tflops``, ``{M}_{N}_{path}_over_ragged_dot``,

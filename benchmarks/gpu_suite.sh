@@ -46,12 +46,12 @@ kernels)
         tests/test_gmm_kernel.py tests/test_gmm_mosaic.py tests/test_metro.py \
         tests/test_metro_rounds.py tests/test_moe.py tests/test_overlap.py \
         tests/test_streamed_pipeline.py
-    step gmm 280 python3 benchmarks/gmm.py --json "$out/gmm.json" --repeats 5
+    step gmm 280 python3 -m benchmarks.gmm --json "$out/gmm.json" --repeats 5
     ;;
 sweep)
     # Tile sweeps of the Triton and Mosaic GPU kernels at 16K tokens (fills GMM_TILES,
     # SWIGLU_TILES and gmm_select.MOSAIC_TILES; mosaic_over_triton feeds the backend rule).
-    step gmm_tiles 420 python3 benchmarks/gmm.py --models qwen3,mixtral --tokens 16384 \
+    step gmm_tiles 420 python3 -m benchmarks.gmm --models qwen3,mixtral --tokens 16384 \
         --sweep-tiles --skip jax_tiles,dense_onehot --repeats 5 --json "$out/gmm_tiles.json"
     ;;
 serving)
@@ -59,13 +59,13 @@ serving)
     # layer loop (default) and with a wait after every layer (offload_waiting), side by side:
     # offload_over_resident, offload_exposed_transfer_fraction and where the exposed copy
     # falls (step start / between layers), offload_lagged_over_waiting.
-    step backends 540 python3 benchmarks/backends.py --backends resident,offload,offload_waiting \
+    step backends 540 python3 -m benchmarks.backends --backends resident,offload,offload_waiting \
         --batch-tokens 131072 --block 1024 --json "$out/backends.json"
     ;;
 metro)
     # Quality of the greedy and the vectorized rounds, and each one's device time from a
     # profiler trace apart from host wall (metro_kernel_device_us).
-    step metro 150 python3 benchmarks/metro_quality.py --timing --json "$out/metro.json"
+    step metro 150 python3 -m benchmarks.metro_quality --timing --json "$out/metro.json"
     ;;
 eldr)
     # MoE decode-layer time against active experts (benchmarks/eldr_cost.py), Qwen3-30B-A3B
@@ -74,7 +74,7 @@ eldr)
     # go into the cost model (eldr_cost.json: auto + stacked first, every fit under "fits").
     step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
         python3 -c "import jax, jaxlib, sys; print(sys.version); print(jax.__version__, jax.devices())"'
-    step eldr 420 python3 benchmarks/eldr_cost.py --shape qwen3-30b-a3b \
+    step eldr 420 python3 -m benchmarks.eldr_cost --shape qwen3-30b-a3b \
         --expert-impl auto,fused_tiles --source stacked,given --json "$out/eldr.json" \
         --cost-out "$out/eldr_cost.json" ${ELDR_DATE:+--date "$ELDR_DATE"} \
         ${ELDR_MACHINE:+--machine "$ELDR_MACHINE"}
@@ -83,14 +83,14 @@ mfu)
     # Where a resident prefill batch's device time goes (Qwen3 shape, 8 layers, 32K tokens;
     # rerun after a kernel change to compare), the resident MFU at a 131K-token batch, and
     # the whole 48-layer model (resident when it fits, by the printed arithmetic).
-    step breakdown 110 python3 benchmarks/time_breakdown.py --tokens 32768 \
+    step breakdown 110 python3 -m benchmarks.time_breakdown --tokens 32768 \
         --json "$out/breakdown.json"
-    step backends_131k 190 python3 benchmarks/backends.py --backends resident \
+    step backends_131k 190 python3 -m benchmarks.backends --backends resident \
         --batch-tokens 131072 --steps 1 --json "$out/backends_131k.json"
-    step full_model 270 python3 benchmarks/full_model.py --tokens 65536,32768 --json "$out/full_model.json"
+    step full_model 270 python3 -m benchmarks.full_model --tokens 65536,32768 --json "$out/full_model.json"
     ;;
 summary)
-    step summary 60 python3 benchmarks/gpu_summary.py "$out"
+    step summary 60 python3 -m benchmarks.gpu_summary "$out"
     ;;
 *)
     echo "unknown part $part (kernels, sweep, serving, metro, eldr, mfu or summary)" >&2

@@ -17,7 +17,7 @@ plus ``missing``: key -> why it is absent (no file, no such key, no run that qua
 Nothing is invented: a figure is copied from its file or reported missing. The source
 of each figure is printed.
 
-    python benchmarks/gpu_summary.py OUT_DIR [--json PATH]   (default OUT_DIR/summary.json)
+    python -m benchmarks.gpu_summary OUT_DIR [--json PATH]   (default OUT_DIR/summary.json)
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ In-process throughput: the same requests through ``Scorer.score`` in one call (t
 case for batching), best of two runs after a warm-up; ``served_over_inprocess_32`` =
 requests/s at 32 clients / in-process requests/s (target ≥ 0.8).
 
-    python benchmarks/grpc_serving.py [--quick] [--model demo|DIR] [--json PATH]
+    python -m benchmarks.grpc_serving [--quick] [--model demo|DIR] [--json PATH]
 
 Overload (after the throughput levels, same server): a burst of ``--burst`` large requests
 (long prompts, ``BURST_CANDIDATES`` two-token candidates each) sent at once, plus a steady

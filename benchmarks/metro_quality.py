@@ -34,7 +34,7 @@ the profiler). On a GPU the Pallas kernel's own event (``metro.KERNEL_NAME``) is
 also reported. On CPU the figure is XLA:CPU's (the kernel interpreted as XLA ops,
 and the profiler's per-op events inflate loops), not a GPU figure.
 
-    python benchmarks/metro_quality.py [--quick] [--timing] [--json PATH] [--seed S]
+    python -m benchmarks.metro_quality [--quick] [--timing] [--json PATH] [--seed S]
 
 JSON keys (flat): metro_over_optimal, metro_over_eplb_even, metro_over_eplb_even_32,
 metro_index_over_optimal, metro_index_over_eplb_even_32, per-configuration

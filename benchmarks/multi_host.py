@@ -28,7 +28,7 @@ Four parts, each against its baseline in the same run (the built-in demo model, 
   (timings aside), else 0. ``multiprocess_seconds`` / ``single_process_seconds``: their
   wall times (start-up included; the 2-process run pays gloo collectives on CPU).
 
-    python benchmarks/multi_host.py [--quick] [--json PATH] [--upstreams N] [--repeats N]
+    python -m benchmarks.multi_host [--quick] [--json PATH] [--upstreams N] [--repeats N]
                                     [--requests N] [--scale X]
 
 JSON keys: the four above, ``router_prefix_tokens_per_s``, ``router_round_robin_tokens_per_s``,

@@ -14,7 +14,7 @@ between the two engines), and the candidate log-probs are compared.
 that family's own transformers config class (its attention, routing, shared experts and
 dense layers as :data:`FAMILIES` describes), compared the same way.
 
-    python benchmarks/prefill_cpu.py [--quick] [--family F] [--json PATH]
+    python -m benchmarks.prefill_cpu [--quick] [--family F] [--json PATH]
 
 JSON keys: family, moejax_tokens_per_s, transformers_tokens_per_s, speedup_vs_transformers,
 max_abs_logprob_diff, label_agreement, tokens, requests, threads.

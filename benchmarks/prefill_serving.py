@@ -65,7 +65,7 @@ own pass), so siblings each recompute the prompt's last token; across calls only
 16-token blocks are cached. :func:`plan_floor_flops` is the engine's own plan of the whole
 workload as one call on one engine; it is printed beside the ideal.
 
-    python benchmarks/prefill_serving.py [--quick] [--json PATH] [--engines N] [--repeats N]
+    python -m benchmarks.prefill_serving [--quick] [--json PATH] [--engines N] [--repeats N]
                                          [--requests N] [--chunk N] [--scale X] [--seed N]
                                          [--configs prefix,round_robin,...]
 
@@ -81,41 +81,21 @@ max_abs_logprob_diff}``, and the run's settings.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-HOST_DEVICES = 8
-DEVICE_FLAG = "--xla_force_host_platform_device_count"
-# The CLI and tests run several engines on forced CPU host devices; set it before JAX starts
-# (a user's own device-count flag is kept).
-if DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
-                               f"{DEVICE_FLAG}={HOST_DEVICES}").strip()
+import numpy as np
 
+from benchmarks.lib import cli
+from benchmarks.lib.meta import finish_run
+from benchmarks.lib.timing import median, timed_call
+from moejax.config import ModelConfig
+from serving.prefix_cache import PrefixCache, plan_run
+from serving.prefix_hash import BLOCK_SIZE
 
-def _more_host_devices(count: int) -> None:
-    """Raise the forced device count set above to ``count`` (main calls it before any JAX
-    work, so XLA still reads it; a user's own flag is left alone)."""
-    ours = f"{DEVICE_FLAG}={HOST_DEVICES}"
-    flags = os.environ.get("XLA_FLAGS", "")
-    if count > HOST_DEVICES and ours in flags.split():
-        os.environ["XLA_FLAGS"] = flags.replace(ours, f"{DEVICE_FLAG}={count}")
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from benchmarks.figures import write_json  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from moejax.config import ModelConfig  # noqa: E402
-from serving.prefix_cache import PrefixCache, plan_run  # noqa: E402
-from serving.prefix_hash import BLOCK_SIZE  # noqa: E402
+HOST_DEVICES = 8        # at least: the engines run on forced CPU host devices
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "prefix": dict(routing="prefix"),
@@ -295,18 +275,22 @@ def release_programs() -> None:
     gc.collect()
 
 
-def run_pass(scorer, requests: Sequence[Mapping[str, Any]], calls: Sequence[range]
-             ) -> dict[str, Any]:
-    """One cold pass: reset caches and router, score ``requests`` in ``calls``."""
+def run_pass(scorer, requests: Sequence[Mapping[str, Any]], calls: Sequence[range],
+             label: str | None) -> dict[str, Any]:
+    """One cold pass: reset caches and router, score ``requests`` in ``calls`` (a counted
+    timed pass named ``label``; None for a warm-up)."""
     scorer.reset_prefix_cache()
     before = _snapshot(scorer)
     credited = 0
     results = []
-    start = time.perf_counter()
-    for call in calls:
-        results += scorer.score([requests[i] for i in call], progress=False)
-        credited += scorer.pool.last_report.cached_tokens
-    seconds = time.perf_counter() - start
+
+    def score_calls() -> None:
+        nonlocal credited
+        for call in calls:
+            results.extend(scorer.score([requests[i] for i in call], progress=False))
+            credited += scorer.pool.last_report.cached_tokens
+
+    seconds, _ = timed_call(score_calls, label=label)
     after = _snapshot(scorer)
     errors = [r.error for r in results if r.error]
     if errors:
@@ -318,7 +302,7 @@ def run_pass(scorer, requests: Sequence[Mapping[str, Any]], calls: Sequence[rang
 
 def summarize(passes: Sequence[dict[str, Any]], prompt_tokens: int) -> dict[str, Any]:
     """Median pass; FLOPs, hits and compiles (identical across passes but compiles)."""
-    seconds = statistics.median(p["seconds"] for p in passes)
+    seconds = median([p["seconds"] for p in passes])
     last = passes[-1]
     per_engine = last["per_engine"]
     flops = [e["flops"] for e in per_engine]
@@ -423,7 +407,8 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
     def timed(group: list[str]) -> None:            # interleaved: A B C A B C ...
         for _ in range(repeats):
             for config in group:
-                passes[config].append(run_pass(scorers[config], requests, calls))
+                passes[config].append(run_pass(scorers[config], requests, calls,
+                                               label=f"{name}_{config}"))
 
     release_programs()
     budget, growth = 0.8 * map_limit(), 0
@@ -437,7 +422,7 @@ def bench_workload(name: str, requests: list[dict[str, Any]], scorers: Mapping[s
             groups.append([])
             now = map_count()
         before = sum(e.stats.compiles for e in scorer.engines)
-        warmup[config] = run_pass(scorer, requests, calls)["seconds"]   # compiles every shape
+        warmup[config] = run_pass(scorer, requests, calls, None)["seconds"]  # compiles every shape
         shapes[config] = sum(e.stats.compiles for e in scorer.engines) - before
         if now is not None:
             growth = max(growth, map_count() - now)
@@ -475,12 +460,12 @@ def pool_blocks(workloads: Mapping[str, Sequence[Mapping[str, Any]]], chunk: int
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 engines, small workloads")
-    parser.add_argument("--json", dest="json_path", help="write the figures to this JSON file")
+    parser = cli.bench_parser(__doc__, quick_help="2 engines, small workloads", model="demo",
+                              model_help="model directory, or 'demo' (the built-in model; "
+                                         "default)",
+                              repeats_help="timed passes per configuration (median kept; "
+                                           "default 3, quick 1)")
     parser.add_argument("--engines", type=int, help="data-parallel engines (default 8; quick 2)")
-    parser.add_argument("--repeats", type=int, help="timed passes per configuration "
-                                                    "(median kept; default 3, quick 1)")
     parser.add_argument("--requests", type=int, help="requests of the high-share workload "
                                                      "(default 64; quick 32)")
     parser.add_argument("--chunk", type=int, help="requests per score() call (0 = the whole "
@@ -489,9 +474,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                     "(default 0.1; quick 0.05)")
     parser.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)}")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default="demo",
-                        help="model directory, or 'demo' (the built-in model; default)")
-    args = parser.parse_args(argv)
+    args = cli.parse_args(parser, argv)
     shape = dict(QUICK if args.quick else FULL)
     for key in ("engines", "repeats", "requests", "chunk", "scale"):
         if getattr(args, key) is not None:
@@ -503,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
 
-    _more_host_devices(shape["engines"])
+    cli.force_host_devices(max(HOST_DEVICES, shape["engines"]))
     run_start = time.perf_counter()
     from moejax.config import load_config
     from serving import Scorer
@@ -575,7 +558,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             note = f" (best baseline: {figures['best_baseline_no_sharing']})"
         print(f"  {key} = {value:.3f}  target {op} {target}: {'met' if met else 'MISSED'}{note}")
     print(f"total {figures['total_seconds']:.0f} s")
-    write_json(args.json_path, figures)
+    finish_run(figures, args.json_path)
     return figures
 
 

@@ -46,7 +46,7 @@ so a second pass on it would skip the prompts' prefill, which the Scorer does ev
 and would run step programs of shapes the warm-up never compiled. Every timed pass counts
 its compiles (``compiles_in_timed_passes``; a pass that compiled is flagged).
 
-    python benchmarks/reformulation_accuracy.py [--quick] [--json PATH] [--model DIR|demo]
+    python -m benchmarks.reformulation_accuracy [--quick] [--json PATH] [--model DIR|demo]
         [--per-task N] [--max-new-tokens N] [--gen-batch N] [--repeats N] [--seed N]
         [--tasks domain_question,multiple_choice,...]
 

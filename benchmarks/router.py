@@ -19,7 +19,7 @@ Each configuration is run ``--repeats`` times on a fresh router (3; 1 with ``--q
 the best run's mean is reported, all runs alongside: the CPU is shared, and the best run is the
 one least disturbed by other load.
 
-    python benchmarks/router.py [--quick] [--repeats N] [--json PATH]
+    python -m benchmarks.router [--quick] [--repeats N] [--json PATH]
 
 JSON keys (flat): us_per_request_8_engines, us_per_request_64_engines, run{i}_us_per_request_*,
 p99_call_us_per_request_*, cached_fraction_*, rounds_*, hash_us_per_request,

@@ -8,7 +8,7 @@ prefix pool. Issue 14's case: a 1,900-token prompt with 200 two-token candidates
 within 3x its prompt alone). Times are the best of ``REPEATS`` after a warm-up run (which
 compiles), in one process, side by side.
 
-    python benchmarks/shared_prompts.py [--quick] [--model demo|DIR] [--json PATH]
+    python -m benchmarks.shared_prompts [--quick] [--model demo|DIR] [--json PATH]
 
 JSON keys (flat): prompt_tokens, candidates, prompt_alone_ms, shared_ms, unshared_ms,
 shared_over_prompt (target <= 3), unshared_over_prompt, unshared_over_shared,

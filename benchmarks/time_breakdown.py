@@ -28,7 +28,7 @@ share is printed so that a reader can check. Model and dtype as
 ``benchmarks/backends.py``'s ``model_shape`` (GPU: Qwen3-30B-A3B shape, 8 layers,
 bf16). Random weights are made on the device (``benchmarks/full_model.py``).
 
-    python benchmarks/time_breakdown.py [--quick] [--json PATH] [--tokens T] [--block B]
+    python -m benchmarks.time_breakdown [--quick] [--json PATH] [--tokens T] [--block B]
         [--layers L] [--dtype bfloat16|float32] [--repeats N] [--peak-tflops X]
         [--command-buffers] [--trace-dir DIR]
 

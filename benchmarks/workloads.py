@@ -54,7 +54,7 @@ prefix once) + every sibling suffix (``len(c_k) - 1`` tokens for multi-token can
 ``len(c_k)`` + the template's tokens for multi). ``prefill_tokens`` is the work with no reuse
 at all (every op in full).
 
-    python benchmarks/workloads.py [--quick] [--json PATH]
+    python -m benchmarks.workloads [--quick] [--json PATH]
 
 prints :func:`prefix_stats` of a sample of every spec, the aggregated mix and the no-sharing
 sweep; ``--json`` writes them as flat keys ``{name}_{stat}`` (e.g. ``quality_share_ratio``).

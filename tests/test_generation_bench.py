@@ -73,14 +73,6 @@ def test_fresh_tokens_keep_the_shape_of_the_trace():
 
 
 # ----------------------------------------------------------------------------- metrics
-def test_percentile_is_linear_interpolation():
-    values = list(range(1, 101))
-    assert bench.percentile(values, 50) == pytest.approx(50.5)
-    assert bench.percentile(values, 99) == pytest.approx(99.01)
-    assert bench.percentile([4.0], 99) == 4.0
-    assert math.isnan(bench.percentile([], 50))
-
-
 def test_timing_metrics_and_throughput_formula():
     # Arrivals at 10, 11, 12; one request of one token, one of 5, one of 3.
     a = Timing(arrival=10.0)

@@ -43,14 +43,25 @@ def bench_parser(doc: str | None, *, quick_help: str, model: str | None = None,
     return parser
 
 
+def jax_started() -> bool:
+    """Whether JAX has started its backends (XLA read ``XLA_FLAGS`` then; importing jax
+    does not start them). JAX has no public way to ask, so this reads its backend
+    registry, and counts an unreadable one as started."""
+    if "jax" not in sys.modules:
+        return False
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    backends = getattr(bridge, "_backends", None)
+    return backends is None or bool(backends)
+
+
 def force_host_devices(count: int) -> None:
     """Ask XLA for ``count`` CPU host devices unless ``XLA_FLAGS`` already names a count
     (the user's, or a test session's). A GPU run ignores the flag."""
     if HOST_DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
         return
-    if "jax" in sys.modules:
-        # Too late: XLA has read its flags (or will have before anything could change them).
-        raise RuntimeError(f"force_host_devices({count}) must run before jax is imported")
+    if jax_started():
+        raise RuntimeError(f"force_host_devices({count}) must run before JAX starts its "
+                           f"backends (XLA has read its flags)")
     from moejax.backends.xla_flags import apply_host_device_count
 
     apply_host_device_count(count)
@@ -67,7 +78,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None, *,
     args = parser.parse_args(None if argv is None else list(argv))
     if host_devices:
         force_host_devices(host_devices)
-    if gpu_overlap_flags and "jax" not in sys.modules:
+    if gpu_overlap_flags and not jax_started():
         # (Called in-process after JAX started, e.g. from a test, the flags could no
         # longer take effect here and would only leak into child processes.)
         from moejax.backends.xla_flags import apply_overlap_flags

@@ -20,20 +20,23 @@ import threading
 from typing import Iterator
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_STAGES = "/jax/core/compile/"     # tracing, lowering and compiling durations
 
 _lock = threading.Lock()
 _compiles = 0                 # since the listener was installed, every thread
+_compile_seconds = 0.0        # tracing + lowering + compiling, likewise
 _listening = False
 # This run's timed passes: label -> compiles summed over its passes, and passes counted.
 _tally: dict[str, int] = collections.Counter()
 _passes: dict[str, int] = collections.Counter()
 
 
-def _on_duration(event: str, _seconds: float, **_kwargs: object) -> None:
-    global _compiles
-    if event == COMPILE_EVENT:
+def _on_duration(event: str, seconds: float, **_kwargs: object) -> None:
+    global _compiles, _compile_seconds
+    if event.startswith(COMPILE_STAGES):
         with _lock:
-            _compiles += 1
+            _compiles += event == COMPILE_EVENT
+            _compile_seconds += seconds
 
 
 def _install() -> None:
@@ -48,32 +51,35 @@ def _install() -> None:
     monitoring.register_event_duration_secs_listener(_on_duration)
 
 
-def compiles_so_far() -> int:
-    """Backend compiles seen in this process since counting started. (A benchmark that
-    never imports JAX cannot compile: it is not made to import JAX here.)"""
-    if "jax" not in sys.modules:
-        return _compiles
-    _install()
+def compiles_so_far() -> tuple[int, float]:
+    """(backend compiles, seconds spent tracing, lowering and compiling) seen in this
+    process since counting started. (A benchmark that never imports JAX cannot compile:
+    it is not made to import JAX here.)"""
+    if "jax" in sys.modules:
+        _install()
     with _lock:
-        return _compiles
+        return _compiles, _compile_seconds
 
 
 @dataclasses.dataclass
 class CompileCount:
-    """Compiles seen inside one :func:`counting` block (final when the block ends)."""
+    """Compiles seen inside one :func:`counting` block, and the seconds they took (final
+    when the block ends)."""
 
     count: int = 0
+    seconds: float = 0.0
 
 
 @contextlib.contextmanager
 def counting() -> Iterator[CompileCount]:
     """Count the backend compiles (any thread) while the block runs."""
     result = CompileCount()
-    before = compiles_so_far()
+    count, seconds = compiles_so_far()
     try:
         yield result
     finally:
-        result.count = compiles_so_far() - before
+        count_after, seconds_after = compiles_so_far()
+        result.count, result.seconds = count_after - count, seconds_after - seconds
 
 
 @contextlib.contextmanager

@@ -19,14 +19,23 @@ def _align(text: str, width: int) -> str:
 
 
 def print_table(columns: Sequence[Column], rows: Sequence[Any] | Mapping[Any, Any],
-                title: str | None = None, rule: str = "-") -> None:
+                title: str | None = None, rule: str = "-", markdown: bool = False) -> None:
     """Print ``rows`` (a sequence, or a mapping's values) under ``columns``, after an
-    optional ``title`` line."""
+    optional ``title`` line: aligned text under a ``rule`` line (none when empty), or with
+    ``markdown`` a Markdown table (widths only say the alignment)."""
     if title:
         print(title)
+    values = rows.values() if isinstance(rows, Mapping) else rows
+    if markdown:
+        print("| " + " | ".join(name for name, _, _ in columns) + " |")
+        print("| " + " | ".join("---" if width < 0 else "---:" for _, width, _ in columns)
+              + " |")
+        for row in values:
+            print("| " + " | ".join(cell(row) for _, _, cell in columns) + " |")
+        return
     header = "".join(_align(name, width) for name, width, _ in columns)
     print(header)
     if rule:
         print(rule * len(header))
-    for row in (rows.values() if isinstance(rows, Mapping) else rows):
+    for row in values:
         print("".join(_align(cell(row), width) for _, width, cell in columns))
