@@ -104,11 +104,13 @@ def start_run() -> None:
         _passes.clear()
 
 
-def run_figures() -> dict[str, object]:
-    """This run's compile figures for its JSON: ``compiles_in_timed_passes`` (total),
-    ``timed_passes`` (how many blocks were counted) and ``timed_pass_compiles`` (label ->
-    compiles)."""
+def run_figures() -> dict[str, int]:
+    """This run's compile figures, flat keys for its JSON: ``compiles_in_timed_passes``
+    (total), ``timed_passes`` (how many blocks were counted) and, for each pass label that
+    compiled, ``compiles_in_timed_pass_<label>``."""
     with _lock:
-        return {"compiles_in_timed_passes": int(sum(_tally.values())),
-                "timed_passes": int(sum(_passes.values())),
-                "timed_pass_compiles": dict(_tally)}
+        out = {"compiles_in_timed_passes": int(sum(_tally.values())),
+               "timed_passes": int(sum(_passes.values()))}
+        out.update({f"compiles_in_timed_pass_{label}": int(count)
+                    for label, count in _tally.items() if count})
+    return out

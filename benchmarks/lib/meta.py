@@ -1,9 +1,9 @@
 """The metadata of a run, and the one JSON a benchmark writes (``--json PATH``).
 
 The JSON is the script's flat object of named figures (every printed ratio included),
-plus ``meta`` (where and when it ran: :func:`run_metadata`) and the compile figures of
-its timed passes (:func:`benchmarks.lib.compiles.run_figures`), so runs can be compared
-and recorded. The figures keep their names; the added keys are only these.
+plus flat ``meta_*`` keys (where and when it ran: :func:`run_metadata`) and the compile
+figures of its timed passes (:func:`benchmarks.lib.compiles.run_figures`), so runs can
+be compared and recorded. The figures keep their names; the added keys are only these.
 """
 
 from __future__ import annotations
@@ -61,25 +61,29 @@ def platform_figures() -> dict[str, str]:
 
 
 def write_json(path: str | os.PathLike | None, figures: Mapping[str, Any]) -> None:
-    """Write ``figures`` with ``meta`` and the compile figures to ``path`` (nothing when
-    ``path`` is None or empty)."""
+    """Write ``figures`` to ``path`` as JSON (nothing when ``path`` is None or empty)."""
     if not path:
         return
-    out = {**figures, **compiles.run_figures(), "meta": run_metadata()}
     directory = os.path.dirname(os.fspath(path))
     if directory:
         os.makedirs(directory, exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(out, fh, indent=2, default=str)
+        json.dump(figures, fh, indent=2, default=str)
 
 
-def finish_run(figures: Mapping[str, Any], path: str | os.PathLike | None) -> None:
-    """The end of a benchmark: print how many compiles its timed passes saw (a warning
-    when any did) and write its JSON."""
+def finish_run(figures: dict[str, Any], path: str | os.PathLike | None) -> dict[str, Any]:
+    """The end of a benchmark: add the run's ``meta_*`` and compile keys to ``figures``
+    (in place, so what its ``main`` returns is what the JSON holds), print how many
+    compiles its timed passes saw (a warning when any did) and write the JSON to
+    ``path``. Returns ``figures``."""
     counts = compiles.run_figures()
     if counts["timed_passes"]:
-        compiled = {k: v for k, v in counts["timed_pass_compiles"].items() if v}
+        compiled = {k[len("compiles_in_timed_pass_"):]: v for k, v in counts.items()
+                    if k.startswith("compiles_in_timed_pass_")}
         line = (f"compiles in timed passes: {counts['compiles_in_timed_passes']} over "
                 f"{counts['timed_passes']} counted pass(es)")
         print(f"WARNING: {line} (compiled: {compiled})" if compiled else line, flush=True)
+    figures.update(counts)
+    figures.update({f"meta_{key}": value for key, value in run_metadata().items()})
     write_json(path, figures)
+    return figures
