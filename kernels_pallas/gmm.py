@@ -38,7 +38,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Int, Integer
 
-from kernels_pallas import gmm_mosaic, gmm_select, tile_table
+from kernels_pallas import gmm_select, tile_table
+
+# kernels_pallas.gmm_mosaic is imported where a Mosaic kernel runs, not here: importing
+# Mosaic GPU changes os.environ (see kernels_pallas.mosaic_tiles), and it costs ~0.7 s.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +319,8 @@ def _mosaic_interpret(interpret: bool | None):
     """This module's ``interpret`` (None: off a GPU) as the Mosaic kernels take it."""
     if interpret is None:
         return None
+    from kernels_pallas import gmm_mosaic
+
     return gmm_mosaic.interpret_params() if interpret else False
 
 
@@ -338,6 +343,8 @@ def gmm(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"], group_sizes: Integ
     out_cols = rhs.shape[2]
     mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, rhs.shape[0], tiles, interpret)
     if mosaic_tiles is not None:
+        from kernels_pallas import gmm_mosaic
+
         return gmm_mosaic.gmm_mosaic(lhs, rhs, group_sizes, tiles=mosaic_tiles,
                                      interpret=_mosaic_interpret(interpret))
     tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, num_groups=rhs.shape[0])
@@ -361,6 +368,8 @@ def gmm_swiglu(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
     mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate.shape[0], tiles, interpret,
                                    kernel="swiglu")
     if mosaic_tiles is not None:
+        from kernels_pallas import gmm_mosaic
+
         return gmm_mosaic.gmm_swiglu_mosaic(lhs, w_gate, w_up, group_sizes, tiles=mosaic_tiles,
                                             interpret=_mosaic_interpret(interpret))
     tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu",
@@ -384,6 +393,8 @@ def gmm_swiglu_stacked(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "E d tw
     mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate_up.shape[0], tiles, interpret,
                                    kernel="swiglu")
     if mosaic_tiles is not None:
+        from kernels_pallas import gmm_mosaic
+
         return gmm_mosaic.gmm_swiglu_stacked_mosaic(lhs, w_gate_up, group_sizes,
                                                     tiles=mosaic_tiles,
                                                     interpret=_mosaic_interpret(interpret))

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 
 from kernels_pallas import tile_table
-from kernels_pallas.gmm_mosaic import DEFAULT_TILES, SUPPORTED_DTYPES, MosaicTiles
+from kernels_pallas.mosaic_tiles import DEFAULT_TILES, SUPPORTED_DTYPES, MosaicTiles
 
 BACKENDS = ("triton", "mosaic")
 KERNELS = ("gmm", "swiglu")
