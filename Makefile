@@ -1,12 +1,19 @@
 # make demo: create .venv if missing, install moejax, score examples/requests.jsonl with the
 #            built-in demo model (a tiny toy trained here, shipped in moejax/demo/weights).
-# make test: the same set-up plus the dev and parity extras, then the test suite.
+# make test: the same set-up plus the dev and parity extras, then the whole test suite, in
+#            PYTEST_WORKERS xdist processes (default 2, the CI machine's cores).
+# make test-quick: the same without the tests marked slow (see README, "Tests").
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_OUT ?= out/demo_scores.jsonl
 
-.PHONY: demo test bench-quick clean
+PYTEST_WORKERS ?= 2
+# worksteal: each worker starts on one contiguous half of the collected tests (so a
+# module's fixtures are mostly built once) and takes tests from the other's tail when done.
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist worksteal
+
+.PHONY: demo test test-quick bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +34,12 @@ demo: $(VENV)/.installed
 
 # pytest exits 5 when it collected no test: that is a failure here, not a success.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest; rc=$$?; \
+	$(PY) -m pytest $(PYTEST_XDIST); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest ran no tests" >&2; exit 1; fi; exit $$rc
+
+test-quick: $(VENV)/.installed-test
+	$(PY) -m pytest $(PYTEST_XDIST) -m "not slow"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-quick: pytest ran no tests" >&2; exit 1; fi; exit $$rc
 
 bench-quick: $(VENV)/.installed-test
 	$(PY) benchmarks/prefill_cpu.py --quick

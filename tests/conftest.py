@@ -1,14 +1,52 @@
-"""Shared pytest setup: CPU JAX with 8 virtual devices, repo root on sys.path, ``gpu`` marker."""
+"""Shared pytest setup: CPU JAX with 8 virtual devices, repo root on sys.path, ``gpu`` marker,
+one compilation cache for the whole run, and the shared demo fixtures (``demo_fixtures.py``).
+
+The run's directory (``$MOEJAX_TEST_RUN_DIR``, made by the first pytest process and
+inherited by its xdist workers and every subprocess a test starts) holds:
+- ``jax-cache/``: JAX's persistent compilation cache. A program compiled by one worker, one
+  module or one ``moejax`` subprocess is loaded, not compiled, by the next.
+- the demo models' copies (it is ``$MOEJAX_CACHE``), made once per run instead of in the
+  user's ``~/.cache/moejax``.
+It is a fresh temporary directory, deleted at the end, unless ``MOEJAX_TEST_CACHE=DIR``
+names one to keep across runs (warm local iteration; CI leaves it unset, so its timings are
+cold ones).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # Must happen before anything imports jax (conftest is imported before the test modules).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+RUN_DIR_ENV = "MOEJAX_TEST_RUN_DIR"
+
+
+def _run_dir() -> tuple[str, bool]:
+    """The run's shared directory and whether this process made it (and so removes it)."""
+    if os.environ.get(RUN_DIR_ENV):              # an xdist worker, or a nested pytest
+        return os.environ[RUN_DIR_ENV], False
+    kept = os.environ.get("MOEJAX_TEST_CACHE")
+    if kept:
+        os.makedirs(kept, exist_ok=True)
+        return os.path.abspath(kept), False
+    return tempfile.mkdtemp(prefix="moejax-tests-"), True
+
+
+RUN_DIR, _OWN_RUN_DIR = _run_dir()
+os.environ[RUN_DIR_ENV] = RUN_DIR
+os.environ["MOEJAX_CACHE"] = RUN_DIR
+JAX_CACHE_DIR = os.path.join(RUN_DIR, "jax-cache")
+# What use_run_compilation_cache sets in this process, for the subprocesses too (a
+# ``moejax`` command a test starts opens $MOEJAX_CACHE/jax-cache itself).
+CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.3",
+                  "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 << 30)}
+os.environ.update(CACHE_SETTINGS)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -65,10 +103,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU backend (skipped when jax has none)")
     import jax
 
+    use_run_compilation_cache(jax)
+
     if jax.default_backend() == "gpu":
         # XLA runs float32 matmuls as TF32 on GPUs by default (~3e-4 relative error); the
         # float32 tests compare with float64 references at float32 tolerances.
         jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_unconfigure(config):
+    if _OWN_RUN_DIR and not hasattr(config, "workerinput"):
+        shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
+def use_run_compilation_cache(jax) -> None:
+    """Point JAX's persistent compilation cache at the run's directory. A size limit turns on
+    JAX's file lock around every read and write: the xdist workers and the subprocesses
+    share the directory, and an unlocked reader could load another's half-written entry.
+    Programs under 0.3 s to compile are not worth a file each."""
+    jax.config.update("jax_compilation_cache_dir", JAX_CACHE_DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(CACHE_SETTINGS["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_compilation_cache_max_size",
+                      int(CACHE_SETTINGS["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -100,35 +157,53 @@ def typechecks_off():
 
 @pytest.fixture(autouse=True)
 def _keep_the_compilation_cache_setting():
-    """A test that runs a command turns on JAX's persistent compilation cache (what the
-    ``moejax`` entry points do); put the process-wide setting back afterwards, so that
-    later tests do not write every program they compile to some test's cache (a later
-    cache write segfaulted XLA:CPU in test_prefix_cache)."""
+    """A test that runs a command, or tests the cache setting itself, points JAX's
+    persistent compilation cache elsewhere (a tmp dir, or none); put the run's cache back
+    afterwards. JAX opens the cache directory once per process and keeps writing to the one
+    it opened (a test's, since deleted) even after the setting is put back, so a changed
+    setting also resets JAX's open cache."""
     import jax
 
     from jax.experimental.compilation_cache import compilation_cache
 
-    before = jax.config.jax_compilation_cache_dir
     yield
-    if jax.config.jax_compilation_cache_dir != before:
-        jax.config.update("jax_compilation_cache_dir", before)
-    if not before:
-        # JAX decides once per process that the cache is in use, and keeps writing to
-        # the directory it opened (a test's, since deleted) even after the setting is
-        # put back (as some tests do themselves); a reset makes it look again.
+    if jax.config.jax_compilation_cache_dir != JAX_CACHE_DIR:
+        use_run_compilation_cache(jax)
         compilation_cache.reset_cache()
 
 
+def mapped_regions() -> int:
+    """How many memory mappings this process holds (lines of /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as fh:
+        return sum(1 for _ in fh)
+
+
+def map_count_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return 65530            # Linux's default
+
+
+# Compiled programs are kept across modules (a later module that builds the same program
+# finds it in memory), until the process nears the kernel's limit on memory mappings.
+# Each XLA:CPU executable maps its code and data in ~6 regions (measured: 6.4 per program),
+# so a process that keeps ~10,000 programs alive reaches vm.max_map_count (65,530 by
+# default); LLVM's next code allocation then fails inside a compile and the process
+# segfaults: the crash seen late in the single-process suite (test_prefix_cache), which
+# passes alone. Dropping every compiled program then (they come back from the run's
+# compilation cache) keeps the process far below the limit.
+MAP_BUDGET = map_count_limit() * 2 // 5
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drop every compiled program after each test module: the whole suite compiles
-    thousands of programs in one process, and keeping them all alive ended in a
-    segfault inside an XLA:CPU compile late in the suite (test_prefix_cache), which
-    passes on its own."""
+def _release_compiled_programs_near_the_map_limit():
     import gc
 
     import jax
 
     yield
-    jax.clear_caches()
-    gc.collect()
+    if mapped_regions() > MAP_BUDGET:
+        jax.clear_caches()
+        gc.collect()
