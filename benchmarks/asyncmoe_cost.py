@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import median_seconds
 
@@ -176,9 +176,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cost-out", default=None,
                         help=f"write the cost tables here (default with a full run: {DEFAULT_OUT})")
     args = parse_args(parser, argv, host_devices=LINK_DEVICES)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.repeats:
-        shape["repeats"] = args.repeats
+    shape = run_shape(args, QUICK, FULL, ("repeats",))
     from moejax.asyncmoe.simulator import CostTables
 
     tables = measure(args.model, shape)
@@ -198,8 +196,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"{key:>24} {value:10.2f}")
     if out:
         print(f"cost tables -> {out}")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

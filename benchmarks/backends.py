@@ -575,8 +575,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("MFU on CPU: peak = measured matmul of the whole machine; device factor 1 "
               "(the forced host devices share its cores).")
     figures = json_figures(results, rel, ctx, skipped)
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 
 FULL = dict(vocab=4096, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, experts=32,
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(parser, argv)
     if not (args.old_root / "moejax").is_dir():
         parser.error(f"--old-root {args.old_root} has no moejax/ package")
-    shape = QUICK if args.quick else FULL
+    shape = run_shape(args, QUICK, FULL)
     figures: dict = {}
     print(f"compiled programs, {args.old_root} (old) vs {REPO_ROOT} (new), "
           f"d={shape['hidden']} L={shape['layers']} E={shape['experts']} T={shape['tokens']}")
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         figures.update({f"{backend}_old_lines": len(old), f"{backend}_new_lines": len(new),
                         f"{backend}_differing_lines": differing})
         print(f"  {backend:9s} {len(old):6d} vs {len(new):6d} lines, {differing} differing")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

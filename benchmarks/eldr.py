@@ -70,7 +70,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
@@ -475,10 +475,8 @@ def run_model(suffix: str, trace: Any, args: argparse.Namespace, shape: dict[str
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, quick_help="small traces (2 requests per domain, 8 new "
-                          "tokens), 2 decoders, 300 simulated arrivals, K = 8 only")
-    parser.add_argument("--traces", default=str(REPO_ROOT / "out" / "traces"),
-                        help="folder of the reference traces (written when missing; "
-                             "--quick uses a temporary one)")
+                          "tokens), 2 decoders, 300 simulated arrivals, K = 8 only",
+                          traces=True)
     parser.add_argument("--decoders", type=int,
                         help="decoders in the real part (default 4; --quick 2)")
     parser.add_argument("--batch", type=int,
@@ -504,9 +502,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "'top'")
     parser.add_argument("--seed", type=int, default=0)
     args = parse_args(parser, argv, host_devices=HOST_DEVICES)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.sim_requests:
-        shape["sim_requests"] = args.sim_requests
+    shape = run_shape(args, QUICK, FULL, ("sim_requests",))
     args.decoders = args.decoders or shape["decoders"]
     args.batch = args.batch or shape["batch"]
     args.sim_max_batch = args.sim_max_batch or 4 * args.batch
@@ -537,8 +533,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           f"{figures['rho_count_idf'] > figures['rho_binary']}; τ=1 == JSQ: "
           f"{figures['tau1_matches_jsq']}; route {figures['route_us']:.1f} µs; "
           f"{figures['seconds']:.0f} s")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmarks import asyncmoe_sim
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
@@ -300,10 +300,7 @@ def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, quick_help="small traces, 4 devices, r 1.0 and 1.5, 8 and 32 "
-                          "tokens per device, 3 instances per layer")
-    parser.add_argument("--traces", default=str(REPO_ROOT / "out" / "traces"),
-                        help="folder of the reference traces (written when missing; "
-                             "--quick uses a temporary one)")
+                          "tokens per device, 3 instances per layer", traces=True)
     parser.add_argument("--instances", type=int, help="draws per layer and configuration")
     parser.add_argument("--link-gbps", type=float, default=450.0,
                         help="modelled all-to-all link, GB/s per device (default 450)")
@@ -312,9 +309,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "measured here, quickly, when the file is missing)")
     parser.add_argument("--seed", type=int, default=0)
     args = parse_args(parser, argv, host_devices=HOST_DEVICES)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.instances:
-        shape["instances"] = args.instances
+    shape = run_shape(args, QUICK, FULL, ("instances",))
     fit = json.loads(GPU_COST.read_text())["fits"][GPU_FIT]
     started = time.perf_counter()
     figures: dict[str, Any] = {"model": MODEL, "quick": int(args.quick), "gpu_fit": GPU_FIT,
@@ -342,8 +337,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     figures["seconds"] = time.perf_counter() - started
     report(figures, shape)
     asyncmoe_sim.report(figures, shape)
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

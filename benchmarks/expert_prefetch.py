@@ -57,7 +57,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
@@ -362,10 +362,8 @@ def report(figures: dict[str, Any], num_layers: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, quick_help="small traces (2 requests per domain), 60 "
-                          "training steps, 2 items per task, 8-token continuations")
-    parser.add_argument("--traces", default=str(REPO_ROOT / "out" / "traces"),
-                        help="folder of the reference traces (written when missing; "
-                             "--quick uses a temporary one)")
+                          "training steps, 2 items per task, 8-token continuations",
+                          traces=True)
     parser.add_argument("--steps", type=int, help="estimator training steps (default 2000)")
     parser.add_argument("--items", type=int, help="accuracy items per task (default 24)")
     parser.add_argument("--new-tokens", type=int, help="continuation length (default 32)")
@@ -374,10 +372,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "(default) or plus the cost file's per-layer term")
     parser.add_argument("--seed", type=int, default=0)
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    for key in ("steps", "items", "new_tokens"):
-        if getattr(args, key):
-            shape[key] = getattr(args, key)
+    shape = run_shape(args, QUICK, FULL, ("steps", "items", "new_tokens"))
     started = time.perf_counter()
     figures: dict[str, Any] = {"model": MODEL, "compute_model": args.compute_model,
                                "quick": int(args.quick), **{f"shape_{k}": v
@@ -390,8 +385,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 figures[f"{key}{suffix}"] = value
     figures["seconds"] = time.perf_counter() - started
     report(figures, traces[""].num_layers)
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

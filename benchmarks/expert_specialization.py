@@ -96,7 +96,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmarks.lib import reference_traces as expert_traces
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 
 FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, batches=400)
@@ -563,10 +563,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Generator max_batch_size (default 16)")
     parser.add_argument("--seed", type=int, default=0)
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    for key in ("per_domain", "prompt_tokens", "new_tokens", "batches"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
+    shape = run_shape(args, QUICK, FULL, ("per_domain", "prompt_tokens", "new_tokens", "batches"))
     if args.traces:     # the traces decide the request counts and lengths
         shape = {"batches": shape["batches"]}
     asked = sorted({int(s) for s in args.batch_sizes.split(",") if s.strip()} | {args.batch})
@@ -641,8 +638,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("  (ELDR: 17-21% fewer experts for task domains; correlation 0.70-0.92)")
     figures["total_seconds"] = time.perf_counter() - run_start
     print(f"total {figures['total_seconds']:.0f} s")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

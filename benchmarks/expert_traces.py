@@ -34,7 +34,7 @@ import os
 import time
 from typing import Any
 
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import write_reference_traces
 
@@ -54,10 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="record every token's router input at every layer (default on)")
     parser.add_argument("--seed", type=int, default=0)
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    for key in shape:
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
+    shape = run_shape(args, QUICK, FULL, FULL)
     if shape["new_tokens"] < 2 or shape["prompt_tokens"] < 1 or shape["per_domain"] < 1:
         parser.error("--new-tokens must be >= 2, --prompt-tokens and --per-domain >= 1")
     logging.getLogger("moejax.scorer").setLevel(logging.ERROR)

@@ -284,8 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(build_parser(), argv, gpu_overlap_flags=True)
     figures = run(args)
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -624,11 +624,7 @@ def make_runner(name: str, args: argparse.Namespace, model_dir: str, shape: dict
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.requests is not None:
-        shape["requests"] = args.requests
-    if args.max_batch_size is not None:
-        shape["max_batch_size"] = args.max_batch_size
+    shape = cli.run_shape(args, QUICK, FULL, ("requests", "max_batch_size"))
     load_average = os.getloadavg()[0]
 
     import jax
@@ -746,8 +742,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_results(figures, [c for c in args.configs if c not in skipped])
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in figures.items()}
-    finish_run(clean, args.json_path)
-    return clean
+    return finish_run(clean, args.json_path)
 
 
 def report_ratios(figures: dict) -> None:

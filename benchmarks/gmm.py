@@ -375,8 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         for tokens in token_counts:
             figures.update(bench_shape(model, MODELS[model], tokens, dtype, repeats,
                                        matmul_rate, args.sweep_tiles, skip))
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import os
 import threading
 import time
 
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import percentile, sample_seconds
@@ -332,13 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--burst", type=int, help="large requests in the overload burst "
                                                  "(0: no overload part)")
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.burst is not None:
-        shape["burst"] = args.burst
-    if args.requests is not None:
-        shape["requests"] = args.requests
-    if args.prompt_words is not None:
-        shape["prompt_words"] = args.prompt_words
+    shape = run_shape(args, QUICK, FULL, ("burst", "requests", "prompt_words"))
 
     from serving import Scorer
     from serving.grpc import convert
@@ -397,8 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures["served_over_inprocess_32"] = ratio
     verdict = "meets" if ratio >= 0.8 else "MISSES"
     print(f"served at 32 clients / in-process: {ratio:.2f} (target ≥ 0.8: {verdict})")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from benchmarks import workloads
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args
+from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import median, timed_call
@@ -263,10 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests", type=int, default=None, help="requests per pass")
     parser.add_argument("--scale", type=float, default=None, help="workload length scale")
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    for key in ("upstreams", "repeats", "requests", "scale"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
+    shape = run_shape(args, QUICK, FULL, ("upstreams", "repeats", "requests", "scale"))
     if shape["upstreams"] < 2:
         parser.error("--upstreams must be >= 2 (failover kills one)")
     figures: dict[str, Any] = {**{f"setting_{k}": v for k, v in shape.items()},
@@ -318,8 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"devices {figures['multiprocess_seconds']:.1f} s, 1 x 8 "
           f"{figures['single_process_seconds']:.1f} s)")
     print(f"wall {figures['wall_seconds']:.0f} s")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.tables import print_table
 from benchmarks.lib.timing import timed_call
@@ -196,9 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="model family (default qwen3_moe)")
     parser.add_argument("--requests", type=int, help="override the number of prompts")
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.requests:
-        shape["requests"] = args.requests
+    shape = run_shape(args, QUICK, FULL, ("requests",))
 
     import torch
 
@@ -239,8 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"speedup_vs_transformers = {figures['speedup_vs_transformers']:.2f}x  "
           f"(max |Δ logprob| = {figures['max_abs_logprob_diff']:.2e}, "
           f"label agreement = {figures['label_agreement']:.3f})")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

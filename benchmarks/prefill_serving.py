@@ -475,10 +475,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)}")
     parser.add_argument("--seed", type=int, default=0)
     args = cli.parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    for key in ("engines", "repeats", "requests", "chunk", "scale"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
+    shape = cli.run_shape(args, QUICK, FULL, ("engines", "repeats", "requests", "chunk", "scale"))
     if shape["engines"] < 2:
         parser.error("--engines must be at least 2 (routing needs several engines)")
     configs = list(CONFIGS) if not args.configs else args.configs.split(",")
@@ -558,8 +555,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             note = f" (best baseline: {figures['best_baseline_no_sharing']})"
         print(f"  {key} = {value:.3f}  target {op} {target}: {'met' if met else 'MISSED'}{note}")
     print(f"total {figures['total_seconds']:.0f} s")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 def headline(results: Mapping[str, tuple[dict, dict]]) -> dict[str, Any]:

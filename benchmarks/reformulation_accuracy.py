@@ -67,7 +67,7 @@ import time
 from collections import Counter
 from typing import Any, Hashable, Sequence
 
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import median, timed_call
 from serving.requests import NormalizeOptions, PrefillOp, normalize_requests
@@ -213,10 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tasks", help="comma-separated subset of the held-out tasks "
                                         "(default: all)")
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    for key in ("per_task", "repeats"):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
+    shape = run_shape(args, QUICK, FULL, ("per_task", "repeats"))
     if shape["per_task"] < 1 or shape["repeats"] < 1 or args.max_new_tokens < 1:
         parser.error("--per-task, --repeats and --max-new-tokens must be positive")
 
@@ -353,8 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{figures['tokens_per_s_ratio']:.2f}x (the paper: 5.5x tokens/s)")
     figures["total_seconds"] = time.perf_counter() - run_start
     print(f"total {figures['total_seconds']:.0f} s")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import percentile
@@ -175,11 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--blocks", type=int, help="committed blocks per engine at the start")
     parser.add_argument("--requests", type=int, help="requests routed per configuration")
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.blocks is not None:
-        shape["blocks"] = args.blocks
-    if args.requests is not None:
-        shape["requests"] = args.requests
+    shape = run_shape(args, QUICK, FULL, ("blocks", "requests"))
 
     repeats = args.repeats or shape["repeats"]
     print(f"{shape['blocks']} committed blocks/engine (block size {BLOCK_SIZE}), "
@@ -221,8 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = 20.0
     verdict = "meets" if figures["us_per_request_8_engines"] <= target else "MISSES"
     print(f"target ≤ {target:.0f} µs/request at 8 engines: {verdict}")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import sample_seconds
 
@@ -55,9 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = bench_parser(__doc__, quick_help="fewer candidates (under a minute)", model="demo")
     parser.add_argument("--candidates", type=int, help="two-token candidates of the request")
     args = parse_args(parser, argv)
-    shape = dict(QUICK if args.quick else FULL)
-    if args.candidates is not None:
-        shape["candidates"] = args.candidates
+    shape = run_shape(args, QUICK, FULL, ("candidates",))
 
     from serving import Scorer
 
@@ -91,8 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"({figures['unshared_over_prompt']:.1f}x the prompt alone; "
           f"{figures['unshared_over_shared']:.1f}x shared; cost "
           f"{figures['unshared_cost_token_equivalents']} token-equivalents)")
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -358,8 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "breakdown_padded_tokens": tokens, "breakdown_tokens_per_s": host.real_tokens / wall,
         "breakdown_mfu": mfu, "breakdown_timed_wall_s": wall, "peak_tflops": peak,
         "command_buffers": bool(args.command_buffers), **breakdown_figures(result)}
-    finish_run(figures, args.json_path)
-    return figures
+    return finish_run(figures, args.json_path)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from benchmarks.lib.cli import bench_parser, parse_args
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.tables import print_table
 
@@ -656,14 +656,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     parser = bench_parser(__doc__, quick_help="small samples, scale 0.1")
     parser.add_argument("--seed", type=int, default=0)
     args = parse_args(parser, argv)
-    shape = QUICK if args.quick else FULL
+    shape = run_shape(args, QUICK, FULL)
     stats = self_check(shape, seed=args.seed)
     print(f"workload self-check: vocab {shape['vocab']}, max_context {shape['max_context']}, "
           f"scale {shape['scale']}, seed {args.seed}")
     _print_stats(stats)
     flat = {f"{name}_{key}": value for name, s in stats.items() for key, value in s.items()}
-    finish_run(flat, args.json_path)
-    return flat
+    return finish_run(flat, args.json_path)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 # The repository root (the benchmarks' default output and trace folders are below it).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -22,11 +22,12 @@ HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 def bench_parser(doc: str | None, *, quick_help: str, model: str | None = None,
                  model_help: str | None = None, repeats: int | None = None,
-                 repeats_help: str | None = None, devices_help: str | None = None
-                 ) -> argparse.ArgumentParser:
+                 repeats_help: str | None = None, devices_help: str | None = None,
+                 traces: bool = False) -> argparse.ArgumentParser:
     """A parser with ``--quick`` and ``--json PATH`` (``args.json_path``); ``--model``
     when ``model`` (its default) is given, ``--repeats`` when ``repeats_help`` is
-    (default ``repeats``), ``--devices`` when ``devices_help`` is. The description is the
+    (default ``repeats``), ``--devices`` when ``devices_help`` is, ``--traces DIR`` (the
+    reference expert traces, ``out/traces``) with ``traces``. The description is the
     first paragraph of the script's docstring ``doc``."""
     parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=quick_help)
@@ -40,7 +41,22 @@ def bench_parser(doc: str | None, *, quick_help: str, model: str | None = None,
         parser.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
     if devices_help is not None:
         parser.add_argument("--devices", type=int, help=devices_help)
+    if traces:
+        parser.add_argument("--traces", default=str(REPO_ROOT / "out" / "traces"),
+                            help="folder of the reference traces (written when missing; "
+                                 "--quick uses a temporary one)")
     return parser
+
+
+def run_shape(args: argparse.Namespace, quick: Mapping[str, Any], full: Mapping[str, Any],
+              overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """A script's sizes: ``quick`` with ``--quick``, else ``full``, with each of the
+    ``overrides`` (argument names) replaced by its argument where one was given."""
+    shape = dict(quick if args.quick else full)
+    for key in overrides:
+        if getattr(args, key, None) is not None:
+            shape[key] = getattr(args, key)
+    return shape
 
 
 def jax_started() -> bool:
