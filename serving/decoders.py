@@ -32,9 +32,12 @@ from typing import Any
 
 import numpy as np
 
+from moejax.decode.paged import SUM_BLOCK_COUNTS
 from moejax.eldr.policies import HandOff, Policy
 from moejax.generate import SequenceSpec
+from moejax.kv_cache import bucket
 from serving.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
+from serving.prefix_share import copy_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +147,37 @@ class DecoderPool:
 
     # ----------------------------------------------------------------- misc
     def precompile(self) -> int:
-        """Compile every program of the prefill scheduler and of each decoder."""
-        return self.prefill.precompile() + sum(d.precompile() for d in self.decoders)
+        """Compile every program a step of the pool can run: the step programs of the
+        prefill scheduler and of each decoder, and those of the hand-off between them
+        (:meth:`_precompile_handoff`). Returns how many programs ran."""
+        return (self.prefill.precompile() + sum(d.precompile() for d in self.decoders)
+                + self._precompile_handoff())
+
+    def _precompile_handoff(self) -> int:
+        """Run once, on padding, each program a hand-off runs besides the step programs,
+        at every shape it can take, so that no step of a serving pool stalls on a
+        compile: the block copy into each decoder (``copy_blocks`` pads a prompt's block
+        count to a power of two: one gather on the prefill device and one write per
+        decoder device for each) and, when the policy reads prompt counts, the sum of a
+        step's hand-offs' block counts (its rows padded to a power of two). Padding reads
+        block 0 and writes nowhere, so no pool changes. Returns how many programs ran."""
+        ran = 0
+        prefill = self.prefill
+        for decoder in self.decoders:
+            # A handed-off prompt holds at most a context's blocks, and fits in both pools.
+            most_blocks = min(prefill.max_table, prefill.num_blocks, decoder.num_blocks)
+            for count in sorted({bucket(n, 1) for n in range(1, most_blocks + 1)}):
+                decoder.kv = copy_blocks(prefill.kv, [0] * count, decoder.kv, [],
+                                         decoder.runner.device)
+                ran += 1
+        if self.policy.reads_counts:
+            # One prefill step hands off at most its running set; tables past the pool
+            # (entry num_blocks) are padding, as Scheduler.prompt_counts pads them.
+            for rows in sorted({bucket(n, 1) for n in range(1, prefill.per_rank + 1)}):
+                tables = np.full((rows, prefill.max_table), prefill.num_blocks, np.int32)
+                np.asarray(SUM_BLOCK_COUNTS(prefill.kv.expert_counts, tables))
+                ran += 1
+        return ran
 
     def drain(self) -> list[SequenceState]:
         """Forget every sequence (after a failed step) and return them."""

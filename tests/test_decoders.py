@@ -242,6 +242,46 @@ def test_decoders_loop_and_cancel(e32):
     assert gen.scheduler.occupancy() == 0
 
 
+def test_precompiled_pool_compiles_nothing_later():
+    """After ``precompile`` a run of the pool compiles nothing: besides the step programs,
+    the hand-off's block copies (prompts of 1, 3 and 2 blocks: copy buckets 1, 4 and 2)
+    and, for a policy that reads prompt counts, their sums. (Without the hand-off part
+    of precompile this run compiled 8 programs.) The smallest pool that has every kind
+    of program, to compile few: ``demo``, two decoders of one row, one prefill row, a
+    pool of 8 blocks (copy buckets 1..8)."""
+    import jax.monitoring
+
+    from moejax.eldr.policies import Policy, least_loaded
+
+    class CountsLeastLoaded(Policy):
+        """Least loaded, after checking that it was shown the prompt's counts."""
+
+        reads_counts = True
+
+        def _choose(self, request, loads):
+            assert request.counts is not None and request.counts.sum() > 0
+            return least_loaded(loads)
+
+    gen = Generator("demo", dtype="float32", decoders=2, routing=CountsLeastLoaded(2),
+                    max_batch_size=1, max_prefill_tokens=64, kv_cache_blocks=8,
+                    precompile=True)
+    compiles = []
+
+    def listener(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        results = gen.generate([{"prompt_token_ids": list(range(3, 3 + length)),
+                                 "max_new_tokens": 3} for length in (5, 40, 20, 9)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [r.error for r in results] == [None] * 4
+    assert len(gen.scheduler.routes) == 4
+    assert compiles == []
+
+
 # ----------------------------------------------------------------------------- bad options
 def test_more_decoders_than_devices():
     with pytest.raises(BackendError, match="decoders=9 needs one device per decoder"):
