@@ -309,11 +309,17 @@ def measure_overload(target: str, scorer, shape: dict, figures: dict) -> None:
 # ----------------------------------------------------------------------------- server side
 def warm_shapes(scorer, requests: list[dict], largest: int) -> None:
     """Compile the batch shapes that micro-batches of 1..``largest`` requests produce
-    (token and position buckets are powers of two), outside the timed runs."""
+    (token and position buckets are powers of two), outside the timed runs. Each size
+    runs twice, on its shortest and on its longest requests (by prompt tokens): a batch
+    of n of these prompts (lengths within a factor 2 of each other) needs the token
+    buckets of the n shortest or of the n longest, and the first n requests alone may
+    miss one (a lone 124-token prompt needs a 128-token bucket, the first one 256)."""
     sizes = sorted({1, 2, 3, 4, 6, 8, 9, 12, 16, 17, 24, 32, 33, largest} - {0})
+    by_length = sorted(requests, key=lambda request: scorer.prepare(request).prompt_tokens)
     for size in sizes:
         if size <= largest:
-            scorer.score(requests[:size], progress=False)
+            for group in (by_length[:size], by_length[-size:]):
+                scorer.score(group, progress=False)
 
 
 def inprocess_rate(scorer, requests: list[dict]) -> float:
