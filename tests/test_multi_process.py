@@ -22,9 +22,12 @@ JOB = REPO / "tests" / "multi_process_job.py"
 
 
 def child_env() -> dict[str, str]:
-    """The environment of a child process: this test process's, without its XLA_FLAGS
-    (8 host devices here; each child of a 2-process run must ask for 4)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """The environment of a child process: this test process's, without its host-device
+    count (8 here; each child of a 2-process run must ask for 4). Its other XLA flags
+    (conftest's fast compiles) are kept."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
+                                if not flag.startswith("--xla_force_host_platform_device_count"))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
