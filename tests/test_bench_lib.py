@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from benchmarks.lib import cli, compiles, meta, tables, timing, trace
+from chrome_trace_events import meta as trace_meta, op as trace_op
 
 
 # ----------------------------------------------------------------------------- timing
@@ -68,26 +69,16 @@ def test_timed_passes_are_tallied_and_a_compiling_pass_is_flagged(capsys):
 
 
 # ----------------------------------------------------------------------------- trace
-def _meta_event(pid, name, tid=None):
-    if tid is None:
-        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
-    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
-
-
-def _op(pid, tid, name, ts, dur):
-    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
-
-
 def test_attribution_of_a_tiny_gpu_trace():
     """One GPU: compute 0-100 µs, an all-gather 50-150 µs (50 µs of it exposed), a marker
     and an "XLA Modules" span (neither is device work), a host thread (ignored)."""
     chrome = {"traceEvents": [
-        _meta_event(1, "/device:GPU:0"), _meta_event(1, "Stream #7(Compute)", 7),
-        _meta_event(1, "Stream #20(Communication)", 20), _meta_event(1, "XLA Modules", 99),
-        _meta_event(2, "/host:CPU"), _meta_event(2, "python", 1),
-        _op(1, 7, "fusion.3", 0, 100), _op(1, 20, "all-gather-start.1", 50, 100),
-        _op(1, 7, "end: fusion.3", 100, 0), _op(1, 99, "jit_step(1)", 0, 200),
-        _op(2, 1, "PjitFunction(step)", 0, 300)]}
+        trace_meta(1, "/device:GPU:0"), trace_meta(1, "Stream #7(Compute)", 7),
+        trace_meta(1, "Stream #20(Communication)", 20), trace_meta(1, "XLA Modules", 99),
+        trace_meta(2, "/host:CPU"), trace_meta(2, "python", 1),
+        trace_op(1, 7, "fusion.3", 0, 100), trace_op(1, 20, "all-gather-start.1", 50, 100),
+        trace_op(1, 7, "end: fusion.3", 100, 0), trace_op(1, 99, "jit_step(1)", 0, 200),
+        trace_op(2, 1, "PjitFunction(step)", 0, 300)]}
     summary = trace.summarize_trace(chrome)
     assert summary.lanes == 1 and summary.device_lanes
     assert summary.compute_s == pytest.approx(100e-6)

@@ -9,16 +9,7 @@ import pytest
 
 from benchmarks import backends as bench
 from benchmarks.lib import trace as bench_trace
-
-
-def meta(pid, name, tid=None):
-    if tid is None:
-        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
-    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
-
-
-def op(pid, tid, name, ts, dur):
-    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+from chrome_trace_events import meta, op
 
 
 def gpu_trace():

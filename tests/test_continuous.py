@@ -24,6 +24,8 @@ from serving import Generator
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions, SequenceTooLong
 
+from compile_events import backend_compiles
+
 LENGTHS_NEW = [(5, 7), (40, 12), (17, 3), (70, 9), (33, 1), (3, 10)]
 
 
@@ -161,8 +163,6 @@ def test_precompile_covers_every_program(demo):
 def test_precompiled_offload_compiles_nothing_later(demo):
     """Offload (layerwise, expert copies): after precompile no backend compile happens
     while generating (the slot copy included; a fresh compile key: pool_chunk_blocks=4)."""
-    import jax.monitoring
-
     cfg, params, specs, _, alone = demo
     runner = make_runner("offload", cfg, params, dtype="float32",
                          opts=StepOptions(pool_chunk_blocks=4))
@@ -170,18 +170,9 @@ def test_precompiled_offload_compiles_nothing_later(demo):
     scheduler.precompile()
     assert runner.experts_copied == 0 and all(
         held is None for slots in runner.slot_buffers for held in slots.held)
-    compiles = []
-
-    def listener(event, seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         seqs = [scheduler.submit(s) for s in specs[:3]]
         scheduler.run_until_idle()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert [s.output.token_ids for s in seqs] == _tokens(alone[:3])
     assert compiles == [] and runner.experts_copied > 0
 

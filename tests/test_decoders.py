@@ -23,6 +23,8 @@ from serving import Generator
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions
 
+from compile_events import backend_compiles
+
 
 # ----------------------------------------------------------------------------- the counts
 def _reference_counts(counts, slots, experts):
@@ -249,8 +251,6 @@ def test_precompiled_pool_compiles_nothing_later():
     of precompile this run compiled 8 programs.) The smallest pool that has every kind
     of program, to compile few: ``demo``, two decoders of one row, one prefill row, a
     pool of 8 blocks (copy buckets 1..8)."""
-    import jax.monitoring
-
     from moejax.eldr.policies import Policy, least_loaded
 
     class CountsLeastLoaded(Policy):
@@ -265,18 +265,9 @@ def test_precompiled_pool_compiles_nothing_later():
     gen = Generator("demo", dtype="float32", decoders=2, routing=CountsLeastLoaded(2),
                     max_batch_size=1, max_prefill_tokens=64, kv_cache_blocks=8,
                     precompile=True)
-    compiles = []
-
-    def listener(event, seconds, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         results = gen.generate([{"prompt_token_ids": list(range(3, 3 + length)),
                                  "max_new_tokens": 3} for length in (5, 40, 20, 9)])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert [r.error for r in results] == [None] * 4
     assert len(gen.scheduler.routes) == 4
     assert compiles == []
