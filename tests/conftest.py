@@ -144,7 +144,8 @@ def use_run_compilation_cache(jax) -> None:
 
 
 # Modules that ``make test-quick`` (``-m "not slow"``) leaves out whole: each took over
-# 25 s of worker time in the full suite (measured on the 2-core CI machine, 2 workers).
+# 25 s of worker time in the full suite, or runs a benchmark or a backend's recovery and
+# pipeline end to end (measured on the 2-core CI machine, 2 workers).
 # They are the end-to-end ones: subprocesses and servers (gRPC, router, remote scoring,
 # multi-process, CLI), every model family and generation against transformers, the
 # backends against resident, the decode runtime and its techniques, the Pallas kernels
@@ -153,12 +154,14 @@ def use_run_compilation_cache(jax) -> None:
 # and scoring on the demo model. Single tests elsewhere carry their own slow mark.
 SLOW_MODULES = frozenset("""
     test_asyncmoe_runtime test_attention_variants test_backend_sync_ep test_backend_tp
-    test_backends test_cli_hostile test_compiles test_continuous test_decode_sync_ep
-    test_decoders test_demo_accuracy test_demo_e32 test_demo_train test_families
-    test_generate test_gmm_kernel test_gmm_mosaic test_gpt_oss test_grpc_generation
-    test_grpc_overload test_grpc_router test_grpc_server test_issue7_benchmarks
-    test_multi_process test_parity test_prefetch test_prefix_cache test_remote_score
-    test_request_fuzz test_serving_frontend test_traces
+    test_backends test_benchmark_backends test_cli_hostile test_compiles test_continuous
+    test_decode_sync_ep test_decoders test_demo_accuracy test_demo_e32 test_demo_train
+    test_families test_full_model_bench test_generate test_generation_bench
+    test_gmm_kernel test_gmm_mosaic test_gpt_oss test_grpc_generation test_grpc_overload
+    test_grpc_router test_grpc_server test_issue7_benchmarks test_multi_process test_ops
+    test_parity test_prefetch test_prefix_cache test_recovery test_remote_score
+    test_request_fuzz test_serving_frontend test_streamed_pipeline test_time_breakdown
+    test_traces
 """.split())
 
 
