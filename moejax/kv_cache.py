@@ -48,6 +48,12 @@ def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
     return size
 
 
+def bucket_sizes(most: int, maximum: int | None = None) -> list[int]:
+    """Every size :func:`bucket` (minimum 1) gives for 1 .. ``most``: the shapes to
+    precompile."""
+    return sorted({bucket(n, 1, maximum) for n in range(1, most + 1)})
+
+
 def empty_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
     """Zeroed cache [L, batch, length, n_kv, h]."""
     heads, key_dim, value_dim = cfg.kv_store_dims

@@ -64,7 +64,7 @@ from moejax.decode.paged import SUM_BLOCK_COUNTS, PagedKV
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.generate import SequenceOutput, SequenceSpec, expert_counts
-from moejax.kv_cache import bucket
+from moejax.kv_cache import bucket, bucket_sizes
 from serving.prefix_share import ScorerPrefixSource, copy_blocks
 
 BLOCK = prefix_hash.BLOCK_SIZE
@@ -256,13 +256,20 @@ class Scheduler:
         """The raw signatures [len(seqs), L, E] int32 of sequences whose blocks this pool
         holds: each one's signature-cache counts summed over its blocks (``expert_counts``;
         after prefill, a sequence's blocks hold exactly its prompt)."""
+        return self.block_counts([seq.blocks for seq in seqs])
+
+    def block_counts(self, block_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        """The signature-cache counts [len(block_lists), L, E] int32 summed over each list
+        of this pool's blocks (rows padded to a power of two; an empty list is a row of
+        padding, which is how :meth:`serving.decoders.DecoderPool.precompile` compiles
+        every row count)."""
         if self.kv.expert_counts is None:
             raise ValueError("this scheduler keeps no signature cache (expert_counts=False)")
-        rows = bucket(max(len(seqs), 1), 1)
+        rows = bucket(max(len(block_lists), 1), 1)
         tables = np.full((rows, self.max_table), self.num_blocks, np.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.blocks)] = seq.blocks
-        return np.asarray(SUM_BLOCK_COUNTS(self.kv.expert_counts, tables))[:len(seqs)]
+        for i, blocks in enumerate(block_lists):
+            tables[i, :len(blocks)] = blocks
+        return np.asarray(SUM_BLOCK_COUNTS(self.kv.expert_counts, tables))[:len(block_lists)]
 
     def room_to_adopt(self, seq: SequenceState) -> bool:
         """Whether :meth:`adopt` can take ``seq`` now (a running row and its blocks)."""
@@ -317,8 +324,10 @@ class Scheduler:
 
     def program_shapes(self) -> list[tuple[int, int]]:
         """(rows per rank, row width) of every step program this scheduler can run."""
-        return ([(rows, 1) for rows in _buckets(self.per_rank)]
-                + [(rows, self.row_tokens) for rows in _buckets(self.prefill_rows)])
+        decode_rows = bucket_sizes(self.per_rank, self.per_rank)
+        prefill_rows = bucket_sizes(self.prefill_rows, self.prefill_rows)
+        return ([(rows, 1) for rows in decode_rows]
+                + [(rows, self.row_tokens) for rows in prefill_rows])
 
     def precompile(self) -> int:
         """Compile every step program (:meth:`program_shapes`) by running each once on
@@ -560,11 +569,6 @@ class Scheduler:
                            context_len=context, last=last, counters=counters),
                 sampling.make_sampling_params(temperature, top_p, seeds),
                 first_rows, last_rows)
-
-
-def _buckets(cap: int) -> list[int]:
-    """Every row count :func:`bucket` gives for 1 .. cap rows."""
-    return sorted({bucket(n, 1, cap) for n in range(1, cap + 1)})
 
 
 def _active_experts(launch: "_Launch", num_experts: int) -> np.ndarray:

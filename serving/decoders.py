@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from moejax.decode.paged import SUM_BLOCK_COUNTS
 from moejax.eldr.policies import HandOff, Policy
 from moejax.generate import SequenceSpec
-from moejax.kv_cache import bucket
+from moejax.kv_cache import bucket_sizes
 from serving.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
 from serving.prefix_share import copy_blocks
 
@@ -166,16 +165,14 @@ class DecoderPool:
         for decoder in self.decoders:
             # A handed-off prompt holds at most a context's blocks, and fits in both pools.
             most_blocks = min(prefill.max_table, prefill.num_blocks, decoder.num_blocks)
-            for count in sorted({bucket(n, 1) for n in range(1, most_blocks + 1)}):
+            for count in bucket_sizes(most_blocks):
                 decoder.kv = copy_blocks(prefill.kv, [0] * count, decoder.kv, [],
                                          decoder.runner.device)
                 ran += 1
         if self.policy.reads_counts:
-            # One prefill step hands off at most its running set; tables past the pool
-            # (entry num_blocks) are padding, as Scheduler.prompt_counts pads them.
-            for rows in sorted({bucket(n, 1) for n in range(1, prefill.per_rank + 1)}):
-                tables = np.full((rows, prefill.max_table), prefill.num_blocks, np.int32)
-                np.asarray(SUM_BLOCK_COUNTS(prefill.kv.expert_counts, tables))
+            # One prefill step hands off at most its running set.
+            for rows in bucket_sizes(prefill.per_rank):
+                prefill.block_counts([[]] * rows)
                 ran += 1
         return ran
 

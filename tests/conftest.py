@@ -1,5 +1,5 @@
 """Shared pytest setup: CPU JAX with 8 virtual devices, repo root on sys.path, ``gpu`` marker,
-one compilation cache for the whole run, and the shared demo fixtures (``demo_fixtures.py``).
+one compilation cache for the whole run, the memory-map guard, and the slow modules.
 
 The run's directory (``$MOEJAX_TEST_RUN_DIR``, made by the first pytest process and
 inherited by its xdist workers and every subprocess a test starts) holds:
@@ -56,6 +56,8 @@ def _run_dir() -> tuple[str, bool]:
 RUN_DIR, _OWN_RUN_DIR = _run_dir()
 os.environ[RUN_DIR_ENV] = RUN_DIR
 os.environ["MOEJAX_CACHE"] = RUN_DIR
+# The directory serving.compilation_cache's "auto" names under this $MOEJAX_CACHE, so the
+# in-process tests and the ``moejax`` commands they start share one cache.
 JAX_CACHE_DIR = os.path.join(RUN_DIR, "jax-cache")
 # What use_run_compilation_cache sets in this process, for the subprocesses too (a
 # ``moejax`` command a test starts opens $MOEJAX_CACHE/jax-cache itself).
