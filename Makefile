@@ -42,7 +42,7 @@ test-quick: $(VENV)/.installed-test
 	if [ $$rc -eq 5 ]; then echo "make test-quick: pytest ran no tests" >&2; exit 1; fi; exit $$rc
 
 bench-quick: $(VENV)/.installed-test
-	$(PY) benchmarks/prefill_cpu.py --quick
+	$(PY) -m benchmarks.prefill_cpu --quick
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

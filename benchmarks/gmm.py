@@ -27,8 +27,9 @@ group to whole tiles (``padded_waste``). Off GPU the defaults shrink to CPU-size
 shows the paths work (Pallas is interpreted there).
 
     python -m benchmarks.gmm [--quick] [--json PATH] [--models qwen3,mixtral] [--tokens 4096,16384]
+        [--matmul-tflops X]   (the rate the fractions divide by; default: measured here)
 
-JSON keys (flat): ``matmul_tflops``; per model M and token count N:
+JSON keys (flat): ``matmul_tflops``, ``matmul_source``; per model M and token count N:
 ``{M}_{N}_{path}_tflops``, ``{M}_{N}_{path}_over_ragged_dot``,
 ``{M}_{N}_pallas_fraction_of_matmul``, ``{M}_{N}_swiglu_fused_over_separate``,
 ``{M}_{N}_mosaic_fraction_of_matmul``, ``{M}_{N}_mosaic_over_triton``,
@@ -46,6 +47,8 @@ over :data:`MOSAIC_TILE_CANDIDATES` under ``{M}_{N}_mosaic_best_*``.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import dataclasses
 import sys
@@ -335,7 +338,7 @@ def mosaic_tiles_name(tiles: gmm_mosaic.MosaicTiles) -> str:
             f"_g{tiles.grid_block_n}")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, quick_help="one tiny shape (under a minute)",
                           repeats_help="timed runs per path, median kept (default 20 GPU, 3 CPU)")
     parser.add_argument("--models", help=f"comma-separated, from {sorted(MODELS)}")
@@ -346,6 +349,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also time the Pallas kernel over TILE_CANDIDATES per shape")
     parser.add_argument("--skip", default="",
                         help="comma-separated paths not to time (e.g. jax_tiles,dense_onehot)")
+    parser.add_argument("--matmul-tflops", type=float,
+                        help="the dense matmul rate the fractions divide by, measured "
+                             "already (benchmarks.device_env); default: measured here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parse_args(parser, argv)
 
     gpu = is_gpu()
@@ -367,10 +378,14 @@ def main(argv: list[str] | None = None) -> dict:
     if not gpu:
         print("note: no GPU; Pallas runs interpreted, so its times here only show it works")
 
-    matmul_rate = matmul_tflops(dtype, 8192 if gpu else 1024, repeats, INPUT_SETS)
-    print(f"dense matmul rate: {matmul_rate:.3f} TFLOP/s")
+    if args.matmul_tflops:
+        matmul_rate, matmul_source = args.matmul_tflops, "--matmul-tflops"
+    else:
+        matmul_rate = matmul_tflops(dtype, 8192 if gpu else 1024, repeats, INPUT_SETS)
+        matmul_source = "measured here"
+    print(f"dense matmul rate: {matmul_rate:.3f} TFLOP/s ({matmul_source})")
     figures: dict = {"platform": jax.default_backend(), "dtype": dtype.name,
-                     "matmul_tflops": matmul_rate}
+                     "matmul_tflops": matmul_rate, "matmul_source": matmul_source}
     for model in models:
         for tokens in token_counts:
             figures.update(bench_shape(model, MODELS[model], tokens, dtype, repeats,

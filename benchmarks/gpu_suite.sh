@@ -2,6 +2,9 @@
 # Every GPU-only measurement of moejax, for a lent GPU machine (one call per part, each
 # well inside ten minutes). Run from the repository root:
 #
+#     bash benchmarks/gpu_suite.sh OUT_DIR all       # the prepared 8-minute call, figures in
+#                                                    # priority order (benchmarks/gpu_once.sh);
+#                                                    # run this first on a newly lent GPU
 #     bash benchmarks/gpu_suite.sh OUT_DIR kernels   # GPU tests, grouped GEMM (Triton, Mosaic)
 #     bash benchmarks/gpu_suite.sh OUT_DIR sweep     # tile sweeps of both grouped-GEMM kernels
 #     bash benchmarks/gpu_suite.sh OUT_DIR serving   # resident vs offload at 1.86 Θ (lagged, waiting)
@@ -17,8 +20,8 @@
 # Writes OUT_DIR/suite.log (every step's output) and one JSON per benchmark; prints each
 # step's exit status and the end of its output. Uses the machine's own JAX (no install).
 set -u
-out=${1:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|metro|eldr|mfu|summary}
-part=${2:?usage: gpu_suite.sh OUT_DIR kernels|sweep|serving|metro|eldr|mfu|summary}
+out=${1:?usage: gpu_suite.sh OUT_DIR all|kernels|sweep|serving|metro|eldr|mfu|summary}
+part=${2:?usage: gpu_suite.sh OUT_DIR all|kernels|sweep|serving|metro|eldr|mfu|summary}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 log=$out/suite.log
@@ -37,6 +40,9 @@ step() {   # step NAME SECONDS COMMAND...: run with a time limit, keep the outpu
 }
 
 case $part in
+all)
+    exec bash "$(dirname "$0")/gpu_once.sh" "$out"
+    ;;
 kernels)
     step env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv;
         python3 -c "import jax, jaxlib, sys; print(sys.version); print(jax.__version__, jax.devices())"'
@@ -93,7 +99,7 @@ summary)
     step summary 60 python3 -m benchmarks.gpu_summary "$out"
     ;;
 *)
-    echo "unknown part $part (kernels, sweep, serving, metro, eldr, mfu or summary)" >&2
+    echo "unknown part $part (all, kernels, sweep, serving, metro, eldr, mfu or summary)" >&2
     exit 2
     ;;
 esac

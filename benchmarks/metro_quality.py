@@ -55,6 +55,8 @@ CPU), metro_default_impl, metro_timing_backend, metro_timing_calls, metro_timing
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import time
 
@@ -392,13 +394,17 @@ def print_rows(rows: list[dict]) -> None:
                       "of per-instance ratios")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, quick_help="fewer instances and timing repeats")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timing", action="store_true",
                         help="also trace every route_metro_jax implementation and report its "
                              "device time per call apart from the host wall (dispatch)")
-    args = parse_args(parser, argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
 
     from kernels_pallas import metro
 

@@ -74,7 +74,8 @@ _H100_AND_OTHER_GPUS = ("NVIDIA H100", "gpu")
 GMM_TILES: dict[tuple, GmmTiles] = {
     # bf16/f16: fastest of benchmarks/gmm.py --sweep-tiles on an H100 (2026-11-22; Qwen3-30B-A3B
     # and Mixtral expert shapes at 16K tokens: 1.46x and 1.61x the m128_n128 tiles used before).
-    # Other GPUs fall back to the platform entry, the same tiles, until swept.
+    # An H200 uses these H100 entries (tile_table.STAND_INS); other GPUs fall back to the
+    # platform entry, the same tiles, until swept.
     **tile_table.entries(_H100_AND_OTHER_GPUS, _HALF, _H100_GMM),
     ("gpu", "float32"): GmmTiles(block_m=64, block_k=32, block_n=64, num_warps=4, num_stages=3),
     **tile_table.entries(("cpu",), (*_HALF, "float32"),

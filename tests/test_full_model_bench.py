@@ -96,16 +96,26 @@ def test_summary_of_a_complete_suite_run(tmp_path):
                                   "qwen3_16384_best_fraction_of_matmul": 0.55,
                                   "mixtral_16384_pallas_fraction_of_matmul": 0.6,
                                   "qwen3_4096_best_fraction_of_matmul": 0.1})
+    _write(tmp_path, "gmm_mixtral.json", {"mixtral_16384_mosaic_over_triton": 1.02})
     _write(tmp_path, "metro.json", {"metro_kernel_device_us": 41.5})
     _write(tmp_path, "full_model.json", {"full_model_tokens_per_s": 12345.0})
+    _write(tmp_path, "env.json", {"matmul_bf16_tflops": 702.0})
     summary = gs.main([str(tmp_path)])
     assert summary == {"resident_mfu_qwen3_30b": 0.236, "gmm_qwen3_fraction_of_matmul": 0.55,
                        "gmm_mixtral_fraction_of_matmul": 0.6,
-                       # both offload figures from the run at the smallest batch >= 1.5 Θ
+                       # every offload figure from the run at the smallest batch >= 1.5 Θ
                        "offload_exposed_transfer_fraction": 0.04,
                        "offload_over_resident_at_1p5_theta": 0.9,
+                       "offload_batch_over_theta": 1.6,
                        "metro_kernel_device_us": 41.5, "full_model_tokens_per_s": 12345.0,
-                       "missing": {}}
+                       "matmul_bf16_tflops": 702.0, "gmm_mixtral_mosaic_over_triton": 1.02,
+                       "missing": {k: summary["missing"][k] for k in (
+                           "offload_exposed_step_start_fraction",
+                           "offload_exposed_between_layers_fraction",
+                           "offload_exposed_other_fraction", "gmm_qwen3_mosaic_over_triton")}}
+    assert "backends_theta.json has no number under offload_exposed_first_layer_fraction" in \
+        summary["missing"]["offload_exposed_step_start_fraction"]
+    assert "measured_backend" not in summary          # one shape's ratio is not the rule
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
@@ -123,8 +133,9 @@ def test_summary_names_what_is_missing_and_why(tmp_path):
     assert "mixtral_16384_best_fraction_of_matmul" in missing["gmm_mixtral_fraction_of_matmul"]
     assert "1.2" in missing["offload_exposed_transfer_fraction"]
     assert "1.2" in missing["offload_over_resident_at_1p5_theta"]
-    assert "unreadable" in missing["metro_kernel_device_us"]
-    assert missing["full_model_tokens_per_s"] == "full_model.json not found"
+    assert "unreadable: metro.json (JSONDecodeError" in missing["metro_kernel_device_us"]
+    assert missing["full_model_tokens_per_s"].startswith(
+        "no file has a number under full_model_tokens_per_s")
     assert not (tmp_path / "summary.json").exists()
 
 
@@ -146,3 +157,26 @@ def test_summary_rejects_non_numbers():
     summary, _ = gs.summarize(files)
     assert "metro_kernel_device_us" in summary["missing"]
     assert "full_model_tokens_per_s" in summary["missing"]
+
+
+def test_summary_falls_back_to_the_breakdown_mfu_and_gives_the_backend_rule(tmp_path):
+    _write(tmp_path, "breakdown_32k.json", {"breakdown_mfu": 0.3, "breakdown_padded_tokens": 32768})
+    _write(tmp_path, "breakdown_131k.json", {"breakdown_mfu": 0.41,
+                                             "breakdown_padded_tokens": 131072})
+    _write(tmp_path, "offload.json", {"offload_over_resident": 0.97,
+                                      "offload_exposed_transfer_fraction": 0.03,
+                                      "offload_exposed_first_layer_fraction": 0.02,
+                                      "offload_exposed_between_layers_fraction": 0.006,
+                                      "offload_exposed_other_fraction": 0.004,
+                                      "offload_batch_over_theta": 1.86})
+    _write(tmp_path, "gmm_qwen3.json", {"qwen3_16384_mosaic_over_triton": 1.1})
+    _write(tmp_path, "gmm_mixtral.json", {"mixtral_16384_mosaic_over_triton": 0.97})
+    summary = gs.main([str(tmp_path)])
+    assert summary["resident_mfu_qwen3_30b"] == 0.41          # no backends run had one
+    assert summary["offload_exposed_step_start_fraction"] == 0.02
+    assert summary["offload_exposed_between_layers_fraction"] == 0.006
+    assert summary["offload_exposed_other_fraction"] == 0.004
+    assert summary["offload_batch_over_theta"] == 1.86
+    assert summary["measured_backend"] == "triton"              # Mosaic lost on Mixtral
+    _write(tmp_path, "gmm_mixtral.json", {"mixtral_16384_mosaic_over_triton": 1.0})
+    assert gs.main([str(tmp_path)])["measured_backend"] == "mosaic"

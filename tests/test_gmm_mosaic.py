@@ -220,6 +220,25 @@ def test_tile_lookup_prefers_shape_then_device_kind_then_platform():
     assert tile_table.lookup(table, "bfloat16", platform="cpu", device_kind="cpu") is None
 
 
+def test_an_h200_uses_the_h100_entries_until_it_has_its_own():
+    shape = (2048, 768, 128)
+    table = {("gpu", "bfloat16"): "platform", ("gpu", "float32"): "f32 platform",
+             ("NVIDIA H100", "bfloat16"): "h100",
+             ("NVIDIA H100", "bfloat16", shape): "h100+shape"}
+    find = functools.partial(tile_table.lookup, platform="gpu", device_kind="NVIDIA H200")
+    assert tile_table.stand_in("NVIDIA H200") == "NVIDIA H100"
+    assert tile_table.stand_in("NVIDIA H100 80GB HBM3") is None
+    assert find(table, "bfloat16") == "h100"
+    assert find(table, "bfloat16", shape=shape) == "h100+shape"
+    assert find(table, "float32") == "f32 platform"      # the H100 has none either
+    assert find({**table, ("NVIDIA H200", "bfloat16"): "h200"}, "bfloat16") == "h200"
+    # the real tables: Triton tiles and the measured-backend rule follow the H100's
+    h200 = kernels.tiles_for("bfloat16", platform="gpu", device_kind="NVIDIA H200")
+    assert h200 == kernels.tiles_for("bfloat16", platform="gpu", device_kind="NVIDIA H100")
+    assert gmm_select.choose_backend("bfloat16", platform="gpu", device_kind="NVIDIA H200",
+                                     table={("NVIDIA H100", "bfloat16"): "mosaic"}) == "mosaic"
+
+
 def test_triton_tiles_are_keyed_by_device_kind():
     h100 = kernels.tiles_for("bfloat16", platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
     other = kernels.tiles_for("bfloat16", platform="gpu", device_kind="NVIDIA L4")

@@ -61,14 +61,19 @@ def platform_figures() -> dict[str, str]:
 
 
 def write_json(path: str | os.PathLike | None, figures: Mapping[str, Any]) -> None:
-    """Write ``figures`` to ``path`` as JSON (nothing when ``path`` is None or empty)."""
+    """Write ``figures`` to ``path`` as JSON (nothing when ``path`` is None or empty),
+    through a temporary file renamed over it, so that a reader, or a run killed mid-write
+    (a device call's timeout), never finds half a file."""
     if not path:
         return
-    directory = os.path.dirname(os.fspath(path))
+    path = os.fspath(path)
+    directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(figures, fh, indent=2, default=str)
+    os.replace(tmp, path)
 
 
 def finish_run(figures: dict[str, Any], path: str | os.PathLike | None) -> dict[str, Any]:

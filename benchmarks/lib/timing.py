@@ -106,10 +106,19 @@ def device_peak(peak_tflops: float | None, dtype: str) -> tuple[float, str]:
     if peak_tflops:
         return peak_tflops, "--peak-tflops"
     kind = jax.devices()[0].device_kind
-    for (sub, table_dtype), value in PEAK_TABLE.items():
-        if sub in kind.lower() and table_dtype == dtype:
-            return value, f"table ({kind}, {dtype})"
+    value = datasheet_tflops(kind, dtype)
+    if value is not None:
+        return value, f"table ({kind}, {dtype})"
     return matmul_tflops(dtype), "measured matmul"
+
+
+def datasheet_tflops(device_kind: str, dtype: str) -> float | None:
+    """:data:`PEAK_TABLE`'s dense rate for this device kind and dtype (the first entry
+    whose substring the kind contains), None when it has none."""
+    for (sub, table_dtype), value in PEAK_TABLE.items():
+        if sub in device_kind.lower() and table_dtype == dtype:
+            return value
+    return None
 
 
 def mfu_devices(num_devices: int) -> int:
