@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Mapping, Sequence
 
@@ -559,6 +560,52 @@ def check_decode_processes(opts: GeneratorOptions) -> None:
     check_multi_process(opts.backend, opts.devices)
 
 
+class CallGuard:
+    """Lets one call at a time drive a Generator's engine (its KV pool, scheduler and
+    buffers are donated and rewritten by every step, so two calls interleaving steps read
+    each other's deleted buffers): :meth:`hold` around a ``generate`` or ``stream`` call
+    waits for the call before it, as the Scorer's runs wait on the engine's lock; a
+    generation loop (:meth:`Generator.start_loop`) holds the Generator from
+    :meth:`open_loop` until :meth:`close_loop`.
+
+    A call that could only deadlock is refused instead of waiting: one from the thread
+    whose stream is still open (an unfinished ``stream`` iterator), and any while a loop
+    is open (its thread owns the scheduler until ``close()``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: int | None = None      # the thread ident of the call holding it
+        self._loop_open = False
+
+    def _refuse_deadlock(self, what: str) -> None:
+        if self._loop_open:
+            raise RuntimeError(f"{what}: this Generator's generation loop (start_loop()) "
+                               f"is open; submit to the loop, or close() it first")
+        if self._holder == threading.get_ident():
+            raise RuntimeError(f"{what}: this thread's earlier stream() on the Generator is "
+                               f"still open; exhaust or close() it first")
+
+    def acquire(self, what: str) -> None:
+        """Wait until no other call drives the Generator, then hold it."""
+        self._refuse_deadlock(what)
+        self._lock.acquire()
+        self._holder = threading.get_ident()
+
+    def release(self) -> None:
+        self._holder = None
+        self._lock.release()
+
+    def open_loop(self) -> None:
+        """Hold the Generator for a loop (released by :meth:`close_loop`, from any thread)."""
+        self.acquire("start_loop()")
+        self._holder, self._loop_open = None, True
+
+    def close_loop(self) -> None:
+        if self._loop_open:
+            self._loop_open = False
+            self._lock.release()
+
+
 class Generator:
     """Generates text with one model: ``Generator(model, **options).generate(requests)``.
 
@@ -567,8 +614,13 @@ class Generator:
     ``tokenizer.json``). Options: see :class:`GeneratorOptions`. With continuous batching
     the paged KV pool lives as long as the Generator, so a later call whose prompts start
     with the same full 16-token blocks (a shared system prompt) reuses their keys/values.
-    A Generator runs one call at a time (``generate``, ``stream``, or a loop from
-    :meth:`start_loop`, not several at once).
+    Thread safety: calls from several threads are safe and each returns what it returns
+    alone (greedy tokens are identical). A Generator runs one call at a time: a
+    ``generate`` or ``stream`` call waits until the call before it has finished (a
+    ``stream`` holds the Generator from its first event until it is exhausted or closed),
+    as the Scorer serializes its runs. While a loop from :meth:`start_loop` is open it
+    owns the Generator: ``generate``/``stream`` then raise RuntimeError (submit to the
+    loop instead, whose ``submit`` is thread-safe), as does a second ``start_loop``.
 
     ``weights_of=scorer`` decodes with a :class:`serving.Scorer`'s weights instead of a
     second copy, where it can use them as they are (the same model, both resident on
@@ -618,6 +670,7 @@ class Generator:
             self.scheduler = self._decoder_pool(params, dtype)
         if self.scheduler is not None and opts.precompile:
             self.scheduler.precompile()
+        self.call_guard = CallGuard()
         del params  # the engine or runner holds the device copy
 
     def _runner(self, params: Any, dtype: Any, **placement: Any) -> Any:
@@ -730,19 +783,36 @@ class Generator:
     # ----------------------------------------------------------------- entry points
     def generate(self, requests: Sequence[GenerationRequest | Mapping[str, Any]]
                  ) -> list[GenerationResult]:
-        """One result per request, in request order; bad requests get ``error`` set."""
+        """One result per request, in request order; bad requests get ``error`` set.
+        Thread-safe: waits for another thread's call on this Generator to finish."""
         results: list[GenerationResult | None] = [None] * _count(requests)
-        for event in self.stream(requests):
-            if event.result is not None:
-                results[event.index] = event.result
+        events = self.stream(requests)
+        try:
+            for event in events:
+                if event.result is not None:
+                    results[event.index] = event.result
+        finally:
+            events.close()
         return results
 
     def stream(self, requests: Sequence[GenerationRequest | Mapping[str, Any]]
                ) -> Iterator[GenerationEvent]:
         """Events as tokens are produced (continuous batching: every step; static: each
         batch's tokens when it finishes). Every request ends with one event whose
-        ``result`` is set; a bad request's comes first."""
+        ``result`` is set; a bad request's comes first.
+
+        Thread-safe: from its first event until it is exhausted or closed, a stream holds
+        the Generator (another thread's call waits; this thread's own second call raises
+        RuntimeError rather than deadlock)."""
         requests = _as_list(requests)
+        self.call_guard.acquire("stream()/generate()")
+        try:
+            yield from self._stream_held(requests)
+        finally:
+            self.call_guard.release()
+
+    def _stream_held(self, requests: list[Any]) -> Iterator[GenerationEvent]:
+        """:meth:`stream`'s events, the call guard held."""
         specs: dict[int, SequenceSpec] = {}
         for index, obj in enumerate(requests):
             try:
@@ -799,7 +869,12 @@ class Generator:
         if self.scheduler is None:
             raise ValueError("a generation loop needs batching='continuous' and "
                              "runtime='continuous'")
-        return GeneratorLoop(self)
+        self.call_guard.open_loop()
+        try:
+            return GeneratorLoop(self)
+        except BaseException:
+            self.call_guard.close_loop()
+            raise
 
     def _result(self, obj: Any, index: int, spec: SequenceSpec, out: SequenceOutput
                 ) -> GenerationResult:
@@ -869,8 +944,12 @@ class GeneratorLoop:
         return self.generator.scheduler.occupancy()
 
     def close(self) -> None:
-        """Finish what was submitted, then stop the thread."""
-        self.loop.close()
+        """Finish what was submitted, then stop the thread and hand the Generator back to
+        ``generate``/``stream`` calls."""
+        try:
+            self.loop.close()
+        finally:
+            self.generator.call_guard.close_loop()
 
 
 def _as_list(requests: Any) -> list[Any]:
