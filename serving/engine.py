@@ -27,6 +27,19 @@ from serving.prefix_cache import PrefixCache, plan_run
 
 log = logging.getLogger("moejax.engine")
 
+# The fields of a batch's shape key (moejax.packing.HostBatch.shape_key), in order: a
+# plain batch has the first five; a batch on the prefix pool adds the last two.
+SHAPE_KEY_FIELDS = ("T", "block", "positions", "columns", "full_vocab",
+                    "context_slots", "stored_rows")
+
+
+def describe_shape_key(key: Sequence[Any]) -> str:
+    """``key`` as ``name=value`` pairs (``"T=64 block=16 ..."``), whatever its length: a
+    field past the known names is shown by its position (``field8=...``)."""
+    names = list(SHAPE_KEY_FIELDS) + [f"field{i + 1}" for i in range(len(SHAPE_KEY_FIELDS),
+                                                                       len(key))]
+    return " ".join(f"{name}={value}" for name, value in zip(names, key))
+
 # Per op: (logits per score position, log-sum-exp or None), or the exception of the step
 # that failed it (the backend recovered; serving.results turns it into an error result).
 SequenceOutput = tuple[list[np.ndarray], np.ndarray | None] | Exception
@@ -111,9 +124,9 @@ class Engine:
                 self.stats.shapes.add(key)
                 self.stats.compiles += 1
                 self.stats.compile_seconds += elapsed
-                log.info("compiled forward #%d for T=%d block=%d positions=%d columns=%d "
-                         "full_vocab=%s on %s (%.1fs, includes first run)", self.stats.compiles,
-                         *key, self.backend.name, elapsed)
+                log.info("compiled forward #%d for %s on %s (%.1fs, includes first run)",
+                         self.stats.compiles, describe_shape_key(key), self.backend.name,
+                         elapsed)
         except Exception as error:   # noqa: BLE001  (the backend recovered; see _collect)
             if hosts[0].context is not None:
                 raise
