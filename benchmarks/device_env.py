@@ -1,5 +1,5 @@
-"""The device a run measures on, and its measured bf16 matmul rate: the rate every fraction
-of a GPU run is taken of.
+"""The device a run measures on, its measured bf16 matmul rate (the rate every fraction of
+a GPU run is taken of) and its measured memory bandwidth (the floor of memory-bound work).
 
 A datasheet peak (989 TFLOP/s bf16 dense for an H100 or H200 SXM) is not what a kernel
 can reach: clocks, power and the matmul library set the ceiling. So a device run first
@@ -8,11 +8,16 @@ rotated so that no repeat finds the last one's data in cache) and every MFU and
 fraction-of-matmul after it divides by that measured rate (``benchmarks.gpu_once`` passes
 it to each benchmark as ``--peak-tflops`` / ``--matmul-tflops``).
 
+The bandwidth is a large elementwise pass (``a + 1`` over bf16 arrays, rotated), counting
+the bytes read plus the bytes written: the ceiling a decode step's expert and KV reads
+are measured against.
+
     python -m benchmarks.device_env [--quick] [--json PATH] [--size N] [--repeats R]
 
 JSON keys: ``matmul_bf16_tflops`` (measured), ``matmul_size``, ``datasheet_bf16_tflops``
 (the peak table's entry for this device kind, absent when it has none),
-``matmul_over_datasheet``, ``platform``, ``device_kind``, ``device_count``,
+``matmul_over_datasheet``, ``copy_tbps`` (measured, read + written bytes per second / 1e12),
+``copy_bytes`` (bytes of one array), ``platform``, ``device_kind``, ``device_count``,
 ``jax_version``, ``nvidia_smi`` (its CSV query, absent without the tool),
 ``tiles_stand_in`` (the device kind whose tuned tiles this one uses where it has none of
 its own: ``kernels_pallas.tile_table.STAND_INS``, e.g. the H100's for an H200; absent
@@ -29,13 +34,28 @@ from typing import Any
 
 from benchmarks.lib.cli import bench_parser, parse_args
 from benchmarks.lib.meta import finish_run, platform_figures
-from benchmarks.lib.timing import datasheet_tflops, is_gpu, matmul_tflops
+from benchmarks.lib.timing import (datasheet_tflops, is_gpu, matmul_tflops,
+                                   median_seconds_rotating)
 from kernels_pallas.tile_table import stand_in
 
 NVIDIA_SMI_QUERY = "name,memory.total,driver_version,clocks.max.sm,power.limit"
 # [N, N] x [N, N]: large enough on an H100/H200 to reach the matmul library's steady rate
 # (8192: 1.1 TFLOP per call, ~1.2 ms); small on CPU and with --quick.
 GPU_SIZE, CPU_SIZE, QUICK_SIZE = 8192, 1024, 256
+# Elements of one array of the bandwidth pass (bf16): 1 GiB on a GPU, many times its L2.
+GPU_COPY, CPU_COPY, QUICK_COPY = 1 << 29, 1 << 24, 1 << 20
+
+
+def copy_tbps(elements: int, repeats: int) -> float:
+    """Measured memory bandwidth, TB/s: ``a + 1`` over ``elements`` bf16 values (one read
+    and one write of each), two arrays in turn, median of ``repeats``."""
+    import jax
+    import jax.numpy as jnp
+
+    sets = [(jax.random.normal(jax.random.key(i), (elements,), jnp.bfloat16),)
+            for i in range(2)]
+    seconds = median_seconds_rotating(jax.jit(lambda a: a + 1), sets, repeats, label="copy")
+    return 2 * elements * 2 / seconds / 1e12
 
 
 def nvidia_smi() -> str | None:
@@ -84,6 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         figures.update(datasheet_bf16_tflops=sheet, matmul_over_datasheet=rate / sheet)
         line += f" = {rate / sheet:.1%} of the datasheet's {sheet:g}"
     print(line, flush=True)
+    elements = QUICK_COPY if args.quick else GPU_COPY if gpu else CPU_COPY
+    figures.update(copy_tbps=copy_tbps(elements, repeats), copy_bytes=2 * elements)
+    print(f"measured memory bandwidth (a + 1 over {2 * elements / 2**20:.0f} MiB, read + "
+          f"written): {figures['copy_tbps']:.4g} TB/s", flush=True)
     other = stand_in(figures["device_kind"])
     if other is not None:
         figures["tiles_stand_in"] = other

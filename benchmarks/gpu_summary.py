@@ -20,6 +20,7 @@ by its name:
     full_model_tokens_per_s            full_model_tokens_per_s
     matmul_bf16_tflops                 the measured bf16 matmul rate (device_env) every
                                        fraction of a gpu_once run divides by
+    copy_tbps                          the measured memory bandwidth (device_env)
     gmm_qwen3_mosaic_over_triton       qwen3_16384_mosaic_over_triton (same for mixtral):
     gmm_mixtral_mosaic_over_triton     kernels_pallas.gmm_select's rule runs Mosaic on the
                                        device only where both are >= 1.0
@@ -50,7 +51,8 @@ THETA_MULTIPLE = 1.5
 KEYS = ("resident_mfu_qwen3_30b", "gmm_qwen3_fraction_of_matmul",
         "gmm_mixtral_fraction_of_matmul", "offload_exposed_transfer_fraction",
         "offload_over_resident_at_1p5_theta", "metro_kernel_device_us",
-        "full_model_tokens_per_s", "matmul_bf16_tflops", "offload_batch_over_theta",
+        "full_model_tokens_per_s", "matmul_bf16_tflops", "copy_tbps",
+        "offload_batch_over_theta",
         "offload_exposed_step_start_fraction", "offload_exposed_between_layers_fraction",
         "offload_exposed_other_fraction", "gmm_qwen3_mosaic_over_triton",
         "gmm_mixtral_mosaic_over_triton")
@@ -187,6 +189,7 @@ FINDERS: dict[str, Callable[[Files], Found]] = {
     "metro_kernel_device_us": lambda f: from_any(f, "metro_kernel_device_us"),
     "full_model_tokens_per_s": lambda f: from_any(f, "full_model_tokens_per_s"),
     "matmul_bf16_tflops": lambda f: from_any(f, "matmul_bf16_tflops"),
+    "copy_tbps": lambda f: from_any(f, "copy_tbps"),
     "offload_batch_over_theta": lambda f: offload_at_theta(f, "offload_batch_over_theta"),
     "offload_exposed_step_start_fraction":
         lambda f: offload_at_theta(f, "offload_exposed_first_layer_fraction"),

@@ -112,7 +112,8 @@ def test_summary_of_a_complete_suite_run(tmp_path):
                        "missing": {k: summary["missing"][k] for k in (
                            "offload_exposed_step_start_fraction",
                            "offload_exposed_between_layers_fraction",
-                           "offload_exposed_other_fraction", "gmm_qwen3_mosaic_over_triton")}}
+                           "offload_exposed_other_fraction", "gmm_qwen3_mosaic_over_triton",
+                           "copy_tbps")}}
     assert "backends_theta.json has no number under offload_exposed_first_layer_fraction" in \
         summary["missing"]["offload_exposed_step_start_fraction"]
     assert "measured_backend" not in summary          # one shape's ratio is not the rule

@@ -82,7 +82,8 @@ def test_a_run_cut_by_its_budget_keeps_valid_partial_output(tmp_path, monkeypatc
     assert env["matmul_bf16_tflops"] > 0 and env["platform"] == "cpu"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["matmul_bf16_tflops"] == env["matmul_bf16_tflops"]
-    assert set(summary["missing"]) == set(gpu_summary.KEYS) - {"matmul_bf16_tflops"}
+    assert summary["copy_tbps"] == env["copy_tbps"] > 0
+    assert set(summary["missing"]) == set(gpu_summary.KEYS) - {"matmul_bf16_tflops", "copy_tbps"}
     assert all(isinstance(why, str) and why for why in summary["missing"].values())
     log = (out / gpu_once.LOG).read_text()
     assert "=== hanging: timed_out" in log and "measured bf16 matmul" in log
