@@ -6,7 +6,9 @@
 
 Requests are validated and expanded into prefill ops (``serving.requests``),
 packed into bucketed batches and run by an :class:`~serving.engine.Engine`;
-results come back in request order, bad requests as results with ``error`` set.
+results come back in request order, bad requests as results with ``error`` set, and a
+text candidate that tokenizes differently after its prompt than apart is scored as
+tokenized apart with a warning in its result's ``warnings``.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from moejax.ops import OpKey
 from serving.limits import RequestLimits
 from serving.prefix_cache import blocks_for_budget, sharing_flops
 from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest,
-                              ScoreResult, TokenizerAdapter, normalize_requests, renamed,
-                              request_label)
+                              ScoreResult, TokenizerAdapter, boundary_warnings,
+                              normalize_requests, renamed, request_label)
 from serving.results import combine_results
 
 log = logging.getLogger("moejax.scorer")
@@ -54,7 +56,9 @@ class PreparedRequest:
     are keyed ``OpKey(index, candidate)``; ``cost`` is what computing them costs, in
     token-equivalents (FLOPs over one token's linear FLOPs, prompt sharing counted), the
     sum of ``op_costs`` (each op's, in order: the first whole, the others after the prompt
-    they share); ``error`` is set (and ``ops`` empty) for a request that cannot be scored."""
+    they share); ``error`` is set (and ``ops`` empty) for a request that cannot be scored;
+    ``warnings``: what its result will carry (candidate tokenization boundaries,
+    :func:`serving.requests.boundary_warnings`)."""
 
     index: int
     request: Any
@@ -63,6 +67,7 @@ class PreparedRequest:
     cost: int = 0
     error: str | None = None
     op_costs: tuple[int, ...] = ()
+    warnings: tuple[str, ...] = ()
 
 
 def attach_timings(results: list[ScoreResult], prepared: Sequence[PreparedRequest],
@@ -250,7 +255,18 @@ class Scorer:
         op_costs = tuple(self.token_equivalents(f) for f in flops)
         return PreparedRequest(index=index, request=request, ops=tuple(ops),
                                prompt_tokens=prompt_tokens[index], cost=sum(op_costs),
-                               op_costs=op_costs)
+                               op_costs=op_costs,
+                               warnings=self._warnings(request, index))
+
+    def _warnings(self, request: RequestLike, index: int) -> tuple[str, ...]:
+        """The warnings of a request that will be scored (a check that fails is logged and
+        skipped: a warning never costs a request its scores)."""
+        try:
+            return tuple(boundary_warnings(request, index, self.tokenizer))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("request #%d: the candidate boundary check failed (%s: %s)", index,
+                        type(exc).__name__, exc)
+            return ()
 
     def token_equivalents(self, flops: int) -> int:
         """A cost in FLOPs as tokens: over one token's linear FLOPs (at least 1)."""
@@ -304,6 +320,8 @@ class Scorer:
             if position not in errors and position != prep.index:
                 # combine_results names an id-less request by its position here.
                 result.error = renamed(result.error, position, request_label(None, prep.index))
+            if prep.warnings:
+                result.warnings = list(prep.warnings)
         return attach_timings(results, prepared, timings or {})
 
     def score(self, requests: Sequence[RequestLike], *, progress: bool | None = None

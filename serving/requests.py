@@ -24,6 +24,16 @@ what ``PrefillOp.prefix_len`` advertises to the prefix cache) and a candidate sc
 the same tokens whatever prompt precedes it. Consequently candidates must carry
 the leading space the tokenizer expects (``" Paris"``, not ``"Paris"``).
 
+Boundary warnings. Where a text candidate of a "classify" request tokenizes
+differently after its text prompt than apart (``encode(prompt + candidate) !=
+encode(prompt) + encode(candidate)``, e.g. a prompt ending in a space, ``"Answer: "``
++ ``"yes"``, which together read ``" yes"``), the candidate is still scored as
+tokenized apart, unchanged, and the result carries a warning naming the candidate
+and the ids at the boundary (``ScoreResult.warnings``, ``"warnings"`` in JSON:
+:func:`boundary_warnings`). The comparison reads the prompt's last
+:data:`BOUNDARY_WINDOW_CHARS` characters (a boundary merge never reaches further
+with a tokenizer that splits words first, and a long prompt is not encoded again).
+
 kind ``"classify"`` (prompt + candidates):
 
 * every candidate is one token -> ONE op (``candidate_index=-1``): token_ids =
@@ -150,15 +160,20 @@ class ScoreResult:
     error: str | None = None
     selected: list[int] | None = None
     timings: dict[str, Any] | None = None
+    # Problems that did not stop the scoring (candidate tokenization boundaries).
+    warnings: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; ``selected`` (kind "multi") and ``timings`` appear only when set."""
+        """JSON-ready dict; ``selected`` (kind "multi"), ``timings`` and ``warnings``
+        appear only when set."""
         d: dict[str, Any] = {"id": self.id, "logprobs": self.logprobs, "label": self.label,
                              "prompt_tokens": self.prompt_tokens, "error": self.error}
         if self.selected is not None:
             d["selected"] = self.selected
         if self.timings is not None:
             d["timings"] = self.timings
+        if self.warnings:
+            d["warnings"] = list(self.warnings)
         return d
 
 
@@ -679,6 +694,48 @@ def normalize_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
             continue
         ops.extend(request_ops)
     return ops, errors, prompt_tokens
+
+
+# How much of a prompt's end the boundary check re-encodes with each candidate.
+BOUNDARY_WINDOW_CHARS = 256
+
+
+def boundary_warnings(obj: ScoreRequest | Mapping[str, Any], index: int,
+                      tokenizer: Tokenizer) -> list[str]:
+    """Warnings for the text candidates of a valid "classify" request that tokenize
+    differently after the prompt than apart (see "Boundary warnings" in the module
+    docstring); [] for other requests (ids, kinds "choice"/"multi", invalid ones)."""
+    try:
+        req = parse_request(obj, index)
+    except RequestError:
+        return []
+    if req.kind != "classify" or req.prompt is None or req.candidates is None:
+        return []
+    tail = req.prompt[-BOUNDARY_WINDOW_CHARS:]
+    tail_ids = list(tokenizer.encode(tail))
+    label = request_label(req.id, index)
+    warnings = []
+    for k, candidate in enumerate(req.candidates):
+        apart = tail_ids + list(tokenizer.encode(candidate))
+        together = list(tokenizer.encode(tail + candidate))
+        if together != apart:
+            warnings.append(_boundary_warning(label, k, candidate, tail, apart, together))
+    return warnings
+
+
+def _boundary_warning(label: str, k: int, candidate: str, prompt_tail: str,
+                      apart: list[int], together: list[int]) -> str:
+    """The message of one mismatch: the ids from where the two tokenizations part."""
+    same = 0
+    while same < min(len(apart), len(together)) and apart[same] == together[same]:
+        same += 1
+    hint = ""
+    if prompt_tail[-1:].isspace() and not candidate[:1].isspace():
+        hint = (f"; end the prompt without its trailing whitespace and start the candidate "
+                f"with it (e.g. {prompt_tail[-1] + candidate!r})")
+    return (f"{label}: candidates[{k}] ({candidate!r}): tokenizes differently after the "
+            f"prompt: together {together[same:]}, apart {apart[same:]} (from the boundary "
+            f"on); scored as tokenized apart{hint}")
 
 
 def unexpected_error(obj: Any, index: int, exc: BaseException) -> str:
