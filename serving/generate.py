@@ -9,7 +9,7 @@ tokens as they are produced; ``start_loop`` serves many callers from a backgroun
 
     from serving import Generator
     gen = Generator("demo")                        # or a local Hugging Face / converted dir
-    [result] = gen.generate([{"prompt": "2+2=", "max_new_tokens": 8}])
+    [result] = gen.generate([{"prompt": "12 + 9 =", "max_new_tokens": 2}])   # " 21\n"
     result.token_ids, result.text, result.finish_reason
 
 Requests (dicts or :class:`GenerationRequest`), fields:

@@ -5,9 +5,13 @@ prompt_token_ids, max_new_tokens, temperature, top_p, seed, stop_token_ids); one
 result per non-blank input line, in input order (fields of ``GenerationResult.to_dict``).
 A line that is not valid JSON (or too long, not UTF-8, ...), or an invalid request, gets a
 result with ``error`` set; the other lines still run. An id-less request is named by its
-line number (``"line 3: prompt: is empty"``); the input rules, the file checks made before
-the model loads and the exit statuses are those of ``moejax score`` (``serving.jsonl``,
-``serving.cli``).
+line number (``"line 3: prompt: is empty"``); the input rules and the file checks made
+before the model loads are those of ``moejax score`` (``serving.jsonl``, ``serving.cli``).
+
+Exit status: 0 done (some results may be errors); 2 a usage or file error (one line
+``moejax: error: ...``); 3 every result is an error (the results are written all the
+same: a script must not take a run that generated nothing for a success); 141 stdout
+closed early. ``examples/generate.jsonl`` holds requests the demo model answers.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from moejax import configure_xla
 from serving.cli import command_compilation_cache, positive_int
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
@@ -24,6 +29,15 @@ from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chun
 SCORING_ONLY = ("max_batch_tokens", "window", "deployment", "theta",
                  "engines", "routing", "prefix_cache_blocks", "kv_cache_free",
                  "share_prompts", "max_text_bytes", "max_token_ids", "max_candidates")
+# Exit status when every request failed (the results are written): what ``moejax score``
+# returns then too (serving.cli's ERRORS_STATUS).
+ALL_FAILED_STATUS = 3
+EXIT_CODES = f"""exit codes:
+  0    done (every line answered; some results may be errors)
+  2    refused: usage, an unreadable input, an unwritable -o, a model that cannot be
+       loaded (one line 'moejax: error: ...')
+  {ALL_FAILED_STATUS}    every result is an error; the results are written all the same
+  141  standard output closed early (e.g. | head -1)"""
 
 
 def add_generate_command(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
@@ -33,9 +47,10 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
     p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
                        description=__doc__.split("\n\n")[1],
                        epilog="Of the model options, generate uses --model, --dtype, "
-                              "--backend (resident, offload, sync_ep), --devices and "
+                              "--backend (resident, offload, sync_ep), --devices and\n"
                               "--expert-impl; the scoring-engine ones (not listed) are "
-                              "refused.")
+                              "refused.\n\n" + EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="JSONL requests ('-' for stdin)")
     p.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
     p.add_argument("--trace-experts", action="store_true", default=None,
@@ -81,7 +96,8 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
                    help="sync_ep: how tokens pick among an expert's replicas")
     p.add_argument("--decoders", type=positive_int, default=None,
                    help="decode on K decoders, one device each, fed by a prefill engine "
-                        "(default 1: prefill and decode together)")
+                        "(default 1: prefill and decode together); on CPU it sets K host "
+                        "devices, as --devices does")
     p.add_argument("--decode-routing", default=None,
                    help="with --decoders K >= 2: which decoder takes each request: jsq "
                         "(default), round_robin, p2c, random, domain (reads each request's "
@@ -138,14 +154,32 @@ def generate_chunk(generator: Any, chunk: list[JsonlLine]) -> list[Any]:
     return run_chunk(chunk, generator.generate, lambda error: GenerationResult(error=error))
 
 
+def configure_decoder_devices(args: argparse.Namespace) -> None:
+    """Ask XLA for a CPU host device per decoder (``--decoders K``), as the ``moejax``
+    command does for ``--devices``/``--engines`` (``serving.cli.main``). Runs before the
+    Generator starts JAX's backends; a device count already in ``XLA_FLAGS`` (the user's,
+    or ``--devices``') is kept, and a Generator short of devices says so."""
+    decoders = getattr(args, "decoders", None) or 1
+    processes = getattr(args, "num_processes", None) or 1
+    if decoders > 1 and processes == 1:
+        configure_xla(host_devices=max(decoders, getattr(args, "devices", None) or 1))
+
+
+def all_failed_status(results: int, errors: int) -> int:
+    """The exit status of a finished run: :data:`ALL_FAILED_STATUS` when there were
+    results and every one is an error, else 0 (an empty input is a success)."""
+    return ALL_FAILED_STATUS if results and errors == results else 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Run the ``generate`` subcommand; returns the exit status."""
+    """Run the ``generate`` subcommand; returns the exit status (see :data:`EXIT_CODES`)."""
     from serving.generate import Generator
 
     refused = scoring_only_given(args)
     if refused:
         raise ValueError(f"generate does not take {', '.join(refused)} (scoring-engine "
                          f"options)")
+    configure_decoder_devices(args)
     with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
         generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
                               trace_experts=args.trace_experts,
@@ -168,4 +202,4 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"errors) in {elapsed:.2f}s ({rate:.1f} tokens/s)"
           + (f", results in {args.output}" if args.output not in (None, "-") else ""),
           file=sys.stderr)
-    return 0
+    return all_failed_status(count, errors)
