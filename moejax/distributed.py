@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -33,7 +35,46 @@ log = logging.getLogger("moejax.distributed")
 # How long a silent peer may go unnoticed (seconds). JAX's default (100 s) is meant for
 # large clusters; an interactive run should give up sooner when a process died.
 DEFAULT_HEARTBEAT_SECONDS = 30
-_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
+# How long a process waits for every process to join (seconds): long enough for a
+# scheduler to start the others, short enough that an unreachable coordinator is noticed
+# (JAX's default is 300 s, silently).
+DEFAULT_JOIN_SECONDS = 60
+_ADDRESS = re.compile(r"^(?:\[(?P<ipv6>[^\]]*)\]|(?P<host>[^:\[\]]+)):(?P<port>\d+)$")
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
+
+
+class JoinError(RuntimeError):
+    """This process could not join the others (an unreachable coordinator, a process that
+    never came, ...): the message names the coordinator and the timeout."""
+
+
+def coordinator_problem(address: str) -> str | None:
+    """Why ``address`` is not a usable coordinator ``HOST:PORT`` (a hostname, an IPv4
+    address, or an IPv6 address in brackets; a port 1-65535), or None when it is."""
+    import ipaddress
+
+    match = _ADDRESS.match(address)
+    if match is None:
+        return "must be HOST:PORT (an IPv6 address in brackets: [::1]:8476)"
+    port = int(match["port"])
+    if not 1 <= port <= 65535:
+        return f"port {port} is not in 1..65535"
+    if match["ipv6"] is not None:
+        try:
+            ipaddress.IPv6Address(match["ipv6"])
+        except ValueError:
+            return f"[{match['ipv6']}] is not an IPv6 address"
+        return None
+    host = match["host"]
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"{host} is not an IPv4 address"
+        return None
+    if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in host.split(".")):
+        return f"{host!r} is not a host name"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +85,16 @@ class DistributedOptions:
     ``process_id`` (0 … N−1): explicit. ``auto``: let JAX detect the cluster (SLURM, Open
     MPI, Kubernetes / other ``cluster_detection_method`` environments) and give none of
     the three. ``heartbeat_timeout_seconds``: how long a dead peer may go unnoticed.
-    ``initialization_timeout_seconds``: how long to wait for every process to join."""
+    ``initialization_timeout_seconds``: how long to wait for every process to join (the
+    coordinator to answer, the other processes to come) before giving up
+    (:class:`JoinError`)."""
 
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
     auto: bool = False
     heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_SECONDS
-    initialization_timeout_seconds: int = 300
+    initialization_timeout_seconds: int = DEFAULT_JOIN_SECONDS
 
     def __post_init__(self) -> None:
         explicit = (self.coordinator, self.num_processes, self.process_id)
@@ -64,9 +107,9 @@ class DistributedOptions:
                                                 "--process-id"), given) if not g]
             raise ValueError(f"distributed: {', '.join(missing)} missing (a multi-process run "
                              f"needs --coordinator, --num-processes and --process-id together)")
-        if self.coordinator is not None and not _ADDRESS.match(self.coordinator):
-            raise ValueError(f"distributed: --coordinator must be HOST:PORT, got "
-                             f"{self.coordinator!r}")
+        problem = None if self.coordinator is None else coordinator_problem(self.coordinator)
+        if problem is not None:
+            raise ValueError(f"distributed: --coordinator {self.coordinator!r}: {problem}")
         if self.num_processes is not None and self.num_processes < 1:
             raise ValueError(f"distributed: --num-processes must be >= 1, got "
                              f"{self.num_processes}")
@@ -101,26 +144,94 @@ def initialize(options: DistributedOptions) -> bool:
     # Gloo carries the CPU collectives between processes (the default CPU collectives
     # work inside one process only). It is ignored by GPU backends.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout = options.initialization_timeout_seconds
     kwargs: dict[str, Any] = dict(
         heartbeat_timeout_seconds=options.heartbeat_timeout_seconds,
         # A process that stops with an error waits this long at the shutdown barrier for
         # the others; JAX's 300 s default would keep a failed run alive for 5 minutes.
         shutdown_timeout_seconds=options.heartbeat_timeout_seconds,
-        initialization_timeout=options.initialization_timeout_seconds)
+        # JAX ends the process with a fatal log (a C++ stack trace, no Python exception)
+        # when its own timeout passes; ours (_Watchdog) comes first, with a message.
+        initialization_timeout=timeout + _JAX_TIMEOUT_MARGIN)
     if not options.auto:
         kwargs.update(coordinator_address=options.coordinator,
                       num_processes=options.num_processes, process_id=options.process_id)
-    try:
-        jax.distributed.initialize(**kwargs)
-    except Exception as exc:   # JAX raises RuntimeError/ValueError/XlaRuntimeError here
-        where = "auto-detected cluster" if options.auto else \
-            f"coordinator {options.coordinator} as process {options.process_id} of " \
-            f"{options.num_processes}"
-        raise RuntimeError(f"jax.distributed.initialize failed ({where}): {exc}") from exc
+    where = "the auto-detected cluster" if options.auto else \
+        f"coordinator {options.coordinator} as process {options.process_id} of " \
+        f"{options.num_processes}"
+    # Said before the wait, which is silent otherwise: a process whose coordinator is not
+    # up yet, or never comes, shows what it waits for and for how long.
+    print(f"moejax: joining {where} (giving up after {timeout}s, --coordinator-timeout)",
+          file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout
+    if not options.auto and options.process_id != 0:
+        _wait_for_coordinator(options.coordinator, deadline, where, timeout)
+    with _Watchdog(deadline, f"moejax: error: could not join {where} within {timeout}s "
+                             f"(--coordinator-timeout): not every process joined"):
+        try:
+            jax.distributed.initialize(**kwargs)
+        except Exception as exc:   # JAX raises RuntimeError/ValueError/XlaRuntimeError
+            detail = next(iter(str(exc).splitlines()), "")
+            raise JoinError(f"could not join {where}: {type(exc).__name__}: {detail}") \
+                from exc
     _joined = options
     log.info("process %d of %d: %d local of %d devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
     return True
+
+
+_JAX_TIMEOUT_MARGIN = 30   # seconds JAX's join timeout is given past ours
+_CONNECT_POLL = 0.25       # seconds between attempts to reach the coordinator
+
+
+def _wait_for_coordinator(address: str, deadline: float, where: str, timeout: int) -> None:
+    """Wait until the coordinator's port accepts a TCP connection (it may start after this
+    process); :class:`JoinError` when it does not by ``deadline``, naming the last error.
+    Without this JAX would wait out its timeout and then abort the process."""
+    import socket
+
+    match = _ADDRESS.match(address)
+    assert match is not None, address   # checked by DistributedOptions
+    host, port = match["ipv6"] or match["host"], int(match["port"])
+    last = "no attempt"
+    while True:
+        try:
+            with socket.create_connection((host, port),
+                                          timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            last = exc.strerror or str(exc) or type(exc).__name__
+        if time.monotonic() >= deadline:
+            raise JoinError(f"could not join {where}: the coordinator did not answer within "
+                            f"{timeout}s (--coordinator-timeout); last attempt: {last}")
+        time.sleep(_CONNECT_POLL)
+
+
+class _Watchdog:
+    """Ends the process with ``message`` (exit 1) if the block is still running at
+    ``deadline``: JAX's join cannot be interrupted, and its own timeout aborts the
+    process with a C++ stack trace instead of a reason."""
+
+    def __init__(self, deadline: float, message: str):
+        import threading
+
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire,
+                                      args=(message,))
+        self._timer.daemon = True
+
+    @staticmethod
+    def _fire(message: str) -> None:
+        import os
+
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def __enter__(self) -> "_Watchdog":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._timer.cancel()
 
 
 def process_count() -> int:

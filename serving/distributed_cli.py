@@ -14,15 +14,31 @@ same batches; process 0 writes the output (the others write nothing).
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
-from moejax.distributed import DEFAULT_HEARTBEAT_SECONDS, DistributedOptions
+from moejax.distributed import DEFAULT_HEARTBEAT_SECONDS, DEFAULT_JOIN_SECONDS, DistributedOptions
+
+
+def coordinator_address(text: str) -> str:
+    """argparse type of ``--coordinator``: HOST:PORT with a port in 1..65535 and a host
+    that parses (refused at once, exit 2, rather than left to JAX, which waits)."""
+    from moejax.distributed import coordinator_problem
+
+    problem = coordinator_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
+
+
+coordinator_address.__name__ = "coordinator address"   # argparse names the type with it
 
 
 def add_distributed_options(p: argparse.ArgumentParser) -> None:
     """``--coordinator``, ``--num-processes``, ``--process-id``, ``--distributed auto``."""
     group = p.add_argument_group("multi-process (one model over several processes/hosts)")
     group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       type=coordinator_address,
                        help="process 0's coordination address (with --num-processes and "
                             "--process-id)")
     group.add_argument("--num-processes", type=int, default=None,
@@ -35,6 +51,11 @@ def add_distributed_options(p: argparse.ArgumentParser) -> None:
     group.add_argument("--heartbeat-seconds", type=int, default=DEFAULT_HEARTBEAT_SECONDS,
                        help="stop within this long when another process died (default "
                             f"{DEFAULT_HEARTBEAT_SECONDS})")
+    group.add_argument("--coordinator-timeout", type=int, default=DEFAULT_JOIN_SECONDS,
+                       metavar="SECONDS",
+                       help="give up (exit 1) when the coordinator does not answer, or not "
+                            "every process joins, within this long (default "
+                            f"{DEFAULT_JOIN_SECONDS})")
 
 
 def distributed_options(args: argparse.Namespace) -> DistributedOptions:
@@ -44,7 +65,9 @@ def distributed_options(args: argparse.Namespace) -> DistributedOptions:
                               process_id=getattr(args, "process_id", None),
                               auto=getattr(args, "distributed", None) == "auto",
                               heartbeat_timeout_seconds=getattr(args, "heartbeat_seconds",
-                                                                DEFAULT_HEARTBEAT_SECONDS))
+                                                                DEFAULT_HEARTBEAT_SECONDS),
+                              initialization_timeout_seconds=getattr(
+                                  args, "coordinator_timeout", DEFAULT_JOIN_SECONDS))
 
 
 def host_devices_per_process(args: argparse.Namespace) -> int:
@@ -60,10 +83,32 @@ def host_devices_per_process(args: argparse.Namespace) -> int:
 
 def join(args: argparse.Namespace) -> bool:
     """Join the other processes when the flags ask for it; returns whether the run is
-    multi-process. Must run after the XLA flags are set and before any JAX computation."""
+    multi-process. Must run after the XLA flags are set and before any JAX computation.
+    A multi-process run first moves native code's stdout to stderr
+    (:func:`native_stdout_to_stderr`)."""
     from moejax import distributed
 
-    return distributed.initialize(distributed_options(args))
+    options = distributed_options(args)
+    if options.enabled:
+        native_stdout_to_stderr()
+    return distributed.initialize(options)
+
+
+def native_stdout_to_stderr() -> None:
+    """Point file descriptor 1 at stderr, and Python's ``sys.stdout`` at a copy of the
+    real stdout. The collectives' native code prints on its own stdout (gloo's
+    ``[Gloo] Rank 0 is connected to 1 peer ranks``), which would otherwise land between
+    the result lines of a command writing to stdout (``moejax score IN.jsonl > OUT``)."""
+    try:
+        out_fd, err_fd = sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return   # a stream without a descriptor (a test's): native code cannot reach it
+    old = sys.stdout
+    old.flush()
+    real = os.dup(out_fd)
+    os.dup2(err_fd, out_fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(real, "w"), encoding=old.encoding,
+                                  errors=old.errors, line_buffering=old.line_buffering)
 
 
 def quiet_unless_output_process(args: argparse.Namespace) -> None:
