@@ -12,6 +12,12 @@ One thread of process 0 owns every collective (:class:`LeaderScorer`'s), because
 collectives must be issued in the same order everywhere. When there is nothing to run
 it sends an idle tick every ``tick_seconds``, so that no follower waits in one
 collective long enough for the collectives' own timeouts to give up on it.
+
+A collective that fails between processes (a peer process lost, its connection closed:
+:func:`is_collective_failure`) is no request's fault and leaves this process unable to go
+on: :func:`serving.results.combine_results` raises :class:`CollectiveFailure` instead of
+giving each request of the batch an error result, and the commands end at once
+(``serving.cli``), so that no request is answered with a failure it did not cause.
 """
 
 from __future__ import annotations
@@ -19,12 +25,45 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import re
 import threading
 from typing import Any, Hashable, Sequence
 
 from moejax.distributed import agree
 
 log = logging.getLogger("moejax.multi_process")
+
+# What XLA says when a collective between processes fails: gloo on CPU, NCCL on GPU, and
+# the transport under them. Matched in the message of an XLA runtime error only.
+_COLLECTIVE_FAILURE = re.compile(
+    r"Gloo [\w -]+ failed|NCCL (?:operation|error)|nccl\w*\(.*\) failed|ncclRemoteError|"
+    r"ncclSystemError|Connection closed by peer|coordination service", re.IGNORECASE)
+_XLA_RUNTIME_ERRORS = ("JaxRuntimeError", "XlaRuntimeError")
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective between the processes of a multi-process run failed (a process was
+    lost, or the transport between them broke): no request's fault, and fatal to this
+    process. ``__cause__`` is XLA's error."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed collective between processes (XLA's runtime error
+    naming gloo, NCCL or a closed peer connection) rather than one batch's own failure."""
+    if isinstance(error, CollectiveFailure):
+        return True
+    if not any(cls.__name__ in _XLA_RUNTIME_ERRORS for cls in type(error).__mro__):
+        return False
+    return _COLLECTIVE_FAILURE.search(str(error)) is not None
+
+
+def collective_failure(error: BaseException) -> CollectiveFailure:
+    """The :class:`CollectiveFailure` for XLA's ``error`` (its first line: the rest is a
+    long list of peers and ranks)."""
+    detail = next(iter(str(error).splitlines()), "")
+    return CollectiveFailure(f"a collective between the processes failed, so a process of "
+                             f"the multi-process run was lost or cannot be reached "
+                             f"({type(error).__name__}: {detail})")
 
 DEFAULT_TICK_SECONDS = 5.0
 _RUN, _IDLE, _STOP = "run", "idle", "stop"

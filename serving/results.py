@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from serving.multi_process import collective_failure, is_collective_failure
 from serving.requests import (OpOutput, PrefillOp, ScoreRequest, ScoreResult, parse_request,
                               request_id_of, request_label)
 
@@ -132,9 +133,15 @@ def _failed_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
                      ops: Sequence[PrefillOp], outputs: Sequence[OpOutput | Exception]
                      ) -> dict[int, str]:
     """Requests with an op whose step raised (its output is the exception) -> an error
-    naming the request and the failure (its first line: a device error can be long)."""
+    naming the request and the failure (its first line: a device error can be long).
+    A failed collective between processes raises
+    :class:`serving.multi_process.CollectiveFailure` instead."""
     failed: dict[int, str] = {}
     for op, out in zip(ops, outputs):
+        if isinstance(out, Exception) and is_collective_failure(out):
+            # A lost peer process, not these requests' fault: no result for any of them
+            # (a rerun scores them), and this process stops.
+            raise collective_failure(out) from out
         if isinstance(out, Exception) and op.request_index not in failed:
             label = request_label(request_id_of(requests[op.request_index]), op.request_index)
             detail = next(iter(str(out).splitlines()), "")
@@ -153,7 +160,9 @@ def combine_results(requests: Sequence[ScoreRequest | Mapping[str, Any]],
     (ops are matched to candidates by ``candidate_index``). An output may be the
     exception its step raised: its request then gets an error result (its other
     ops' outputs are not used), as do the requests in ``errors``. Raises ValueError
-    when outputs do not match their ops (an engine bug).
+    when outputs do not match their ops (an engine bug), and
+    :class:`serving.multi_process.CollectiveFailure` when an exception is a failed
+    collective between processes (a lost peer: no request's fault, and fatal).
     """
     if len(ops) != len(outputs):
         raise ValueError(f"{len(ops)} ops but {len(outputs)} outputs")
