@@ -22,11 +22,16 @@ a request that is invalid, gets a result with ``error`` set; the other lines are
 scored. An id-less request is named by its line number (``"line 3: prompt: is empty"``).
 The input rules, shared with ``generate`` and ``client score``, are in ``serving.jsonl``.
 
-Exit status: 0 done; 2 a usage or file error, as one line ``moejax: error: ...`` on stderr
-(a missing or unreadable input, an unwritable ``-o``, ``-o`` naming the input: all checked
-before the model loads; or a model directory that cannot be loaded, the file named); 130
-Ctrl-C (the results so far are written); 141 (as for a command killed by SIGPIPE) when
-stdout is closed early, e.g. ``| head -1``: the command stops quietly.
+Exit status of ``score`` (also :data:`SCORE_EXIT_CODES`, shown by ``moejax score
+--help``): 0 done; 1 the run stopped on a failure (a server failure with ``--target``, a
+lost process of a multi-process run, a run that ended before every line was answered);
+2 a usage or file error, as one line ``moejax: error: ...`` on stderr (a missing or
+unreadable input, an unwritable ``-o``, ``-o`` naming the input: all checked before the
+model loads; a model directory that cannot be loaded, the file named; a malformed progress
+file); 3 every result is an error (or, with ``--fail-on-errors``, any result is one): the
+results are written all the same; 130 Ctrl-C (the results so far are written); 141 (as for
+a command killed by SIGPIPE) when stdout is closed early, e.g. ``| head -1``: the command
+stops quietly.
 
 As an entry point, :func:`main` sets what a library leaves to its user: the XLA flags
 (``moejax.configure_xla``, before JAX starts) and JAX's persistent compilation cache
@@ -45,9 +50,12 @@ import time
 from typing import Any, Sequence
 
 from moejax import configure_xla
+from moejax.distributed import JoinError
 from serving.distributed_cli import (add_distributed_options, exit_now, host_devices_per_process,
                                      join as join_processes, quiet_unless_output_process)
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
+from serving.multi_process import CollectiveFailure, collective_failure, is_collective_failure
+from serving.score_progress import IncompleteRun
 
 # The commands keep a restarted job's compiled shapes (a library Scorer leaves the
 # process-wide cache alone unless asked).
@@ -55,6 +63,27 @@ COMMAND_COMPILATION_CACHE = "auto"
 # Exit status when stdout is closed before the results are written (``| head -1``): what a
 # shell reports for a command killed by SIGPIPE (128 + 13).
 BROKEN_PIPE_STATUS = 141
+# Exit status when the run stopped on a failure (a lost peer process, a run that ended
+# before every line was answered): results written so far are real ones.
+FAILED_STATUS = 1
+# Exit status when every result is an error (or any is, with --fail-on-errors): the
+# results are written, but a script must not take the run for a success.
+ERRORS_STATUS = 3
+
+DESCRIPTION = ("moejax: score and generate with Mixture-of-Experts models in JAX, from JSONL "
+               "files, over gRPC, or over several processes. Run 'moejax COMMAND --help' "
+               "for a command's options.")
+
+SCORE_EXIT_CODES = """exit codes:
+  0    done (every line answered; some results may be errors)
+  1    the run stopped on a failure: a server failure (--target, progress kept), a lost
+       process of a multi-process run, or a run that ended before every line was answered
+  2    refused: usage, an unreadable input, an unwritable -o, a model that cannot be
+       loaded, a malformed progress file (one line 'moejax: error: ...')
+  3    every result is an error (with --fail-on-errors: any result is an error); the
+       results are written all the same
+  130  Ctrl-C (143 SIGTERM with --target); the results so far are written
+  141  standard output closed early (e.g. | head -1)"""
 
 
 # ----------------------------------------------------------------------------- model options
@@ -160,12 +189,33 @@ def score_chunk(scorer: Any, chunk: list[JsonlLine]) -> list[Any]:
                      lambda error: ScoreResult(error=error))
 
 
+def errors_status(results: int, errors: int, fail_on_errors: bool) -> int:
+    """The exit status of a run that answered every line: :data:`ERRORS_STATUS` when every
+    result is an error (a run that scored nothing is no success), or when any is and
+    ``--fail-on-errors`` was given; else 0. An empty input (no results) is a success."""
+    if errors and (fail_on_errors or errors == results):
+        return ERRORS_STATUS
+    return 0
+
+
+def _remote_errors_status(args: argparse.Namespace) -> int:
+    """:func:`errors_status` of a finished ``--target`` run, from its progress record (the
+    whole output's counts, resumed runs included)."""
+    from serving.score_progress import load_progress, progress_path
+
+    record = load_progress(progress_path(args.output))
+    if record is None:
+        return 0
+    return errors_status(record["lines_done"], record.get("errors", 0), args.fail_on_errors)
+
+
 def cmd_score(args: argparse.Namespace) -> int:
-    """Run ``score``; returns the exit status (130 after Ctrl-C)."""
+    """Run ``score``; returns the exit status (see :data:`SCORE_EXIT_CODES`)."""
     if getattr(args, "target", None) is not None:   # through a server: serving.remote_score
         from serving.remote_score import run_remote
 
-        return run_remote(args)
+        status = run_remote(args)
+        return _remote_errors_status(args) if status == 0 else status
     from serving import Scorer
 
     with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
@@ -210,7 +260,9 @@ def cmd_score(args: argparse.Namespace) -> int:
           f"{stats.batches} batches, {stats.compiles} compiled shapes"
           + (f", results in {args.output}" if args.output not in (None, "-") else ""),
           file=sys.stderr)
-    return 130 if interrupted else 0
+    if interrupted:
+        return 130
+    return errors_status(count, errors, args.fail_on_errors)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -256,17 +308,24 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.launch import add_launch_command
     from serving.remote_score import add_remote_options
 
-    parser = argparse.ArgumentParser(prog="moejax", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="moejax", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log compiles and batches")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    score = sub.add_parser("score", help="score a JSONL file of requests")
+    score = sub.add_parser("score", help="score a JSONL file of requests",
+                           description="Score a JSONL file of requests (one JSON request a "
+                                       "line; one JSON result a line, in input order).",
+                           epilog=SCORE_EXIT_CODES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     score.add_argument("input", help="JSONL requests ('-' for stdin)")
     score.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
     score.add_argument("--chunk-size", type=positive_int, default=4096,
                        help="requests scored per chunk; results are written after each chunk")
     score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="progress bar (default: on for large inputs on a terminal)")
+    score.add_argument("--fail-on-errors", action="store_true",
+                       help=f"exit {ERRORS_STATUS} when any result is an error (without it: "
+                            f"only when every result is one)")
     add_line_limit_option(score)
     add_model_options(score)
     add_remote_options(score)   # --target HOST:PORT: through a server, resumable
@@ -288,7 +347,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefetch_calibrate_command(sub)
     add_grpc_commands(sub, add_model_options)
     add_launch_command(sub)
+    _accept_verbose_after_the_command(sub)
     return parser
+
+
+def _accept_verbose_after_the_command(sub: Any) -> None:
+    """``moejax score -v ...`` as well as ``moejax -v score ...``: every (sub)command takes
+    ``-v``. Its default is SUPPRESS, so a command without it keeps the top-level value."""
+    for command in sub.choices.values():
+        nested = [action for action in command._actions
+                  if isinstance(action, argparse._SubParsersAction)]
+        if nested:
+            for action in nested:
+                _accept_verbose_after_the_command(action)
+            continue
+        try:
+            command.add_argument("-v", "--verbose", action="store_true",
+                                 default=argparse.SUPPRESS, help="log compiles and batches")
+        except argparse.ArgumentError:   # a command with a -v of its own keeps it
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,7 +385,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE_STATUS
+    except (IncompleteRun, JoinError) as exc:   # failures, with a message that says it all
+        print(f"moejax: error: {exc}", file=sys.stderr)
+        if multi_process:
+            exit_now(FAILED_STATUS)
+        return FAILED_STATUS
     except (OSError, ValueError, RuntimeError) as exc:
+        if is_collective_failure(exc):
+            _report_lost_process(exc)
+            if multi_process:
+                exit_now(FAILED_STATUS)
+            return FAILED_STATUS
         if not multi_process and isinstance(exc, RuntimeError):
             raise
         print(f"moejax: error: {exc}", file=sys.stderr)
@@ -322,6 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             exit_now(1)
         raise
+
+
+def _report_lost_process(error: BaseException) -> None:
+    """One message for a failed collective between processes (fatal: see
+    :mod:`serving.multi_process`), in place of a traceback or per-request errors."""
+    failure = error if isinstance(error, CollectiveFailure) else collective_failure(error)
+    print(f"moejax: error: {failure}; stopping now: the results written are of requests "
+          f"scored before it, the others have no result line", file=sys.stderr)
 
 
 def _silence_stdout() -> None:
