@@ -14,6 +14,10 @@ may carry, measured without tokenizing:
 A request over a limit gets a :class:`~serving.requests.RequestError` naming the field and
 the limit (the Scorer: an error result; the gRPC server: ``INVALID_ARGUMENT``). The limits
 appear in ``Scorer.info``, ``moejax info`` and the server's ``ModelInfo``.
+
+:func:`least_cost` is the other measure taken before tokenizing: a lower bound of what a
+request costs to compute, which the gRPC server uses to refuse, untokenized, a batch that
+could never fit its queue's cost bound.
 """
 
 from __future__ import annotations
@@ -90,6 +94,29 @@ class RequestLimits:
             raise RequestError(f"{label}: prompt_token_ids: the request holds {ids} token ids, "
                                f"over the limit of {self.max_token_ids} (max_token_ids)",
                                index=index, field="prompt_token_ids")
+
+
+def least_cost(request: Any) -> int:
+    """A lower bound, from lengths only (no tokenizing, no parsing), of the compute a valid
+    ``request`` (a dict, ScoreRequest or anything with the request fields as attributes)
+    costs in token-equivalents (:attr:`serving.api.PreparedRequest.cost`).
+
+    Every token an op runs costs at least one token-equivalent (its linear FLOPs; attention
+    and the head come on top), and every valid request runs at least one op. The ops of
+    ``n`` prompt token ids and of candidates of ``m_k`` token ids run, between them, at
+    least ``n + sum(m_k - 1)`` tokens: the first op the whole prompt, each other op at least
+    the tokens after the prompt it may share (a candidate's last token is scored, not run).
+    Text counts one token per request at most: a tokenizer's normalizer can turn any number
+    of bytes into one token, so a bound from byte lengths would not be safe. So the bound
+    never exceeds the real cost of a valid request; an invalid one costs nothing (it gets an
+    error result), which only a request carrying token ids that the parser then refuses
+    could make the bound overstate."""
+    get = request.get if isinstance(request, Mapping) else (
+        lambda name: getattr(request, name, None))
+    tokens = _length(get("prompt_token_ids")) or 0
+    for ids in _items(get("candidate_token_ids")):
+        tokens += max(0, (_length(ids) or 0) - 1)
+    return max(1, tokens)
 
 
 def _length(value: Any) -> int | None:

@@ -22,7 +22,10 @@ can starve a health check. ``workers`` threads prepare requests
 (parse, tokenize), and one worker thread owns the model (:mod:`serving.grpc.batcher`).
 Every refusal under load is the server's own, with a retry hint: the queue's cost bound
 (``max_queued_tokens``), calls in progress (``max_concurrent_rpcs``), requests waiting to
-be prepared (``max_preparing``), generation streams (``max_generation_streams``). The
+be prepared (``max_preparing``), generation streams (``max_generation_streams``). What no
+wait would let in is refused before tokenizing, without a hint: a ``ScoreBatch`` of more
+than ``max_preparing`` requests, and requests whose least possible cost is over the whole
+cost bound (:mod:`serving.grpc.service`). The
 Generator's own loop thread runs the continuous batch that every Generate call joins
 (:mod:`serving.grpc.generation`).
 """
@@ -37,7 +40,7 @@ import logging
 import ssl
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -66,7 +69,9 @@ class ServerOptions:
     largest request message accepted. ``workers``: threads that prepare (parse, tokenize)
     requests (and as many validate and tokenize generation requests).
     ``max_concurrent_rpcs``: scoring calls in progress at once; ``max_preparing``: requests
-    waiting to be prepared (past either: RESOURCE_EXHAUSTED with a retry hint).
+    waiting to be prepared (past either: RESOURCE_EXHAUSTED with a retry hint), and the
+    most requests of one ``ScoreBatch`` (more: RESOURCE_EXHAUSTED without a hint, saying to
+    split the batch; refused before its items are tokenized).
     ``generation``: serve ``moejax.v1.Generation`` (with a Generator given to
     :meth:`ScoringServer.attach`); ``max_generation_streams``: generation streams at once
     (default 4 x the Generator's ``max_batch_size``; more: RESOURCE_EXHAUSTED with a retry
@@ -139,7 +144,9 @@ def read_tls_files(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
 def scoring_handlers(service: Any) -> grpc.GenericRpcHandler:
     """The Scoring methods of ``service`` (a :class:`ScoringService`, or any object with
     its handler methods: the router's), with deserializers that name non-UTF-8 fields
-    (:mod:`serving.grpc.decoding`) instead of failing the whole call."""
+    (:mod:`serving.grpc.decoding`) instead of failing the whole call, and a ``ModelInfo``
+    whose request does not parse answered INVALID_ARGUMENT (gRPC would answer UNKNOWN and
+    log a traceback per call)."""
     handlers = {
         "Score": grpc.unary_unary_rpc_method_handler(
             service.Score, request_deserializer=lambda data: decoding.parse(pb.ScoreRequest, data),
@@ -152,10 +159,25 @@ def scoring_handlers(service: Any) -> grpc.GenericRpcHandler:
             request_deserializer=lambda data: decoding.parse(pb.StreamRequest, data),
             response_serializer=pb.StreamResult.SerializeToString),
         "ModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.ModelInfo, request_deserializer=pb.ModelInfoRequest.FromString,
+            refusing_undecodable(service.ModelInfo),
+            request_deserializer=lambda data: decoding.parse(pb.ModelInfoRequest, data),
             response_serializer=pb.ModelInfoResponse.SerializeToString),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def refusing_undecodable(handler: Callable[[Any, Any], Awaitable[Any]]
+                         ) -> Callable[[Any, Any], Awaitable[Any]]:
+    """``handler`` behind a check: a request that did not parse
+    (:class:`serving.grpc.decoding.Undecodable`) is refused with INVALID_ARGUMENT naming the
+    problem, and ``handler`` only ever sees parsed requests."""
+
+    async def checked(request: Any, context: Any) -> Any:
+        if isinstance(request, decoding.Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+        return await handler(request, context)
+
+    return checked
 
 
 def generation_handlers(service: Any) -> grpc.GenericRpcHandler:
@@ -314,11 +336,15 @@ class ScoringServer:
                  if generator is not None else "")
 
     def stats(self) -> dict[str, int]:
-        """The batcher's counters (batches, scored, dropped_expired, peak_queued_tokens, ...)
-        and the calls refused for overload before admission (``refused_overload``)."""
+        """The batcher's counters (batches, scored, dropped_expired, peak_queued_tokens, ...),
+        the calls refused for overload before admission (``refused_overload``) and those
+        refused before tokenizing as larger than any call may be (``refused_oversized``: a
+        ScoreBatch over ``max_preparing`` requests, or requests whose least possible cost
+        is over ``max_queued_tokens``)."""
         if self.batcher is None:
             return {}
         return {**self.batcher.snapshot(), "refused_overload": self.service.refused,
+                "refused_oversized": self.service.oversized,
                 "in_flight": self.service.in_flight,
                 "generation_streams": self.generation.streams,
                 "generation_refused": self.generation.refused}

@@ -18,9 +18,13 @@ Status codes:
   invalid item gets a result with ``error`` set instead.
 * ``RESOURCE_EXHAUSTED`` — overload: the queue's cost bound is reached, or too many calls
   are in progress or waiting to be prepared. The trailing metadata ``retry-after-ms`` (and
-  ``grpc-retry-pushback-ms``, and the message) say when to retry. A request or batch
-  costing more than the whole bound is refused without a hint (split it). Messages over
-  the size limit are refused by gRPC itself with the same code.
+  ``grpc-retry-pushback-ms``, and the message) say when to retry. Refused without a hint,
+  because waiting would not help (the message says the limit and to split): a
+  ``ScoreBatch`` of more requests than ``max_preparing`` (refused before anything is
+  read from its items), and a request or batch costing more than the whole bound —
+  known before tokenizing when its least possible cost (:func:`serving.limits.least_cost`:
+  token ids counted, text one token a request) is already over it, else after preparing.
+  Messages over the size limit are refused by gRPC itself with the same code.
 * ``DEADLINE_EXCEEDED`` — the call's deadline passed; work still queued is dropped.
 * ``UNAVAILABLE`` — the model is still loading, or the server is shutting down (a stream
   then ends with this code after the results of the requests it had read).
@@ -41,6 +45,7 @@ import grpc
 
 from serving.grpc import convert, decoding, scoring_pb2 as pb
 from serving.grpc.batcher import Batcher, Cancelled, Expired, Failed, WorkItem
+from serving.limits import least_cost
 from serving.requests import RequestError, request_id_of, request_label
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scoring"].full_name
@@ -123,7 +128,10 @@ class ScoringService:
 
     ``prepare_threads``: threads that validate and tokenize requests; ``max_in_flight``:
     scoring calls in progress at once (more are refused with a retry hint);
-    ``max_preparing``: requests waiting to be prepared (more: refused likewise)."""
+    ``max_preparing``: requests waiting to be prepared (more: refused likewise), which is
+    also the most requests one ``ScoreBatch`` may carry (more: refused without a hint, the
+    batch is to be split), so one call never holds the prepare pool for longer than
+    preparing that many requests takes, nor keeps other calls from it."""
 
     def __init__(self, *, prepare_threads: int = 2, max_in_flight: int = 4096,
                  max_preparing: int = 256) -> None:
@@ -136,6 +144,7 @@ class ScoringService:
         self.max_in_flight = max_in_flight
         self.max_preparing = max_preparing
         self.refused = 0    # calls refused for overload here (not counting admission)
+        self.oversized = 0  # calls refused before tokenizing as more than any call may be
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=prepare_threads, thread_name_prefix="moejax-grpc-prepare")
 
@@ -189,8 +198,10 @@ class ScoringService:
 
     async def _prepare(self, batcher: Batcher, messages: Sequence[tuple[int, Any]]) -> list[Any]:
         """Prepared requests of ``(index, message)`` pairs, on the prepare pool; raises
-        _Refused when too many requests already wait to be prepared."""
-        if self.preparing + len(messages) > self.max_preparing and self.preparing:
+        _Refused when too many requests already wait to be prepared. (No call brings more
+        than ``max_preparing``: :meth:`_refuse_oversized_batch`; so ``preparing`` never
+        exceeds it.)"""
+        if self.preparing + len(messages) > self.max_preparing:
             self.refused += 1
             raise _Refused(f"{self.preparing} requests are waiting to be prepared (the "
                            f"server's limit is {self.max_preparing})", batcher.retry_after_ms(0))
@@ -215,13 +226,42 @@ class ScoringService:
         raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
                        f"token-equivalents queued)", batcher.retry_after_ms(cost))
 
-    @staticmethod
-    def _refuse_early(batcher: Batcher, message_bytes: int) -> None:
+    def _refuse_oversized_batch(self, count: int) -> None:
+        """Per call, before anything is read from the items: a batch of more requests than
+        the server prepares at once (``max_preparing``) is refused without a retry hint
+        (it would be refused again): preparing it would hold a prepare thread for as long
+        as tokenizing all of it takes, and every other call would be refused meanwhile."""
+        if count <= self.max_preparing:
+            return
+        self.oversized += 1
+        raise _Refused(f"the batch holds {count} requests, more than the server prepares for "
+                       f"one call ({self.max_preparing}, max_preparing): split it into "
+                       f"batches of at most {self.max_preparing} requests, or send them "
+                       f"over ScoreStream", None)
+
+    def _refuse_over_bound(self, batcher: Batcher, messages: Sequence[tuple[int, Any]]) -> None:
+        """Before tokenizing: refuse, without a retry hint, requests whose least possible
+        cost (:func:`serving.limits.least_cost`, from lengths: it never exceeds the cost of
+        a valid request) is already more than the queue's whole bound; the exact cost,
+        known after preparing, would be refused the same way."""
+        bound = batcher.admission.bound
+        least = sum(least_cost(convert.limit_view(message)) for _, message in messages)
+        if least <= bound:
+            return
+        self.oversized += 1
+        raise _Refused(f"the request(s) need at least {least} token-equivalents of compute, "
+                       f"more than the server's bound of {bound} (max_queued_tokens): split "
+                       f"them, or use ScoreStream", None)
+
+    def _refuse_early(self, batcher: Batcher, messages: Sequence[tuple[int, Any]]) -> None:
         """Before any preparing (tokenizing a long prompt takes milliseconds, and a refused
-        crowd retries): refuse at once what would not fit by a rough estimate of its cost,
-        its message's bytes over BYTES_PER_TOKEN_EQUIVALENT. The exact cost is checked
-        after preparing."""
+        crowd retries): refuse for good what can never fit (:meth:`_refuse_over_bound`),
+        and for now what would not fit the queue by a rough estimate of its cost, its
+        messages' bytes over BYTES_PER_TOKEN_EQUIVALENT. The exact cost is checked after
+        preparing."""
+        self._refuse_over_bound(batcher, messages)
         adm = batcher.admission
+        message_bytes = sum(message.ByteSize() for _, message in messages)
         estimate = max(1, message_bytes // BYTES_PER_TOKEN_EQUIVALENT)
         if estimate > adm.bound or adm.would_fit(estimate, batcher.admission_share(estimate)):
             return  # (more than the whole bound: the exact cost decides, after preparing)
@@ -244,7 +284,7 @@ class ScoringService:
                 context.set_details(error)
                 return pb.ScoreResult()
             try:
-                self._refuse_early(batcher, message.ByteSize())
+                self._refuse_early(batcher, [(0, message)])
                 prepared = (await self._prepare(batcher, [(0, message)]))[0]
                 if prepared.error is not None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, prepared.error)
@@ -266,6 +306,14 @@ class ScoringService:
         async with self._call(context) as batcher:
             if isinstance(items, decoding.Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items.describe())
+            try:
+                self._refuse_oversized_batch(len(items))
+            except _Refused as refused:
+                # Set, not raised: an abort's traceback would keep the (huge) batch alive in
+                # a reference cycle until the next garbage collection.
+                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                context.set_details(str(refused))
+                return pb.ScoreBatchResponse()
             results: list[Any] = [None] * len(items)
             todo = []
             for index, message in enumerate(items):
@@ -283,7 +331,7 @@ class ScoringService:
             work = []
             try:
                 if todo:
-                    self._refuse_early(batcher, sum(m.ByteSize() for _, m in todo))
+                    self._refuse_early(batcher, todo)
                 for prepared in (await self._prepare(batcher, todo)) if todo else ():
                     if prepared.error is not None:
                         results[prepared.index] = convert.error_result(
