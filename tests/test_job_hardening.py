@@ -303,3 +303,131 @@ def test_an_unreachable_coordinator_is_given_up_on_with_a_message(tmp_path):
     assert (f"moejax: error: could not join {where}: the coordinator did not answer within "
             f"2s (--coordinator-timeout); last attempt: Connection refused") in done.stderr
     assert "Check failure stack trace" not in done.stderr and done.stdout == ""
+
+
+# ----------------------------------------------------------------------------- a lost process
+# What process 0 of ``moejax launch --processes 2 -- moejax score ... --backend async_ep``
+# got from XLA when process 1 was killed (copied from a real run).
+GLOO_LOST_PEER = ("INTERNAL: Error dispatching computation: Gloo AllGather failed: "
+                  "[external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+                  "[127.0.0.1]:61149: Connection reset by peer")
+
+
+def test_a_failed_collective_is_told_from_a_batchs_own_failure():
+    import jax
+
+    from serving.multi_process import CollectiveFailure, is_collective_failure
+
+    assert is_collective_failure(jax.errors.JaxRuntimeError(GLOO_LOST_PEER))
+    assert is_collective_failure(jax.errors.JaxRuntimeError(
+        "INTERNAL: NCCL operation ncclAllGather(...) failed: remote process exited"))
+    assert is_collective_failure(CollectiveFailure("lost"))
+    assert not is_collective_failure(jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory allocating 1073741824 bytes"))
+    assert not is_collective_failure(RuntimeError(GLOO_LOST_PEER))   # not XLA's error
+    assert not is_collective_failure(ValueError("Gloo AllGather failed"))
+
+
+def test_a_lost_process_fails_the_batch_instead_of_answering_each_request():
+    """Before: process 0 wrote a result ``scoring failed (JaxRuntimeError: ... Gloo
+    AllGather failed ...)`` for each of 32,160 requests, then aborted 22 s later. Now
+    combine_results (where every failed step's requests get their results) raises, so no
+    request is answered with a failure that is not its own; a batch's own failure still
+    gives its requests error results."""
+    import jax
+    import numpy as np
+
+    from moejax.ops import OpKey, PrefillOp
+    from serving.multi_process import CollectiveFailure
+    from serving.requests import OpOutput
+    from serving.results import combine_results
+
+    requests = [{"id": f"r{i}", "prompt": "a", "candidate_token_ids": [[1], [2]]}
+                for i in range(2)]
+    ops = [PrefillOp(key=OpKey(i, -1), token_ids=np.array([3, 4], np.int32),
+                     score_positions=(1,), score_token_ids=((1, 2),)) for i in range(2)]
+    good = OpOutput(logits=[np.array([0.0, -1.0])], logsumexp=None)
+    lost = jax.errors.JaxRuntimeError(GLOO_LOST_PEER)
+    with pytest.raises(CollectiveFailure, match="Gloo AllGather failed") as raised:
+        combine_results(requests, ops, [good, lost], {}, {0: 2, 1: 2})
+    assert raised.value.__cause__ is lost
+    own = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+    results = combine_results(requests, ops, [good, own], {}, {0: 2, 1: 2})
+    assert results[0].error is None
+    assert results[1].error == ("request 'r1': scoring failed (JaxRuntimeError: "
+                                "RESOURCE_EXHAUSTED: Out of memory)")
+
+
+# ----------------------------------------------------------------------------- launch output
+CHILD = """
+import sys
+index = int(sys.argv[sys.argv.index("--process-id") + 1])
+print(f"[Gloo] Rank {index} is connected to 1 peer ranks. Expected number of connected "
+      f"peer ranks is : 1", file=sys.stderr, flush=True)
+print("progress\\r", end="", file=sys.stderr, flush=True)
+print(f"summary of process {index}", file=sys.stderr)
+print(f"result of process {index}")
+sys.exit(int(sys.argv[1]) if index == 1 else 0)
+"""
+
+
+def launch(tmp_path: Path, status: int) -> subprocess.CompletedProcess:
+    """``moejax launch`` of 2 processes of CHILD; its output decoded as is (a text-mode
+    capture would turn the progress bar's \\r into a line end)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "launch", "--processes", "2", "--log-dir",
+         str(tmp_path / "logs"), "--grace-seconds", "5", "--", sys.executable, "-c", CHILD,
+         str(status)], cwd=REPO, env=child_env(), capture_output=True, timeout=60)
+    done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
+    return done
+
+
+def test_launch_shows_process_0s_messages_only(tmp_path):
+    """Before: a second summary (process 1's, ending "results in /dev/null") and gloo's
+    connection lines. Now process 1 writes to its log; process 0's stdout is as it was."""
+    done = launch(tmp_path, 0)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "result of process 0\n"
+    log = tmp_path / "logs" / "process-1.log"
+    assert done.stderr == (f"moejax launch: the output of processes 1-1 goes to "
+                           f"{tmp_path / 'logs' / 'process-I.log'}\n"
+                           f"progress\rsummary of process 0\n")
+    assert "summary of process 1" in log.read_text()
+
+
+def test_launch_shows_the_end_of_a_failed_process_log(tmp_path):
+    done = launch(tmp_path, 5)
+    assert done.returncode == 5
+    assert "moejax launch: process 1 exited with status 5" in done.stderr
+    assert f"the end of {tmp_path / 'logs' / 'process-1.log'}:" in done.stderr
+    assert "summary of process 1" in done.stderr and "[Gloo]" not in done.stderr
+
+
+@pytest.mark.parametrize("pieces, shown", [
+    ([b"[Gloo] Rank 0 is connected to 1 peer ranks. x\nkept\n"], b"kept\n"),
+    ([b"[Glo", b"o] Rank 3 is connected to 3 peer ranks\nnext"], b"next"),
+    ([b"[Glo", b"bal] not chatter\n"], b"[Global] not chatter\n"),
+    ([b"half a line ", b"[Gloo] Rank 0 is connected to 1 peer ranks\n"],
+     b"half a line [Gloo] Rank 0 is connected to 1 peer ranks\n"),
+])
+def test_chatter_is_dropped_by_whole_lines_only(pieces, shown):
+    from serving.launch import without_chatter
+
+    out, held, mid_line = b"", b"", False
+    for piece in pieces:
+        part, held, mid_line = without_chatter(held + piece, mid_line)
+        out += part
+    assert out + held == shown
+
+
+def test_native_stdout_goes_to_stderr_in_a_multi_process_run():
+    """gloo prints its connection lines on the process's stdout (file descriptor 1): in a
+    multi-process ``moejax score IN > OUT`` they landed among the results."""
+    code = ("import os; from serving.distributed_cli import native_stdout_to_stderr; "
+            "native_stdout_to_stderr(); os.write(1, b'[Gloo] Rank 0 is connected\\n'); "
+            "print('{\"id\": 1}')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == '{"id": 1}\n'
+    assert done.stderr == "[Gloo] Rank 0 is connected\n"
