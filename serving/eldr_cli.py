@@ -1,6 +1,8 @@
 """``moejax eldr-fit TRACES... -o FIT --decoders K``: fit ELDR's decode router offline.
 
-Reads one or more expert traces (``moejax trace``; several must agree on model, layers,
+Reads one or more expert traces (``moejax trace REQUESTS.jsonl -o TRACE.npz``, over
+calibration requests: generation requests, one a line, each with an optional ``"domain"``
+label, e.g. ``examples/calibration.jsonl``; several traces must agree on model, layers,
 experts and top-k), fits the IDF weights, the signature layers and one centroid per
 decoder with Hungarian-balanced K-means (``moejax.eldr.fitting``), and writes the fit
 file (``moejax.eldr.fitfile``), versioned against the model's router weights.
@@ -53,7 +55,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                "from expert traces",
                               description=__doc__.split("\n\n")[1])
     p.add_argument("traces", nargs="+", metavar="TRACES",
-                   help="expert traces (.npz, from `moejax trace`) of calibration requests")
+                   help="expert traces (.npz) of calibration requests, from `moejax trace "
+                        "REQUESTS.jsonl -o TRACE.npz --model M`: REQUESTS.jsonl holds "
+                        "generation requests, one a line, each with an optional \"domain\" "
+                        "label (examples/calibration.jsonl, for demo-e32)")
     p.add_argument("-o", "--output", required=True,
                    help="the fit file (.npz, written under exactly this name)")
     p.add_argument("--decoders", type=positive_int, required=True,

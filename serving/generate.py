@@ -563,14 +563,15 @@ def check_decode_processes(opts: GeneratorOptions) -> None:
 class CallGuard:
     """Lets one call at a time drive a Generator's engine (its KV pool, scheduler and
     buffers are donated and rewritten by every step, so two calls interleaving steps read
-    each other's deleted buffers): :meth:`hold` around a ``generate`` or ``stream`` call
-    waits for the call before it, as the Scorer's runs wait on the engine's lock; a
-    generation loop (:meth:`Generator.start_loop`) holds the Generator from
-    :meth:`open_loop` until :meth:`close_loop`.
+    each other's deleted buffers): a ``generate`` or ``stream`` call holds it from
+    :meth:`acquire` to :meth:`release`, waiting for the call before it, as the Scorer's
+    runs wait on its engine's lock; a generation loop (:meth:`Generator.start_loop`)
+    holds it from :meth:`open_loop` until :meth:`close_loop`.
 
     A call that could only deadlock is refused instead of waiting: one from the thread
     whose stream is still open (an unfinished ``stream`` iterator), and any while a loop
-    is open (its thread owns the scheduler until ``close()``)."""
+    is open (its thread owns the scheduler until ``close()``; a call already waiting when
+    a loop opens waits for it to close)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -916,6 +917,9 @@ class GeneratorLoop:
     def __init__(self, generator: Generator):
         self.generator = generator
         self.loop = GenerationLoop(generator.scheduler)
+        # Whether this loop still holds the Generator (Generator.start_loop took it): a
+        # second close() must not release a later loop's hold.
+        self._holds_generator = True
 
     def submit(self, request: GenerationRequest | Mapping[str, Any],
                on_event: Callable[[GenerationEvent], None], index: int = 0
@@ -949,7 +953,9 @@ class GeneratorLoop:
         try:
             self.loop.close()
         finally:
-            self.generator.call_guard.close_loop()
+            if self._holds_generator:
+                self._holds_generator = False
+                self.generator.call_guard.close_loop()
 
 
 def _as_list(requests: Any) -> list[Any]:

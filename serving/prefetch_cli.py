@@ -1,6 +1,7 @@
 """``moejax prefetch-calibrate TRACES... -o DEFAULTS --model M``: default vectors offline.
 
-Replays the calibration requests of the traces through the model (``moejax.prefetch``:
+Replays the calibration requests of the traces (``moejax trace REQUESTS.jsonl -o
+TRACE.npz``; requests such as ``examples/calibration.jsonl``) through the model (``moejax.prefetch``:
 the replay is checked against the traced routing) and writes each expert's mean output
 per layer, the default vectors d_{l,e} of the quasi-hidden state, with the per-layer
 expert counts (``moejax.prefetch.defaults``). Every ``--heldout-every``-th request
@@ -26,7 +27,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                    "prefetch from expert traces",
                               description=__doc__.split("\n\n")[1])
     p.add_argument("traces", nargs="+", metavar="TRACES",
-                   help="expert traces (.npz, from `moejax trace`) of calibration requests")
+                   help="expert traces (.npz) of calibration requests, from `moejax trace "
+                        "REQUESTS.jsonl -o TRACE.npz --model M`: REQUESTS.jsonl holds "
+                        "generation requests, one a line, each with an optional \"domain\" "
+                        "label (examples/calibration.jsonl, for demo-e32)")
     p.add_argument("-o", "--output", required=True, help="the default-vector file (.npz)")
     p.add_argument("--model", default=None,
                    help="a built-in name or model directory (default: the model the traces "

@@ -187,3 +187,27 @@ def test_decoders_sets_the_cpu_host_devices(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     [result] = [json.loads(line) for line in out.read_text().splitlines()]
     assert result["error"] is None and result["text"].startswith(" 21")
+
+
+def test_eldr_fit_and_prefetch_calibrate_read_the_trace_of_the_calibration_example(
+        tmp_path, capsys):
+    """The documented pipeline on examples/calibration.jsonl: `moejax trace` (two tokens a
+    request: eldr-fit needs decode tokens), then `moejax eldr-fit` fits K=2 from it, and
+    prefetch-calibrate's loader reads every request of it with its domain."""
+    from moejax import checkpoint
+    from moejax.prefetch import train
+
+    trace = tmp_path / "calib.npz"
+    assert _run_main(["trace", str(REPO / "examples" / "calibration.jsonl"), "-o", str(trace),
+                      "--model", "demo-e32", "--max-new-tokens", "2",
+                      "--max-batch-size", "16"]) == 0
+    assert "traced 16 of 16 requests (0 with errors)" in capsys.readouterr().err
+    fit = tmp_path / "eldr-2.npz"
+    assert _run_main(["eldr-fit", str(trace), "-o", str(fit), "--decoders", "2"]) == 0
+    assert "16 requests" in capsys.readouterr().err and fit.stat().st_size > 0
+    cfg = checkpoint.load_model_config(checkpoint.resolve_model_dir("demo-e32")[0])
+    requests = train.load_requests([str(trace)], cfg)
+    assert len(requests) == 16 and all(r.ok for r in requests)
+    from moejax.demo.corpus import DOMAINS_E32
+
+    assert sorted({r.domain for r in requests}) == sorted(DOMAINS_E32)
