@@ -46,10 +46,9 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
     adds the shared --model / --dtype / --expert-impl ... block."""
     p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
                        description=__doc__.split("\n\n")[1],
-                       epilog="Of the model options, generate uses --model, --dtype, "
-                              "--backend (resident, offload, sync_ep), --devices and\n"
-                              "--expert-impl; the scoring-engine ones (not listed) are "
-                              "refused.\n\n" + EXIT_CODES,
+                       epilog="Of the model options, generate uses --model, --dtype, --backend\n"
+                              "(resident, offload, sync_ep), --devices and --expert-impl; the\n"
+                              "scoring-engine ones (not listed) are refused.\n\n" + EXIT_CODES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="JSONL requests ('-' for stdin)")
     p.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
