@@ -203,7 +203,7 @@ def _remote_errors_status(args: argparse.Namespace) -> int:
     whole output's counts, resumed runs included)."""
     from serving.score_progress import load_progress, progress_path
 
-    record = load_progress(progress_path(args.output))
+    record = load_progress(progress_path(args.output), check_files=False)   # just written
     if record is None:
         return 0
     return errors_status(record["lines_done"], record.get("errors", 0), args.fail_on_errors)

@@ -129,11 +129,12 @@ def _check_fields(record: Any, path: str) -> None:
                             f"lines_done {record['lines_done']} (no result takes no bytes)")
 
 
-def load_progress(path: str) -> dict[str, Any] | None:
+def load_progress(path: str, check_files: bool = True) -> dict[str, Any] | None:
     """The progress record at ``path`` (None when there is none), checked: CommandError
     naming the file and the field when a field has the wrong type or range, when its
     offsets do not fall on line ends of the input and output or disagree with their line
-    counts (:func:`check_against_files`). ``"complete": true`` is trusted only when the
+    counts (:func:`check_against_files`; ``check_files=False`` skips reading the files, for
+    a record this process has just written). ``"complete": true`` is trusted only when the
     input has no line left past the recorded one; otherwise the record is resumed (with a
     warning) instead of being taken for a finished run."""
     try:
@@ -145,7 +146,8 @@ def load_progress(path: str) -> dict[str, Any] | None:
         raise CommandError(f"progress file {path}: cannot be read ({exc}); {_START_OVER}") \
             from None
     _check_fields(record, path)
-    check_against_files(record, path)
+    if check_files:
+        check_against_files(record, path)
     return record
 
 
@@ -299,7 +301,14 @@ def write_progress(path: str, record: dict[str, Any]) -> None:
     ``input_offset``, it is written as not complete and :class:`IncompleteRun` is raised,
     so that no failure, wherever it happened, is recorded as a finished run."""
     if record.get("complete"):
-        left = unanswered_line(record["input"]["path"], record["input_offset"])
+        try:
+            left = unanswered_line(record["input"]["path"], record["input_offset"])
+        except OSError as exc:   # cannot tell: not recorded as done
+            record["complete"] = False
+            _replace(path, record)
+            raise IncompleteRun(f"cannot check that every line of {record['input']['path']} "
+                                f"is answered ({exc.strerror or exc}): not marking the run "
+                                f"complete; progress kept in {path}") from None
         if left is not None:
             record["complete"] = False
             _replace(path, record)
