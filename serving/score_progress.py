@@ -181,7 +181,7 @@ def _count_lines(fh: BinaryIO, end: int) -> _LineCount:
             count.answered += _has_content(line, first)
             first = False
         if len(pending) > _BLOCK:   # keep only whether a long unfinished line has content
-            pending = b"x" if _has_content(pending, first) else b""
+            pending = b"x" if _has_content(pending, first) else b" "
     count.ends_a_line = not pending
     if pending:
         count.lines += 1
