@@ -431,3 +431,55 @@ def test_native_stdout_goes_to_stderr_in_a_multi_process_run():
     assert done.returncode == 0, done.stderr
     assert done.stdout == '{"id": 1}\n'
     assert done.stderr == "[Gloo] Rank 0 is connected\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_process_gets_no_fake_error_results(tmp_path):
+    """The real thing (2 processes x 2 CPU devices, gloo): SIGKILL process 1 once process 0
+    has written results; process 0 stops at once with exit 1 and one message, and every
+    result line it wrote is a real score (before: a 'scoring failed (JaxRuntimeError: ...
+    Gloo AllGather failed ...)' line per request of every later batch, then a fatal
+    abort, exit 247). Slow: two JAX processes compiling the async_ep backend."""
+    import signal
+    import time
+
+    from serving.launch import free_port
+
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps({"id": i, "prompt": f"item {i} " * 10,
+                                            "candidates": [" yes", " no"]}) + "\n"
+                                for i in range(2000)))
+    out = tmp_path / "out.jsonl"
+    common = [sys.executable, "-m", "serving.cli", "score", str(requests), "-o", str(out),
+              "--backend", "async_ep", "--devices", "4", "--chunk-size", "16",
+              "--no-progress", "--coordinator", f"127.0.0.1:{free_port()}",
+              "--num-processes", "2", "--heartbeat-seconds", "5"]
+    logs = [tmp_path / f"p{i}.log" for i in range(2)]
+    procs = []
+    for index, log in enumerate(logs):
+        with open(log, "w") as sink:
+            procs.append(subprocess.Popen(common + ["--process-id", str(index)], cwd=REPO,
+                                          env=child_env(), stdout=sink,
+                                          stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 200
+        while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
+            assert procs[0].poll() is None, logs[0].read_text()[-2000:]
+            time.sleep(0.2)
+        assert out.stat().st_size > 0, "process 0 wrote no result before the deadline"
+        procs[1].send_signal(signal.SIGKILL)
+        code = procs[0].wait(timeout=120)
+    finally:
+        for process in procs:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    log = logs[0].read_text()
+    assert code == 1, log[-2000:]
+    assert "moejax: error: a collective between the processes failed" in log, log[-2000:]
+    assert "Check failure stack trace" not in log
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 0 < len(rows) < 2000
+    assert all(row["error"] is None for row in rows)
+    assert [row["id"] for row in rows] == list(range(len(rows)))
