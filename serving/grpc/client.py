@@ -115,21 +115,52 @@ class _Calls:
 
 # ---------------------------------------------------------------------------- channels
 def read_pem(value: str | bytes | None) -> bytes | None:
-    """PEM bytes of a path (or the bytes themselves); ValueError naming an unreadable file."""
-    if value is None or isinstance(value, bytes):
-        return value
+    """PEM bytes of a path (or the bytes themselves), checked to hold at least one
+    certificate; ValueError naming a file that cannot be read or holds none.
+
+    Why check here: gRPC takes any bytes as root certificates and only fails each TLS
+    handshake later, so a wrong file would show as an upstream (or server) that never
+    answers instead of as the bad file it is."""
+    if value is None:
+        return None
+    where = "the TLS CA given as bytes" if isinstance(value, bytes) else f"TLS CA {value}"
+    if isinstance(value, bytes):
+        data = value
+    else:
+        try:
+            with open(value, "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot be read ({exc.strerror})") from exc
+    problem = pem_problem(data)
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
+    return data
+
+
+def pem_problem(data: bytes) -> str | None:
+    """Why ``data`` is not PEM text with at least one X.509 certificate (None: it is)."""
+    import ssl
+
     try:
-        with open(value, "rb") as fh:
-            return fh.read()
-    except OSError as exc:
-        raise ValueError(f"TLS CA {value}: cannot be read ({exc.strerror})") from exc
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        return "not a PEM file (it is not text; a DER certificate must be converted to PEM)"
+    if "-----BEGIN CERTIFICATE-----" not in text:
+        return "not a PEM certificate (no '-----BEGIN CERTIFICATE-----' line)"
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=text)
+    except (ssl.SSLError, ValueError) as exc:
+        return f"not a valid PEM certificate ({exc})"
+    return None
 
 
 def channel_credentials(tls: bool = False, tls_ca: str | bytes | None = None
                         ) -> grpc.ChannelCredentials | None:
     """TLS credentials of a channel, None for plaintext: TLS with ``tls_ca`` (PEM path or
     bytes of the CA, or of a self-signed server certificate) or, with ``tls`` alone, the
-    system's root CAs. The CA file is read now (ValueError naming it if it cannot be)."""
+    system's root CAs. The CA file is read and checked now (ValueError naming it if it
+    cannot be read or holds no certificate)."""
     if not (tls or tls_ca is not None):
         return None
     return grpc.ssl_channel_credentials(root_certificates=read_pem(tls_ca))

@@ -14,7 +14,7 @@ from ``MOEJAX_TOKEN`` (toward clients) and ``MOEJAX_UPSTREAM_TOKEN`` (toward ups
 instead of the flags, which show in ``ps``.
 
 Start-up: a bad flag (an ``--upstream`` value that is not HOST:PORT, a TLS file that cannot
-be read, ...) is a one-line ``moejax router: error: ...`` naming the value, exit 2, before
+be read, an ``--upstream-tls-ca`` that holds no PEM certificate, ...) is a one-line ``moejax router: error: ...`` naming the value, exit 2, before
 anything binds. After binding, the router waits up to ``--startup-timeout`` seconds for
 every upstream's ModelInfo: an upstream serving another model (architecture, vocabulary,
 layers, experts, context) or refusing ``--upstream-token`` stops the router with exit 2
@@ -72,7 +72,8 @@ def add_router_command(sub: Any) -> None:
     p.add_argument("--upstream-tls", action="store_true",
                    help="TLS to the upstreams, with the system's root CAs")
     p.add_argument("--upstream-tls-ca", default=None,
-                   help="TLS to the upstreams, trusting this PEM CA / self-signed certificate")
+                   help="TLS to the upstreams, trusting this PEM CA / self-signed certificate "
+                        "(a file holding no PEM certificate is refused, exit 2)")
     p.add_argument("--upstream-tls-server-name", default=None,
                    help="name to check the upstreams' certificates against (default: host)")
     p.add_argument("--upstream-timeout", type=_positive_float, default=120.0,
@@ -92,6 +93,21 @@ def add_router_command(sub: Any) -> None:
     p.set_defaults(func=cmd_router)
 
 
+def _check_ca(path: str) -> None:
+    """Refuse an ``--upstream-tls-ca`` file that holds no PEM certificate: gRPC would take
+    it and fail every handshake, leaving the router NOT_SERVING with no word why."""
+    from serving.grpc.client import pem_problem
+
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise ValueError(f"--upstream-tls-ca {path}: cannot be read ({exc.strerror})") from None
+    problem = pem_problem(data)
+    if problem is not None:
+        raise ValueError(f"--upstream-tls-ca {path}: {problem}")
+
+
 def router_options(args: argparse.Namespace) -> Any:
     """The RouterOptions of parsed arguments; ValueError naming a bad value."""
     from serving.grpc.cli import token_of
@@ -103,6 +119,8 @@ def router_options(args: argparse.Namespace) -> Any:
                        ("--upstream-tls-ca", args.upstream_tls_ca)):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{flag} {path}: no such file")
+    if args.upstream_tls_ca is not None:
+        _check_ca(args.upstream_tls_ca)
     upstream = UpstreamOptions(
         token=args.upstream_token or os.environ.get(UPSTREAM_TOKEN_ENV) or None,
         tls=args.upstream_tls, tls_ca=args.upstream_tls_ca,
