@@ -7,7 +7,9 @@ unchanged, retried once elsewhere on a transport-level failure, and answered exa
   upstream chosen; a group whose upstream fails with a retryable code is routed again,
   once, without that upstream; the batch is answered whole, or the call ends with the
   failure;
-* ``ScoreStream`` — a :class:`serving.grpc.router_stream.StreamSession`;
+* ``ScoreStream`` — a :class:`serving.grpc.router_stream.StreamSession`; a request no
+  upstream can answer (after the one retry, or none serving) ends the call with a status
+  (UNAVAILABLE, or the upstream's), never with an error result, and the client resends;
 * ``ModelInfo`` — the first serving upstream's, as a router (``backend`` "router",
   ``engines`` = the upstreams, ``generation`` while some upstream generates);
 * ``Generate`` — routed by its prompt, retried only before its first token was forwarded.
@@ -227,8 +229,15 @@ class RouterService:
         finally:
             reader.cancel()
             watchdog.cancel()
+            # Awaited: a task the loop drops unfinished at exit is logged as "destroyed
+            # but pending".
+            await asyncio.gather(reader, watchdog, return_exceptions=True)
             await session.close()
             self.in_flight -= 1
+        if session.failure is not None:
+            # Some request could not be served: the client must send it (and every other
+            # unanswered one) again, which an error result would never make it do.
+            await abort_with(context, session.ending())
         if session.stopped_early:
             await context.abort(StatusCode.UNAVAILABLE,
                                 "the router is shutting down; requests after the last result "

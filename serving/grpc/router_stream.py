@@ -10,9 +10,15 @@ with the same index are told apart by arrival order only: give distinct indices)
 
 Requests are routed as they arrive (one ``Router.assign`` call each). When an upstream
 stream fails, what it still owes is retried once elsewhere, as one Router call, on fresh
-streams; a request whose failure is not worth a retry, whose retry fails too, or that no
-upstream can take gets an error result naming the failures, and the stream goes on. The
-upstream timeout is the longest wait for the next result while results are owed
+streams. A request whose failure is not worth a retry, whose retry fails too, or that no
+upstream can take (none serving: at once, never after a wait) ends the client's stream:
+the router stops reading, forwards the results still coming from the other upstream
+streams, and ends the call with the failure's status (UNAVAILABLE when no upstream
+serves; else the last upstream's code and retry hint, as ``Score`` does), so the client
+sends the unanswered requests again. An error result always means the request itself was
+refused (by an upstream, or as undecodable), never that a transport failed: a client
+writing results to a file must not keep an error for a request that was never scored.
+The upstream timeout is the longest wait for the next result while results are owed
 (:meth:`StreamSession.watch`).
 
 Why a module of its own: a stream's bookkeeping (what each upstream stream owes, the
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
@@ -126,7 +133,8 @@ class UpstreamStream:
 class StreamSession:
     """One client ScoreStream call (see the module docstring) of ``service``: ``read``
     routes the client's requests, ``results`` yields the answers, ``watch`` fails upstream
-    streams that stall, ``close`` cancels what is left."""
+    streams that stall, ``close`` cancels what is left. ``failure``, once set, is why the
+    call must end unfinished (:meth:`ending` is the status to end it with)."""
 
     def __init__(self, service: RouterService, context: Any):
         self.service, self.context = service, context
@@ -138,6 +146,7 @@ class StreamSession:
         self.unanswered = 0
         self.reading = True
         self.stopped_early = False
+        self.failure: Failure | None = None   # a request no upstream could answer
 
     # ------------------------------------------------------------------ reading
     async def read(self, messages: Any) -> None:
@@ -165,13 +174,15 @@ class StreamSession:
                     item = Item(index, message.request)
                     try:
                         item.op = await self.service.prepare(message.request, index)
-                        if not self.pool.available():
-                            await self.pool.wait_available(self.service.upstreams.timeout)
+                        if self.failure is not None:
+                            break      # the call ends: the client sends this one again
                         self.dispatch([item])
                     except Exception as exc:  # noqa: BLE001  (a bug: this request's alone)
                         log.exception("routing %s failed", item.label())
-                        self._give_up(item, f"the router failed: {exc!r}")
+                        self._answer_error(item, f"not scored: the router failed: {exc!r}")
                 position += 1
+                if self.failure is not None:
+                    break
                 if self.service.stopping:
                     self.stopped_early = True
                     break
@@ -188,13 +199,13 @@ class StreamSession:
 
     def dispatch(self, items: list[Item], exclude: Sequence[int] = ()) -> None:
         """Route ``items`` (one Router call) and send each to its upstream's stream; a
-        retry (``exclude``: the upstream that failed) goes on fresh, closed streams."""
+        retry (``exclude``: the upstream that failed) goes on fresh, closed streams. With
+        no upstream to take them, the call ends UNAVAILABLE (:meth:`refuse`) at once."""
         try:
             routes = self.core.route([item.op for item in items], exclude=exclude)
         except NoUpstream:
-            for item in items:
-                self._give_up(item, "no other upstream is serving" if exclude
-                              else "no upstream is serving")
+            reason = "no other upstream is serving" if exclude else "no upstream is serving"
+            self.refuse(items, Failure(StatusCode.UNAVAILABLE, reason, "router"))
             return
         fresh: dict[int, UpstreamStream] = {}
         for item, routed in zip(items, routes):
@@ -215,39 +226,69 @@ class StreamSession:
         self._answer(item.index, stamp(result, item.routed))
 
     def failed(self, stream: UpstreamStream, items: list[Item], failure: Failure) -> None:
-        """``stream`` failed owing ``items``: retry each once elsewhere, or answer it with
-        the error."""
+        """``stream`` failed owing ``items``: retry each once elsewhere, or end the call
+        (:meth:`refuse`) for those that cannot be retried."""
         g = stream.upstream.index
         for item in items:
             self.core.abandon(item.routed)
             item.failures.append(failure)
         self.service.note_failure(g, failure)
-        retry = [item for item in items
-                 if failure.code in RETRYABLE and len(item.failures) < 2]
-        log.warning("%s; %d requests of a stream retried elsewhere, %d answered with the "
-                    "error", failure.describe(), len(retry), len(items) - len(retry))
-        for item in items:
-            if item not in retry:
-                self._give_up(item)
+        retry = [item for item in items if self.failure is None
+                 and failure.code in RETRYABLE and len(item.failures) < 2]
+        log.warning("%s; %d requests of a stream retried elsewhere, %d not", failure.describe(),
+                    len(retry), len(items) - len(retry))
+        refused = [item for item in items if item not in retry]
+        if refused:
+            self.refuse(refused, failure)
         if retry:
             self.dispatch(retry, exclude=(g,))
+
+    def refuse(self, items: list[Item], failure: Failure) -> None:
+        """No upstream will answer ``items``: the call ends with ``failure`` (the first
+        such failure of the call), once the other upstream streams delivered what they
+        owe. ``items`` get no result: the client sends them again."""
+        if self.failure is None:
+            problems = [f.describe() for f in items[0].failures if f is not failure]
+            why = failure.describe() if failure.upstream != "router" else failure.details
+            self.failure = dataclasses.replace(failure, details="; ".join([*problems, why]))
+            log.warning("a ScoreStream call ends (%s): %s; its %d unanswered requests are "
+                        "left to the client to send again", failure.code.name,
+                        self.failure.details, self.unanswered)
+        self.out.put_nowait(_WAKE)
+
+    def ending(self) -> Failure:
+        """The status to end the call with after :meth:`refuse` (the client's cue to send
+        its unanswered requests again)."""
+        assert self.failure is not None
+        return dataclasses.replace(self.failure, details=(
+            f"{self.failure.details}; the requests of this stream that got no result "
+            f"were not scored: send them again"))
 
     def ended(self, stream: UpstreamStream) -> None:
         self.streams.discard(stream)
         if self.open.get(stream.upstream.index) is stream:
             del self.open[stream.upstream.index]
 
-    def _give_up(self, item: Item, reason: str | None = None) -> None:
-        problems = [f.describe() for f in item.failures] + ([reason] if reason else [])
+    def _answer_error(self, item: Item, reason: str) -> None:
         self._answer(item.index, convert.result_to_proto(convert.error_result(
-            convert.get_id(item.message), f"{item.label()}: not scored: "
-                                          f"{'; '.join(problems)}")))
+            convert.get_id(item.message), f"{item.label()}: {reason}")))
 
     def _answer(self, index: int, result: pb.ScoreResult) -> None:
         self.out.put_nowait(pb.StreamResult(index=index, result=result))
 
     async def results(self) -> AsyncIterator[pb.StreamResult]:
-        while self.reading or self.unanswered:
+        """The answers as they come; after :meth:`refuse`, those still owed by the other
+        upstream streams (no new requests are read), then the end."""
+        while True:
+            if self.failure is not None and not any(s.owed for s in self.streams):
+                while not self.out.empty():
+                    entry = self.out.get_nowait()
+                    if entry is not _WAKE:
+                        self.unanswered -= 1
+                        yield entry
+                return
+            if not (self.reading or self.unanswered):
+                return
             entry = await self.out.get()
             if entry is _WAKE:
                 continue

@@ -47,14 +47,18 @@ upstream bounded by its real capacity; it can only cost cache hits, never correc
 Failures: a call that fails with a transport-level code (UNAVAILABLE, DEADLINE_EXCEEDED of
 ``--upstream-timeout``, an upstream-side CANCELLED, ABORTED, UNKNOWN, INTERNAL) or with
 RESOURCE_EXHAUSTED is retried once on another upstream that takes work (chosen by the same
-Router without the failed one); each request is answered exactly once. If the retry fails
-too (or no other upstream serves): ``Score`` / ``Generate`` end with the last status (a
+Router without the failed one); each request is answered exactly once or refused with a
+status. If the retry fails too (or no other upstream serves; with none serving a call is
+refused at once, never after a wait): ``Score`` / ``Generate`` end with the last status (a
 RESOURCE_EXHAUSTED keeps its ``retry-after-ms`` hint), a ``ScoreBatch`` call likewise
-(a batch is answered whole, as by a server), a ``ScoreStream`` item gets an error result
-naming both failures and the stream goes on. Other codes (INVALID_ARGUMENT,
-UNAUTHENTICATED, ...) are passed through at once. A ``Generate`` stream is retried only
-before its first token was forwarded. In a stream, the upstream timeout is the longest
-wait for the next result while results are owed.
+(a batch is answered whole, as by a server), and a ``ScoreStream`` call likewise once the
+other upstream streams delivered what they owe (its unanswered requests get no result: the
+client sends them again; UNAVAILABLE when no upstream serves). Other codes
+(UNAUTHENTICATED, ...) are passed through at once, a stream's too. So an error result is
+always a refusal of the request itself (by an upstream, or as undecodable), never a
+transport failure. A ``Generate`` stream is retried only before its first token was
+forwarded. In a stream, the upstream timeout is the longest wait for the next result while
+results are owed.
 
 Streams: each ``ScoreStream`` call forwards its requests on one upstream ``ScoreStream``
 per upstream it uses, at most ``stream_window`` of them unanswered at once, results matched
@@ -158,6 +162,7 @@ class RouterServer:
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._theta_set = options.theta is not None
+        self._health_updates: set[asyncio.Future] = set()
 
     def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
@@ -223,7 +228,11 @@ class RouterServer:
             if upstream.info is not None and upstream.mismatch is None:
                 self.core.set_capacity(upstream.index, upstream.info)
                 self._adopt_theta(upstream.info)
-        asyncio.ensure_future(self._publish_health())
+        # Kept until done: stop() awaits what is still running (a task the loop drops
+        # unfinished is logged as "destroyed but pending").
+        update = asyncio.ensure_future(self._publish_health())
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
 
     def _on_reset(self, index: int) -> None:
         upstream = self.pool[index]
@@ -276,3 +285,4 @@ class RouterServer:
             await asyncio.sleep(0.02)
         await self._server.stop(0)
         await self.pool.close()
+        await asyncio.gather(*self._health_updates, return_exceptions=True)

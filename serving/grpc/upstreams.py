@@ -235,10 +235,17 @@ class UpstreamPool:
     async def wait_checked(self, timeout: float) -> list[Upstream]:
         """Wait up to ``timeout`` seconds until every upstream's ModelInfo was checked;
         returns those that were not (unreachable or still loading)."""
-        pending = [u for u in self.upstreams if not u.checked.is_set()]
-        if pending:
-            await asyncio.wait([asyncio.ensure_future(u.checked.wait()) for u in pending],
-                               timeout=timeout)
+        waiters = [asyncio.ensure_future(u.checked.wait()) for u in self.upstreams
+                   if not u.checked.is_set()]
+        try:
+            if waiters:
+                await asyncio.wait(waiters, timeout=timeout)
+        finally:
+            # A waiter left pending would be destroyed pending when the loop stops (asyncio
+            # logs "Task was destroyed but it is pending!").
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
         return [u for u in self.upstreams if not u.checked.is_set()]
 
     # ------------------------------------------------------------------ events
