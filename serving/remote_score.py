@@ -10,11 +10,13 @@ Output
 Transport (:mod:`serving.score_transport`)
     Requests go out on a few ``ScoreStream`` calls, at most ``--concurrency`` of them sent
     and not yet answered. A failed stream's unanswered requests are sent again: after the
-    server's retry hint or a backoff when the server is unavailable, overloaded or silent
-    for ``--timeout`` seconds (the run stops, exit 1, after ``--retry-seconds`` without
-    any result); one by one with ``Score`` when the failure may be one request's fault
-    (a request refused that way gets an error result); not at all when every request
-    would fail (UNAUTHENTICATED, PERMISSION_DENIED, ...: the run stops, exit 1).
+    server's retry hint or a backoff when the server (or a router's upstream) is
+    unavailable, overloaded or silent for ``--timeout`` seconds; one by one with ``Score``
+    when the failure may be one request's fault (a request refused that way gets an error
+    result); not at all when every request would fail (UNAUTHENTICATED, PERMISSION_DENIED, ...: the run stops, exit 1). When
+    requests wait and no result came for ``--retry-seconds`` (the server down, refusing,
+    or holding the streams and answering nothing), the run stops, exit 1, with the
+    progress kept and not marked complete.
 
 Resuming (:mod:`serving.score_progress`)
     ``OUT.jsonl.progress`` records the input, how many results are written and where they
@@ -72,8 +74,10 @@ def add_remote_options(p: argparse.ArgumentParser) -> None:
                    help="with --target: start over, replacing an existing -o file and its "
                         "progress file")
     p.add_argument("--retry-seconds", type=positive_seconds, default=DEFAULT_RETRY_SECONDS,
-                   help=f"with --target: keep retrying an unavailable or overloaded server "
-                        f"this long without any result, then stop (a rerun resumes; "
+                   help=f"with --target: seconds without any result from the server while "
+                        f"requests wait for one (it is down, overloaded, or answers "
+                        f"nothing) before the run stops with exit 1 (a rerun resumes; "
+                        f"give more than the slowest request takes; "
                         f"default {DEFAULT_RETRY_SECONDS:g})")
     add_connection_options(p, None, target=False,
                            timeout_help="with --target: seconds a stream may go without a "

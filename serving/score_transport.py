@@ -9,9 +9,10 @@ delivered are kept and its unanswered requests are sent again:
 
 * ``UNAVAILABLE`` (server restarting, shutting down, unreachable), ``RESOURCE_EXHAUSTED``
   with a ``retry-after-ms`` hint (overload), ``DEADLINE_EXCEEDED``, ``ABORTED``, or no
-  result for ``--timeout`` seconds: resent after the hint or an exponential backoff; after
-  ``--retry-seconds`` without any result the run stops (exit 1) with the progress kept,
-  and a rerun resumes.
+  result for ``--timeout`` seconds: resent after the hint or an exponential backoff.
+* ``--retry-seconds`` without any result while requests wait for one (sent, or to be sent
+  again) stops the run (exit 1, the progress kept, not marked complete; a rerun resumes),
+  whatever the cause: failing streams, or streams the server holds open and never answers.
 * ``UNAUTHENTICATED``, ``PERMISSION_DENIED``, ``UNIMPLEMENTED``, ``NOT_FOUND``,
   ``FAILED_PRECONDITION``: the run stops at once (exit 1; every request would fail).
 * Any other code (``INVALID_ARGUMENT``, ``INTERNAL``, ``RESOURCE_EXHAUSTED`` without a
@@ -138,7 +139,8 @@ class RemoteScoring:
         self.retry: collections.deque[_Item] = collections.deque()
         self.results: dict[int, tuple[_Item, Any]] = {}
         self.live: dict[int, _Stream] = {}
-        self.last_success = time.monotonic()
+        self.last_success = time.monotonic()   # the last result from the server
+        self.last_error: str | None = None      # the last failed call, for messages
         self.written = self.errors = 0
 
     # ------------------------------------------------------------------ reading
@@ -299,6 +301,7 @@ class RemoteScoring:
 
     def _wait_to_retry(self, what: str, hint: float | None, failures: int) -> None:
         """Sleep before a retry, or stop when nothing has been answered for too long."""
+        self.last_error = what
         silent = time.monotonic() - self.last_success
         if silent > self.retry_seconds:
             raise RunStopped(f"no result from {self.args.target} for {silent:.0f}s "
@@ -368,6 +371,23 @@ class RemoteScoring:
             self.ready.notify()
         for call in calls:
             call.cancel()
+
+    def _check_silence(self) -> None:
+        """Stop the run (RunStopped) when requests wait for a result and the server gave
+        none for ``--retry-seconds``: a server that holds streams open and never answers
+        must stop the run as an unreachable one does, not keep it waiting forever (when
+        ``--timeout`` is not given, nothing else notices it)."""
+        with self.lock:
+            waiting = self.in_flight + len(self.retry)
+            silent = time.monotonic() - self.last_success
+            last_error = self.last_error
+        if not waiting or silent <= self.retry_seconds:
+            return
+        cause = (f"last error: {last_error}" if last_error is not None
+                 else "the server took the requests and answered none")
+        raise RunStopped(f"no result from {self.args.target} for {silent:.0f}s "
+                         f"(--retry-seconds {self.retry_seconds:g}) with {waiting} requests "
+                         f"waiting for one; {cause}", 1)
 
     def _check_stalls(self) -> None:
         """Cancel (to resend) a stream with requests in flight and no result for
@@ -461,6 +481,7 @@ class RemoteScoring:
                     self.checkpoint()
                     last_checkpoint, recorded = time.monotonic(), self.record["lines_done"]
                 self._check_stalls()
+                self._check_silence()
         finally:
             self._cancel_all()
             for worker in workers:
