@@ -20,6 +20,8 @@ import pytest
 from serving import Scorer
 from serving.grpc import scoring_pb2 as pb
 from serving.grpc.convert import result_from_proto
+from serving.grpc.server import batch_deserializer
+from serving.grpc.service import OversizedBatch
 from test_grpc_server import (T, SharedScorer, assert_same, health_status, running, stub,
                               to_proto, wait_until)
 
@@ -107,6 +109,9 @@ def test_an_oversized_batch_is_refused_untokenized_while_others_are_served(score
         "ScoreStream"))
     assert scorer.prepared_of_big() == []   # not one of its requests was tokenized
     assert stats["refused_oversized"] == 1 and stats["refused_overload"] == 0
+    # Nor made into Python objects: the server's deserializer only counted them.
+    assert batch_deserializer(256)(big.SerializeToString()) == OversizedBatch(600)
+    assert len(batch_deserializer(600)(big.SerializeToString())) == 600
 
 
 def test_requests_whose_least_cost_is_over_the_bound_are_refused_untokenized(scorer):

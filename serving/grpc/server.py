@@ -50,7 +50,7 @@ from serving.grpc import convert, decoding, scoring_pb2 as pb
 from serving.grpc.auth import BearerTokenInterceptor
 from serving.grpc.batcher import Batcher
 from serving.grpc.generation import GENERATION_SERVICE_NAME, GenerationService
-from serving.grpc.service import SERVICE_NAME, ScoringService
+from serving.grpc.service import SERVICE_NAME, OversizedBatch, ScoringService
 
 log = logging.getLogger("moejax.grpc")
 
@@ -141,18 +141,20 @@ def read_tls_files(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
     return pems["key"], pems["certificate"]
 
 
-def scoring_handlers(service: Any) -> grpc.GenericRpcHandler:
+def scoring_handlers(service: Any, *, max_batch_requests: int | None = None
+                     ) -> grpc.GenericRpcHandler:
     """The Scoring methods of ``service`` (a :class:`ScoringService`, or any object with
     its handler methods: the router's), with deserializers that name non-UTF-8 fields
     (:mod:`serving.grpc.decoding`) instead of failing the whole call, and a ``ModelInfo``
     whose request does not parse answered INVALID_ARGUMENT (gRPC would answer UNKNOWN and
-    log a traceback per call)."""
+    log a traceback per call). ``max_batch_requests``: a ``ScoreBatch`` of more requests
+    reaches ``service`` as an :class:`OversizedBatch` (:func:`batch_deserializer`)."""
     handlers = {
         "Score": grpc.unary_unary_rpc_method_handler(
             service.Score, request_deserializer=lambda data: decoding.parse(pb.ScoreRequest, data),
             response_serializer=pb.ScoreResult.SerializeToString),
         "ScoreBatch": grpc.unary_unary_rpc_method_handler(
-            service.ScoreBatch, request_deserializer=decoding.parse_batch,
+            service.ScoreBatch, request_deserializer=batch_deserializer(max_batch_requests),
             response_serializer=pb.ScoreBatchResponse.SerializeToString),
         "ScoreStream": grpc.stream_stream_rpc_method_handler(
             service.ScoreStream,
@@ -164,6 +166,27 @@ def scoring_handlers(service: Any) -> grpc.GenericRpcHandler:
             response_serializer=pb.ModelInfoResponse.SerializeToString),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def batch_deserializer(max_requests: int | None) -> Callable[[bytes], Any]:
+    """``ScoreBatch``'s request deserializer: :func:`serving.grpc.decoding.parse_batch`,
+    except that a batch of more than ``max_requests`` requests (None: no limit) is only
+    counted, an :class:`OversizedBatch`. It runs on the event loop, where parsing the wire
+    is quick but making a Python object of each of 200,000 requests is not."""
+    if max_requests is None:
+        return decoding.parse_batch
+
+    def deserialize(data: bytes) -> Any:
+        batch = decoding.parse(pb.ScoreBatchRequest, data)
+        parsed = batch if isinstance(batch, pb.ScoreBatchRequest) else batch.lenient
+        count = 0 if parsed is None else len(parsed.requests)
+        if count > max_requests:
+            return OversizedBatch(count)
+        if isinstance(batch, pb.ScoreBatchRequest):
+            return list(batch.requests)
+        return decoding.parse_batch(data)   # (text that is not UTF-8: named item by item)
+
+    return deserialize
 
 
 def refusing_undecodable(handler: Callable[[Any, Any], Awaitable[Any]]
@@ -295,7 +318,8 @@ class ScoringServer:
         opts = self.options
         server = new_server(self._services(), token=opts.token,
                             max_message_bytes=opts.max_message_bytes)
-        server.add_generic_rpc_handlers((scoring_handlers(self.service),))
+        server.add_generic_rpc_handlers((scoring_handlers(
+            self.service, max_batch_requests=self.service.max_preparing),))
         if opts.generation:
             server.add_generic_rpc_handlers((generation_handlers(self.generation),))
         self.health = add_health_and_reflection(server, self._services())

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
 import time
 from typing import Any, AsyncIterator, Sequence
@@ -57,6 +58,16 @@ ADMISSION_POLL = 0.02   # seconds between a waiting stream's admission attempts
 # The early admission estimate: message bytes per token-equivalent (text runs ~3-4 bytes per
 # token, and a token costs at least one token-equivalent).
 BYTES_PER_TOKEN_EQUIVALENT = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class OversizedBatch:
+    """A ``ScoreBatchRequest`` of ``count`` requests, more than one call may have prepared,
+    as the server's deserializer leaves it (:func:`serving.grpc.server.batch_deserializer`):
+    counted, its items never turned into Python objects (for 200,000 requests that alone
+    would hold the event loop, and so health, for a second or more). Refused unread."""
+
+    count: int
 
 
 def _deadline(context: Any) -> float | None:
@@ -307,7 +318,8 @@ class ScoringService:
             if isinstance(items, decoding.Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items.describe())
             try:
-                self._refuse_oversized_batch(len(items))
+                self._refuse_oversized_batch(
+                    items.count if isinstance(items, OversizedBatch) else len(items))
             except _Refused as refused:
                 # Set, not raised: an abort's traceback would keep the (huge) batch alive in
                 # a reference cycle until the next garbage collection.
