@@ -21,11 +21,10 @@ MAX_NEW_TOKENS = 4
 
 
 def _requests(thread: int, call: int) -> list[dict]:
-    """A different mix of prompts per call, so that concurrent calls share the pool."""
-    start = (thread + call) % len(PROMPTS)
-    chosen = PROMPTS[start:] + PROMPTS[:start]
-    return [{"id": f"t{thread}c{call}r{i}", "prompt": p, "max_new_tokens": MAX_NEW_TOKENS}
-            for i, p in enumerate(chosen[:3])]
+    """One request per call (one batch shape: a single compile), a different prompt per
+    thread and call, so that concurrent calls would share the scheduler and KV pool."""
+    prompt = PROMPTS[(thread + call) % len(PROMPTS)]
+    return [{"id": f"t{thread}c{call}", "prompt": prompt, "max_new_tokens": MAX_NEW_TOKENS}]
 
 
 @pytest.fixture(scope="module")
