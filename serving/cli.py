@@ -51,6 +51,7 @@ from typing import Any, Sequence
 
 from moejax import configure_xla
 from moejax.distributed import JoinError
+from serving.exit_status import BROKEN_PIPE_STATUS, ERRORS_STATUS, FAILED_STATUS
 from serving.distributed_cli import (add_distributed_options, exit_now, host_devices_per_process,
                                      join as join_processes, quiet_unless_output_process)
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
@@ -60,15 +61,6 @@ from serving.score_progress import IncompleteRun
 # The commands keep a restarted job's compiled shapes (a library Scorer leaves the
 # process-wide cache alone unless asked).
 COMMAND_COMPILATION_CACHE = "auto"
-# Exit status when stdout is closed before the results are written (``| head -1``): what a
-# shell reports for a command killed by SIGPIPE (128 + 13).
-BROKEN_PIPE_STATUS = 141
-# Exit status when the run stopped on a failure (a lost peer process, a run that ended
-# before every line was answered): results written so far are real ones.
-FAILED_STATUS = 1
-# Exit status when every result is an error (or any is, with --fail-on-errors): the
-# results are written, but a script must not take the run for a success.
-ERRORS_STATUS = 3
 
 DESCRIPTION = ("moejax: score and generate with Mixture-of-Experts models in JAX, from JSONL "
                "files, over gRPC, or over several processes. Run 'moejax COMMAND --help' "

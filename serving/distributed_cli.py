@@ -72,8 +72,9 @@ def distributed_options(args: argparse.Namespace) -> DistributedOptions:
 
 def host_devices_per_process(args: argparse.Namespace) -> int:
     """CPU host devices this process should expose: the command's total (``--devices``,
-    ``--engines``) split evenly over ``--num-processes``."""
-    total = max(getattr(args, "devices", None) or 1, getattr(args, "engines", None) or 1)
+    ``--engines``, ``--decoders``: one device each) split evenly over ``--num-processes``."""
+    total = max(getattr(args, "devices", None) or 1, getattr(args, "engines", None) or 1,
+                getattr(args, "decoders", None) or 1)
     processes = getattr(args, "num_processes", None) or 1
     if total % processes:
         raise ValueError(f"--devices {total} must be a multiple of --num-processes "

@@ -21,22 +21,19 @@ import sys
 import time
 from typing import Any, Callable
 
-from moejax import configure_xla
 from serving.cli import command_compilation_cache, positive_int
+from serving.exit_status import ERRORS_STATUS
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
 # Options of the shared model-option block that only the scoring engines implement.
 SCORING_ONLY = ("max_batch_tokens", "window", "deployment", "theta",
                  "engines", "routing", "prefix_cache_blocks", "kv_cache_free",
                  "share_prompts", "max_text_bytes", "max_token_ids", "max_candidates")
-# Exit status when every request failed (the results are written): what ``moejax score``
-# returns then too (serving.cli's ERRORS_STATUS).
-ALL_FAILED_STATUS = 3
 EXIT_CODES = f"""exit codes:
   0    done (every line answered; some results may be errors)
   2    refused: usage, an unreadable input, an unwritable -o, a model that cannot be
        loaded (one line 'moejax: error: ...')
-  {ALL_FAILED_STATUS}    every result is an error; the results are written all the same
+  {ERRORS_STATUS}    every result is an error; the results are written all the same
   141  standard output closed early (e.g. | head -1)"""
 
 
@@ -153,21 +150,10 @@ def generate_chunk(generator: Any, chunk: list[JsonlLine]) -> list[Any]:
     return run_chunk(chunk, generator.generate, lambda error: GenerationResult(error=error))
 
 
-def configure_decoder_devices(args: argparse.Namespace) -> None:
-    """Ask XLA for a CPU host device per decoder (``--decoders K``), as the ``moejax``
-    command does for ``--devices``/``--engines`` (``serving.cli.main``). Runs before the
-    Generator starts JAX's backends; a device count already in ``XLA_FLAGS`` (the user's,
-    or ``--devices``') is kept, and a Generator short of devices says so."""
-    decoders = getattr(args, "decoders", None) or 1
-    processes = getattr(args, "num_processes", None) or 1
-    if decoders > 1 and processes == 1:
-        configure_xla(host_devices=max(decoders, getattr(args, "devices", None) or 1))
-
-
 def all_failed_status(results: int, errors: int) -> int:
-    """The exit status of a finished run: :data:`ALL_FAILED_STATUS` when there were
+    """The exit status of a finished run: :data:`ERRORS_STATUS` when there were
     results and every one is an error, else 0 (an empty input is a success)."""
-    return ALL_FAILED_STATUS if results and errors == results else 0
+    return ERRORS_STATUS if results and errors == results else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -178,7 +164,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if refused:
         raise ValueError(f"generate does not take {', '.join(refused)} (scoring-engine "
                          f"options)")
-    configure_decoder_devices(args)
     with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
         generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
                               trace_experts=args.trace_experts,

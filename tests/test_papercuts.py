@@ -189,6 +189,19 @@ def test_decoders_sets_the_cpu_host_devices(tmp_path):
     assert result["error"] is None and result["text"].startswith(" 21")
 
 
+def test_host_devices_cover_the_decoders_the_devices_and_the_engines():
+    import argparse
+
+    from serving.distributed_cli import host_devices_per_process
+
+    def count(**flags):
+        return host_devices_per_process(argparse.Namespace(**flags))
+
+    assert count(devices=2, decoders=4) == 4           # --devices 2 --decoders 4: four
+    assert count(devices=8, decoders=2) == 8 and count(engines=3) == 3
+    assert count(decoders=4, num_processes=2) == 2
+
+
 def test_eldr_fit_and_prefetch_calibrate_read_the_trace_of_the_calibration_example(
         tmp_path, capsys):
     """The documented pipeline on examples/calibration.jsonl: `moejax trace` (two tokens a
