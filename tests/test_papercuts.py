@@ -3,15 +3,15 @@ tokenization boundaries."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+from pathlib import Path
 
 import pytest
 
 from serving import Scorer
 from serving.engine import SHAPE_KEY_FIELDS
-
-import json
-from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Candidates of several tokens and a "multi" request: ops that continue a shared prompt.
@@ -224,3 +224,17 @@ def test_eldr_fit_and_prefetch_calibrate_read_the_trace_of_the_calibration_examp
     from moejax.demo.corpus import DOMAINS_E32
 
     assert sorted({r.domain for r in requests}) == sorted(DOMAINS_E32)
+
+
+def test_boundary_warnings_cross_the_grpc_wire():
+    """A result's warnings survive the proto round trip that servers, the router and
+    `moejax score --target` use; a result without any has none after it either."""
+    from serving.grpc import convert
+    from serving.requests import ScoreResult
+
+    warned = ScoreResult(id="a", logprobs=[-0.5, -1.5], label=0, prompt_tokens=4,
+                         warnings=["candidate 1 ' yes' tokenizes differently"])
+    back = convert.result_from_proto(convert.result_to_proto(warned))
+    assert back.warnings == warned.warnings and back.logprobs == warned.logprobs
+    plain = dataclasses.replace(warned, warnings=None)
+    assert convert.result_from_proto(convert.result_to_proto(plain)).warnings is None

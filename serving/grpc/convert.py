@@ -132,6 +132,8 @@ def result_to_proto(result: ScoreResult, queue_seconds: float | None = None) -> 
     if result.selected is not None:
         message.selected.SetInParent()
         message.selected.indices.extend(result.selected)
+    if result.warnings:
+        message.warnings.extend(result.warnings)
     if result.timings is not None:
         timings = dict(result.timings)
         if queue_seconds is not None:
@@ -158,7 +160,7 @@ def result_from_proto(message: pb.ScoreResult) -> ScoreResult:
         prompt_tokens=message.prompt_tokens,
         error=message.error if message.HasField("error") else None,
         selected=list(message.selected.indices) if message.HasField("selected") else None,
-        timings=timings)
+        timings=timings, warnings=list(message.warnings) or None)
 
 
 def error_result(request_id: Any, error: str) -> ScoreResult:

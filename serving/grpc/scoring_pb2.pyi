@@ -51,7 +51,7 @@ class Timings(_message.Message):
     def __init__(self, engines: _Optional[_Iterable[int]] = ..., rounds: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("string_id", "int_id", "logprobs", "label", "prompt_tokens", "error", "selected", "timings")
+    __slots__ = ("string_id", "int_id", "logprobs", "label", "prompt_tokens", "error", "selected", "timings", "warnings")
     STRING_ID_FIELD_NUMBER: _ClassVar[int]
     INT_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class ScoreResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     string_id: str
     int_id: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -68,7 +69,8 @@ class ScoreResult(_message.Message):
     error: str
     selected: IndexList
     timings: Timings
-    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., label: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., selected: _Optional[_Union[IndexList, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., label: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., selected: _Optional[_Union[IndexList, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
     __slots__ = ("requests",)
