@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from moejax.config import ModelConfig, load_config
+from moejax.config import ModelConfig, load_config, regular_file_problem
 from moejax.mla_shape import HF_TENSOR_NAMES, mla_param_shapes
 from moejax.mxfp4 import dequantize_expert_tensor
 from moejax.param_layout import Params, param_shapes, shape_problems
@@ -308,6 +308,62 @@ def _validate(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot], str
         warnings.warn(message, stacklevel=3)
 
 
+# Layer and expert indices in checkpoint names: ``model.layers.I.``, per-expert
+# ``model.layers.I.{mlp,block_sparse_moe}.experts.E.`` and the fused stacks whose first
+# axis is the experts (``experts.gate_up_proj`` [E, ...], GPT-OSS's ``_blocks`` too).
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\."
+                            r"(?:gate_up_proj|down_proj)(?:_blocks|_scales|_bias)?$")
+
+
+def _checkpoint_layers(names: set[str]) -> int:
+    """Layers the checkpoint holds tensors for: the highest ``model.layers.I`` + 1."""
+    return max((int(m.group(1)) + 1 for m in map(_LAYER_INDEX.match, names) if m), default=0)
+
+
+def _checkpoint_experts(reader: CheckpointReader) -> tuple[int | None, str]:
+    """(experts per layer in the checkpoint, the tensor it was read from); (None, "") for
+    a checkpoint without expert tensors. Per-expert names: the highest index + 1; fused
+    stacks: their first axis (the largest, should layers disagree: one is then named)."""
+    per_expert = [(int(m.group(1)) + 1, m.string) for m in map(_EXPERT_INDEX.match, reader.names)
+                  if m]
+    if per_expert:
+        return max(per_expert)
+    fused = [(reader.info(name).shape[0], name) for name in reader.names
+             if _FUSED_EXPERTS.match(name) and reader.info(name).shape]
+    return max(fused) if fused else (None, "")
+
+
+def check_counts_against_checkpoint(reader: CheckpointReader, cfg: ModelConfig) -> None:
+    """Refuse a config that asks for more layers or experts than the checkpoint holds,
+    before the per-layer, per-expert tensor plan is built from those counts (a corrupt
+    ``"num_experts": 1000000000`` once grew that plan for minutes). Reads names and
+    header shapes only. Fewer than the checkpoint holds is left to :func:`_validate`,
+    which names the tensors no param uses (or, with ``strict=False``, warns)."""
+    where = os.path.join(reader.model_dir, CONFIG_FILE)
+    layers = _checkpoint_layers(reader.names)
+    if cfg.num_layers > layers:
+        raise CheckpointError(f"{where}: num_hidden_layers is {cfg.num_layers}, but the "
+                              f"checkpoint in {reader.model_dir} holds tensors for {layers} "
+                              f"layer(s) (model.layers.0 to model.layers.{layers - 1})"
+                              if layers else
+                              f"{where}: num_hidden_layers is {cfg.num_layers}, but the "
+                              f"checkpoint in {reader.model_dir} holds no model.layers.* "
+                              f"tensors")
+    if not cfg.moe_layers:
+        return
+    experts, source = _checkpoint_experts(reader)
+    if experts is None:
+        raise CheckpointError(f"{where}: the config has {cfg.num_experts} experts per MoE "
+                              f"layer, but the checkpoint in {reader.model_dir} holds no "
+                              f"expert tensors (neither experts.N.* nor fused experts.*_proj)")
+    if cfg.num_experts > experts:
+        raise CheckpointError(f"{where}: the config has {cfg.num_experts} experts per MoE "
+                              f"layer, but the checkpoint in {reader.model_dir} holds "
+                              f"{experts} (from {source})")
+
+
 def _allocate(shapes: Any, dtype: np.dtype) -> Any:
     # Zeroed: the parts no tensor fills (a dense layer's experts and router, the padding
     # of the resident MLP stack) must be 0. np.zeros maps untouched pages lazily.
@@ -323,10 +379,13 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
     Each stacked param is allocated once and filled from the memory-mapped tensors, so peak
     host memory is one copy of the params (plus page cache). Raises :class:`CheckpointError`
     naming the tensor for missing tensors, wrong shapes, non-float weights, and (with
-    ``strict``, the default; otherwise a warning) tensors the config does not use.
+    ``strict``, the default; otherwise a warning) tensors the config does not use; and,
+    before any of that is planned, a layer or expert count that is not the checkpoint's
+    (:func:`check_counts_against_checkpoint`).
     """
     target = resolve_dtype(dtype)
     reader = CheckpointReader(model_dir)
+    check_counts_against_checkpoint(reader, cfg)
     plan = hf_tensor_plan(cfg, reader.names)
     _validate(reader, cfg, plan, strict)
     params = _allocate(expected_param_shapes(cfg), target)
@@ -435,9 +494,12 @@ def load_tokenizer(model_dir: str | os.PathLike):
     path = os.fspath(model_dir)
     if os.path.isdir(path) or not path.endswith(".json"):
         path = os.path.join(path, TOKENIZER_FILE)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"no tokenizer at {path}: moejax needs a Hugging Face "
                                 "'tokenizers' JSON file (tokenizer.json) next to config.json")
+    problem = regular_file_problem(path)   # a FIFO would block the reader for ever
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     try:
         return Tokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
@@ -457,11 +519,12 @@ def convert_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                        dtype: str | np.dtype = "bfloat16", *, overwrite: bool = False) -> str:
     """Convert a HF model directory once into ``out_dir`` (config.json, tokenizer.json, params/).
 
-    The output is built in a temporary sibling directory and renamed into place, so an
-    interrupted conversion never leaves a directory that :func:`is_converted_dir` accepts.
-    Returns the absolute ``out_dir``.
+    ``model_dir`` may name a built-in model (``demo``, ``demo-e32``, ...) as every other
+    command's ``--model`` does (:func:`resolve_model_dir`). The output is built in a
+    temporary sibling directory and renamed into place, so an interrupted conversion never
+    leaves a directory that :func:`is_converted_dir` accepts. Returns the absolute ``out_dir``.
     """
-    model_dir = os.fspath(model_dir)
+    model_dir, _ = resolve_model_dir(model_dir)
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")

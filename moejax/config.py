@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 from typing import Any, Mapping
 
 from moejax.mla_shape import MLAShape, YarnScaling, mla_shape_from_hf, yarn_scaling
@@ -24,6 +25,67 @@ GROUP_SCORES = ("max", "top2_sum")
 
 class ConfigError(ValueError):
     """A model config that moejax cannot serve, with the reason."""
+
+
+# ----------------------------------------------------------------------------- size limits
+# Upper bounds on the sizes a config may give. Each lies far above the largest published
+# model (named per bound), so no real checkpoint meets them. They exist because the loader
+# plans work per layer and per expert, and the engine sizes tables per position, from these
+# numbers before any weight is read: a corrupt or hostile config.json ("num_experts":
+# 1000000000) grew memory for minutes instead of being refused (issue 37).
+MAX_LAYERS = 1024               # published: at most 126 (Llama 3.1 405B); DeepSeek-V3: 61
+MAX_EXPERTS = 4096              # routed experts per layer; published: at most 384 (Kimi K2)
+MAX_HIDDEN_SIZE = 65536         # also bounds MLA ranks; published: at most 16384 (Llama 405B)
+MAX_INTERMEDIATE_SIZE = 262144  # an MLP's width; published: at most 53248 (Llama 3.1 405B)
+MAX_HEADS = 1024                # attention heads; published: at most 128 (DeepSeek-V3)
+MAX_HEAD_DIM = 4096             # a head's width; published: at most 256 (Gemma 2)
+MAX_VOCAB_SIZE = 1 << 22        # 4,194,304 tokens; published: at most 262,144 (Gemma 3)
+MAX_CONTEXT = 1 << 24           # 16,777,216 positions; published: at most 10M (Llama 4 Scout)
+
+# ModelConfig's sizes and their bounds (the same ones from_hf_dict applies to the
+# config.json fields they come from).
+SIZE_LIMITS: dict[str, int] = {
+    "vocab_size": MAX_VOCAB_SIZE, "hidden_size": MAX_HIDDEN_SIZE, "num_layers": MAX_LAYERS,
+    "num_heads": MAX_HEADS, "num_kv_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM,
+    "num_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS,
+    "moe_intermediate_size": MAX_INTERMEDIATE_SIZE, "max_context": MAX_CONTEXT,
+}
+
+
+def is_int(value: Any) -> bool:
+    """A JSON/YAML integer: a Python int that is not a bool (``1e9`` and ``128.0`` are
+    floats in JSON, and a size written so is a mistake, not a size)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def size_problem(value: Any, low: int, high: int) -> str | None:
+    """Why ``value`` is not an integer in [low, high], or None when it is."""
+    if not is_int(value):
+        hint = "; write sizes without a decimal point or exponent" \
+            if isinstance(value, float) else ""
+        return f"must be an integer, got {value!r} ({type(value).__name__}{hint})"
+    if value > high:
+        return (f"must be an integer in [{low}, {high}], got {value} (moejax's bound, far "
+                f"above any published model: a corrupt config?)")
+    if value < low:
+        return f"must be an integer in [{low}, {high}], got {value}"
+    return None
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file_problem(path: str) -> str | None:
+    """Why ``path`` (followed through symlinks) is not a regular file, or None when it is;
+    a missing path raises FileNotFoundError. Asked before opening a model file: opening a
+    FIFO blocks until a writer comes, a device may never end."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+    return f"is {kind}, not a regular file"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +142,10 @@ class ModelConfig:
     swiglu_alpha: float = 1.702          # g = min(gate, limit) (None: plain silu SwiGLU)
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                    "max_context")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, high in SIZE_LIMITS.items():   # bounds: see MAX_LAYERS & co.
+            problem = size_problem(getattr(self, name), 1, high)
+            if problem:
+                raise ConfigError(f"{name} {problem}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(_unsupported_type_message(self.model_type))
         if self.num_heads % self.num_kv_heads:
@@ -298,22 +357,48 @@ def _gpt_oss_theta(hf: Mapping[str, Any]) -> float:
     return float(theta)
 
 
-def _require(hf: Mapping[str, Any], *names: str) -> Any:
+_MISSING = object()
+
+
+def _size(hf: Mapping[str, Any], names: str | tuple[str, ...], high: int, *, low: int = 1,
+          default: Any = _MISSING) -> Any:
+    """The first of the fields ``names`` that config.json sets (null counts as unset), as
+    an integer in [low, high]; ``default`` when none is set (else ConfigError). Checked
+    here, before anything is built per layer, expert or position from it."""
+    names = (names,) if isinstance(names, str) else names
     for name in names:
-        if name in hf and hf[name] is not None:
-            return hf[name]
-    raise ConfigError(f"config.json lacks {' / '.join(names)}")
+        value = hf.get(name)
+        if value is not None:
+            problem = size_problem(value, low, high)
+            if problem:
+                raise ConfigError(f"field {name!r} {problem}")
+            return value
+    if default is _MISSING:
+        raise ConfigError(f"config.json lacks {' / '.join(names)}")
+    return default
+
+
+def _layer_list(hf: Mapping[str, Any], name: str, num_layers: int) -> list[int]:
+    """A config.json list of layer indices (``mlp_only_layers``), each in [0, num_layers)."""
+    value = hf.get(name) or []
+    if not isinstance(value, list):
+        raise ConfigError(f"field {name!r} must be a list of layer indices, got {value!r}")
+    for i, index in enumerate(value):
+        problem = size_problem(index, 0, num_layers - 1)
+        if problem:
+            raise ConfigError(f"field {name!r}[{i}] {problem}")
+    return value
 
 
 def _dense_layers(hf: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
     """The layers without routed experts, as transformers decides them."""
     if model_type in ("qwen3_moe", "qwen2_moe"):
-        only = {int(i) for i in (hf.get("mlp_only_layers") or [])}
-        step = int(hf.get("decoder_sparse_step", 1) or 1)
+        only = set(_layer_list(hf, "mlp_only_layers", num_layers))
+        step = _size(hf, "decoder_sparse_step", MAX_LAYERS, default=1)
         return tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     if model_type in ("deepseek_v3", "deepseek_v2"):
-        first = int(hf.get("first_k_dense_replace") or 0)
-        if int(hf.get("moe_layer_freq", 1) or 1) != 1:
+        first = _size(hf, "first_k_dense_replace", MAX_LAYERS, low=0, default=0)
+        if _size(hf, "moe_layer_freq", MAX_LAYERS, default=1) != 1:
             raise ConfigError("moe_layer_freq != 1 is not supported (transformers ignores it too)")
         return tuple(range(min(first, num_layers)))
     return ()
@@ -358,7 +443,7 @@ def _refuse_gpt_oss(hf: Mapping[str, Any]) -> None:
         raise ConfigError("gpt_oss: partial_rotary_factor != 1 is not supported")
     if rope_type == "yarn" and rope.get("factor") is None:
         raise ConfigError("gpt_oss: yarn rope without a factor is not supported")
-    layers = int(_require(hf, "num_hidden_layers"))
+    layers = _size(hf, "num_hidden_layers", MAX_LAYERS)
     if "sliding_attention" in (hf.get("layer_types") or ["sliding_attention"]) \
             and not hf.get("sliding_window"):
         raise ConfigError("gpt_oss: sliding_attention layers without a sliding_window are "
@@ -370,10 +455,10 @@ def _refuse_gpt_oss(hf: Mapping[str, Any]) -> None:
 
 def _gpt_oss(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The GPT-OSS fields of :class:`ModelConfig` (after :func:`_refuse_gpt_oss`)."""
-    layers = int(_require(hf, "num_hidden_layers"))
+    layers = _size(hf, "num_hidden_layers", MAX_LAYERS)
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                       for i in range(layers)]
-    window = int(hf["sliding_window"]) if hf.get("sliding_window") else 0
+    window = _size(hf, "sliding_window", MAX_CONTEXT, low=0, default=0)
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     rope = dict(hf.get("rope_scaling") or {})
     rope.update(hf.get("rope_parameters") or {})
@@ -389,6 +474,18 @@ def _gpt_oss(hf: Mapping[str, Any]) -> dict[str, Any]:
                 swiglu_alpha=float(hf.get("swiglu_alpha") or 1.702))
 
 
+MLA_SIZES = {"q_lora_rank": MAX_HIDDEN_SIZE, "kv_lora_rank": MAX_HIDDEN_SIZE,
+             "qk_nope_head_dim": MAX_HEAD_DIM, "qk_rope_head_dim": MAX_HEAD_DIM,
+             "v_head_dim": MAX_HEAD_DIM}
+
+
+def _check_mla_sizes(hf: Mapping[str, Any]) -> None:
+    """Type and bound of multi-head latent attention's sizes (q_lora_rank may be null:
+    no query compression)."""
+    for name, high in MLA_SIZES.items():
+        _size(hf, name, high, default=None)
+
+
 def _routing(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """Router scoring, top-k normalization, groups and scaling of each family."""
     if model_type == "gpt_oss":   # softmax over the top-k (biased) logits
@@ -400,14 +497,17 @@ def _routing(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     scaling = float(hf.get("routed_scaling_factor", 1.0) or 1.0)
     if model_type == "deepseek_v3":
         return dict(norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_scoring="sigmoid",
-                    score_correction_bias=True, n_group=int(hf.get("n_group") or 1),
-                    topk_group=int(hf.get("topk_group") or 1), group_score="top2_sum",
-                    routed_scaling_factor=scaling)
+                    score_correction_bias=True,
+                    n_group=_size(hf, "n_group", MAX_EXPERTS, default=1),
+                    topk_group=_size(hf, "topk_group", MAX_EXPERTS, default=1),
+                    group_score="top2_sum", routed_scaling_factor=scaling)
     # deepseek_v2: softmax scores, never renormalised (transformers' router ignores
     # norm_topk_prob), optionally group-limited by each group's best expert.
     grouped = hf.get("topk_method", "greedy") == "group_limited_greedy"
-    return dict(norm_topk_prob=False, n_group=int(hf.get("n_group") or 1) if grouped else 1,
-                topk_group=int(hf.get("topk_group") or 1) if grouped else 1, group_score="max",
+    return dict(norm_topk_prob=False,
+                n_group=_size(hf, "n_group", MAX_EXPERTS, default=1) if grouped else 1,
+                topk_group=_size(hf, "topk_group", MAX_EXPERTS, default=1) if grouped else 1,
+                group_score="max",
                 routed_scaling_factor=scaling)
 
 
@@ -416,39 +516,47 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(_unsupported_type_message(model_type))
+    # Every size is checked (type and bound) before anything is built from it: a layer
+    # list of num_hidden_layers entries, say, or the loader's per-expert tensor plan.
+    num_layers = _size(hf, "num_hidden_layers", MAX_LAYERS)
     _refuse(hf, model_type)
-    num_layers = int(_require(hf, "num_hidden_layers"))
-    hidden = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
+    hidden = _size(hf, "hidden_size", MAX_HIDDEN_SIZE)
+    heads = _size(hf, "num_attention_heads", MAX_HEADS)
     dense = _dense_layers(hf, model_type, num_layers)
     extra: dict[str, Any] = dict(_routing(hf, model_type))
     sliding = None
     if model_type == "gpt_oss":
-        num_experts = _require(hf, "num_local_experts", "num_experts")
-        intermediate = _require(hf, "intermediate_size")
+        num_experts = _size(hf, ("num_local_experts", "num_experts"), MAX_EXPERTS)
+        intermediate = _size(hf, "intermediate_size", MAX_INTERMEDIATE_SIZE)
         extra.update(_gpt_oss(hf))
     elif model_type == "mixtral":
-        num_experts = _require(hf, "num_local_experts", "num_experts")
-        intermediate = _require(hf, "intermediate_size")
-        sliding = hf.get("sliding_window")
+        num_experts = _size(hf, ("num_local_experts", "num_experts"), MAX_EXPERTS)
+        intermediate = _size(hf, "intermediate_size", MAX_INTERMEDIATE_SIZE)
+        sliding = _size(hf, "sliding_window", MAX_CONTEXT, low=0, default=None)
     elif model_type in ("deepseek_v3", "deepseek_v2"):
-        num_experts = _require(hf, "n_routed_experts", "num_local_experts")
-        intermediate = _require(hf, "moe_intermediate_size")
+        num_experts = _size(hf, ("n_routed_experts", "num_local_experts"), MAX_EXPERTS)
+        intermediate = _size(hf, "moe_intermediate_size", MAX_INTERMEDIATE_SIZE)
+        _check_mla_sizes(hf)
         try:
             extra["mla"] = mla_shape_from_hf(hf)
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"{model_type}: multi-head latent attention: {exc}") from None
-        shared = int(hf.get("n_shared_experts") or 0)
-        extra["shared_intermediate_size"] = shared * int(intermediate)
+        shared = _size(hf, "n_shared_experts", MAX_EXPERTS, low=0, default=0)
+        extra["shared_intermediate_size"] = shared * intermediate
+        if extra["shared_intermediate_size"] > MAX_INTERMEDIATE_SIZE:
+            raise ConfigError(f"n_shared_experts ({shared}) x moe_intermediate_size "
+                              f"({intermediate}) exceeds {MAX_INTERMEDIATE_SIZE}")
     else:
-        num_experts = _require(hf, "num_experts", "num_local_experts")
-        intermediate = _require(hf, "moe_intermediate_size", "intermediate_size") \
-            if model_type != "olmoe" else _require(hf, "intermediate_size")
+        num_experts = _size(hf, ("num_experts", "num_local_experts"), MAX_EXPERTS)
+        intermediate = _size(hf, ("moe_intermediate_size", "intermediate_size")
+                             if model_type != "olmoe" else "intermediate_size",
+                             MAX_INTERMEDIATE_SIZE)
         if model_type == "qwen3_moe" and hf.get("use_sliding_window"):
-            sliding = hf.get("sliding_window")
+            sliding = _size(hf, "sliding_window", MAX_CONTEXT, low=0, default=None)
     if model_type == "qwen2_moe":
         extra["qkv_bias"] = bool(hf.get("qkv_bias", True))
-        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        shared = _size(hf, "shared_expert_intermediate_size", MAX_INTERMEDIATE_SIZE, low=0,
+                       default=0)
         extra.update(shared_intermediate_size=shared, shared_expert_gate=shared > 0)
     if model_type == "olmoe":
         extra["qk_norm_over_heads"] = True
@@ -456,26 +564,27 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
         extra["clip_qkv"] = None if clip is None else float(clip)
     if dense:
         extra.update(dense_layers=dense,
-                     dense_intermediate_size=int(_require(hf, "intermediate_size")))
-    head_dim = hf.get("head_dim") or hidden // heads
+                     dense_intermediate_size=_size(hf, "intermediate_size",
+                                                   MAX_INTERMEDIATE_SIZE))
+    head_dim = _size(hf, "head_dim", MAX_HEAD_DIM, default=hidden // heads)
     if "mla" in extra:   # head_dim of the rotary part; q/k/v dims come from the MLA shape
         head_dim = extra["mla"].qk_rope_head_dim
-    max_context = int(hf.get("max_position_embeddings") or 32768)
+    max_context = _size(hf, "max_position_embeddings", MAX_CONTEXT, default=32768)
     if sliding:
         # Within the window, sliding-window attention is plain causal attention; longer
         # prompts are refused rather than computed with the wrong mask.
-        max_context = min(max_context, int(sliding))
+        max_context = min(max_context, sliding)
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(_require(hf, "vocab_size")),
+        vocab_size=_size(hf, "vocab_size", MAX_VOCAB_SIZE),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        num_experts=int(num_experts),
-        num_experts_per_tok=int(_require(hf, "num_experts_per_tok")),
-        moe_intermediate_size=int(intermediate),
+        num_kv_heads=_size(hf, "num_key_value_heads", MAX_HEADS, default=heads),
+        head_dim=head_dim,
+        num_experts=num_experts,
+        num_experts_per_tok=_size(hf, "num_experts_per_tok", MAX_EXPERTS),
+        moe_intermediate_size=intermediate,
         qk_norm=model_type in ("qwen3_moe", "olmoe"),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=(extra["mla"].rope_theta if "mla" in extra
@@ -486,13 +595,35 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
     )
 
 
+# A config.json is a few KB; one past this is not a config (and is not read into memory).
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _check_config_file(path: str) -> None:
+    """Refuse what must not be opened or read whole: a FIFO (open blocks for ever), a
+    device, a directory, a file of more than MAX_CONFIG_BYTES."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no model config at {path}")
+    problem = regular_file_problem(path)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
+    size = os.path.getsize(path)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {size} bytes, more than a model config's limit of "
+                          f"{MAX_CONFIG_BYTES} (moejax.config.MAX_CONFIG_BYTES)")
+
+
 def load_config(path: str | os.PathLike) -> ModelConfig:
-    """Read a model config from a HF model directory, a ``config.json`` or a YAML shape file."""
+    """Read a model config from a HF model directory, a ``config.json`` or a YAML shape file.
+
+    Every size is checked for type (an integer: not a float such as ``128.5`` or ``1e9``,
+    not a bool) and against its bound (``MAX_LAYERS`` & co.) before anything is built
+    from it; a non-regular file (a FIFO, a device) is refused unopened. Errors
+    (:class:`ConfigError`) name the file, the field and the value."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no model config at {path}")
+    _check_config_file(path)
     with open(path, encoding="utf-8") as fh:
         if path.endswith((".yaml", ".yml")):
             import yaml

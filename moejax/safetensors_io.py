@@ -20,6 +20,8 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
+from moejax.config import regular_file_problem
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -47,6 +49,9 @@ _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 WEIGHT_CODES = ("F16", "BF16", "F32", "F64")
 # The format caps the JSON header at 100 MB; a larger value means a corrupt file.
 _MAX_HEADER_BYTES = 100_000_000
+# An index names each tensor once (DeepSeek-V3's 91k tensors: 9 MB); one past this is
+# not an index, and is not read into memory.
+MAX_INDEX_BYTES = 100_000_000
 
 
 class CheckpointError(ValueError):
@@ -87,8 +92,10 @@ class SafetensorsHeader:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
-    """Parse and validate the header of a safetensors file (reads only the header bytes)."""
+    """Parse and validate the header of a safetensors file (reads only the header bytes).
+    A path that is not a regular file (a FIFO, a device) is refused without opening it."""
     path = os.fspath(path)
+    _require_regular_file(path)
     file_size = os.path.getsize(path)
     with open(path, "rb") as fh:
         prefix = fh.read(8)
@@ -111,6 +118,12 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     tensors = {name: _tensor_info(path, name, entry, data_start, data_size)
                for name, entry in header.items()}
     return SafetensorsHeader(tensors=tensors, metadata=dict(metadata), data_start=data_start)
+
+
+def _require_regular_file(path: str) -> None:
+    problem = regular_file_problem(path)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
 
 
 def _tensor_info(path: str, name: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
@@ -163,6 +176,25 @@ class SafetensorsFile:
         self._buffer = np.zeros(0, np.uint8)
 
 
+def _read_weight_map(index_path: str) -> dict[str, Any]:
+    """The ``weight_map`` of an index file, read only when it is a regular file of at most
+    MAX_INDEX_BYTES."""
+    _require_regular_file(index_path)
+    size = os.path.getsize(index_path)
+    if size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index_path}: {size} bytes, more than an index's limit of "
+                              f"{MAX_INDEX_BYTES} (moejax.safetensors_io.MAX_INDEX_BYTES)")
+    try:
+        with open(index_path, encoding="utf-8") as fh:
+            index = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{index_path}: not a valid JSON index ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: no weight_map")
+    return weight_map
+
+
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
                       metadata: Mapping[str, str] | None = None) -> None:
     """Write ``tensors`` as a safetensors file (names sorted, header space-padded to 8 bytes).
@@ -194,8 +226,45 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
             fh.write(array.reshape(-1).view(np.uint8).data)  # no intermediate bytes copy
 
 
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def shard_roots(model_dir: str) -> tuple[str, ...]:
+    """Where a model directory's shards may lie once symlinks are resolved: the directory
+    itself, and for a Hugging Face hub snapshot (``models--ORG--NAME/snapshots/REV``,
+    whose files are symlinks to ``../../blobs/HASH``) that repository's ``blobs``."""
+    root = os.path.realpath(model_dir)
+    snapshots = os.path.dirname(root)
+    if os.path.basename(snapshots) == "snapshots":
+        return root, os.path.join(os.path.dirname(snapshots), "blobs")
+    return (root,)
+
+
+def shard_name_problem(file_name: Any, model_dir: str) -> str | None:
+    """Why an index's shard entry is not a plain file name inside ``model_dir``, or None.
+
+    Decided from the name and the symlinks on its way alone: the file itself is neither
+    opened nor stat'ed, so an entry such as ``../outside.safetensors`` or ``/etc/passwd``
+    learns nothing about the file it names."""
+    if not isinstance(file_name, str) or not file_name:
+        return "must be a non-empty file name"
+    if (file_name in (".", "..") or "/" in file_name or "\\" in file_name
+            or "\0" in file_name or os.path.isabs(file_name)):
+        return ("must be a plain file name inside the model directory (no directory "
+                "separator, no '..', not absolute)")
+    resolved = os.path.realpath(os.path.join(model_dir, file_name))
+    if not any(_inside(resolved, root) for root in shard_roots(model_dir)):
+        return "is a symlink that leads out of the model directory"
+    return None
+
+
 class CheckpointReader:
-    """The tensors of a HF model directory: ``model.safetensors`` or a sharded index."""
+    """The tensors of a HF model directory: ``model.safetensors`` or a sharded index.
+
+    An index's shards must be plain file names in the directory (after symlinks, still in
+    it: :func:`shard_name_problem`); every model file must be a regular file (a FIFO or a
+    device is refused unopened). Violations raise :class:`CheckpointError` naming them."""
 
     def __init__(self, model_dir: str | os.PathLike) -> None:
         self.model_dir = os.fspath(model_dir)
@@ -203,28 +272,39 @@ class CheckpointReader:
         single_path = os.path.join(self.model_dir, SINGLE_FILE)
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}  # tensor name -> file name
-        if os.path.isfile(index_path):
+        if os.path.exists(index_path):
             self._read_index(index_path)
-        elif os.path.isfile(single_path):
+        elif os.path.exists(single_path):
             self._where = {name: SINGLE_FILE for name in self._file(SINGLE_FILE).keys()}
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.model_dir}")
 
     def _read_index(self, index_path: str) -> None:
-        with open(index_path, encoding="utf-8") as fh:
-            weight_map = json.load(fh).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index_path}: no weight_map")
+        weight_map = _read_weight_map(index_path)
+        self._check_shard_names(index_path, weight_map)
         for name, file_name in weight_map.items():
             if name not in self._file(file_name).header.tensors:
                 raise CheckpointError(f"{index_path}: maps {name} to {file_name}, "
                                       "which does not contain it")
         self._where = dict(weight_map)
 
+    def _check_shard_names(self, index_path: str, weight_map: dict[str, Any]) -> None:
+        """Every shard entry, before any shard is opened (one check per distinct name)."""
+        checked: set[Any] = set()
+        for name, file_name in weight_map.items():
+            key = file_name if isinstance(file_name, str) else repr(file_name)
+            if key in checked:
+                continue
+            checked.add(key)
+            problem = shard_name_problem(file_name, self.model_dir)
+            if problem:
+                raise CheckpointError(f"{index_path}: weight_map entry {name!r}: shard "
+                                      f"{file_name!r} {problem}")
+
     def _file(self, file_name: str) -> SafetensorsFile:
         if file_name not in self._files:
             path = os.path.join(self.model_dir, file_name)
-            if not os.path.isfile(path):
+            if not os.path.exists(path):
                 raise FileNotFoundError(f"checkpoint shard {path} is missing")
             self._files[file_name] = SafetensorsFile(path)
         return self._files[file_name]

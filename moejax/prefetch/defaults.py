@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 from typing import Any
 
 import jax
@@ -39,6 +40,38 @@ TOKENS_PER_CHUNK = 8192   # calibration tokens per expert-compute program
 
 class PrefetchFileError(ValueError):
     """A prefetch file (default vectors or estimator) that cannot be used, and why."""
+
+
+# What reading a damaged .npz raises: a truncated archive (its zip directory is at the
+# end) is a BadZipFile, which is not an OSError or ValueError; a truncated member an
+# EOFError. Every reader of prefetch files turns these into PrefetchFileError.
+NPZ_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
+
+
+def check_npz_path(path: str) -> None:
+    """Refuse a missing path, or one that is not a regular file (opening a FIFO blocks)."""
+    if not os.path.isfile(path):
+        what = ("not a regular file, so not a prefetch file" if os.path.exists(path)
+                else "no such prefetch file")
+        raise PrefetchFileError(f"{path}: {what} (make one with `moejax prefetch-calibrate` "
+                                f"or `python -m moejax.prefetch.train`)")
+
+
+def npz_error(path: str, exc: BaseException) -> PrefetchFileError:
+    """The error for an .npz that numpy could not read (one of NPZ_READ_ERRORS)."""
+    return PrefetchFileError(f"{path}: not a readable .npz, truncated or damaged? "
+                             f"({type(exc).__name__}: {exc})")
+
+
+def read_npz(path: str) -> dict[str, np.ndarray]:
+    """Every array of the .npz at ``path`` (no pickles); a missing, non-regular or damaged
+    file raises :class:`PrefetchFileError` naming it."""
+    check_npz_path(path)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except NPZ_READ_ERRORS as exc:
+        raise npz_error(path, exc) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +172,7 @@ def load(path: str | os.PathLike) -> DefaultVectors:
     """Read a default-vector file; a missing, foreign or malformed file raises
     :class:`PrefetchFileError` naming the path and the key."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise PrefetchFileError(f"{path}: no such default-vector file (make one with "
-                                f"`moejax prefetch-calibrate`)")
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise PrefetchFileError(f"{path}: not a readable .npz ({exc})") from None
+    arrays = read_npz(path)
     if str(_field(arrays, path, "format")) != FORMAT:
         raise PrefetchFileError(f"{path}: 'format' is {str(arrays['format'])!r}, not {FORMAT!r}")
     if int(_field(arrays, path, "version")) != VERSION:

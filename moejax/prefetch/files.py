@@ -54,13 +54,14 @@ def parse_layers(text: str, path: str) -> tuple[int, ...]:
 
 
 def _file_format(path: str) -> str:
-    if not os.path.isfile(path):
-        raise PrefetchFileError(f"{path}: no such prefetch file")
-    try:
+    """The file's ``format`` key ("" without one); a missing, non-regular, truncated or
+    otherwise unreadable file raises PrefetchFileError naming it."""
+    defaults_lib.check_npz_path(path)
+    try:    # only the small 'format' member is read here (npz members load lazily)
         with np.load(path, allow_pickle=False) as npz:
             return str(npz["format"]) if "format" in npz.files else ""
-    except (OSError, ValueError) as exc:
-        raise PrefetchFileError(f"{path}: not a readable .npz ({exc})") from None
+    except defaults_lib.NPZ_READ_ERRORS as exc:
+        raise defaults_lib.npz_error(path, exc) from None
 
 
 def load_estimator(path: str, cfg: ModelConfig, params: Params) -> LoadedEstimator:
