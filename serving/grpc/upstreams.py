@@ -188,7 +188,6 @@ class UpstreamPool:
         self.options = options
         self.check_model, self.on_change, self.on_reset = check_model, on_change, on_reset
         self.upstreams: list[Upstream] = []
-        self.changed = asyncio.Event()   # set (and replaced) on every availability change
         self._tasks: list[asyncio.Task] = []
 
     def __len__(self) -> int:
@@ -218,20 +217,6 @@ class UpstreamPool:
         return [u.index for u in self.upstreams
                 if (u.generates if generation else u.serving) and u.index not in exclude]
 
-    async def wait_available(self, timeout: float, *, generation: bool = False) -> bool:
-        """Wait up to ``timeout`` seconds until some upstream takes work."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not self.available(generation=generation):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self.changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                return bool(self.available(generation=generation))
-        return True
-
     async def wait_checked(self, timeout: float) -> list[Upstream]:
         """Wait up to ``timeout`` seconds until every upstream's ModelInfo was checked;
         returns those that were not (unreachable or still loading)."""
@@ -260,12 +245,7 @@ class UpstreamPool:
             log.warning("%s: %s; no new work until its health check passes",
                         upstream.describe(), reason)
             upstream.suspect = True
-            self._changed()
-
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
-        self.on_change()
+            self.on_change()
 
     # ------------------------------------------------------------------ health task
     async def _watch(self, upstream: Upstream) -> None:
@@ -276,7 +256,7 @@ class UpstreamPool:
             if upstream.serving != before:
                 log.info("%s is %s", upstream.describe(),
                          "serving" if upstream.serving else "not serving")
-                self._changed()
+                self.on_change()
             await asyncio.sleep(interval)
 
     async def _check(self, upstream: Upstream, timeout: float) -> None:
