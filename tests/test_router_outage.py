@@ -134,6 +134,31 @@ def test_a_lost_upstream_ends_the_stream_retryably_never_with_error_results(mode
             fake_result(proto(requests[answer.index], answer.index), answer.index))
 
 
+def test_a_refused_stream_first_delivers_what_other_upstreams_owe(model):
+    requests = requests_of(6)
+    slow, refusing = FakeUpstream(delay=0.3), FakeUpstream()
+    with slow, refusing, router(model, [slow.target, refusing.target],
+                                routing="round_robin") as (server, target):
+        # Request 0 goes to the slow upstream, request 1 to one that refuses the router's
+        # stream (not worth a retry elsewhere): the call ends with that refusal, but only
+        # after the slow upstream answered what it had been sent.
+        refusing.fail_next(1, grpc.StatusCode.PERMISSION_DENIED, "fake: not allowed")
+        answers = []
+        with pytest.raises(grpc.RpcError) as failed:
+            for answer in stub(target).ScoreStream(iter(stream_messages(requests)),
+                                                   timeout=T):
+                answers.append(answer)
+    assert failed.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"upstream 1 ({refusing.target}) failed: PERMISSION_DENIED: fake: not allowed" \
+        in failed.value.details()
+    indices = [a.index for a in answers]
+    assert 0 in indices and len(indices) == len(set(indices))
+    for answer in answers:
+        assert answer.result.error == "" and list(answer.result.timings.engines) == [0]
+        assert comparable(answer.result) == comparable(
+            fake_result(proto(requests[answer.index], answer.index), answer.index))
+
+
 def test_upstream_killed_and_restarted_mid_job_every_line_scored_once(model, tmp_path,
                                                                       capsys):
     inp = write_input(tmp_path / "in.jsonl", 300)
