@@ -303,17 +303,22 @@ def test_a_truncated_prefetch_file_is_named(tmp_path):
                 None)
 
 
-def test_moejax_generate_with_a_truncated_prefetch_file_exits_2(tmp_path):
-    """As for a damaged ELDR fit file: one line naming the file, exit 2."""
+def test_moejax_generate_with_a_truncated_prefetch_file_exits_2(tmp_path, capsys):
+    """As for a damaged ELDR fit file: one line naming the file, exit 2 (before: the
+    BadZipFile's traceback, exit 1)."""
+    from serving import cli
+
     path = _truncated_defaults(tmp_path)
     requests = tmp_path / "in.jsonl"
     requests.write_text(json.dumps({"prompt": "a", "max_new_tokens": 2}) + "\n")
-    done = _moejax("generate", str(requests), "--model", "demo", "--backend", "offload",
-                   "--prefetch", "quasi", "--prefetch-file", str(path))
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stderr.splitlines()[-1].startswith(
-        f"moejax: error: {path}: not a readable .npz, truncated or damaged?"), done.stderr
+    status = cli.main(["generate", str(requests), "-o", str(tmp_path / "out.jsonl"),
+                       "--model", "demo", "--backend", "offload", "--prefetch", "quasi",
+                       "--prefetch-file", str(path)])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith(f"moejax: error: {path}: not a readable .npz, truncated or "
+                          f"damaged? (BadZipFile: "), err
+    assert err.count("\n") == 1, err
 
 
 # ----------------------------------------------------------------------------- convert demo
