@@ -28,19 +28,19 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------- size limits
-# Upper bounds on the sizes a config may give. Each lies far above the largest published
-# model (named per bound), so no real checkpoint meets them. They exist because the loader
-# plans work per layer and per expert, and the engine sizes tables per position, from these
-# numbers before any weight is read: a corrupt or hostile config.json ("num_experts":
-# 1000000000) grew memory for minutes instead of being refused (issue 37).
-MAX_LAYERS = 1024               # published: at most 126 (Llama 3.1 405B); DeepSeek-V3: 61
-MAX_EXPERTS = 4096              # routed experts per layer; published: at most 384 (Kimi K2)
-MAX_HIDDEN_SIZE = 65536         # also bounds MLA ranks; published: at most 16384 (Llama 405B)
-MAX_INTERMEDIATE_SIZE = 262144  # an MLP's width; published: at most 53248 (Llama 3.1 405B)
-MAX_HEADS = 1024                # attention heads; published: at most 128 (DeepSeek-V3)
-MAX_HEAD_DIM = 4096             # a head's width; published: at most 256 (Gemma 2)
-MAX_VOCAB_SIZE = 1 << 22        # 4,194,304 tokens; published: at most 262,144 (Gemma 3)
-MAX_CONTEXT = 1 << 24           # 16,777,216 positions; published: at most 10M (Llama 4 Scout)
+# Upper bounds on the sizes a config may give. Each lies well above the large open models
+# named beside it (1.6x for the context, 4x or more for the rest). They exist because the
+# loader plans work per layer and per expert, and the engine sizes tables per position,
+# from these numbers before any weight is read: a corrupt or hostile config.json
+# ("num_experts": 1000000000) grew memory for minutes instead of being refused (issue 37).
+MAX_LAYERS = 1024               # Llama 3.1 405B: 126 layers; DeepSeek-V3: 61
+MAX_EXPERTS = 4096              # routed experts per layer; Kimi K2: 384; DeepSeek-V3: 256
+MAX_HIDDEN_SIZE = 65536         # also bounds MLA ranks; Llama 3.1 405B: 16384
+MAX_INTERMEDIATE_SIZE = 262144  # an MLP's width; Llama 3.1 405B: 53248
+MAX_HEADS = 1024                # attention heads; DeepSeek-V3, Llama 3.1 405B: 128
+MAX_HEAD_DIM = 4096             # a head's width; Gemma: 256
+MAX_VOCAB_SIZE = 1 << 22        # 4,194,304 tokens; Gemma 3: 262,144
+MAX_CONTEXT = 1 << 24           # 16,777,216 positions; Llama 4 Scout: 10M
 
 # ModelConfig's sizes and their bounds (the same ones from_hf_dict applies to the
 # config.json fields they come from).
@@ -65,8 +65,8 @@ def size_problem(value: Any, low: int, high: int) -> str | None:
             if isinstance(value, float) else ""
         return f"must be an integer, got {value!r} ({type(value).__name__}{hint})"
     if value > high:
-        return (f"must be an integer in [{low}, {high}], got {value} (moejax's bound, far "
-                f"above any published model: a corrupt config?)")
+        return (f"must be an integer in [{low}, {high}], got {value} (moejax's bound, well "
+                f"above the largest open models: a corrupt config?)")
     if value < low:
         return f"must be an integer in [{low}, {high}], got {value}"
     return None

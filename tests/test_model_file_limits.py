@@ -171,8 +171,8 @@ def test_moejax_info_refuses_a_billion_experts_promptly(tiny_dir, tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     assert done.stderr == (f"moejax: error: {model / 'config.json'}: field 'num_experts' must "
-                           f"be an integer in [1, 4096], got 1000000000 (moejax's bound, far "
-                           f"above any published model: a corrupt config?)\n")
+                           f"be an integer in [1, 4096], got 1000000000 (moejax's bound, well "
+                           f"above the largest open models: a corrupt config?)\n")
 
 
 # ----------------------------------------------------------------------------- item 8: shards
