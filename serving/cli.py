@@ -2,7 +2,7 @@
 
     moejax score IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--dtype float32|bfloat16]
                  [--chunk-size N] [--max-line-mib MIB]
-    moejax convert HF_DIR OUT_DIR [--dtype bfloat16]
+    moejax convert MODEL OUT_DIR [--dtype bfloat16]   (MODEL: an HF directory or a built-in name)
     moejax info [--model DIR|demo]
     moejax generate IN.jsonl [-o OUT.jsonl] [--model DIR|demo] [--trace-experts]
                  [--batching continuous|static] [--step auto|fused|layerwise]
@@ -324,8 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     score.set_defaults(func=cmd_score)
 
     convert = sub.add_parser("convert", help="convert a HF checkpoint to moejax params (orbax)")
-    convert.add_argument("model_dir")
-    convert.add_argument("out_dir")
+    convert.add_argument("model_dir", metavar="MODEL",
+                         help="HF model directory or a built-in model: demo, demo-e32, "
+                              "demo-e32-init")
+    convert.add_argument("out_dir", help="where the moejax params (orbax) are written")
     convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     convert.add_argument("--overwrite", action="store_true")
     convert.set_defaults(func=cmd_convert)
