@@ -189,6 +189,17 @@ class RemoteScoring:
 
     # ------------------------------------------------------------------ streams
     def _messages(self, stream: _Stream) -> Iterator[Any]:
+        """The requests of one stream (:meth:`_stream_messages`). gRPC's sending thread
+        swallows an exception raised here (it only logs "Exception iterating requests!"),
+        so one (reading the input, say) stops the run with its cause instead: the run then
+        fails, and is never taken for a finished one."""
+        try:
+            yield from self._stream_messages(stream)
+        except Exception as exc:
+            self._fail(f"internal error reading the input: {type(exc).__name__}: {exc}")
+            raise
+
+    def _stream_messages(self, stream: _Stream) -> Iterator[Any]:
         """The requests of one stream: resent ones first, then new lines, while fewer
         than --concurrency are in flight. Runs on gRPC's sending thread."""
         while True:

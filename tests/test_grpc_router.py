@@ -287,7 +287,10 @@ def test_killed_upstream_mid_stream_every_request_answered_exactly_once(model, f
     assert fakes[0].requests == []
 
 
-def test_when_the_retry_fails_too_the_error_is_the_answer(model, fakes):
+def test_when_the_retry_fails_too_the_call_fails_retryably(model, fakes):
+    """Unary and stream alike: when every upstream failed the request, the call ends
+    UNAVAILABLE naming each failure (the client resends); no error result is made up for
+    a request that is not at fault."""
     request = {"id": "x", "prompt": "Is fire cold?", "candidates": [" yes", " no"]}
     with router(model, targets_of(fakes[:2])) as (server, target):
         for fake in fakes[:2]:
@@ -299,10 +302,12 @@ def test_when_the_retry_fails_too_the_error_is_the_answer(model, fakes):
         wait_until(lambda: all(s["serving"] for s in server.upstream_states()), "both back")
         for fake in fakes[:2]:
             fake.fail_next(1, details="disk on fire")
-        (answer,) = stream_all(target, [request])    # in a stream: one error result
-        error = answer.result.error
-        assert error.startswith("request 'x': not scored: ")
-        assert "upstream 0" in error and "upstream 1" in error and "disk on fire" in error
+        with pytest.raises(grpc.RpcError) as ended:   # a stream ends, with no result
+            stream_all(target, [request])
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = ended.value.details()
+        assert "upstream 0" in details and "upstream 1" in details
+        assert "disk on fire" in details
 
 
 def test_overload_is_retried_elsewhere_or_passed_on_with_its_hint(model, fakes):

@@ -483,3 +483,26 @@ def test_a_killed_process_gets_no_fake_error_results(tmp_path):
     assert 0 < len(rows) < 2000
     assert all(row["error"] is None for row in rows)
     assert [row["id"] for row in rows] == list(range(len(rows)))
+
+
+def test_an_input_error_on_the_sending_thread_stops_the_run(tmp_path, fake, capsys,
+                                                            monkeypatch):
+    """An exception while reading the input happens on gRPC's sending thread, which only
+    logs it: the run must stop with the cause (exit 1), not finish and call itself done."""
+    from serving import score_transport
+
+    inp = write_input(tmp_path / "in.jsonl", N, bad=False)
+    out = str(tmp_path / "out.jsonl")
+    real = score_transport.input_lines
+
+    def failing_lines(*args, **kwargs):
+        for count, line in enumerate(real(*args, **kwargs)):
+            if count == 5:
+                raise OSError("the disk went away")
+            yield line
+
+    monkeypatch.setattr(score_transport, "input_lines", failing_lines)
+    assert score(inp, "-o", out, "--target", fake.target) == 1
+    assert "internal error reading the input: OSError: the disk went away" in \
+        capsys.readouterr().err
+    assert load_progress(progress_path(out))["complete"] is False
