@@ -17,7 +17,6 @@ The upstream of the ``--target`` runs is ``tests.grpc_fakes.FakeUpstream`` in th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
