@@ -71,15 +71,17 @@ def upstream_options(**kw: Any) -> UpstreamOptions:
 
 @contextlib.contextmanager
 def router(model: Any, targets: list[str], *, serving: bool = True,
-           upstream: UpstreamOptions | None = None, **options: Any
-           ) -> Iterator[tuple[RouterServer, str]]:
-    """A running in-process router over ``targets`` -> (server, "127.0.0.1:PORT")."""
+           upstream: UpstreamOptions | None = None, check_seconds: float = T,
+           **options: Any) -> Iterator[tuple[RouterServer, str]]:
+    """A running in-process router over ``targets`` -> (server, "127.0.0.1:PORT"), after
+    waiting up to ``check_seconds`` for every upstream's ModelInfo (a router over dead
+    upstreams gives a short one: it waits that long for nothing)."""
     server = RouterServer(RouterOptions(upstreams=targets, port=0, grace_seconds=1.0,
                                         upstream=upstream or upstream_options(), **options),
                           model=model)
     port = server.start()
     try:
-        server.check_upstreams(T)
+        server.check_upstreams(check_seconds)
         if serving:
             wait_until(lambda: all(s["serving"] for s in server.upstream_states()),
                        "every upstream to serve")

@@ -209,7 +209,7 @@ def _progress(out: str) -> dict[str, Any] | None:
 def router_without_upstreams(model):
     """A router whose one upstream is down, with an upstream timeout longer than any wait
     below: whatever waits for it instead of refusing shows as a timeout."""
-    with router(model, [dead_target()], serving=False,
+    with router(model, [dead_target()], serving=False, check_seconds=0.5,
                 upstream=upstream_options(timeout=100.0)) as (server, target):
         yield target
 
