@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -31,7 +31,7 @@ from serving.grpc import Client, scoring_pb2 as pb
 from serving.grpc.router_core import load_model
 from serving.score_progress import load_progress, progress_path
 from tests.grpc_fakes import FakeUpstream, comparable, fake_result
-from tests.test_grpc_router import proto, router, stub, upstream_options
+from tests.test_grpc_router import proto, router, stub, upstream_options, wait_until
 from tests.test_remote_score import expected, start_fake_process, write_input, written
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,16 +43,6 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def model() -> Any:
     return load_model("demo")   # config and tokenizer only
-
-
-def wait_until(condition: Callable[[], Any], what: str, timeout: float = T) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def dead_target() -> str:

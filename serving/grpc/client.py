@@ -114,16 +114,18 @@ class _Calls:
 
 
 # ---------------------------------------------------------------------------- channels
-def read_pem(value: str | bytes | None) -> bytes | None:
+def read_pem(value: str | bytes | None, *, where: str | None = None) -> bytes | None:
     """PEM bytes of a path (or the bytes themselves), checked to hold at least one
-    certificate; ValueError naming a file that cannot be read or holds none.
+    certificate; ValueError naming a file that cannot be read or holds none (as ``where``
+    when given, e.g. the flag it came from).
 
     Why check here: gRPC takes any bytes as root certificates and only fails each TLS
     handshake later, so a wrong file would show as an upstream (or server) that never
     answers instead of as the bad file it is."""
     if value is None:
         return None
-    where = "the TLS CA given as bytes" if isinstance(value, bytes) else f"TLS CA {value}"
+    where = where or ("the TLS CA given as bytes" if isinstance(value, bytes)
+                      else f"TLS CA {value}")
     if isinstance(value, bytes):
         data = value
     else:

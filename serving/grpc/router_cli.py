@@ -96,16 +96,9 @@ def add_router_command(sub: Any) -> None:
 def _check_ca(path: str) -> None:
     """Refuse an ``--upstream-tls-ca`` file that holds no PEM certificate: gRPC would take
     it and fail every handshake, leaving the router NOT_SERVING with no word why."""
-    from serving.grpc.client import pem_problem
+    from serving.grpc.client import read_pem
 
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ValueError(f"--upstream-tls-ca {path}: cannot be read ({exc.strerror})") from None
-    problem = pem_problem(data)
-    if problem is not None:
-        raise ValueError(f"--upstream-tls-ca {path}: {problem}")
+    read_pem(path, where=f"--upstream-tls-ca {path}")
 
 
 def router_options(args: argparse.Namespace) -> Any:
