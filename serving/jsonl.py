@@ -202,6 +202,14 @@ def _skip_rest_of_line(stream: BinaryIO) -> None:
             return
 
 
+def has_content(raw: bytes, first_line: bool) -> bool:
+    """Whether a line (its bytes without the ending) gets a result: not blank (ASCII
+    whitespace only), a byte-order mark ignored on line 1 (the rule of :func:`read_lines`)."""
+    if first_line and raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
+    return bool(raw.strip())
+
+
 def read_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[JsonlLine]:
     """One :class:`JsonlLine` per non-blank line of a binary stream, in order (see the
     module docstring for the rules)."""

@@ -33,7 +33,7 @@ import logging
 import os
 from typing import Any, BinaryIO, Iterator
 
-from serving.jsonl import CommandError, JsonlLine, read_lines
+from serving.jsonl import CommandError, JsonlLine, has_content, read_lines
 
 log = logging.getLogger("moejax.score")
 
@@ -178,21 +178,15 @@ def _count_lines(fh: BinaryIO, end: int) -> _LineCount:
         *ended, pending = (pending + block).split(b"\n")
         for line in ended:
             count.lines += 1
-            count.answered += _has_content(line, first)
+            count.answered += has_content(line, first)
             first = False
         if len(pending) > _BLOCK:   # keep only whether a long unfinished line has content
-            pending = b"x" if _has_content(pending, first) else b" "
+            pending = b"x" if has_content(pending, first) else b" "
     count.ends_a_line = not pending
     if pending:
         count.lines += 1
-        count.answered += _has_content(pending, first)
+        count.answered += has_content(pending, first)
     return count
-
-
-def _has_content(line: bytes, first: bool) -> bool:
-    if first and line.startswith(b"\xef\xbb\xbf"):
-        line = line[3:]
-    return bool(line.strip())
 
 
 def _output_path(progress: str) -> str:
