@@ -28,7 +28,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-import scipy.stats
 from jaxtyping import Float, Integer
 
 SIGNATURE_KINDS = ("count_idf", "softmax", "binary")
@@ -134,6 +133,8 @@ def profile_ranks(profile: Float[np.ndarray, "N P"]) -> np.ndarray | None:
     """The ranks of the profiles' pairwise cosine distances (what every ρ against these
     profiles reuses), or None when they are all equal (ρ undefined)."""
     distances = condensed_cosine_distances(profile)
+    import scipy.stats   # here, not at import: scipy.stats costs ~0.8 s of every start
+
     return None if np.ptp(distances) == 0 else scipy.stats.rankdata(distances)
 
 
@@ -143,6 +144,8 @@ def rho_against(signature: Float[np.ndarray, "N D"], ranks: np.ndarray | None) -
     distances = condensed_cosine_distances(signature)
     if ranks is None or np.ptp(distances) == 0:
         return float("nan")
+    import scipy.stats
+
     return float(np.corrcoef(scipy.stats.rankdata(distances), ranks)[0, 1])
 
 
