@@ -431,6 +431,42 @@ def test_stop_lets_a_running_stream_finish_then_closes_the_loop(scorer, generato
     assert generator.generate(REQUESTS[:1]) == reference[:1]
 
 
+def test_stop_waits_for_a_finished_sequence_s_last_message(scorer, generator, medium,
+                                                           monkeypatch):
+    """A stream's sequence leaves the scheduler (its admission slot is free) before its
+    handler sends the last message. A stop must wait for the handler, not for the slot
+    (before: the server stopped in that gap and the client got UNAVAILABLE "Cancelling all
+    calls" instead of its last tokens). The gap is widened here to 1 s."""
+    import asyncio
+
+    request, result = medium
+    sending = generation._Generation.responses
+
+    async def slow_last_message(self, context):
+        async for response in sending(self, context):
+            if self.done:                       # the slot is released already
+                await asyncio.sleep(1.0)
+            yield response
+
+    monkeypatch.setattr(generation._Generation, "responses", slow_last_message)
+    server = ScoringServer(ServerOptions(port=0, grace_seconds=T))
+    target = f"127.0.0.1:{server.start()}"
+    server.attach(scorer, generator)
+    call = stub(target).Generate(to_proto(request), timeout=T)
+    tokens = list(next(call).token_ids)
+    assert wait_until(lambda: server.generation.streams == 0)   # out of the scheduler
+    assert server.generation.open_calls == 1
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    try:
+        for message in call:
+            tokens.extend(message.token_ids)
+        assert tokens == result.token_ids
+    finally:
+        stopper.join(T)
+    assert not stopper.is_alive() and server.generation.open_calls == 0
+
+
 # =========================================================================== CLI
 def test_client_generate_cli_round_trip(scorer, generator, reference, tmp_path):
     from serving.cli import main

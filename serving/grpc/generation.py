@@ -79,6 +79,10 @@ class GenerationService:
         self.max_text_bytes = max_text_bytes
         self.max_context = 0
         self.streams = 0                      # admitted and not yet out of the scheduler
+        # Generate calls whose handler has not returned: a stream's sequence leaves the
+        # scheduler (and its admission slot) before its last tokens reach the client, so
+        # a stopping server waits on these, not on ``streams``.
+        self.open_calls = 0
         self.active: set[_Generation] = set()
         self.refused = 0                      # calls refused for overload
         self.token_seconds: float | None = None  # moving average of the time per token
@@ -159,6 +163,7 @@ class GenerationService:
                 f"the server runs {self.streams} generation streams (its limit)",
                 self.retry_after_ms()))
         stream = _Generation(self)
+        self.open_calls += 1
         try:
             try:
                 await stream.submit(convert.generation_request_from_proto(message))
@@ -169,6 +174,7 @@ class GenerationService:
             async for response in stream.responses(context):
                 yield response
         finally:
+            self.open_calls -= 1
             stream.cancel()  # the client went away, the deadline passed, ...: free it
 
 

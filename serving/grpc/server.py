@@ -385,7 +385,7 @@ class ScoringServer:
         self.service.stopping.set()
         self.generation.stopping = True
         log.info("stopping: refusing new calls, %.1f s for %d in-flight ones", grace,
-                 self.service.in_flight + self.generation.streams)
+                 self.service.in_flight + self.generation.open_calls)
         self._run(self._stop(grace))
         if self.batcher is not None:
             self.batcher.stop(timeout=max(grace, 1.0))
@@ -400,7 +400,7 @@ class ScoringServer:
         # generation streams in flight only (health Watch streams would hold the whole
         # grace), then stop the server once, cancelling what is left.
         deadline = time.monotonic() + grace
-        while ((self.service.in_flight > 0 or self.generation.streams > 0)
+        while ((self.service.in_flight > 0 or self.generation.open_calls > 0)
                and time.monotonic() < deadline):
             await asyncio.sleep(0.02)
         await self._server.stop(0)
