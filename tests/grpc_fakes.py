@@ -214,6 +214,7 @@ class FakeUpstream:
         self.token, self.tls_cert, self.tls_key = token, tls_cert, tls_key
         self.info = demo_info(**dict(info or {}))
         self.delay = delay
+        self.info_delay = 0.0      # seconds a ModelInfo call takes (a restarted server's gap)
         self.generation = generation
         self.requests: list[pb.ScoreRequest] = []          # every scoring item received
         self.calls: list[str] = []                         # method names, in arrival order
@@ -422,6 +423,7 @@ class FakeUpstream:
                     ) -> pb.ModelInfoResponse:
         with self._lock:
             self.calls.append("ModelInfo")
+        time.sleep(self.info_delay)
         info = convert.info_to_proto(self.info, max_queued_tokens=262_144,
                                      max_message_bytes=16 << 20)
         info.generation = self.generation

@@ -481,7 +481,14 @@ def test_the_shadow_is_bounded_and_stale_affinity_decays(model):
             # the same; once seen lost and back, the router forgets its cache.
             upstreams[home].stop()
             wait_until(lambda: not server.upstream_states()[home]["serving"], "lost")
+            # Healthy again, but not serving until its ModelInfo is checked (the new process
+            # may hold another model, and holds an empty cache): the check is held 1 s here.
+            # Before, it served in that gap, routed by the cache it had lost.
+            infos = upstreams[home].calls.count("ModelInfo")
+            upstreams[home].info_delay = 1.0
             upstreams[home].start()
+            wait_until(lambda: upstreams[home].calls.count("ModelInfo") > infos, "checked")
+            assert not server.upstream_states()[home]["serving"]
             wait_until(lambda: server.upstream_states()[home]["serving"], "back")
             assert core.router.committed_blocks(home) == frozenset()
             with Client(target) as client:

@@ -160,8 +160,9 @@ class Upstream:
 
     @property
     def serving(self) -> bool:
-        """Whether it takes new work now."""
-        return (self.healthy and not self.suspect and self.info is not None
+        """Whether it takes new work now. One that was lost takes none until its ModelInfo
+        is checked again: it may be a new process (another model, an empty cache)."""
+        return (self.healthy and not self.suspect and not self.lost and self.info is not None
                 and self.mismatch is None)
 
     @property
@@ -297,7 +298,8 @@ class UpstreamPool:
             log.error("%s serves another model: %s; never used", upstream.describe(),
                       mismatch)
         was_seen = upstream.info is not None
-        upstream.info, upstream.mismatch, upstream.lost = info, mismatch, False
-        upstream.checked.set()
-        if was_seen:
+        upstream.info, upstream.mismatch = info, mismatch
+        if was_seen:   # before it serves again: no request may be routed by the old cache
             self.on_reset(upstream.index)
+        upstream.lost = False
+        upstream.checked.set()
