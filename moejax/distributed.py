@@ -33,8 +33,16 @@ import numpy as np
 log = logging.getLogger("moejax.distributed")
 
 # How long a silent peer may go unnoticed (seconds). JAX's default (100 s) is meant for
-# large clusters; an interactive run should give up sooner when a process died.
-DEFAULT_HEARTBEAT_SECONDS = 30
+# large clusters; an interactive run should give up sooner when a process died. It must
+# stay above COLLECTIVE_RENDEZVOUS_SECONDS: a collective that needs a new connection to a
+# dead peer fails only when its rendezvous times out, and a heartbeat that runs out first
+# makes JAX's coordination service abort the survivors (a C++ stack trace, exit 134)
+# instead of moejax reporting the failed collective (exit 1, one message). Measured: with
+# 30 s the two raced, and a CI run lost.
+DEFAULT_HEARTBEAT_SECONDS = 60
+# XLA's CPU collectives (gloo) wait this long for a peer while setting up a connection
+# (a key of the coordination service's store; "GetKeyValue() timed out ... 30 s").
+COLLECTIVE_RENDEZVOUS_SECONDS = 30
 # How long a process waits for every process to join (seconds): long enough for a
 # scheduler to start the others, short enough that an unreachable coordinator is noticed
 # (JAX's default is 300 s, silently).
@@ -156,6 +164,11 @@ def initialize(options: DistributedOptions) -> bool:
     if not options.auto:
         kwargs.update(coordinator_address=options.coordinator,
                       num_processes=options.num_processes, process_id=options.process_id)
+    if options.heartbeat_timeout_seconds <= COLLECTIVE_RENDEZVOUS_SECONDS:
+        log.warning("heartbeat of %d s is not above the collectives' %d s rendezvous: a "
+                    "process that dies may end the others with JAX's fatal error instead of "
+                    "a failed collective (--heartbeat-seconds)",
+                    options.heartbeat_timeout_seconds, COLLECTIVE_RENDEZVOUS_SECONDS)
     where = "the auto-detected cluster" if options.auto else \
         f"coordinator {options.coordinator} as process {options.process_id} of " \
         f"{options.num_processes}"

@@ -50,8 +50,9 @@ def add_distributed_options(p: argparse.ArgumentParser) -> None:
                             "Kubernetes) instead of the three flags above")
     group.add_argument("--heartbeat-seconds", type=int, default=DEFAULT_HEARTBEAT_SECONDS,
                        help="stop within this long when another process hangs or died without "
-                            "the others noticing in a collective; keep it above a batch's "
-                            f"and a compile's time (default {DEFAULT_HEARTBEAT_SECONDS})")
+                            "the others noticing in a collective; keep it above 30 s (the "
+                            "collectives' own timeout), a batch's and a compile's time "
+                            f"(default {DEFAULT_HEARTBEAT_SECONDS})")
     group.add_argument("--coordinator-timeout", type=int, default=DEFAULT_JOIN_SECONDS,
                        metavar="SECONDS",
                        help="give up (exit 1) when the coordinator does not answer, or not "
