@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import sys
 import time
@@ -152,6 +153,9 @@ def initialize(options: DistributedOptions) -> bool:
     # Gloo carries the CPU collectives between processes (the default CPU collectives
     # work inside one process only). It is ignored by GPU backends.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Read when the CPU backend starts, which is after this (no computation before a join).
+    os.environ["XLA_FLAGS"] = with_collective_timeout(os.environ.get("XLA_FLAGS", ""),
+                                                      options.heartbeat_timeout_seconds)
     timeout = options.initialization_timeout_seconds
     kwargs: dict[str, Any] = dict(
         heartbeat_timeout_seconds=options.heartbeat_timeout_seconds,
@@ -191,6 +195,22 @@ def initialize(options: DistributedOptions) -> bool:
     log.info("process %d of %d: %d local of %d devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
     return True
+
+
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+
+def with_collective_timeout(xla_flags: str, heartbeat_seconds: int) -> str:
+    """``xla_flags`` with XLA's CPU collective timeout at half the heartbeat (at least 10 s),
+    unless it sets one already. A collective can wait on a dead peer without an error (an
+    all-gather stuck reading from it: seen in 2 of 9 SIGKILL trials, 60 s and more); JAX's
+    heartbeat would then abort the survivors with a C++ stack trace. Timed out first, the
+    collective fails, and moejax stops with exit 1 and its message. A peer slower than
+    this at a collective (a long compile) also fails the run, as at the 30 s rendezvous."""
+    if COLLECTIVE_TIMEOUT_FLAG in xla_flags:
+        return xla_flags
+    seconds = max(10, heartbeat_seconds // 2)
+    return f"{xla_flags} {COLLECTIVE_TIMEOUT_FLAG}={seconds}".strip()
 
 
 _JAX_TIMEOUT_MARGIN = 30   # seconds JAX's join timeout is given past ours

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from moejax.distributed import DistributedOptions, agree, fetch_global, initialize
+from moejax.distributed import (COLLECTIVE_TIMEOUT_FLAG, DistributedOptions, agree, fetch_global,
+                                initialize, with_collective_timeout)
 from serving.launch import free_port, process_commands, supervise
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +87,16 @@ def test_moejax_score_over_two_processes_writes_one_output(tmp_path):
     assert rows == without_timings(single)
     assert len(rows) == 7 and rows[3]["error"] is not None
     assert sum(r["error"] is None for r in rows) == 6
+
+
+def test_collectives_time_out_before_the_heartbeat():
+    """A collective stuck on a dead peer must fail before JAX's heartbeat aborts the
+    process: half the heartbeat, at least 10 s, and a timeout the user set is kept."""
+    flags = "--xla_force_host_platform_device_count=4"
+    assert with_collective_timeout(flags, 60) == f"{flags} {COLLECTIVE_TIMEOUT_FLAG}=30"
+    assert with_collective_timeout("", 12) == f"{COLLECTIVE_TIMEOUT_FLAG}=10"
+    mine = f"{COLLECTIVE_TIMEOUT_FLAG}=99"
+    assert with_collective_timeout(mine, 60) == mine
 
 
 def test_single_device_backends_are_refused_over_processes(tmp_path):
