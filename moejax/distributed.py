@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+# COLLECTIVE_TIMEOUT_FLAG: imported here too, as the flag with_collective_timeout sets.
+from moejax.backends.xla_flags import COLLECTIVE_TIMEOUT_FLAG, apply_collective_timeout  # noqa: F401
+
 log = logging.getLogger("moejax.distributed")
 
 # How long a silent peer may go unnoticed (seconds). JAX's default (100 s) is meant for
@@ -197,9 +200,6 @@ def initialize(options: DistributedOptions) -> bool:
     return True
 
 
-COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
-
-
 def with_collective_timeout(xla_flags: str, heartbeat_seconds: int) -> str:
     """``xla_flags`` with XLA's CPU collective timeout at half the heartbeat (at least 10 s),
     unless it sets one already. A collective can wait on a dead peer without an error (an
@@ -207,10 +207,9 @@ def with_collective_timeout(xla_flags: str, heartbeat_seconds: int) -> str:
     heartbeat would then abort the survivors with a C++ stack trace. Timed out first, the
     collective fails, and moejax stops with exit 1 and its message. A peer slower than
     this at a collective (a long compile) also fails the run, as at the 30 s rendezvous."""
-    if COLLECTIVE_TIMEOUT_FLAG in xla_flags:
-        return xla_flags
-    seconds = max(10, heartbeat_seconds // 2)
-    return f"{xla_flags} {COLLECTIVE_TIMEOUT_FLAG}={seconds}".strip()
+    environ = {"XLA_FLAGS": xla_flags}
+    apply_collective_timeout(max(10, heartbeat_seconds // 2), environ)
+    return environ["XLA_FLAGS"]
 
 
 _JAX_TIMEOUT_MARGIN = 30   # seconds JAX's join timeout is given past ours

@@ -202,12 +202,15 @@ def _skip_rest_of_line(stream: BinaryIO) -> None:
             return
 
 
+def _without_bom(raw: bytes, first_line: bool) -> bytes:
+    """A line's bytes without the UTF-8 byte-order mark, which only line 1 may carry."""
+    return raw[len(_BOM):] if first_line and raw.startswith(_BOM) else raw
+
+
 def has_content(raw: bytes, first_line: bool) -> bool:
     """Whether a line (its bytes without the ending) gets a result: not blank (ASCII
     whitespace only), a byte-order mark ignored on line 1 (the rule of :func:`read_lines`)."""
-    if first_line and raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
-    return bool(raw.strip())
+    return bool(_without_bom(raw, first_line).strip())
 
 
 def read_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[JsonlLine]:
@@ -224,9 +227,7 @@ def read_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[JsonlLine]:
         if too_long:
             _skip_rest_of_line(stream)
         else:
-            raw = _strip_ending(raw)
-            if number == 1 and raw.startswith(_BOM):
-                raw = raw[len(_BOM):]
+            raw = _without_bom(_strip_ending(raw), number == 1)
             too_long = len(raw) > max_line_bytes
         if too_long:
             yield JsonlLine(number, error=f"line {number}: longer than the limit of "

@@ -23,6 +23,7 @@ OVERLAP_FLAGS = {
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
 }
 HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 
 def _flag_names(value: str) -> set[str]:
@@ -50,6 +51,14 @@ def apply_host_device_count(count: int | None,
     if not count or count < 2:
         return []
     return _append_missing({HOST_DEVICE_FLAG: str(count)}, environ)
+
+
+def apply_collective_timeout(seconds: int,
+                             environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Time XLA's CPU collectives out after ``seconds`` (multi-process CPU runs: see
+    :func:`moejax.distributed.with_collective_timeout`); GPUs ignore the flag. Returns the
+    flags added."""
+    return _append_missing({COLLECTIVE_TIMEOUT_FLAG: str(seconds)}, environ)
 
 
 def configure_xla(*, host_devices: int | None = None,
