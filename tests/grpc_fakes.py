@@ -38,6 +38,7 @@ unless ``info`` overrides fields; ``info_json`` carries ``prefix_cache_blocks``.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -169,6 +170,7 @@ class _Fault:
     after: int = 0                     # streams: results sent before failing
     retry_after_ms: int | None = None  # trailing metadata of an overload refusal
     seconds: float | None = None       # hang: at most this long (None: until released)
+    drain: bool = False                # streams: read every request (to half-close) first
 
 
 class _TokenCheck(grpc.ServerInterceptor):
@@ -282,13 +284,20 @@ class FakeUpstream:
 
     def fail_next(self, n: int = 1, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
                   details: str = "fake upstream: injected failure", *, after: int = 0,
-                  retry_after_ms: int | None = None) -> None:
+                  retry_after_ms: int | None = None, drain: bool = False) -> None:
         """The next ``n`` moejax calls end with ``code``; a ``ScoreStream`` first sends
         ``after`` results (of the requests it read first). ``retry_after_ms``: sent as the
-        trailing metadata ``retry-after-ms``, as a real server's overload refusal does."""
+        trailing metadata ``retry-after-ms``, as a real server's overload refusal does.
+
+        ``drain``: a ``ScoreStream`` refused at once first reads every request, until the
+        caller half-closes. Only then does the refusal reach an asyncio caller (the
+        router) with its code and details for sure: one that crosses a write of the
+        caller's is reported to it as INTERNAL "Internal error from Core" (grpc/grpc#36066),
+        which the router retries as a transport failure. Only for short streams: the
+        caller must end its stream without waiting for results."""
         with self._lock:
-            self._faults.extend(_Fault("fail", code, details, after, retry_after_ms)
-                                for _ in range(n))
+            self._faults.extend(_Fault("fail", code, details, after, retry_after_ms,
+                                       drain=drain) for _ in range(n))
 
     def hang_next(self, n: int = 1, seconds: float | None = None) -> None:
         """The next ``n`` moejax calls wait (before answering anything) until
@@ -403,10 +412,13 @@ class FakeUpstream:
                       context: grpc.ServicerContext) -> Iterator[pb.StreamResult]:
         fault = self._enter("ScoreStream", context)
         if fault is not None and fault.after <= 0:
-            # Take the first request off the wire before failing: aborting while the client
-            # is still writing it races in gRPC, which then reports a bare "Internal error
-            # from Core" instead of the fault's status and details.
-            next(messages, None)
+            # Take the first request (or, drained, all) off the wire before failing:
+            # aborting while the client is still writing races in gRPC, which then reports
+            # a bare "Internal error from Core" instead of the fault's status and details.
+            if fault.drain:
+                collections.deque(messages, maxlen=0)
+            else:
+                next(messages, None)
             self._fail(fault, context)
         sent = 0
         for position, item in enumerate(messages):

@@ -131,8 +131,11 @@ def test_a_refused_stream_first_delivers_what_other_upstreams_owe(model):
                                 routing="round_robin") as (server, target):
         # Request 0 goes to the slow upstream, request 1 to one that refuses the router's
         # stream (not worth a retry elsewhere): the call ends with that refusal, but only
-        # after the slow upstream answered what it had been sent.
-        refusing.fail_next(1, grpc.StatusCode.PERMISSION_DENIED, "fake: not allowed")
+        # after the slow upstream answered what it had been sent. The refusal comes after
+        # the router's last write to it (drain): one crossing a write reaches the router as
+        # INTERNAL (grpc/grpc#36066), which it retries elsewhere instead.
+        refusing.fail_next(1, grpc.StatusCode.PERMISSION_DENIED, "fake: not allowed",
+                           drain=True)
         answers = []
         with pytest.raises(grpc.RpcError) as failed:
             for answer in stub(target).ScoreStream(iter(stream_messages(requests)),

@@ -19,7 +19,9 @@ sends the unanswered requests again. An error result always means the request it
 refused (by an upstream, or as undecodable), never that a transport failed: a client
 writing results to a file must not keep an error for a request that was never scored.
 The upstream timeout is the longest wait for the next result while results are owed
-(:meth:`StreamSession.watch`).
+(:meth:`StreamSession.watch`). One gRPC limit: an upstream's refusal that crosses a write
+of the router's reaches it as INTERNAL "Internal error from Core" (grpc/grpc#36066, the
+asyncio client), so such a refusal is retried elsewhere like a transport failure.
 
 Why a module of its own: a stream's bookkeeping (what each upstream stream owes, the
 window, the answers' order) is apart from the unary and batch handlers
