@@ -262,3 +262,40 @@ def _release_compiled_programs_near_the_map_limit():
     if mapped_regions() > MAP_BUDGET:
         jax.clear_caches()
         gc.collect()
+
+
+# The demo models' shared Scorers and Generators: one agreed set of options, built once per
+# test process and used by every module whose tests do not depend on the options (their
+# programs are then traced, lowered and compiled once). A test that needs other options
+# builds its own and says why. The objects are shared: a test must not change their
+# settings, and must not assert on counters (stats, compiles) that other tests move.
+DEMO_SCORER_OPTIONS = {"dtype": "float32", "max_batch_tokens": 2048}
+DEMO_GENERATOR_OPTIONS = {"dtype": "float32", "max_batch_size": 2}
+
+
+@pytest.fixture(scope="session")
+def demo_scorer():
+    from serving import Scorer
+
+    return Scorer("demo", **DEMO_SCORER_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def demo_e32_scorer():
+    from serving import Scorer
+
+    return Scorer("demo-e32", **DEMO_SCORER_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def demo_generator():
+    from serving import Generator
+
+    return Generator("demo", **DEMO_GENERATOR_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def demo_e32_generator():
+    from serving import Generator
+
+    return Generator("demo-e32", **DEMO_GENERATOR_OPTIONS)

@@ -318,9 +318,8 @@ def test_missing_stale_and_mismatched_fits(e32, tmp_path):
                   eldr_fit=_fit_file(tmp_path, cfg, fingerprint, 2, "e32.npz"))
 
 
-def test_bad_domain_field():
-    gen = Generator("demo", max_batch_size=2)
-    [result] = gen.generate([{"prompt": "hi", "domain": 3}])
+def test_bad_domain_field(demo_generator):
+    [result] = demo_generator.generate([{"prompt": "hi", "domain": 3}])
     assert "domain: must be a string" in result.error
 
 

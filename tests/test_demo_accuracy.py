@@ -25,8 +25,8 @@ THRESHOLDS = [("domain_question", 48, 0.9), ("product", 32, 0.8),
 
 
 @pytest.fixture(scope="module")
-def scorer() -> Scorer:
-    return Scorer("demo", dtype="float32", max_batch_tokens=2048)
+def scorer(demo_scorer) -> Scorer:
+    return demo_scorer            # the session's (conftest.py)
 
 
 @pytest.mark.parametrize("task,count,minimum", THRESHOLDS, ids=[t[0] for t in THRESHOLDS])

@@ -119,24 +119,23 @@ def test_unknown_builtin_name_is_a_clear_error():
 
 
 @pytest.fixture(scope="module")
-def scorer() -> Scorer:
-    return Scorer("demo-e32", dtype="float32", max_batch_tokens=2048)
+def scorer(demo_e32_scorer) -> Scorer:
+    return demo_e32_scorer        # the session's (conftest.py)
 
 
 def test_scorer_names_the_builtin_model(scorer):
     assert scorer.model_name == "demo-e32" and scorer.info["demo"] is True
 
 
-def test_cli_and_generator_load_it_by_name(capsys):
-    from serving import Generator
+def test_cli_and_generator_load_it_by_name(capsys, demo_e32_generator):
     from serving.cli import main
 
     assert main(["info", "--model", "demo-e32", "--dtype", "float32"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model_name"] == "demo-e32" and info["params"] == demo.demo_config(
         "demo-e32").num_params()
-    gen = Generator("demo-e32", dtype="float32", max_batch_size=2)
-    (result,) = gen.generate([{"prompt": "#include <stdio.h>\n", "max_new_tokens": 5,
+    assert demo_e32_generator.config == demo.demo_config("demo-e32")   # built by that name
+    (result,) = demo_e32_generator.generate([{"prompt": "#include <stdio.h>\n", "max_new_tokens": 5,
                                "stop_token_ids": []}])
     assert result.error is None and len(result.token_ids) == 5
 

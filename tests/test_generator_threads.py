@@ -28,8 +28,8 @@ def _requests(thread: int, call: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def generator() -> Generator:
-    return Generator("demo")
+def generator(demo_generator) -> Generator:
+    return demo_generator         # the session's (conftest.py)
 
 
 def _alone(generator: Generator) -> dict[str, tuple[list[int], str]]:

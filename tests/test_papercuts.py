@@ -42,8 +42,8 @@ def test_compile_log_names_every_shape_field(caplog, share_prompts):
 
 # ----------------------------------------------------------------------------- boundaries
 @pytest.fixture(scope="module")
-def scorer() -> Scorer:
-    return Scorer("demo")
+def scorer(demo_scorer) -> Scorer:
+    return demo_scorer            # the session's (conftest.py)
 
 
 @pytest.mark.parametrize("prompt", ["Answer:", "Answer: ", "Is 3 + 4 = 7? Answer: ", "x = 1"])
