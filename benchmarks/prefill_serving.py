@@ -92,7 +92,8 @@ from benchmarks.lib import cli
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import median, timed_call
 from moejax.config import ModelConfig
-from serving.prefix_cache import PrefixCache, plan_run
+from moejax.kv import BlockAllocator
+from serving.prefix_cache import plan_run
 from serving.prefix_hash import BLOCK_SIZE
 
 HOST_DEVICES = 8        # at least: the engines run on forced CPU host devices
@@ -161,14 +162,15 @@ def no_reuse_flops(cfg: ModelConfig, ops: Sequence[Any]) -> int:
     return sum(op.flops(cfg) for op in ops)
 
 
-def _plan(ops: Sequence[Any], cache: PrefixCache):
+def _plan(ops: Sequence[Any], cache: BlockAllocator):
     """``serving.prefix_cache.plan_run`` over ``ops`` (one score call on one engine)."""
     return plan_run(ops, cache)
 
 
-def _roomy_cache(ops: Sequence[Any], block_size: int = BLOCK_SIZE) -> PrefixCache:
+def _roomy_cache(ops: Sequence[Any], block_size: int = BLOCK_SIZE) -> BlockAllocator:
     """A cache that never runs out of blocks for ``ops``."""
-    return PrefixCache(sum(len(op.token_ids) // block_size + 2 for op in ops) + 1, block_size)
+    return BlockAllocator(sum(len(op.token_ids) // block_size + 2 for op in ops) + 1,
+                          block_size)
 
 
 def plan_floor_flops(cfg: ModelConfig, ops: Sequence[Any],
@@ -197,9 +199,9 @@ def pool_blocks_needed(ops: Sequence[Any], calls: Sequence[Sequence[int]], keep:
         if not keep:
             cache = _roomy_cache(ops, block_size)
         plan = _plan([ops[i] for i in indices], cache)
-        need = max(need, cache.blocks_in_use)
+        need = max(need, cache.num_in_use + cache.num_cached)   # every block not free
         for block, digest in plan.to_commit:
-            cache.commit(block, digest)
+            cache.name(block, digest)
         cache.release(plan.pinned)
     return need
 

@@ -59,11 +59,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from moejax import prefix_hash, sampling
-from moejax.decode.blocks import BlockManager
 from moejax.decode.paged import SUM_BLOCK_COUNTS, PagedKV
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.generate import SequenceOutput, SequenceSpec, expert_counts
+from moejax.kv import BlockAllocator
 from moejax.kv_cache import bucket, bucket_sizes
 from serving.prefix_share import ScorerPrefixSource, copy_blocks
 
@@ -184,7 +184,7 @@ class Scheduler:
         self.runner = runner
         self.options = options
         self.ranks = runner.num_ranks
-        self.managers = [BlockManager(num_blocks) for _ in range(self.ranks)]
+        self.managers = [BlockAllocator(num_blocks, BLOCK) for _ in range(self.ranks)]
         self.kv: PagedKV = runner.make_kv(num_blocks, expert_counts=options.expert_counts)
         self.num_blocks = num_blocks
         self.per_rank = max(1, -(-options.max_batch_size // self.ranks))
@@ -385,7 +385,7 @@ class Scheduler:
             seq.hashes = prefix_hash.block_hashes(np.asarray(tokens[:reusable * BLOCK]))
             # A traced request computes every token: a prefix hit would skip the routing
             # of the tokens it covers, and the trace must hold all of them.
-            hits = [] if self.options.trace else manager.cached_prefix(seq.hashes)
+            hits = [] if self.options.trace else manager.lookup(seq.hashes)
             manager.acquire(hits)
             seq.blocks = list(hits)
             self.stats["prefix_hit_tokens"] += len(hits) * BLOCK
@@ -395,7 +395,7 @@ class Scheduler:
             seq.computed = len(seq.blocks) * BLOCK
             self.running.append(seq)
 
-    def _copy_shared_prefix(self, seq: SequenceState, manager: BlockManager) -> None:
+    def _copy_shared_prefix(self, seq: SequenceState, manager: BlockAllocator) -> None:
         """Extend ``seq``'s cached blocks with those the prefix source holds (copied into
         blocks of this pool, named: cached here from now on)."""
         missing = seq.hashes[len(seq.blocks):]

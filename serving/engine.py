@@ -22,8 +22,9 @@ from moejax import model as model_lib
 from moejax.backends.base import Backend, padded_step, plan_steps
 from moejax.config import ModelConfig
 from moejax.ops import PrefillOp
+from moejax.kv import BlockAllocator
 from moejax.packing import BucketPolicy, HostBatch, pack, unpack
-from serving.prefix_cache import PrefixCache, plan_run
+from serving.prefix_cache import plan_run
 
 log = logging.getLogger("moejax.engine")
 
@@ -84,13 +85,13 @@ class Engine:
         self.stats = EngineStats()
         self.kv_cache_free = kv_cache_free
         self.last_cache_events: tuple[list[bytes], list[bytes]] = ([], [])
-        self.prefix_cache: PrefixCache | None = None
+        self.prefix_cache: BlockAllocator | None = None
         # Held while the cache or its pool changes (a run, a reset): another thread
         # (generation reading cached prompt blocks, serving.prefix_share) must not look
         # blocks up or read the pool meanwhile (blocks get evicted, the pool is donated).
         self.prefix_lock = threading.RLock()
         if prefix_cache_blocks:
-            self.prefix_cache = PrefixCache(prefix_cache_blocks)
+            self.prefix_cache = BlockAllocator(prefix_cache_blocks, record_events=True)
             # The backend places the pool (BackendError where it cannot hold one).
             self.prefix_pool = backend.make_prefix_pool(prefix_cache_blocks,
                                                         self.prefix_cache.block_size)
@@ -137,8 +138,9 @@ class Engine:
         """Forget every cached prefix (the pool's contents become unreachable)."""
         with self.prefix_lock:
             if self.prefix_cache is not None:
-                self.prefix_cache = PrefixCache(self.prefix_cache.num_blocks,
-                                                self.prefix_cache.block_size)
+                self.prefix_cache = BlockAllocator(self.prefix_cache.num_blocks,
+                                                   self.prefix_cache.block_size,
+                                                   record_events=True)
 
     def run(self, ops: Sequence[PrefillOp],
             on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
@@ -176,7 +178,7 @@ class Engine:
                 outputs.update(self._run_batches(pack(level, self.policy, self.options, slots),
                                                  None))
             for block, digest in plan.to_commit:     # written: later runs may find them
-                cache.commit(block, digest)
+                cache.name(block, digest)
         finally:
             cache.release(plan.pinned)
         # The cache's stored/evicted hashes of this run only (a router reads them; without

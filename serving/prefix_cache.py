@@ -1,12 +1,11 @@
-"""The engine's paged prefix KV cache: block bookkeeping and the plan of a scoring run.
+"""The plan of a scoring run over an engine's paged prefix KV cache.
 
 The device side is a pool of ``num_blocks`` blocks of ``block_size`` token slots per
-layer (``moejax.attention_kinds.PrefixPooled``); this module decides what lives where.
-
-:class:`PrefixCache` maps chained block hashes (``moejax.prefix_hash``; each op's own
-``block_hashes``) to pool blocks, counts references (blocks a running plan reads or writes
-are pinned), keeps unreferenced blocks in LRU order and evicts the oldest when it needs
-room, and records ``stored`` / ``evicted`` hashes for the router.
+layer (``moejax.attention_kinds.PrefixPooled``); its blocks are kept by a
+:class:`moejax.kv.BlockAllocator` (chained block hashes, ``moejax.prefix_hash``, each op's
+own ``block_hashes``, to pool blocks; references pin the blocks a running plan reads or
+writes; unreferenced named blocks are evicted oldest first; ``stored`` / ``evicted``
+hashes are recorded for the router). This module decides what lives where.
 
 :func:`plan_run` decides, per sequence of a run, which leading tokens it reads from the
 pool instead of computing:
@@ -32,13 +31,13 @@ With ``kv_cache_free`` nothing is looked up or kept; in-run sharing still applie
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from moejax.config import ModelConfig
+from moejax.kv import BlockAllocator
 from moejax.ops import PrefillOp
 from moejax.prefix_hash import BLOCK_SIZE
 
@@ -64,110 +63,6 @@ def sharing_flops(ops: Sequence[PrefillOp], cfg: ModelConfig,
                                                  block_size)
         out.append(op.flops(cfg, cached=shared))
     return out
-
-
-class PrefixCache:
-    """Block table of one engine's prefix pool (host side)."""
-
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"a prefix cache needs at least one block, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._block_of: dict[bytes, int] = {}
-        self._hash_of: dict[int, bytes] = {}
-        self._refs = [0] * num_blocks
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self.stored: list[bytes] = []       # drained by the caller (router events)
-        self.evicted: list[bytes] = []
-        self.hits = self.lookups = self.evictions = 0
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def resident(self) -> int:
-        return len(self._block_of)
-
-    @property
-    def blocks_in_use(self) -> int:
-        """Blocks pinned or holding a named prefix (not free)."""
-        return self.num_blocks - len(self._free)
-
-    def slots(self, blocks: Sequence[int]) -> np.ndarray:
-        """Pool token slots of ``blocks``, in order."""
-        offsets = np.arange(self.block_size, dtype=np.int32)
-        return (np.asarray(blocks, np.int32)[:, None] * self.block_size + offsets).reshape(-1)
-
-    def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """Blocks of the longest cached run of ``hashes`` (chained: stop at the first miss),
-        pinned for the caller (release them after use)."""
-        blocks = []
-        for h in hashes:
-            block = self._block_of.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        self.lookups += len(hashes)
-        self.hits += len(blocks)
-        for block in blocks:
-            self._pin(block)
-        return blocks
-
-    def allocate(self, count: int) -> list[int] | None:
-        """``count`` pinned blocks (free ones first, then evicting the least recently used
-        unreferenced ones), or None — and nothing taken — if that many cannot be had."""
-        if count > len(self._free) + len(self._lru):
-            return None
-        out = []
-        for _ in range(count):
-            if self._free:
-                block = self._free.pop()
-            else:
-                block, _ = self._lru.popitem(last=False)
-                h = self._hash_of.pop(block)
-                del self._block_of[h]
-                self.evicted.append(h)
-                self.evictions += 1
-            self._refs[block] = 1
-            out.append(block)
-        return out
-
-    def commit(self, block: int, h: bytes) -> bool:
-        """Name a written block by its hash, so later runs can find it. False (and the block
-        stays anonymous, freed on release) if another block already holds that hash."""
-        if h in self._block_of:
-            return False
-        self._block_of[h] = block
-        self._hash_of[block] = h
-        self.stored.append(h)
-        return True
-
-    def release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each block; unreferenced named blocks become evictable
-        (most recently used last), anonymous ones free."""
-        for block in blocks:
-            self._refs[block] -= 1
-            if self._refs[block] < 0:
-                raise RuntimeError(f"prefix block {block} released more often than taken")
-            if self._refs[block] == 0:
-                if block in self._hash_of:
-                    self._lru[block] = None
-                else:
-                    self._free.append(block)
-
-    def _pin(self, block: int) -> None:
-        if self._refs[block] == 0:
-            self._lru.pop(block, None)
-        self._refs[block] += 1
-
-    def drain_events(self) -> tuple[list[bytes], list[bytes]]:
-        """(stored, evicted) hashes since the last call."""
-        stored, evicted = self.stored, self.evicted
-        self.stored, self.evicted = [], []
-        return stored, evicted
 
 
 @dataclasses.dataclass
@@ -215,7 +110,7 @@ def sharing_order(sequences: Sequence[PrefillOp]) -> list[int]:
                   key=lambda i: np.asarray(sequences[i].token_ids, ">i4").tobytes())
 
 
-def plan_run(sequences: Sequence[PrefillOp], cache: PrefixCache,
+def plan_run(sequences: Sequence[PrefillOp], cache: BlockAllocator,
              kv_cache_free: bool = False) -> PrefixPlan:
     """Plan a scoring run over the prefix cache (see the module docstring).
 
@@ -245,7 +140,7 @@ def plan_run(sequences: Sequence[PrefillOp], cache: PrefixCache,
     return plan
 
 
-def _plan_sequence(plan: PrefixPlan, cache: PrefixCache, seq: PrefillOp, tokens: np.ndarray,
+def _plan_sequence(plan: PrefixPlan, cache: BlockAllocator, seq: PrefillOp, tokens: np.ndarray,
                    previous: _Reach | None, readable: int, wanted: int,
                    naming: set[bytes], kv_cache_free: bool
                    ) -> tuple[tuple[PrefillOp, int], _Reach]:
@@ -276,8 +171,10 @@ def _plan_sequence(plan: PrefixPlan, cache: PrefixCache, seq: PrefillOp, tokens:
     store_slots = None
     if end > start:
         first_block, last_block = start // bs, (end - 1) // bs
-        blocks = cache.allocate(last_block - first_block + 1)
-        if blocks is not None:                     # no room: nothing stored, nothing shared
+        count = last_block - first_block + 1
+        # No room: nothing stored, nothing shared.
+        blocks = cache.allocate(count) if count <= cache.num_available else None
+        if blocks is not None:
             plan.pinned += blocks
             offsets = np.arange(start, end)
             stored = (np.asarray(blocks, np.int32)[offsets // bs - first_block] * bs

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from moejax.decode.paged import WRITE_ROWS, PagedKV
+from moejax.kv import block_slots
 from moejax.kv_cache import bucket
 from moejax.prefix_hash import BLOCK_SIZE
 
@@ -38,16 +39,6 @@ def _gather_slots(keys: jax.Array, values: jax.Array, slots: jax.Array
 GATHER_SLOTS = jax.jit(_gather_slots)
 
 
-def block_slots(blocks: Sequence[int], count: int, pad_slot: int) -> np.ndarray:
-    """Token slots of ``blocks`` (16 each, in order), padded with ``pad_slot`` to
-    ``count`` blocks' worth."""
-    slots = np.full(count * BLOCK_SIZE, pad_slot, np.int32)
-    offsets = np.arange(BLOCK_SIZE, dtype=np.int32)
-    slots[:len(blocks) * BLOCK_SIZE] = (np.asarray(blocks, np.int32)[:, None] * BLOCK_SIZE
-                                        + offsets).reshape(-1)
-    return slots
-
-
 def copy_blocks(source: Any, source_blocks: Sequence[int], kv: PagedKV,
                 dest_blocks: Sequence[int], device: Any) -> PagedKV:
     """``kv`` (consumed) with blocks ``dest_blocks`` holding the keys/values of
@@ -55,8 +46,8 @@ def copy_blocks(source: Any, source_blocks: Sequence[int], kv: PagedKV,
     Block counts are padded to a power of two (few compiled shapes): padding reads
     block 0 and writes nowhere. Returns once the source has been read."""
     count = bucket(len(source_blocks), 1)
-    read = block_slots(source_blocks, count, 0)
-    write = block_slots(dest_blocks, count, kv.num_slots)    # slot S: dropped
+    read = block_slots(source_blocks, BLOCK_SIZE, count, pad_slot=0)
+    write = block_slots(dest_blocks, BLOCK_SIZE, count, pad_slot=kv.num_slots)  # S: dropped
     keys, values = GATHER_SLOTS(source.keys, source.values, read)
     jax.block_until_ready((keys, values))    # the source may be donated once we return
     keys, values = jax.device_put((keys, values), device)

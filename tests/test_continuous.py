@@ -15,11 +15,9 @@ import numpy as np
 import pytest
 
 from moejax import checkpoint
-from moejax.decode.blocks import BlockManager, OutOfBlocks
 from moejax.decode.programs import StepOptions, compiled_program_counts
 from moejax.decode.runners import make_runner
 from moejax.generate import DecodeEngine, SequenceSpec
-from moejax.prefix_hash import block_hashes
 from serving import Generator
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions, SequenceTooLong
@@ -262,28 +260,6 @@ def test_a_sequence_longer_than_the_pool_is_refused(demo):
     scheduler = _scheduler(runner, blocks=4)
     with pytest.raises(SequenceTooLong, match="needs 5 KV blocks"):
         scheduler.submit(SequenceSpec(prompt=specs[3].prompt, max_new_tokens=9))
-
-
-# ----------------------------------------------------------------------------- blocks
-def test_block_manager_states():
-    blocks = BlockManager(3)
-    a = blocks.allocate(2)
-    assert blocks.num_in_use == 2 and blocks.num_available == 1
-    digest = block_hashes(list(range(16)))[0]
-    blocks.name(a[0], digest)
-    blocks.release(a)
-    assert blocks.num_cached == 1 and blocks.num_available == 3
-    assert blocks.cached_prefix([digest, b"x" * 16]) == [a[0]]
-    blocks.acquire([a[0]])                       # reused: back in use, not evictable
-    assert blocks.num_cached == 0 and blocks.refs[a[0]] == 1
-    blocks.release([a[0]])
-    fresh = blocks.allocate(3)                   # free ones first, then the cached one
-    assert fresh[-1] == a[0] and blocks.cached_prefix([digest]) == []
-    with pytest.raises(OutOfBlocks, match="asked for 1"):
-        blocks.allocate(1)
-    blocks.release(fresh)
-    with pytest.raises(ValueError, match="released more often"):
-        blocks.release([fresh[0]])
 
 
 # ----------------------------------------------------------------------------- Generator

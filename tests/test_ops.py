@@ -19,7 +19,8 @@ from moejax.packing import BucketPolicy
 from serving import requests as requests_lib
 from serving.dispatch import EnginePool
 from serving.engine import Engine
-from serving.prefix_cache import PrefixCache, plan_run
+from moejax.kv import BlockAllocator
+from serving.prefix_cache import plan_run
 from serving.router import PrefixAwareRouter
 
 PROMPT = list(range(2, 42))                        # 40 tokens: 2 whole blocks + 8
@@ -138,14 +139,14 @@ def test_router_and_prefix_cache_read_the_records_hashes(hash_calls):
                 for h in op.block_hashes()[:op.prefix_len // 16]}
     assert router.pending_blocks(engine) == promised
     # That engine's cache plans with the same digests (the very same objects), no rehash.
-    cache = PrefixCache(64)
+    cache = BlockAllocator(64, record_events=True)        # as an engine's
     plan = plan_run([op for op, g in zip(ops, report.engines) if g == engine], cache)
     assert len(hash_calls) == len(ops)
     named = [digest for _, digest in plan.to_commit]
     first = ops[0].block_hashes()
     assert named[:2] == list(first) and all(a is b for a, b in zip(named, first))
     for block, digest in plan.to_commit:
-        cache.commit(block, digest)
+        cache.name(block, digest)
     cache.release(plan.pinned)
     stored, _ = cache.drain_events()              # what the engine reports to the router
     assert stored == list(first) and set(stored) <= promised

@@ -12,39 +12,14 @@ from moejax.backends import BackendError, make_backend
 from moejax.ops import PrefillOp
 from moejax.packing import BucketPolicy
 from serving.engine import Engine
-from serving.prefix_cache import PrefixCache, blocks_for_budget, plan_run
+from moejax.kv import BlockAllocator
+from serving.prefix_cache import blocks_for_budget, plan_run
 from serving.prefix_hash import block_hashes
 
 TOL = 1e-5
 
 
 # ------------------------------------------------------------------ bookkeeping
-def test_match_allocate_commit_release_and_lru_eviction():
-    cache = PrefixCache(num_blocks=3)
-    hashes = block_hashes(np.arange(48), 16)
-    assert cache.match(hashes) == []
-    blocks = cache.allocate(3)
-    assert sorted(blocks) == [0, 1, 2] and cache.allocate(1) is None   # all pinned
-    for block, h in zip(blocks, hashes):
-        assert cache.commit(block, h)
-    assert not cache.commit(blocks[0], hashes[0])                      # name already taken
-    cache.release(blocks)
-    assert cache.match(hashes) == blocks and cache.hits == 3
-    cache.release(blocks)
-    # Touch order: the run above released blocks in order, so block 0 is the oldest.
-    other = block_hashes(np.arange(100, 116), 16)
-    (new,) = cache.allocate(1)
-    assert new == blocks[0] and cache.evicted == [hashes[0]]
-    cache.commit(new, other[0])
-    assert cache.match(hashes) == []           # the chain starts with the evicted block
-    stored, evicted = cache.drain_events()
-    assert stored == hashes + [other[0]] and evicted == [hashes[0]]
-    with pytest.raises(RuntimeError, match="released more often"):
-        cache.release([blocks[1]])
-    with pytest.raises(ValueError, match="at least one block"):
-        PrefixCache(0)
-
-
 def test_blocks_for_budget():
     per_block = 2 * CFG.num_layers * 16 * CFG.num_kv_heads * CFG.head_dim * 4
     assert blocks_for_budget(CFG, 10 * per_block + 5, 4) == 10
@@ -115,7 +90,7 @@ def test_scores_equal_with_cache_on_off_and_kv_cache_free(setup):
                        for s in seqs if s.full_vocab)
     assert cached.stats.prefix_tokens_cached > 0 and cached.prefix_cache.hits > 0
     # KV-cache-free: nothing kept, nothing looked up; in-run sharing still happened.
-    assert free.prefix_cache.resident == 0 and free.prefix_cache.lookups == 0
+    assert free.prefix_cache.num_named == 0 and free.prefix_cache.lookups == 0
     assert free.stats.prefix_tokens_shared > 0
 
 
@@ -127,7 +102,7 @@ def test_small_cache_evicts_and_stays_exact(setup):
         seqs = sequences(seed)
         assert_equal(tiny.run(seqs), plain.run(seqs))
     assert tiny.prefix_cache.evictions > 0
-    assert tiny.prefix_cache.resident <= 4
+    assert tiny.prefix_cache.num_named <= 4
 
 
 def planned_tokens(plan) -> int:
@@ -145,7 +120,7 @@ def test_shared_tokens_run_once_across_prompts_and_mid_block():
         tokens = np.concatenate([system, rng.integers(2, CFG.vocab_size, 10 + i)]).astype(np.int32)
         seqs.append(PrefillOp(key=i, token_ids=tokens, score_positions=(len(tokens) - 1,),
                               score_token_ids=((1, 2),)))
-    cache = PrefixCache(32)
+    cache = BlockAllocator(32)
     plan = plan_run(seqs, cache)
     assert [len(level) for level in plan.levels] == [1, 3]
     (first,) = plan.levels[0]
@@ -178,7 +153,7 @@ def brute_force_computed(seqs) -> int:
 
 def test_plan_reads_each_shared_token_from_where_it_was_stored():
     seqs = sequences(7)
-    cache = PrefixCache(64)
+    cache = BlockAllocator(64)
     plan = plan_run(seqs, cache)
     assert planned_tokens(plan) == brute_force_computed(seqs)
     by_key = {s.key: s for s in seqs}
@@ -265,7 +240,7 @@ def test_a_few_shared_tokens_are_not_worth_a_level():
     seqs = [PrefillOp(key=i, token_ids=np.concatenate(
                 [opening, rng.integers(2, CFG.vocab_size, 30)]).astype(np.int32),
                 score_positions=(34,), score_token_ids=((1,),)) for i in range(3)]
-    cache = PrefixCache(32)
+    cache = BlockAllocator(32)
     plan = plan_run(seqs, cache)
     assert len(plan.levels) == 1 and planned_tokens(plan) == 3 * 35 and plan.shared_tokens == 0
     cache.release(plan.pinned)

@@ -38,7 +38,7 @@ def _pool_blocks(generator, tokens):
     """Keys and values [L, 32, n_kv, h] of the cached blocks holding ``tokens``' first
     two blocks in ``generator``'s pool."""
     scheduler = generator.scheduler
-    blocks = scheduler.managers[0].cached_prefix(block_hashes(np.asarray(tokens[:32])))
+    blocks = scheduler.managers[0].lookup(block_hashes(np.asarray(tokens[:32])))
     assert len(blocks) == 2
     slots = (np.asarray(blocks)[:, None] * 16 + np.arange(16)).reshape(-1)
     return np.asarray(scheduler.kv.keys)[:, slots], np.asarray(scheduler.kv.values)[:, slots]
@@ -58,7 +58,8 @@ def test_a_scored_prompt_is_copied_not_prefilled(pair):
     # The copies are the generator's own cached blocks now: no second copy.
     shared.generate([_request(system + [11])])
     assert shared.scheduler.stats["shared_prefix_tokens"] == 32
-    assert scorer.engine.prefix_cache.blocks_in_use == 2      # nothing left pinned there
+    cache = scorer.engine.prefix_cache
+    assert cache.num_cached == 2 and cache.num_in_use == 0    # nothing left pinned there
 
 
 def test_an_engine_busy_scoring_is_skipped(pair):

@@ -173,15 +173,15 @@ def test_a_failed_prefix_pool_step_fails_its_run_and_the_cache_starts_afresh(par
     prompt = np.random.default_rng(5).integers(2, CFG.vocab_size, 34).astype(np.int32)
     ops = make_ops(prompt=prompt)
     want = engine.run(ops)                             # stores the prompt's blocks
-    assert engine.prefix_cache.resident > 0
+    assert engine.prefix_cache.num_named > 0
     with monkeypatch.context() as patch:
         patch.setattr(backend, "_program", failing_program(backend, "layer", 2))
         with pytest.raises(Injected):
             engine.run(ops)
     # The pool went into the failed step: a fresh one, and no cached block points into it.
-    assert engine.prefix_cache.resident == 0
+    assert engine.prefix_cache.num_named == 0
     assert_same(engine.run(ops), want, [op.key for op in ops])
-    assert engine.prefix_cache.resident > 0
+    assert engine.prefix_cache.num_named > 0
 
 
 def test_combine_results_turns_failed_ops_into_errors_naming_the_request():

@@ -4,7 +4,7 @@ The cache is one pool of token slots per layer, ``keys``/``values`` [L, S, n_kv,
 S = blocks × :data:`BLOCK_SIZE` (16, the prefix cache's block and hash-chain size). A
 sequence owns a *block table*: its token at position p lives in slot
 ``table[p // 16] * 16 + p % 16``. The host owns the tables and the free list
-(:mod:`moejax.decode.blocks`); the device only reads and writes slots.
+(:class:`moejax.kv.BlockAllocator`); the device only reads and writes slots.
 
 A step runs B rows of C tokens each (C = 1 for decode, a fixed row width for prefill;
 a long prompt chunk spans several consecutive rows of one *segment*). A row's tokens
