@@ -189,14 +189,6 @@ class DeviceEngine:
         """Whether this device is an attention rank (holds requests)."""
         return ATTENTION_UNIT in self._column
 
-    def column_of(self, unit: int) -> int:
-        """The Q column of ``unit``; ValueError if this device does not host it."""
-        try:
-            return self._column[unit]
-        except KeyError:
-            raise ValueError(f"device {self.device} does not host unit {unit}; its units "
-                             f"are {self.units}") from None
-
     # ------------------------------------------------------------------ inputs
     def _check_rank(self, record: TokenRecord) -> None:
         if record.rank != self.device or not self.hosts_attention:

@@ -579,13 +579,6 @@ class SyncEPBackend(MeshBackend):
                     "is not). This step needed capacity_factor >= %.3g.",
                     self.capacity_factor, needed)
 
-    def dispatch_buffer_bytes(self, batch: PackedBatch) -> int:
-        """Bytes per device of one layer's dispatch buffers for ``batch``'s shape at the
-        configured capacity: send and receive buffers [G, C, d], for rows and results."""
-        capacity = capacity_rows(self.rows_per_device(batch), self.capacity_factor,
-                                 self.num_ranks)
-        return 4 * self.num_ranks * capacity * self.cfg.hidden_size * self.dtype.itemsize
-
     def memory_report(self) -> MemoryReport:
         return self._memory
 
