@@ -259,7 +259,7 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
     from moejax.asyncmoe import simulator
     from moejax.asyncmoe.runtime import MuQueueRuntime
     from moejax.decode.programs import StepOptions
-    from moejax.decode.runners import make_runner
+    from moejax.decode.factory import make_runner
     from moejax.generate import SequenceSpec
     from serving.continuous import Scheduler, SchedulerOptions
 

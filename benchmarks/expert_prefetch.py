@@ -118,7 +118,7 @@ class Decoding:
 
     def runner(self, prefetch: str, mode: str) -> Any:
         from moejax.decode.programs import StepOptions
-        from moejax.decode.runners import make_runner
+        from moejax.decode.factory import make_runner
 
         key = (prefetch, mode)
         if key not in self.runners:
@@ -233,7 +233,7 @@ def resident_tokens(dec: Decoding, prompts: list[list[int]], answer_tokens: int,
                     new_tokens: int, num_items: int) -> tuple[list[list[int]], list[list[int]]]:
     """Resident (experts on the device) greedy tokens: the reference of exact mode."""
     from moejax.decode.programs import StepOptions
-    from moejax.decode.runners import make_runner
+    from moejax.decode.factory import make_runner
     from moejax.generate import SequenceSpec
     from serving.continuous import Scheduler, SchedulerOptions
 

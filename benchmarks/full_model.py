@@ -62,10 +62,9 @@ def fmt_bytes(count: int) -> str:
 
 def weight_bytes(cfg: Any, dtype: Any) -> int:
     """Bytes of every parameter of ``cfg`` in ``dtype`` (from the parameter shapes)."""
-    from moejax.param_layout import param_shapes, tree_items
+    from moejax.param_layout import num_params
 
-    itemsize = np.dtype(dtype).itemsize
-    return int(sum(math.prod(shape) * itemsize for _, shape in tree_items(param_shapes(cfg))))
+    return num_params(cfg) * np.dtype(dtype).itemsize
 
 
 def expert_weight_bytes(cfg: Any, dtype: Any) -> int:
@@ -136,7 +135,7 @@ def plan_resident(cfg: Any, dtype: str, candidates: Sequence[int], min_tokens: i
     """The largest candidate batch (>= min_tokens) at which the resident model fits,
     else an offload plan at the smallest candidate; every step printed as arithmetic."""
     weights = weight_bytes(cfg, dtype)
-    lines = [f"weights: {fmt_bytes(weights)} ({cfg.num_params() / 1e9:.3g} B params x "
+    lines = [f"weights: {fmt_bytes(weights)} ({weights // np.dtype(dtype).itemsize / 1e9:.3g} B params x "
              f"{np.dtype(dtype).itemsize} B), experts {fmt_bytes(expert_weight_bytes(cfg, dtype))}"
              f"; device capacity {fmt_bytes(capacity)}"]
     if fits(weights, 0, capacity):

@@ -126,7 +126,8 @@ class Process:
 
 def demo_shape() -> tuple[int, int]:
     """(vocab size, context) of the demo model (the workloads' token ids fit them)."""
-    from moejax.checkpoint import load_model_config, resolve_model_dir
+    from moejax.checkpoint import load_model_config
+    from moejax.model_dirs import resolve_model_dir
 
     cfg = load_model_config(resolve_model_dir("demo")[0])
     return cfg.vocab_size, cfg.max_context

@@ -449,24 +449,6 @@ def restore_params(out_dir: str | os.PathLike, dtype: str | np.dtype | None = No
 
 
 # =========================================================================== model dirs
-def resolve_model_dir(model: str | os.PathLike) -> tuple[str, bool]:
-    """A built-in model's name (``"demo"``, ``"demo-e32"``, ``"demo-e32-init"``: created
-    in the cache on first use) -> its directory; else a local directory.
-
-    Returns (path, is_demo). A built-in name wins over a local directory of that name
-    (write ``./demo`` for the directory)."""
-    from moejax import demo
-
-    path = os.fspath(model)
-    if path in demo.MODELS:
-        return demo.ensure_demo_model(name=path), True
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist (give a local Hugging "
-                                f"Face model directory, a converted moejax directory, or a "
-                                f"built-in model: {', '.join(sorted(demo.MODELS))})")
-    return path, False
-
-
 def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     """``load_config`` of a model directory, with the file named when it cannot be read:
     ``json``'s own message ("Expecting value: line 2 column 1") names only a position.
@@ -519,12 +501,13 @@ def convert_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                        dtype: str | np.dtype = "bfloat16", *, overwrite: bool = False) -> str:
     """Convert a HF model directory once into ``out_dir`` (config.json, tokenizer.json, params/).
 
-    ``model_dir`` may name a built-in model (``demo``, ``demo-e32``, ...) as every other
-    command's ``--model`` does (:func:`resolve_model_dir`). The output is built in a
-    temporary sibling directory and renamed into place, so an interrupted conversion never
-    leaves a directory that :func:`is_converted_dir` accepts. Returns the absolute ``out_dir``.
+    ``model_dir`` is a directory (resolve a built-in model's name first with
+    :func:`moejax.model_dirs.resolve_model_dir`, as ``moejax convert`` does). The output is
+    built in a temporary sibling directory and renamed into place, so an interrupted
+    conversion never leaves a directory that :func:`is_converted_dir` accepts. Returns the
+    absolute ``out_dir``.
     """
-    model_dir, _ = resolve_model_dir(model_dir)
+    model_dir = os.fspath(model_dir)
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")

@@ -313,18 +313,6 @@ class ModelConfig:
         """Bytes of one layer's routed experts (gate, up, down for all E experts)."""
         return 3 * self.num_experts * self.hidden_size * self.moe_intermediate_size * bytes_per_param
 
-    def num_params(self) -> int:
-        """Parameters of the params pytree (``moejax.param_layout.param_shapes``)."""
-        from moejax.param_layout import param_shapes, tree_items
-
-        total = 0
-        for _, shape in tree_items(param_shapes(self)):
-            count = 1
-            for n in shape:
-                count *= n
-            total += count
-        return total
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -28,6 +28,7 @@ No JAX import here, so the checkpoint reader stays cheap to import.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
@@ -95,6 +96,11 @@ def param_shapes(cfg: ModelConfig) -> Params:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, V)
     return shapes
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Parameters of ``cfg``'s params pytree (every leaf of :func:`param_shapes`)."""
+    return sum(math.prod(shape) for _, shape in tree_items(param_shapes(cfg)))
 
 
 def tree_items(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from moejax import checkpoint, distributed
 from moejax.distributed import DistributedOptions, join as distributed_join
-from moejax.checkpoint import resolve_model_dir  # noqa: F401  (serving's import path for it)
+from moejax.model_dirs import resolve_model_dir  # noqa: F401  (serving's import path for it)
 from moejax.backends import backend_class, make_backend
 from moejax.backends.base import require_devices
 from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,

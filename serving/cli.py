@@ -35,8 +35,9 @@ stops quietly.
 
 As an entry point, :func:`main` sets what a library leaves to its user: the XLA flags
 (``moejax.configure_xla``, before JAX starts) and JAX's persistent compilation cache
-(``"auto"`` unless configs/scoring.yaml or the deployment names one). The helpers shared
-with ``serving.generate_cli`` and ``serving.grpc.cli`` are the public functions here.
+(``"auto"`` unless configs/scoring.yaml or the deployment names one). This module is the
+dispatcher: it registers the subcommands of the other ``*_cli`` modules, which take their
+shared options from :mod:`serving.cli_options` (never from here: no import cycle).
 """
 
 from __future__ import annotations
@@ -51,16 +52,13 @@ from typing import Any, Sequence
 
 from moejax import configure_xla
 from moejax.distributed import JoinError
+from serving.cli_options import add_model_options, positive_int, scorer_options
 from serving.exit_status import BROKEN_PIPE_STATUS, ERRORS_STATUS, FAILED_STATUS
-from serving.distributed_cli import (add_distributed_options, exit_now, host_devices_per_process,
+from serving.distributed_cli import (exit_now, host_devices_per_process,
                                      join as join_processes, quiet_unless_output_process)
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 from serving.multi_process import CollectiveFailure, collective_failure, is_collective_failure
 from serving.score_progress import IncompleteRun
-
-# The commands keep a restarted job's compiled shapes (a library Scorer leaves the
-# process-wide cache alone unless asked).
-COMMAND_COMPILATION_CACHE = "auto"
 
 DESCRIPTION = ("moejax: score and generate with Mixture-of-Experts models in JAX, from JSONL "
                "files, over gRPC, or over several processes. Run 'moejax COMMAND --help' "
@@ -76,99 +74,6 @@ SCORE_EXIT_CODES = """exit codes:
        results are written all the same
   130  Ctrl-C (143 SIGTERM with --target); the results so far are written
   141  standard output closed early (e.g. | head -1)"""
-
-
-# ----------------------------------------------------------------------------- model options
-def positive_int(text: str) -> int:
-    """argparse type: an integer > 0."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _cache_blocks(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of blocks or 'auto', got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    """The model options shared by score, info, serve (and, in part, generate)."""
-    p.add_argument("--model", default="demo",
-                   help="local Hugging Face model directory, converted moejax directory, or a "
-                        "built-in toy model trained here: 'demo' (default), 'demo-e32' "
-                        "(32 experts, eight domains) or its untrained twin 'demo-e32-init'")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default=None,
-                   help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=None,
-                   help="tokens per packed batch (default: configs/scoring.yaml)")
-    p.add_argument("--backend", default=None,
-                   help="execution backend: resident (default), offload, async_ep, hybrid, "
-                        "sync_ep or tp")
-    p.add_argument("--devices", type=positive_int, default=None,
-                   help="devices for the backend (default 1; on CPU, host devices are created)")
-    p.add_argument("--window", type=positive_int, default=None,
-                   help="layers of experts kept on the device (offload, hybrid)")
-    p.add_argument("--deployment", default=None,
-                   help="YAML deployment config (e.g. configs/deployments/async_ep.yaml)")
-    p.add_argument("--theta", type=float, default=None,
-                   help="pin the saturation threshold Θ (FLOPs) instead of calibrating")
-    p.add_argument("--engines", type=positive_int, default=None,
-                   help="data-parallel engines, one per device (resident backend)")
-    p.add_argument("--routing", default=None,
-                   help="request routing over engines: prefix (default), round_robin, "
-                        "least_tokens or random")
-    p.add_argument("--prefix-cache-blocks", default=None, type=_cache_blocks,
-                   help="prefix KV cache size in 16-token blocks (0 = off, 'auto')")
-    p.add_argument("--kv-cache-free", action="store_true", default=None,
-                   help="share prefixes within a chunk only; keep no KV cache after it")
-    p.add_argument("--expert-impl", default=None,
-                   help="expert computation path: auto (default: chosen per platform and "
-                        "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
-    p.add_argument("--share-prompts", choices=["auto", "true", "false"], default=None,
-                   help="compute a request's prompt once for all its candidates (default "
-                        "auto: where the backend holds a prefix pool)")
-    p.add_argument("--max-text-bytes", type=positive_int, default=None,
-                   help="a request's prompt + candidates text, UTF-8 bytes (default: 64 per "
-                        "context token); larger requests get an error result")
-    p.add_argument("--max-token-ids", type=positive_int, default=None,
-                   help="a request's prompt + candidate token ids (default: 16 x the context)")
-    p.add_argument("--max-candidates", type=positive_int, default=None,
-                   help="candidates of one request (default 4096)")
-    add_distributed_options(p)
-
-
-def command_compilation_cache(deployment: str | None) -> str:
-    """The commands' ``compilation_cache``: configs/scoring.yaml's or the deployment's
-    setting when they name one, else :data:`COMMAND_COMPILATION_CACHE`."""
-    from serving.options import load_options
-
-    configured = load_options(deployment=deployment).compilation_cache
-    return COMMAND_COMPILATION_CACHE if configured is None else configured
-
-
-def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Scorer keyword arguments from the model options of ``args`` (score, info, serve)."""
-    options = {"dtype": args.dtype, "max_batch_tokens": args.max_batch_tokens,
-               "expert_impl": args.expert_impl, "backend": args.backend,
-               "devices": args.devices, "theta": args.theta, "deployment": args.deployment,
-               "compilation_cache": command_compilation_cache(args.deployment)}
-    if args.window is not None:
-        options["backend_options"] = {"window": args.window}
-    options.update(engines=args.engines, routing=args.routing, kv_cache_free=args.kv_cache_free,
-                   prefix_cache_blocks=args.prefix_cache_blocks,
-                   share_prompts={"true": True, "false": False}.get(args.share_prompts,
-                                                                    args.share_prompts),
-                   max_text_bytes=args.max_text_bytes, max_token_ids=args.max_token_ids,
-                   max_candidates=args.max_candidates)
-    return options
 
 
 # ----------------------------------------------------------------------------- commands
@@ -258,10 +163,13 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """Run ``convert``: a HF checkpoint to orbax params."""
+    """Run ``convert``: a HF checkpoint (a directory, or a built-in model's name) to orbax
+    params."""
     from moejax import checkpoint
+    from moejax.model_dirs import resolve_model_dir
 
-    out = checkpoint.convert_checkpoint(args.model_dir, args.out_dir, dtype=args.dtype,
+    model_dir, _ = resolve_model_dir(args.model_dir)
+    out = checkpoint.convert_checkpoint(model_dir, args.out_dir, dtype=args.dtype,
                                         overwrite=args.overwrite)
     print(f"converted {args.model_dir} -> {out} ({args.dtype})", file=sys.stderr)
     return 0
@@ -269,13 +177,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """Run ``info``: print what is served, as JSON."""
+    from moejax.param_layout import num_params
     from serving import Scorer
 
     scorer = Scorer(args.model, **scorer_options(args))
     info = dict(scorer.info)
     cfg = scorer.config
     heads, key_dim, value_dim = cfg.kv_store_dims
-    info.update(params=cfg.num_params(), linear_flops_per_token=cfg.linear_flops_per_token,
+    info.update(params=num_params(cfg), linear_flops_per_token=cfg.linear_flops_per_token,
                 token_buckets=scorer.engine.policy.token_buckets(cfg.max_context),
                 model_type=cfg.model_type,
                 kv_cache={"per_token_per_layer": {"heads": heads, "key_dim": key_dim,
@@ -290,6 +199,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser of ``moejax`` and of each of its (sub)commands: an ArgumentParser that
+    keeps what its ``add_subparsers`` returned, so that :func:`build_parser` can reach the
+    commands nested under a command (``client score``) through public argparse API.
+    (``add_parser`` makes each subcommand's parser of its parent's class.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.subcommand_groups: list[Any] = []
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        group = super().add_subparsers(**kwargs)
+        self.subcommand_groups.append(group)
+        return group
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``moejax`` argument parser with every subcommand."""
     from serving.generate_cli import add_generate_command
@@ -300,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.launch import add_launch_command
     from serving.remote_score import add_remote_options
 
-    parser = argparse.ArgumentParser(prog="moejax", description=DESCRIPTION)
+    parser = CommandParser(prog="moejax", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log compiles and batches")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -335,11 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print what a model directory holds and how it is served")
     add_model_options(info)
     info.set_defaults(func=cmd_info)
-    add_generate_command(sub, add_model_options)
-    add_trace_command(sub, add_model_options)
+    add_generate_command(sub)
+    add_trace_command(sub)
     add_eldr_fit_command(sub)
     add_prefetch_calibrate_command(sub)
-    add_grpc_commands(sub, add_model_options)
+    add_grpc_commands(sub)
     add_launch_command(sub)
     _accept_verbose_after_the_command(sub)
     return parser
@@ -349,11 +274,10 @@ def _accept_verbose_after_the_command(sub: Any) -> None:
     """``moejax score -v ...`` as well as ``moejax -v score ...``: every (sub)command takes
     ``-v``. Its default is SUPPRESS, so a command without it keeps the top-level value."""
     for command in sub.choices.values():
-        nested = [action for action in command._actions
-                  if isinstance(action, argparse._SubParsersAction)]
+        nested = getattr(command, "subcommand_groups", ())
         if nested:
-            for action in nested:
-                _accept_verbose_after_the_command(action)
+            for group in nested:
+                _accept_verbose_after_the_command(group)
             continue
         try:
             command.add_argument("-v", "--verbose", action="store_true",

@@ -65,7 +65,8 @@ from moejax.decode.runners import DecodeRunner
 from moejax.generate import SequenceOutput, SequenceSpec, expert_counts
 from moejax.kv import BlockAllocator
 from moejax.kv_cache import bucket, bucket_sizes
-from serving.prefix_share import ScorerPrefixSource, copy_blocks
+from moejax.kv.copy import copy_blocks
+from serving.prefix_share import ScorerPrefixSource
 
 BLOCK = prefix_hash.BLOCK_SIZE
 MAX_RECORDS = 100_000   # step (and route) records kept, newest last: tens of MB at most

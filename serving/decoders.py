@@ -36,7 +36,7 @@ from moejax.eldr.policies import HandOff, Policy
 from moejax.generate import SequenceSpec
 from moejax.kv_cache import bucket_sizes
 from serving.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
-from serving.prefix_share import copy_blocks
+from moejax.kv.copy import copy_blocks
 
 
 @dataclasses.dataclass(frozen=True)

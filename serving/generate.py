@@ -62,7 +62,7 @@ from moejax.decode.programs import StepOptions
 from moejax.backends import check_multi_process
 from moejax.backends.base import BackendError, require_devices
 from moejax.distributed import DistributedOptions, join as join_processes
-from moejax.decode.runners import make_runner
+from moejax.decode.factory import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, POLICIES, Policy, check_tau, make_policy
 from moejax.generate import DecodeEngine, SequenceOutput, SequenceSpec

@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
-from serving.cli import command_compilation_cache, positive_int
+from serving.cli_options import add_model_options, command_compilation_cache, positive_int
 from serving.exit_status import ERRORS_STATUS
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
@@ -37,10 +37,9 @@ EXIT_CODES = f"""exit codes:
   141  standard output closed early (e.g. | head -1)"""
 
 
-def add_generate_command(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
-                         ) -> argparse.ArgumentParser:
-    """Register ``generate`` on the ``moejax`` subparsers ``sub``; ``add_model_options``
-    adds the shared --model / --dtype / --expert-impl ... block."""
+def add_generate_command(sub: Any) -> argparse.ArgumentParser:
+    """Register ``generate`` on the ``moejax`` subparsers ``sub``, with the shared
+    --model / --dtype / --expert-impl ... block (:func:`serving.cli_options.add_model_options`)."""
     p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
                        description=__doc__.split("\n\n")[1],
                        epilog="Of the model options, generate uses --model, --dtype, --backend\n"
@@ -57,10 +56,7 @@ def add_generate_command(sub: Any, add_model_options: Callable[[argparse.Argumen
     p.add_argument("--chunk-size", type=positive_int, default=256,
                    help="requests read per chunk; results are written after each chunk")
     add_line_limit_option(p)
-    add_model_options(p)
-    for action in p._actions:   # refused below, so not offered in --help either
-        if action.dest in SCORING_ONLY:
-            action.help = argparse.SUPPRESS
+    add_model_options(p, hidden=SCORING_ONLY)   # refused below, so not offered in --help either
     p.set_defaults(func=cmd_generate)
     return p
 

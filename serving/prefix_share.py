@@ -7,7 +7,8 @@ by the same chain hash (:mod:`moejax.prefix_hash`), keys (after RoPE) and values
 in ``[L, S, n_kv, h]`` slots, ``block * 16 + offset``. :class:`ScorerPrefixSource` looks
 a prompt's block hashes up in the Scorer's engines; the scheduler
 (:class:`serving.continuous.Scheduler`) then copies the hits into fresh blocks of its own
-pool (:func:`copy_blocks`: a gather on the engine's device, one scatter into the pool)
+pool (:func:`moejax.kv.copy.copy_blocks`: a gather on the engine's device, one scatter into
+the pool)
 and names them, so from then on they are its own cached blocks.
 
 Thread safety: an engine's cache and pool change during a scoring run (blocks are
@@ -22,36 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
-from moejax.decode.paged import WRITE_ROWS, PagedKV
-from moejax.kv import block_slots
-from moejax.kv_cache import bucket
-from moejax.prefix_hash import BLOCK_SIZE
-
-
-def _gather_slots(keys: jax.Array, values: jax.Array, slots: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
-    return keys[:, slots], values[:, slots]
-
-
-GATHER_SLOTS = jax.jit(_gather_slots)
-
-
-def copy_blocks(source: Any, source_blocks: Sequence[int], kv: PagedKV,
-                dest_blocks: Sequence[int], device: Any) -> PagedKV:
-    """``kv`` (consumed) with blocks ``dest_blocks`` holding the keys/values of
-    ``source_blocks`` of the pool ``source`` (keys/values [L, S', n_kv, h], any device).
-    Block counts are padded to a power of two (few compiled shapes): padding reads
-    block 0 and writes nowhere. Returns once the source has been read."""
-    count = bucket(len(source_blocks), 1)
-    read = block_slots(source_blocks, BLOCK_SIZE, count, pad_slot=0)
-    write = block_slots(dest_blocks, BLOCK_SIZE, count, pad_slot=kv.num_slots)  # S: dropped
-    keys, values = GATHER_SLOTS(source.keys, source.values, read)
-    jax.block_until_ready((keys, values))    # the source may be donated once we return
-    keys, values = jax.device_put((keys, values), device)
-    return WRITE_ROWS(kv, write, keys, values)
+from moejax.decode.paged import PagedKV
+from moejax.kv.copy import copy_blocks
 
 
 def caching_engines(scorer: Any) -> list[Any]:

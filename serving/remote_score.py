@@ -61,8 +61,8 @@ positive_seconds = positive_number("seconds")   # argparse type: seconds > 0
 
 def add_remote_options(p: argparse.ArgumentParser) -> None:
     """The options of ``moejax score --target`` (connection options included)."""
-    from serving.cli import positive_int
-    from serving.grpc.cli import add_connection_options
+    from serving.cli_options import positive_int
+    from serving.grpc.cli_options import add_connection_options
 
     p.add_argument("--target", default=None,
                    help="score through the moejax gRPC server or router at HOST:PORT instead "

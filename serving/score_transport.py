@@ -505,7 +505,7 @@ class Connection:
     Score."""
 
     def __init__(self, args: argparse.Namespace):
-        from serving.grpc.cli import connect
+        from serving.grpc.cli_options import connect
 
         # gRPC's reconnect backoff grows to 2 minutes by default: after an outage, a run
         # would wait that long to see the server back. Cap it below --retry-seconds.

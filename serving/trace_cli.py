@@ -23,9 +23,9 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
-from serving.cli import command_compilation_cache, positive_int
+from serving.cli_options import add_model_options, command_compilation_cache, positive_int
 from serving.generate_cli import SCORING_ONLY
 
 # trace runs the default (resident) decode runtime: the backend flags are refused too.
@@ -36,10 +36,9 @@ from serving.requests import request_label
 _DOMAIN = "domain"
 
 
-def add_trace_command(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
-                      ) -> argparse.ArgumentParser:
-    """Register ``trace`` on the ``moejax`` subparsers ``sub``; ``add_model_options`` adds
-    the shared --model / --dtype / --expert-impl ... block."""
+def add_trace_command(sub: Any) -> argparse.ArgumentParser:
+    """Register ``trace`` on the ``moejax`` subparsers ``sub``, with the shared --model /
+    --dtype / --expert-impl ... block (:func:`serving.cli_options.add_model_options`)."""
     p = sub.add_parser("trace", help="generate for a JSONL file of requests and write an "
                                      "expert trace (.npz)",
                        description=__doc__.split("\n\n")[1],
@@ -59,10 +58,7 @@ def add_trace_command(sub: Any, add_model_options: Callable[[argparse.ArgumentPa
     p.add_argument("--chunk-size", type=positive_int, default=256,
                    help="requests read and generated per chunk")
     add_line_limit_option(p)
-    add_model_options(p)
-    for action in p._actions:   # refused below, so not offered in --help either
-        if action.dest in REFUSED:
-            action.help = argparse.SUPPRESS
+    add_model_options(p, hidden=REFUSED)   # refused below, so not offered in --help either
     p.set_defaults(func=cmd_trace)
     return p
 

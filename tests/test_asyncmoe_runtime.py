@@ -16,7 +16,7 @@ from moejax import checkpoint
 from moejax.asyncmoe import simulator
 from moejax.asyncmoe.runtime import MuQueueRuntime
 from moejax.decode.programs import StepOptions
-from moejax.decode.runners import make_runner
+from moejax.decode.factory import make_runner
 from moejax.generate import SequenceSpec
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions

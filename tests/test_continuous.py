@@ -16,7 +16,7 @@ import pytest
 
 from moejax import checkpoint
 from moejax.decode.programs import StepOptions, compiled_program_counts
-from moejax.decode.runners import make_runner
+from moejax.decode.factory import make_runner
 from moejax.generate import DecodeEngine, SequenceSpec
 from serving import Generator
 from serving.api import resolve_model_dir

@@ -15,7 +15,7 @@ from moejax.backends.base import BackendError
 from moejax.decode.paged import (BLOCK_SIZE, count_experts, expert_count_bytes,
                                  sum_block_counts)
 from moejax.decode.programs import StepOptions
-from moejax.decode.runners import make_runner
+from moejax.decode.factory import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.fitfile import EldrFit, FitError
 from moejax.generate import SequenceSpec, expert_counts

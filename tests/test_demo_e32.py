@@ -17,6 +17,7 @@ from hf_parity import assert_transformers_agrees
 from moejax import checkpoint as ck
 from moejax import demo
 from moejax.demo import corpus, heldout, system_texts, train
+from moejax.param_layout import num_params
 from serving import Scorer
 from serving.api import resolve_model_dir
 
@@ -132,8 +133,8 @@ def test_cli_and_generator_load_it_by_name(capsys, demo_e32_generator):
 
     assert main(["info", "--model", "demo-e32", "--dtype", "float32"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["model_name"] == "demo-e32" and info["params"] == demo.demo_config(
-        "demo-e32").num_params()
+    assert info["model_name"] == "demo-e32" and info["params"] == num_params(
+        demo.demo_config("demo-e32"))
     assert demo_e32_generator.config == demo.demo_config("demo-e32")   # built by that name
     (result,) = demo_e32_generator.generate([{"prompt": "#include <stdio.h>\n", "max_new_tokens": 5,
                                "stop_token_ids": []}])

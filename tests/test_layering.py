@@ -168,14 +168,15 @@ def test_cli_configures_xla_for_its_devices_before_running(monkeypatch):
 # ----------------------------------------------------------------------------- compilation cache
 def test_commands_turn_the_compilation_cache_on(tmp_path):
     from serving import cli
+    from serving.cli_options import command_compilation_cache, scorer_options
 
-    assert cli.command_compilation_cache(None) == "auto"
+    assert command_compilation_cache(None) == "auto"
     args = cli.build_parser().parse_args(["score", "-"])
-    assert cli.scorer_options(args)["compilation_cache"] == "auto"
+    assert scorer_options(args)["compilation_cache"] == "auto"
     deployment = tmp_path / "d.yaml"
     deployment.write_text("compilation_cache: 'off'\n")   # a deployment's choice wins
     args = cli.build_parser().parse_args(["score", "-", "--deployment", str(deployment)])
-    assert cli.scorer_options(args)["compilation_cache"] == "off"
+    assert scorer_options(args)["compilation_cache"] == "off"
 
 
 def test_scorer_leaves_the_compilation_cache_alone_unless_asked(tmp_path):

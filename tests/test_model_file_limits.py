@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from moejax import checkpoint as ck
+from moejax import model_dirs
 from moejax.config import ConfigError, load_config
 from moejax.prefetch import defaults as defaults_lib
 from moejax.prefetch import files as prefetch_files
@@ -331,7 +332,7 @@ def test_convert_takes_a_built_in_model_name(tmp_path, capsys):
     assert cli.main(["convert", "demo", str(out), "--dtype", "float32"]) == 0, \
         capsys.readouterr().err
     assert ck.is_converted_dir(out)
-    demo_dir, is_demo = ck.resolve_model_dir("demo")
+    demo_dir, is_demo = model_dirs.resolve_model_dir("demo")
     assert is_demo
     cfg, params, _ = ck.load_model_dir(out)
     demo_cfg, demo_params, _ = ck.load_model_dir(demo_dir)

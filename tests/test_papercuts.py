@@ -138,14 +138,14 @@ def test_the_calibration_example_is_what_trace_reads(tmp_path):
     """examples/calibration.jsonl (the input of `moejax trace`, whose traces eldr-fit and
     prefetch-calibrate read) parses line by line as `moejax trace` parses it: every
     line a valid generation request for demo-e32, with a domain label of its eight."""
-    from moejax import checkpoint
+    from moejax import checkpoint, model_dirs
     from moejax.demo.corpus import DOMAINS_E32
     from serving.generate import parse_generation_request
     from serving.jsonl import open_jsonl
     from serving.requests import TokenizerAdapter
     from serving.trace_cli import prepare_line
 
-    model_dir, _ = checkpoint.resolve_model_dir("demo-e32")
+    model_dir, _ = model_dirs.resolve_model_dir("demo-e32")
     cfg = checkpoint.load_model_config(model_dir)
     tokenizer = TokenizerAdapter(checkpoint.load_tokenizer(model_dir))
     domains = []
@@ -207,7 +207,7 @@ def test_eldr_fit_and_prefetch_calibrate_read_the_trace_of_the_calibration_examp
     """The documented pipeline on examples/calibration.jsonl: `moejax trace` (two tokens a
     request: eldr-fit needs decode tokens), then `moejax eldr-fit` fits K=2 from it, and
     prefetch-calibrate's loader reads every request of it with its domain."""
-    from moejax import checkpoint
+    from moejax import checkpoint, model_dirs
     from moejax.prefetch import train
 
     trace = tmp_path / "calib.npz"
@@ -218,7 +218,7 @@ def test_eldr_fit_and_prefetch_calibrate_read_the_trace_of_the_calibration_examp
     fit = tmp_path / "eldr-2.npz"
     assert _run_main(["eldr-fit", str(trace), "-o", str(fit), "--decoders", "2"]) == 0
     assert "16 requests" in capsys.readouterr().err and fit.stat().st_size > 0
-    cfg = checkpoint.load_model_config(checkpoint.resolve_model_dir("demo-e32")[0])
+    cfg = checkpoint.load_model_config(model_dirs.resolve_model_dir("demo-e32")[0])
     requests = train.load_requests([str(trace)], cfg)
     assert len(requests) == 16 and all(r.ok for r in requests)
     from moejax.demo.corpus import DOMAINS_E32

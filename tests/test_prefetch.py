@@ -15,7 +15,8 @@ import pytest
 from moejax import checkpoint
 from moejax.backends.base import BackendError
 from moejax.decode.programs import StepOptions
-from moejax.decode.runners import ExpertSlots, make_runner
+from moejax.decode.factory import make_runner
+from moejax.decode.runners import ExpertSlots
 from moejax.eldr.fitfile import model_fingerprint
 from moejax.generate import SequenceSpec
 from moejax.prefetch import defaults as defaults_lib

@@ -13,6 +13,8 @@ keys/values into the pool (donated: in place). Runners by backend name:
   renumbered. Only layerwise steps (a fused program cannot ask the host what to copy).
 * ``sync_ep`` — ``moejax.decode.sync_ep`` (data-parallel attention, expert-parallel MoE).
 
+:func:`moejax.decode.factory.make_runner` builds the runner of a backend name.
+
 A layerwise step calls ``layer_hook(layer, routing)`` (when set) between a layer's
 router and its experts: it may return a routing to use instead (the prefetch and
 μ-queue runtimes hook in here). The traced routing is always the router's own.
@@ -202,7 +204,8 @@ def _set_slot(buffer: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.Arr
 
 
 _SET_SLOT = jax.jit(_set_slot, donate_argnums=0)
-_RENUMBER = jax.jit(lambda slot_of, experts: slot_of[experts])
+# An expert-id -> slot map applied to a routing's expert ids (offload and prefetch runners).
+RENUMBER_EXPERTS = jax.jit(lambda slot_of, experts: slot_of[experts])
 
 
 @dataclasses.dataclass
@@ -309,26 +312,5 @@ class OffloadRunner(DecodeRunner):
         slots = self.slot_buffers[layer % 2]
         slot_of, _ = self.load_layer(layer, np.unique(ids))
         # Experts no valid row chose map to slot 0: their rows are kept out of the MoE.
-        renumbered = _RENUMBER(np.maximum(slot_of, 0), routing.experts)
+        renumbered = RENUMBER_EXPERTS(np.maximum(slot_of, 0), routing.experts)
         return slots.buffers, 0, dataclasses.replace(routing, experts=renumbered)
-
-
-RUNNERS = {"resident": ResidentRunner, "offload": OffloadRunner}
-
-
-def make_runner(backend: str, cfg: ModelConfig, params: Params, *, dtype: Any,
-                opts: StepOptions, devices: int = 1, **options: Any) -> DecodeRunner:
-    """The decode runner of ``backend`` (``options``: its own keywords)."""
-    if backend == "sync_ep":
-        from moejax.decode.sync_ep import SyncEPRunner
-        return SyncEPRunner(cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
-    if backend == "offload" and any(k.startswith("prefetch") for k in options):
-        from moejax.prefetch.runner import PrefetchRunner   # the offload runner + prefetch
-        return PrefetchRunner(cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
-    if backend not in RUNNERS:
-        raise BackendError(f"backend {backend!r} cannot decode; decode runs on "
-                           f"{sorted([*RUNNERS, 'sync_ep'])}")
-    try:
-        return RUNNERS[backend](cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
-    except TypeError as exc:   # an option this backend does not take
-        raise BackendError(f"backend {backend!r}: {exc}") from None

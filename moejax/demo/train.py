@@ -529,9 +529,9 @@ def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
     logs so far), so a stopped run resumes from the last one.
     """
     from moejax import checkpoint as ck
-    from moejax import demo
+    from moejax.demo import specs
 
-    spec = demo.demo_model(model)
+    spec = specs.demo_model(model)
     domains = spec.domains
     plan = stages(tc, domains)
     names = [stage.name for stage in plan]
@@ -540,9 +540,9 @@ def run(out_dir: str, tc: TrainConfig, hf_config: dict[str, Any] | None = None,
     if start_stage != names[0] and init_dir is None:
         raise ValueError(f"starting at {start_stage} needs init_dir (the export of "
                          f"{names[names.index(start_stage) - 1]})")
-    hf_config = hf_config or demo.demo_config_dict(model)
-    tokenizer = demo.build_demo_tokenizer(hf_config["vocab_size"], tc.seed, domains=domains)
-    demo.check_tokenizer(tokenizer, hf_config)
+    hf_config = hf_config or specs.demo_config_dict(model)
+    tokenizer = specs.build_demo_tokenizer(hf_config["vocab_size"], tc.seed, domains=domains)
+    specs.check_tokenizer(tokenizer, hf_config)
     src_train, src_eval = corpus.sources("train", domains), corpus.sources("eval", domains)
     cfg = from_hf_dict(hf_config)
     params, logs = None, {}

@@ -36,7 +36,7 @@ from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.decode.paged import PagedKV
 from moejax.decode.programs import LayerwiseStep, PagedBatch, StepOptions, StepResult
-from moejax.decode.runners import _RENUMBER, ExpertSlots, OffloadRunner
+from moejax.decode.runners import RENUMBER_EXPERTS, ExpertSlots, OffloadRunner
 from moejax.param_layout import Params
 from moejax.prefetch import files as files_lib
 from moejax.prefetch import predictors
@@ -227,7 +227,7 @@ class PrefetchRunner(OffloadRunner):
                 predicted = predictors.PREDICT(dense["layers"], self.tables, np.int32(layer), x,
                                                routing.experts, routing.weights,
                                                kind=self.prefetch, cfg=cfg)
-            renumbered = _RENUMBER(np.maximum(slot_of, 0), used.experts)
+            renumbered = RENUMBER_EXPERTS(np.maximum(slot_of, 0), used.experts)
             state.x = programs.MOE(self.slot_buffers[layer % 2].buffers, np.int32(0), x, moe_in,
                                    dataclasses.replace(used, experts=renumbered), batch.valid,
                                    opts=opts)

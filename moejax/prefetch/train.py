@@ -119,7 +119,8 @@ def train_estimator(cfg: ModelConfig, params: Params, requests: Sequence[Request
 
 
 def load_model(model: str) -> tuple[ModelConfig, Params]:
-    from moejax.checkpoint import load_model_dir, resolve_model_dir
+    from moejax.checkpoint import load_model_dir
+    from moejax.model_dirs import resolve_model_dir
 
     cfg, params, _ = load_model_dir(resolve_model_dir(model)[0], "float32")
     return cfg, params

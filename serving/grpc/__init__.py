@@ -12,8 +12,9 @@ and result objects), ``decoding`` (request parsing that names non-UTF-8 fields),
 ``batcher`` (queue, admission control, the worker thread that owns the Scorer),
 ``service`` (the Scoring handlers), ``generation`` (the Generate handler, over a
 ``serving.generate.GeneratorLoop``), ``auth`` (bearer-token check), ``server`` (the gRPC server:
-health, reflection, TLS, graceful shutdown), ``client`` and ``cli`` (``moejax serve``,
-``moejax client``); ``upstream_router`` (``moejax router``, started by ``router_cli``) with
+health, reflection, TLS, graceful shutdown), ``client``, ``cli`` (``moejax serve``,
+``moejax client``) and ``cli_options`` (the connection and listener options they share with
+``moejax router`` and ``moejax score --target``); ``upstream_router`` (``moejax router``, started by ``router_cli``) with
 its parts ``upstreams``, ``router_core``, ``router_service``, ``router_stream`` and
 ``router_calls``.
 """

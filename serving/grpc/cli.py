@@ -48,19 +48,16 @@ import argparse
 import collections
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
-TOKEN_ENV = "MOEJAX_TOKEN"
-
-
-def token_of(args: argparse.Namespace) -> str | None:
-    """The bearer token of a command: ``--token``, else ``$MOEJAX_TOKEN`` (None: no auth)."""
-    return args.token or os.environ.get(TOKEN_ENV) or None
+from serving.cli_options import (add_model_options, command_compilation_cache, positive_int,
+                                 scorer_options)
+# The client commands call ``connect`` by this module's name (tests replace it here).
+from serving.grpc.cli_options import add_connection_options, add_listener_options, connect, token_of
 
 
 class _Interrupted(Exception):
@@ -99,8 +96,6 @@ def _serves_generation(args: argparse.Namespace) -> bool:
 
 
 def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
-    from serving.cli import command_compilation_cache
-
     return {"dtype": args.dtype, "expert_impl": args.expert_impl, "backend": args.backend,
             "devices": args.devices, "max_batch_size": args.generation_batch_size,
             "precompile": args.precompile,
@@ -125,7 +120,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     processes, process 0 serves and the others follow its runs."""
     from moejax.distributed import is_output_process, process_count
     from serving import Scorer
-    from serving.cli import scorer_options
     from serving.grpc.server import ScoringServer, ServerOptions
     from serving.multi_process import LeaderScorer
 
@@ -196,7 +190,6 @@ def _follow(args: argparse.Namespace) -> int:
     import jax
 
     from serving import Scorer
-    from serving.cli import scorer_options
     from serving.multi_process import follow
 
     scorer = Scorer(args.model, **scorer_options(args))
@@ -217,15 +210,6 @@ def _items(lines: Iterator[Any], order: collections.deque[int]) -> Iterator[tupl
         order.append(line.number)
         yield line.number, (ScoreResult(error=line.error) if line.error is not None
                             else line.request)
-
-
-def connect(args: argparse.Namespace, options: Sequence[tuple[str, Any]] = ()) -> Any:
-    """A :class:`serving.grpc.client.Client` of the connection options
-    (:func:`add_connection_options`); ``options``: more gRPC channel options."""
-    from serving.grpc.client import Client
-
-    return Client(args.target, token=token_of(args), tls=args.tls, tls_ca=args.tls_ca,
-                  tls_server_name=args.tls_server_name, options=options)
 
 
 def _rpc_failed(exc: Exception) -> int:
@@ -352,44 +336,8 @@ def cmd_client_health(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def add_connection_options(p: argparse.ArgumentParser, timeout: float | None, *,
-                           target: bool = True, timeout_help: str | None = None) -> None:
-    """--target, --token, the TLS options and --timeout; ``target=False`` for a command
-    that defines --target itself (``moejax score``), ``timeout_help`` where --timeout means
-    something else than the whole call."""
-    if target:
-        p.add_argument("--target", default="127.0.0.1:50051", help="server HOST:PORT")
-    p.add_argument("--token", default=None,
-                   help=f"bearer token (default: ${TOKEN_ENV}, if set)")
-    p.add_argument("--tls", action="store_true", help="use TLS with the system's root CAs")
-    p.add_argument("--tls-ca", default=None,
-                   help="use TLS, trusting this PEM CA / self-signed server certificate")
-    p.add_argument("--tls-server-name", default=None,
-                   help="name to check the server's certificate against (default: the host)")
-    p.add_argument("--timeout", type=float, default=timeout,
-                   help=timeout_help or "seconds for the whole call" + (
-                       f" (default {timeout})" if timeout else " (default: none)"))
-
-
-def add_listener_options(p: argparse.ArgumentParser, *, default_port: int, callers: str
-                         ) -> None:
-    """Where a gRPC server listens and whom it lets in (``serve``, ``router``): ``--host``,
-    ``--port``, ``--token``, ``--tls-cert``, ``--tls-key``."""
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; 0.0.0.0 or :: for all)")
-    p.add_argument("--port", type=int, default=default_port,
-                   help=f"port (default {default_port}; 0 = a free one); printed on stdout")
-    p.add_argument("--token", default=None,
-                   help=f"require 'authorization: Bearer TOKEN' on {callers} "
-                        f"(default: ${TOKEN_ENV}, if set; health stays open)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-
-
-def add_commands(sub: Any, add_model_options: Callable[[argparse.ArgumentParser], None]
-                 ) -> None:
+def add_commands(sub: Any) -> None:
     """Register ``serve``, ``router`` and ``client`` on the ``moejax`` subparsers."""
-    from serving.cli import positive_int
     from serving.grpc.router_cli import add_router_command
     from serving.jsonl import add_line_limit_option
 

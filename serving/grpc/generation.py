@@ -45,7 +45,7 @@ from typing import Any, AsyncIterator
 import grpc
 
 from serving.grpc import convert, decoding, scoring_pb2 as pb
-from serving.grpc.service import _deadline, _refuse, _Refused
+from serving.grpc.service import Refused, call_deadline, refuse
 from serving.requests import RequestError, request_label
 
 GENERATION_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -86,7 +86,8 @@ class GenerationService:
         self.active: set[_Generation] = set()
         self.refused = 0                      # calls refused for overload
         self.token_seconds: float | None = None  # moving average of the time per token
-        self._pool = concurrent.futures.ThreadPoolExecutor(
+        # The threads that validate, tokenize and queue requests (GeneratorLoop.submit).
+        self.submit_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="moejax-grpc-generate")
 
     def attach(self, generator: Any) -> None:
@@ -109,7 +110,7 @@ class GenerationService:
         """After :meth:`cancel_all`: let the submissions under way end (a call cancelled
         meanwhile cancels its sequence), then stop the generator loop's thread (it drops
         the cancelled sequences first)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.submit_pool.shutdown(wait=True, cancel_futures=True)
         if self.loop is not None:
             self.loop.close()
 
@@ -120,7 +121,8 @@ class GenerationService:
         left = min((s.left for s in self.active if s.left is not None), default=1)
         return int(min(max(left * per_token * 1000, MIN_RETRY_MS), MAX_RETRY_MS))
 
-    def _measured(self, seconds_per_token: float) -> None:
+    def record_token_seconds(self, seconds_per_token: float) -> None:
+        """Fold one measured time per token into the moving average of the retry hint."""
         if self.token_seconds is None:
             self.token_seconds = seconds_per_token
         else:
@@ -159,7 +161,7 @@ class GenerationService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         if self.streams >= self.max_streams:
             self.refused += 1
-            await _refuse(context, _Refused(
+            await refuse(context, Refused(
                 f"the server runs {self.streams} generation streams (its limit)",
                 self.retry_after_ms()))
         stream = _Generation(self)
@@ -206,7 +208,7 @@ class _Generation:
         now = time.monotonic()
         if event.token_ids:
             if self.received:  # (the first token's wait includes the queue and the prefill)
-                self.service._measured((now - self.last) / len(event.token_ids))
+                self.service.record_token_seconds((now - self.last) / len(event.token_ids))
             self.received += len(event.token_ids)
             if self.left is not None:
                 self.left = max(0, self.left - len(event.token_ids))
@@ -220,7 +222,7 @@ class _Generation:
         one (nothing queued)."""
         loop = self.service.loop
         future = self.event_loop.run_in_executor(
-            self.service._pool, lambda: loop.submit(request, self._on_event))
+            self.service.submit_pool, lambda: loop.submit(request, self._on_event))
         try:
             self.handle = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -263,7 +265,7 @@ class _Generation:
                                 f"sequence was cancelled")
 
     async def responses(self, context: Any) -> AsyncIterator[pb.GenerateResponse]:
-        deadline = _deadline(context)
+        deadline = call_deadline(context)
         while True:
             event = await self._next(deadline, context)
             tokens, result = list(event.token_ids), event.result

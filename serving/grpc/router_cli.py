@@ -48,7 +48,7 @@ def _positive_float(text: str) -> float:
 
 def add_router_command(sub: Any) -> None:
     """Register ``router`` on the ``moejax`` subparsers."""
-    from serving.grpc.cli import add_listener_options
+    from serving.grpc.cli_options import add_listener_options
     from serving.router import ROUTER_NAMES
 
     p = sub.add_parser("router", help="route the gRPC API over many 'moejax serve' upstreams "
@@ -103,7 +103,7 @@ def _check_ca(path: str) -> None:
 
 def router_options(args: argparse.Namespace) -> Any:
     """The RouterOptions of parsed arguments; ValueError naming a bad value."""
-    from serving.grpc.cli import token_of
+    from serving.grpc.cli_options import token_of
     from serving.grpc.upstream_router import RouterOptions
     from serving.grpc.upstreams import UpstreamOptions, parse_upstreams
 

@@ -65,7 +65,8 @@ MODEL_FIELDS = (("architecture", "model_type"), ("vocab_size", "vocab_size"),
 
 def load_model(model: str) -> tuple[ModelConfig, TokenizerAdapter, str]:
     """(config, tokenizer, name) of a model directory or built-in name; no weights."""
-    from moejax.checkpoint import load_model_config, load_tokenizer, resolve_model_dir
+    from moejax.checkpoint import load_model_config, load_tokenizer
+    from moejax.model_dirs import resolve_model_dir
 
     model_dir, is_demo = resolve_model_dir(model)
     name = os.fspath(model) if is_demo else os.path.basename(os.path.normpath(model_dir))

@@ -70,12 +70,14 @@ class OversizedBatch:
     count: int
 
 
-def _deadline(context: Any) -> float | None:
+def call_deadline(context: Any) -> float | None:
+    """When the call ``context`` must end, on the ``time.monotonic()`` clock (None: no
+    deadline)."""
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A call refused for overload: RESOURCE_EXHAUSTED with a retry hint."""
 
     def __init__(self, message: str, retry_ms: int | None):
@@ -83,7 +85,9 @@ class _Refused(Exception):
         self.retry_ms = retry_ms
 
 
-async def _refuse(context: Any, refused: _Refused) -> None:
+async def refuse(context: Any, refused: Refused) -> None:
+    """End the call with RESOURCE_EXHAUSTED, with ``refused``'s retry hint (if any) in its
+    message and trailing metadata."""
     if refused.retry_ms is None:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
     hint = str(refused.retry_ms)
@@ -115,7 +119,7 @@ class _Outcomes:
 
     def item(self, prepared: Any, context: Any) -> WorkItem:
         return WorkItem(prepared=prepared, deliver=self._deliver,
-                        deadline=_deadline(context), cancelled=self.gone.is_set,
+                        deadline=call_deadline(context), cancelled=self.gone.is_set,
                         future=self.loop.create_future())
 
     def _deliver(self, item: WorkItem, outcome: Any) -> None:
@@ -180,7 +184,7 @@ class ScoringService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if self.in_flight >= self.max_in_flight:
             self.refused += 1
-            await _refuse(context, _Refused(f"the server has {self.in_flight} calls in "
+            await refuse(context, Refused(f"the server has {self.in_flight} calls in "
                                             f"progress (its limit)", batcher.retry_after_ms(0)))
         self.in_flight += 1
         try:
@@ -188,7 +192,7 @@ class ScoringService:
         finally:
             self.in_flight -= 1
 
-    def _check_limits(self, message: Any, index: int) -> str | None:
+    def check_limits(self, message: Any, index: int) -> str | None:
         """The size-limit error of a request message (lengths only: runs on the loop)."""
         try:
             self.scorer.limits.check(convert.limit_view(message), index)
@@ -207,14 +211,14 @@ class ScoringService:
             return PreparedRequest(index=index, request=raw, error=(
                 f"{request_label(raw.id, index)}: could not be prepared: {exc!r}"))
 
-    async def _prepare(self, batcher: Batcher, messages: Sequence[tuple[int, Any]]) -> list[Any]:
+    async def prepare(self, batcher: Batcher, messages: Sequence[tuple[int, Any]]) -> list[Any]:
         """Prepared requests of ``(index, message)`` pairs, on the prepare pool; raises
-        _Refused when too many requests already wait to be prepared. (No call brings more
+        Refused when too many requests already wait to be prepared. (No call brings more
         than ``max_preparing``: :meth:`_refuse_oversized_batch`; so ``preparing`` never
         exceeds it.)"""
         if self.preparing + len(messages) > self.max_preparing:
             self.refused += 1
-            raise _Refused(f"{self.preparing} requests are waiting to be prepared (the "
+            raise Refused(f"{self.preparing} requests are waiting to be prepared (the "
                            f"server's limit is {self.max_preparing})", batcher.retry_after_ms(0))
         self.preparing += len(messages)
         try:
@@ -226,15 +230,15 @@ class ScoringService:
 
     @staticmethod
     def _admit(batcher: Batcher, cost: int) -> None:
-        """Acquire ``cost`` or raise _Refused."""
+        """Acquire ``cost`` or raise Refused."""
         adm = batcher.admission
         if adm.try_acquire(cost, batcher.admission_share(cost)):
             return
         if cost > adm.bound:
-            raise _Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
+            raise Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
                            f"than the server's bound of {adm.bound} (max_queued_tokens): "
                            f"split them, or use ScoreStream", None)
-        raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
+        raise Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
                        f"token-equivalents queued)", batcher.retry_after_ms(cost))
 
     def _refuse_oversized_batch(self, count: int) -> None:
@@ -245,7 +249,7 @@ class ScoringService:
         if count <= self.max_preparing:
             return
         self.oversized += 1
-        raise _Refused(f"the batch holds {count} requests, more than the server prepares for "
+        raise Refused(f"the batch holds {count} requests, more than the server prepares for "
                        f"one call ({self.max_preparing}, max_preparing): split it into "
                        f"batches of at most {self.max_preparing} requests, or send them "
                        f"over ScoreStream", None)
@@ -260,7 +264,7 @@ class ScoringService:
         if least <= bound:
             return
         self.oversized += 1
-        raise _Refused(f"the request(s) need at least {least} token-equivalents of compute, "
+        raise Refused(f"the request(s) need at least {least} token-equivalents of compute, "
                        f"more than the server's bound of {bound} (max_queued_tokens): split "
                        f"them, or use ScoreStream", None)
 
@@ -277,7 +281,7 @@ class ScoringService:
         if estimate > adm.bound or adm.would_fit(estimate, batcher.admission_share(estimate)):
             return  # (more than the whole bound: the exact cost decides, after preparing)
         adm.rejected += 1
-        raise _Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
+        raise Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
                         f"token-equivalents queued)", batcher.retry_after_ms(estimate))
 
     # ------------------------------------------------------------------ RPCs
@@ -287,7 +291,7 @@ class ScoringService:
                 label = request_label(message.request_id(), 0)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"{label}: {message.describe()}")
-            error = self._check_limits(message, 0)
+            error = self.check_limits(message, 0)
             if error is not None:
                 # Set, not raised: an abort's traceback would keep the (huge) message alive
                 # in a reference cycle until the next garbage collection.
@@ -296,12 +300,12 @@ class ScoringService:
                 return pb.ScoreResult()
             try:
                 self._refuse_early(batcher, [(0, message)])
-                prepared = (await self._prepare(batcher, [(0, message)]))[0]
+                prepared = (await self.prepare(batcher, [(0, message)]))[0]
                 if prepared.error is not None:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, prepared.error)
                 self._admit(batcher, prepared.cost)
-            except _Refused as refused:
-                await _refuse(context, refused)
+            except Refused as refused:
+                await refuse(context, refused)
             outcomes = _Outcomes()
             item = outcomes.item(prepared, context)
             batcher.submit([item])
@@ -320,7 +324,7 @@ class ScoringService:
             try:
                 self._refuse_oversized_batch(
                     items.count if isinstance(items, OversizedBatch) else len(items))
-            except _Refused as refused:
+            except Refused as refused:
                 # Set, not raised: an abort's traceback would keep the (huge) batch alive in
                 # a reference cycle until the next garbage collection.
                 context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -334,7 +338,7 @@ class ScoringService:
                     results[index] = convert.error_result(
                         request_id, f"{request_label(request_id, index)}: {message.describe()}")
                     continue
-                error = self._check_limits(message, index)
+                error = self.check_limits(message, index)
                 if error is not None:
                     results[index] = convert.error_result(convert.get_id(message), error)
                     continue
@@ -344,7 +348,7 @@ class ScoringService:
             try:
                 if todo:
                     self._refuse_early(batcher, todo)
-                for prepared in (await self._prepare(batcher, todo)) if todo else ():
+                for prepared in (await self.prepare(batcher, todo)) if todo else ():
                     if prepared.error is not None:
                         results[prepared.index] = convert.error_result(
                             request_id_of(prepared.request), prepared.error)
@@ -352,8 +356,8 @@ class ScoringService:
                         work.append(outcomes.item(prepared, context))
                 if work:
                     self._admit(batcher, sum(item.cost for item in work))
-            except _Refused as refused:
-                await _refuse(context, refused)
+            except Refused as refused:
+                await refuse(context, refused)
             if work:
                 batcher.submit(work)
             for item, outcome in zip(work, await outcomes.wait(work)):
@@ -418,16 +422,16 @@ class _Stream:
 
     async def _submit(self, message: pb.StreamRequest, index: int) -> bool:
         """Prepare, admit (waiting for room) and queue one request; False to stop."""
-        error = self.service._check_limits(message.request, index)
+        error = self.service.check_limits(message.request, index)
         if error is not None:
             self._error(index, convert.get_id(message.request), error)
             return True
         while True:
             try:
-                prepared = (await self.service._prepare(self.batcher,
-                                                        [(index, message.request)]))[0]
+                prepared = (await self.service.prepare(self.batcher,
+                                                       [(index, message.request)]))[0]
                 break
-            except _Refused:
+            except Refused:
                 if self._give_up():
                     return False
                 await asyncio.sleep(ADMISSION_POLL)
@@ -446,7 +450,7 @@ class _Stream:
                 return False
             await asyncio.sleep(ADMISSION_POLL)
         item = WorkItem(prepared=prepared, deliver=self._deliver,
-                        deadline=_deadline(self.context), cancelled=self.gone.is_set)
+                        deadline=call_deadline(self.context), cancelled=self.gone.is_set)
         self.submitted += 1
         self.batcher.submit([item])
         return True

@@ -1,0 +1,40 @@
+"""Copying KV blocks from one pool to another, on any devices: a gather of the source
+blocks' slots, then one scatter into the destination pool (donated). Used where a
+sequence's prompt blocks change pools: generation reading a Scorer's cached blocks, and a
+prefill engine handing a prompt to a decoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from moejax.decode.paged import WRITE_ROWS, PagedKV
+from moejax.kv.blocks import block_slots
+from moejax.kv_cache import bucket
+from moejax.prefix_hash import BLOCK_SIZE
+
+
+def _gather_slots(keys: jax.Array, values: jax.Array, slots: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    return keys[:, slots], values[:, slots]
+
+
+GATHER_SLOTS = jax.jit(_gather_slots)
+
+
+def copy_blocks(source: Any, source_blocks: Sequence[int], kv: PagedKV,
+                dest_blocks: Sequence[int], device: Any) -> PagedKV:
+    """``kv`` (consumed) with blocks ``dest_blocks`` holding the keys/values of
+    ``source_blocks`` of the pool ``source`` (keys/values [L, S', n_kv, h], any device).
+    Block counts are padded to a power of two (few compiled shapes): padding reads
+    block 0 and writes nowhere. Returns once the source has been read."""
+    count = bucket(len(source_blocks), 1)
+    read = block_slots(source_blocks, BLOCK_SIZE, count, pad_slot=0)
+    write = block_slots(dest_blocks, BLOCK_SIZE, count, pad_slot=kv.num_slots)  # S: dropped
+    keys, values = GATHER_SLOTS(source.keys, source.values, read)
+    jax.block_until_ready((keys, values))    # the source may be donated once we return
+    keys, values = jax.device_put((keys, values), device)
+    return WRITE_ROWS(kv, write, keys, values)
