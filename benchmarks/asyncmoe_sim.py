@@ -260,7 +260,7 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
     from moejax.asyncmoe.runtime import MuQueueRuntime
     from moejax.decode.programs import StepOptions
     from moejax.decode.factory import make_runner
-    from moejax.generate import SequenceSpec
+    from moejax.sequences import SequenceSpec
     from serving.continuous import Scheduler, SchedulerOptions
 
     specs = [SequenceSpec(prompt=p, max_new_tokens=new_tokens) for p in prompts]

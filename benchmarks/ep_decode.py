@@ -220,7 +220,7 @@ def real_decode(trace: Any, shape: dict[str, Any]) -> dict[str, Any]:
     """demo-e32 through sync_ep decode on 4 CPU devices under each router."""
     from moejax.decode.programs import StepOptions
     from moejax.decode.factory import make_runner
-    from moejax.generate import SequenceSpec
+    from moejax.sequences import SequenceSpec
     from moejax.prefetch.train import load_model
     from serving.continuous import Scheduler, SchedulerOptions
 

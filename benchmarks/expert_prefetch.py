@@ -132,7 +132,7 @@ class Decoding:
                  ) -> tuple[list[list[int]], Any, float]:
         """Greedy tokens of every prompt, the runner's stats, decode ms per token (a
         counted timed pass named ``timed`` when given)."""
-        from moejax.generate import SequenceSpec
+        from moejax.sequences import SequenceSpec
         from serving.continuous import Scheduler, SchedulerOptions
 
         runner = self.runner(prefetch, mode)
@@ -234,7 +234,7 @@ def resident_tokens(dec: Decoding, prompts: list[list[int]], answer_tokens: int,
     """Resident (experts on the device) greedy tokens: the reference of exact mode."""
     from moejax.decode.programs import StepOptions
     from moejax.decode.factory import make_runner
-    from moejax.generate import SequenceSpec
+    from moejax.sequences import SequenceSpec
     from serving.continuous import Scheduler, SchedulerOptions
 
     runner = make_runner("resident", dec.cfg, dec.params, dtype="float32", opts=StepOptions())

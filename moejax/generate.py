@@ -42,9 +42,11 @@ from jaxtyping import Array, Bool, Int
 from moejax import model, moe, sampling
 from moejax.attention_kinds import CacheSlots, PackedCausal, PromptToCache
 from moejax.config import ModelConfig
-from moejax.kv_cache import KVCache, bucket, empty_cache
+from moejax.kv_cache import KVCache, empty_cache
 from moejax.moe import ExpertImpl
 from moejax.param_layout import Params
+from moejax.sequences import SequenceOutput, SequenceSpec
+from moejax.sizes import bucket
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_BUCKET = 64
@@ -61,7 +63,7 @@ class DecodeOptions:
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class StepOutput:
+class StaticStepOutput:
     """What prefill and every decode step return.
 
     cache: the updated KV cache; tokens: [B] int32 next token of every row;
@@ -93,7 +95,7 @@ def top_k_ids(layer, routing: moe.Routing, valid, router_input) -> jax.Array:
 
 def prefill_program(params: Params, tokens: Int[Array, "B P"], lengths: Int[Array, "B"],
                     sampling_params: sampling.SamplingParams, *, cfg: ModelConfig,
-                    opts: DecodeOptions, cache_len: int) -> StepOutput:
+                    opts: DecodeOptions, cache_len: int) -> StaticStepOutput:
     """Prefill of right-padded prompts ``tokens`` [B, P] with ``lengths`` [B] (>= 1) into a
     new cache of ``cache_len`` slots; the first generated token of each row (token number
     0 of its sampling key). Expert ids come back as [L, B, P, k] (padding rows junk)."""
@@ -109,7 +111,7 @@ def prefill_program(params: Params, tokens: Int[Array, "B P"], lengths: Int[Arra
     last = x.reshape(batch, prompt_len, -1)[jnp.arange(batch), lengths - 1]     # [B, d]
     logits = module.vocab_logits(module.final(last))
     first = sampling.next_tokens(logits, sampling_params, jnp.zeros(batch, jnp.int32))
-    return StepOutput(cache=attn.cache, tokens=first,
+    return StaticStepOutput(cache=attn.cache, tokens=first,
                       experts=experts.reshape(cfg.num_layers, batch, prompt_len, -1))
 
 
@@ -117,7 +119,7 @@ def prefill_program(params: Params, tokens: Int[Array, "B P"], lengths: Int[Arra
 def decode_step_program(params: Params, cache: KVCache, tokens: Int[Array, "B"],
                         positions: Int[Array, "B"], active: Bool[Array, "B"],
                         sampling_params: sampling.SamplingParams, counters: Int[Array, "B"], *,
-                        cfg: ModelConfig, opts: DecodeOptions) -> StepOutput:
+                        cfg: ModelConfig, opts: DecodeOptions) -> StaticStepOutput:
     """One decode step: ``tokens`` [B] at ``positions`` [B] -> the next token of every row.
 
     ``active`` [B] bool: rows still generating (the others are computed but kept out of
@@ -131,7 +133,7 @@ def decode_step_program(params: Params, cache: KVCache, tokens: Int[Array, "B"],
         module.embed_tokens(tokens), attn,
         module.local_dispatcher(opts.expert_impl, opts.tile_rows), observe=top_k_ids)
     logits = module.vocab_logits(module.final(x))
-    return StepOutput(cache=attn.cache, tokens=sampling.next_tokens(logits, sampling_params,
+    return StaticStepOutput(cache=attn.cache, tokens=sampling.next_tokens(logits, sampling_params,
                                                                     counters),
                       experts=experts)
 
@@ -157,43 +159,6 @@ def compiled_program_counts() -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------- host loop
-@dataclasses.dataclass(frozen=True)
-class SequenceSpec:
-    """One sequence to generate: ``prompt`` token ids (non-empty, in the vocabulary;
-    prompt + max_new_tokens <= the cache the engine may build)."""
-
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_token_ids: frozenset[int] = frozenset()
-    # A label of the request's domain: read only by the domain-oracle decode routing
-    # (serving.decoders); never changes a token.
-    domain: str | None = None
-
-
-@dataclasses.dataclass
-class SequenceOutput:
-    """Generated ``token_ids`` (a stop token that ended generation included), the
-    ``finish_reason`` ("stop" or "length"), and expert ids when traced:
-    ``prefill_experts`` [L, prompt_len, k] (every prompt token), ``decode_experts``
-    [L, len(token_ids) - 1, k] (every generated token that was fed back; the last one
-    never runs through the model), and from the paged runtime also their gate weights
-    (``*_weights``, same shapes, f32) and, when asked, router inputs (``*_router_inputs``
-    [L, n, d]). ``error``: set when the runtime failed the sequence."""
-
-    token_ids: list[int]
-    finish_reason: str
-    prefill_experts: np.ndarray | None = None
-    decode_experts: np.ndarray | None = None
-    prefill_weights: np.ndarray | None = None
-    decode_weights: np.ndarray | None = None
-    prefill_router_inputs: np.ndarray | None = None
-    decode_router_inputs: np.ndarray | None = None
-    error: str | None = None
-
-
 @dataclasses.dataclass
 class _Rows:
     """Host state of one batch: per row, the tokens so far, the traced decode routing

@@ -8,7 +8,7 @@ position and no per-row offset exists. Slots past a row's current length may hol
 (prefill writes the padding's keys too); attention masks them, and decoding overwrites
 them in order.
 
-S (the cache length) and B (the batch) come from :func:`bucket`: powers of two, so a
+S (the cache length) and B (the batch) come from :func:`moejax.sizes.bucket`: powers of two, so a
 handful of compiled programs serve every batch.
 """
 
@@ -37,21 +37,6 @@ class KVCache:
     def length(self) -> int:
         """S, the number of slots per row."""
         return self.keys.shape[2]
-
-
-def bucket(n: int, minimum: int, maximum: int | None = None) -> int:
-    """The power of two >= max(n, minimum), capped at ``maximum`` (but never below n):
-    every shape the compiled programs see is one of few sizes."""
-    size = 1 << max(0, math.ceil(math.log2(max(n, minimum, 1))))
-    if maximum is not None:
-        size = max(min(size, maximum), n)
-    return size
-
-
-def bucket_sizes(most: int, maximum: int | None = None) -> list[int]:
-    """Every size :func:`bucket` (minimum 1) gives for 1 .. ``most``: the shapes to
-    precompile."""
-    return sorted({bucket(n, 1, maximum) for n in range(1, most + 1)})
 
 
 def empty_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:

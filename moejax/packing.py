@@ -30,6 +30,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from moejax.ops import PrefillOp
+from moejax.sizes import next_power_of_two, prev_power_of_two
 from moejax.attention_kinds import PrefixContext
 from moejax.model import ForwardOptions, PackedBatch
 
@@ -63,14 +64,6 @@ class BucketPolicy:
             out.append(t)
             t *= 2
         return out
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def prev_power_of_two(n: int) -> int:
-    return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 @dataclasses.dataclass(frozen=True)

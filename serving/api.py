@@ -32,7 +32,7 @@ from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKE
 from moejax.packing import BucketPolicy
 from serving.compilation_cache import enable_compilation_cache
 from serving.engine import Engine
-from serving.dispatch import EnginePool, OpTiming
+from serving.engine_pool import EnginePool, OpTiming
 from serving.options import ScorerOptions, load_options
 from serving.router import make_router
 from moejax.ops import OpKey

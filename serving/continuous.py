@@ -62,10 +62,11 @@ from moejax import prefix_hash, sampling
 from moejax.decode.paged import SUM_BLOCK_COUNTS, PagedKV
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
-from moejax.generate import SequenceOutput, SequenceSpec, expert_counts
+from moejax.generate import expert_counts
 from moejax.kv import BlockAllocator
-from moejax.kv_cache import bucket, bucket_sizes
 from moejax.kv.copy import copy_blocks
+from moejax.sizes import bucket, bucket_sizes
+from moejax.sequences import SequenceOutput, SequenceSpec
 from serving.prefix_share import ScorerPrefixSource
 
 BLOCK = prefix_hash.BLOCK_SIZE

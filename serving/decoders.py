@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from moejax.eldr.policies import HandOff, Policy
-from moejax.generate import SequenceSpec
-from moejax.kv_cache import bucket_sizes
-from serving.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
 from moejax.kv.copy import copy_blocks
+from moejax.sizes import bucket_sizes
+from moejax.sequences import SequenceSpec
+from serving.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,10 @@ def describe_shape_key(key: Sequence[Any]) -> str:
 
 # Per op: (logits per score position, log-sum-exp or None), or the exception of the step
 # that failed it (the backend recovered; serving.results turns it into an error result).
-SequenceOutput = tuple[list[np.ndarray], np.ndarray | None] | Exception
+# One scored sequence: its logits at each score position, and their log-sum-exp (None
+# without full-vocabulary scoring); or the exception of the step that failed it.
+SequenceLogits = tuple[list[np.ndarray], np.ndarray | None]
+SequenceOutcome = SequenceLogits | Exception
 
 
 @dataclasses.dataclass
@@ -143,7 +146,7 @@ class Engine:
                                                    record_events=True)
 
     def run(self, ops: Sequence[PrefillOp],
-            on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutput]:
+            on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutcome]:
         """Score every op; returns key -> (logits per score position, log-sum-exp or None),
         or the exception of the step that failed it.
 
@@ -160,7 +163,7 @@ class Engine:
 
     def _run_with_prefix_cache(self, ops: Sequence[PrefillOp],
                                on_batch_done: Callable[[int], None] | None
-                               ) -> dict[Hashable, SequenceOutput]:
+                               ) -> dict[Hashable, SequenceOutcome]:
         """Run the levels of the prefix plan (serving/prefix_cache.py): each op continues
         the cached blocks and the shared tokens earlier levels stored."""
         with self.prefix_lock:
@@ -168,12 +171,12 @@ class Engine:
 
     def _run_levels(self, ops: Sequence[PrefillOp],
                     on_batch_done: Callable[[int], None] | None
-                    ) -> dict[Hashable, SequenceOutput]:
+                    ) -> dict[Hashable, SequenceOutcome]:
         cache = self.prefix_cache
         plan = plan_run(ops, cache, self.kv_cache_free)
         slots = cache.num_slots
         try:
-            outputs: dict[Hashable, SequenceOutput] = {}
+            outputs: dict[Hashable, SequenceOutcome] = {}
             for level in plan.levels:                # each reads what earlier ones stored
                 outputs.update(self._run_batches(pack(level, self.policy, self.options, slots),
                                                  None))
@@ -192,13 +195,13 @@ class Engine:
 
     def _run_batches(self, batches: Sequence[HostBatch],
                      on_batch_done: Callable[[int], None] | None
-                     ) -> dict[Hashable, SequenceOutput]:
+                     ) -> dict[Hashable, SequenceOutcome]:
         """Run ``batches`` a step at a time -> outputs by key. The sequences of a step that
         raises get the exception as their value (the backend has recovered: the other
         steps run as usual). A step on the prefix pool fails the run instead: the pool went
         into it (donated), so its contents — what this run's later levels and the cache's
         blocks read — are lost; the engine starts from a fresh pool and an empty cache."""
-        results: dict[Hashable, SequenceOutput] = {}
+        results: dict[Hashable, SequenceOutcome] = {}
         pending: tuple[list[HostBatch], Any] | None = None
         try:
             for step in plan_steps([h.shape_key for h in batches], self.backend.num_ranks):
@@ -219,7 +222,7 @@ class Engine:
             raise
         return results
 
-    def _collect(self, hosts: list[HostBatch], outs: Any, results: dict[Hashable, SequenceOutput],
+    def _collect(self, hosts: list[HostBatch], outs: Any, results: dict[Hashable, SequenceOutcome],
                  on_batch_done: Callable[[int], None] | None) -> None:
         """Fetch one step's outputs into ``results``. A failed plain step (its outputs are
         the exception, or fetching them raises: an asynchronous failure) gives each of its

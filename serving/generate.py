@@ -65,9 +65,10 @@ from moejax.distributed import DistributedOptions, join as join_processes
 from moejax.decode.factory import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, POLICIES, Policy, check_tau, make_policy
-from moejax.generate import DecodeEngine, SequenceOutput, SequenceSpec
+from moejax.generate import DecodeEngine
 from moejax.prefix_hash import BLOCK_SIZE
 from moejax.sampling import MAX_SEED
+from moejax.sequences import SequenceOutput, SequenceSpec
 from serving.api import resolve_model_dir
 from serving.compilation_cache import enable_compilation_cache
 from serving.continuous import GenerationLoop, Scheduler, SchedulerOptions, SequenceTooLong

@@ -41,8 +41,6 @@ from moejax.kv import BlockAllocator
 from moejax.ops import PrefillOp
 from moejax.prefix_hash import BLOCK_SIZE
 
-SequenceOutput = tuple[list[np.ndarray], "np.ndarray | None"]
-
 
 def blocks_for_budget(cfg: ModelConfig, budget_bytes: int, itemsize: int,
                       block_size: int = BLOCK_SIZE) -> int:

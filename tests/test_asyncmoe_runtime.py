@@ -17,7 +17,7 @@ from moejax.asyncmoe import simulator
 from moejax.asyncmoe.runtime import MuQueueRuntime
 from moejax.decode.programs import StepOptions
 from moejax.decode.factory import make_runner
-from moejax.generate import SequenceSpec
+from moejax.sequences import SequenceSpec
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions
 

@@ -17,7 +17,8 @@ import pytest
 from moejax import checkpoint
 from moejax.decode.programs import StepOptions, compiled_program_counts
 from moejax.decode.factory import make_runner
-from moejax.generate import DecodeEngine, SequenceSpec
+from moejax.generate import DecodeEngine
+from moejax.sequences import SequenceSpec
 from serving import Generator
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions, SequenceTooLong

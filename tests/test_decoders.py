@@ -18,7 +18,8 @@ from moejax.decode.programs import StepOptions
 from moejax.decode.factory import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.fitfile import EldrFit, FitError
-from moejax.generate import SequenceSpec, expert_counts
+from moejax.generate import expert_counts
+from moejax.sequences import SequenceSpec
 from serving import Generator
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions

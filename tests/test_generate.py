@@ -28,6 +28,7 @@ from moejax import checkpoint  # noqa: E402
 from moejax import generate as gen_lib  # noqa: E402
 from moejax.decode import programs as decode_programs  # noqa: E402
 from moejax import sampling  # noqa: E402
+from moejax.sequences import SequenceSpec  # noqa: E402
 from serving.cli import main as cli_main  # noqa: E402
 from serving import GenerationResult, Generator  # noqa: E402
 
@@ -214,7 +215,7 @@ def test_shape_buckets(qwen):
     but never below the prompt bucket, which the attention tiling needs whole)."""
     cfg = dataclasses.replace(qwen.gen.config, max_context=100)
     engine = gen_lib.DecodeEngine(qwen.params, cfg, max_batch_size=8)
-    spec = gen_lib.SequenceSpec
+    spec = SequenceSpec
     assert engine.shapes([spec((1,) * 5, 3)] * 3) == (4, 16, 64)
     assert engine.shapes([spec((1,) * 40, 30)] * 5) == (8, 64, 100)
     assert engine.shapes([spec((1,) * 70, 20)]) == (1, 128, 128)

@@ -138,7 +138,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return components
 
 
-# ----------------------------------------------------------------------------- the scanner's own tests
+# ----------------------------------------------------------------------------- the scanner
 def test_the_scanner_sees_lazy_relative_and_submodule_imports():
     modules = {"p", "p.a", "p.b", "p.c", "p.sub", "p.sub.d"}
     source = ("from typing import TYPE_CHECKING\n"

@@ -17,7 +17,7 @@ from moejax.config import ModelConfig
 from moejax.ops import OpKey, PrefillOp
 from moejax.packing import BucketPolicy
 from serving import requests as requests_lib
-from serving.dispatch import EnginePool
+from serving.engine_pool import EnginePool
 from serving.engine import Engine
 from moejax.kv import BlockAllocator
 from serving.prefix_cache import plan_run

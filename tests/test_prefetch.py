@@ -18,11 +18,11 @@ from moejax.decode.programs import StepOptions
 from moejax.decode.factory import make_runner
 from moejax.decode.runners import ExpertSlots
 from moejax.eldr.fitfile import model_fingerprint
-from moejax.generate import SequenceSpec
 from moejax.prefetch import defaults as defaults_lib
 from moejax.prefetch import estimator as estimator_lib
 from moejax.prefetch import predictors, replay, runner as runner_lib
 from moejax.prefetch.defaults import PrefetchFileError
+from moejax.sequences import SequenceSpec
 from serving.api import resolve_model_dir
 from serving.continuous import Scheduler, SchedulerOptions
 

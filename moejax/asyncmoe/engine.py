@@ -42,7 +42,7 @@ from moejax.asyncmoe.pool import TokenPool
 from moejax.asyncmoe.records import (ATTENTION, ATTENTION_UNIT, EXPERT, HEAD, HEAD_UNIT,
                                      KINDS, QueueKey, TokenRecord, attention_record,
                                      head_record, queue_key, unit_kind)
-from moejax.asyncmoe.schedulers import Scheduler
+from moejax.asyncmoe.schedulers import QueueScheduler
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -109,7 +109,7 @@ class Merged:
                                 self.context, payload)
 
 
-class EngineStats:
+class DeviceEngineStats:
     """Executions handed out by :meth:`DeviceEngine.next_batch`: how many batches and
     tokens per μ-queue (layer, unit). Start/end times are the driver's to keep."""
 
@@ -139,7 +139,7 @@ class DeviceEngine:
     ``units`` lists the queue columns this device hosts (:func:`device_units`)."""
 
     def __init__(self, device: int, num_layers: int, units: Sequence[int],
-                 scheduler: Scheduler, top_k: int, expert_device: Sequence[int]) -> None:
+                 scheduler: QueueScheduler, top_k: int, expert_device: Sequence[int]) -> None:
         self.device = _check_int("device", device, 0)
         self.num_layers = _check_int("num_layers", num_layers, 1)
         self.expert_device = tuple(_check_int(f"expert_device[{e}]", d, 0)
@@ -156,7 +156,7 @@ class DeviceEngine:
                              f"{scheduler!r}")
         self.scheduler = scheduler
         self.pool = TokenPool(self.top_k)
-        self.stats = EngineStats()
+        self.stats = DeviceEngineStats()
         self._column = {unit: col for col, unit in enumerate(self.units)}
         self._queues = [[collections.deque() for _ in self.units]
                         for _ in range(self.num_layers)]

@@ -18,7 +18,7 @@ ROUTING_CACHE_CHUNKS = 1 << 16
 chunk is redrawn identically when asked again)."""
 
 
-class Routing(Protocol):
+class RoutingSource(Protocol):
     """Where each token goes: the top-k expert ids and gate weights of a request's
     token at a decode step and block. Must be a pure function of its arguments (both
     simulations and repeated runs see the same routing)."""

@@ -44,21 +44,18 @@ from moejax import moe, sampling
 from moejax.asyncmoe.engine import Batch, DeviceEngine, Merged, contiguous_placement, device_units
 from moejax.asyncmoe.loop import LoopRequest, MuQueueLoop, SimResult
 from moejax.asyncmoe.records import TokenRecord
-from moejax.asyncmoe.schedulers import Scheduler, make_scheduler
+from moejax.asyncmoe.schedulers import QueueScheduler, make_scheduler
 from moejax.backends.base import check_expert_bias, validated
 from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.decode.paged import WRITE_ROWS, empty_paged_kv
 from moejax.decode.programs import PagedBatch, StepOptions
-from moejax.generate import SequenceOutput, SequenceSpec
 from moejax.param_layout import EXPERT_KEYS, Params
 from moejax.prefix_hash import BLOCK_SIZE
+from moejax.sequences import SequenceOutput, SequenceSpec
+from moejax.sizes import bucket
 
 UNIT_SECONDS = 1.0          # the default virtual cost of one execution
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @jax.jit
@@ -148,7 +145,7 @@ class ModelExecutor:
             raise RuntimeError(f"request {request.request_id}: needs {need} KV blocks, rank "
                                f"{rank} has {len(self.free_blocks[rank])} free")
         blocks = np.array([self.free_blocks[rank].pop(0) for _ in range(need)], np.int32)
-        self.max_table = max(self.max_table, _bucket(need))
+        self.max_table = max(self.max_table, bucket(need, 1))
         seq = _Sequence(spec, rank, blocks, [])
         self.sequences[request.request_id] = seq
         token = self._prefill(seq)
@@ -196,7 +193,7 @@ class ModelExecutor:
         seqs = [self.sequences[r.request_id] for r in records]
         return decode_rows([seq.blocks for seq in seqs], [r.context - 1 for r in records],
                            [seq.tokens[-1] for seq in seqs], [len(seq.tokens) for seq in seqs],
-                           _bucket(len(records)), self.max_table, self.kv[rank].num_slots)
+                           bucket(len(records), 1), self.max_table, self.kv[rank].num_slots)
 
     def _stack(self, payloads: Sequence[jax.Array], device: Any, rows: int) -> jax.Array:
         x = jnp.stack([jax.device_put(p, device) for p in payloads])
@@ -227,7 +224,7 @@ class ModelExecutor:
 
     def expert(self, device: int, batch: Batch) -> list:
         dev, n = self.devices[device], batch.size
-        rows = _bucket(n)
+        rows = bucket(n, 1)
         x = self._stack([r.payload for r in batch.records], dev, rows)
         routing = moe.Routing(weights=jnp.ones((rows, 1), jnp.float32),
                               experts=jnp.zeros((rows, 1), jnp.int32))
@@ -304,7 +301,7 @@ class MuQueueRuntime:
     model (default one unit per execution, free transfers)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, devices: Sequence[Any], *,
-                 scheduler: Scheduler | str = "defrag", dtype: Any = "float32",
+                 scheduler: QueueScheduler | str = "defrag", dtype: Any = "float32",
                  expert_device: Sequence[int] | None = None, blocks_per_rank: int | None = None,
                  duration: Callable[[Batch], float] | None = None,
                  link: Callable[[float], float] | None = None):

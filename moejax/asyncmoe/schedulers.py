@@ -36,7 +36,7 @@ floats; a tie in exact arithmetic may differ in the last bits after δ^j / N_U).
 SCHEDULER_NAMES = ("defrag", "most_tokens", "first_layer")
 
 
-class Scheduler(Protocol):
+class QueueScheduler(Protocol):
     """What the engine asks: the (block, column) of Q to drain next, None if all empty."""
 
     def choose(self, queue_lengths: np.ndarray) -> tuple[int, int] | None: ...
@@ -149,7 +149,7 @@ class FirstLayerScheduler:
         return row, int(np.argmax(q[row]))
 
 
-def make_scheduler(name: str, **options: Any) -> Scheduler:
+def make_scheduler(name: str, **options: Any) -> QueueScheduler:
     """A scheduler by name: "defrag" (options ``delta``, ``lookahead``), "most_tokens"
     or "first_layer" (no options). ValueError for an unknown name or option, or a bad
     value."""

@@ -60,11 +60,11 @@ from moejax.asyncmoe.engine import (Batch, DeviceEngine, Merged, contiguous_plac
 from moejax.asyncmoe.loop import (MU_QUEUE, SYNC_EP, ExecutedBatch, MuQueueLoop,  # noqa: F401
                                   RequestProgress, RequestTiming, SimResult, assign_rank)
 from moejax.asyncmoe.records import ATTENTION, ATTENTION_UNIT, EXPERT, HEAD_UNIT
-from moejax.asyncmoe.schedulers import Scheduler, make_scheduler
+from moejax.asyncmoe.schedulers import QueueScheduler, make_scheduler
 # Cost tables and routing sources live in their own modules; re-exported here.
 from moejax.asyncmoe.checks import int_at_least, nonnegative, positive
 from moejax.asyncmoe.costs import CostTables  # noqa: F401
-from moejax.asyncmoe.routing import Routing, SkewedRouting, TraceRouting  # noqa: F401
+from moejax.asyncmoe.routing import RoutingSource, SkewedRouting, TraceRouting  # noqa: F401
 
 
 
@@ -139,7 +139,7 @@ class _Setup:
     expert_device: tuple[int, ...]
 
 
-def _setup(routing: Routing, num_devices: int, num_layers: int, num_experts: int,
+def _setup(routing: RoutingSource, num_devices: int, num_layers: int, num_experts: int,
            top_k: int, hidden: int, dtype_bytes: int,
            expert_device: Sequence[int] | None) -> _Setup:
     num_devices = int_at_least("num_devices", num_devices, 1)
@@ -173,9 +173,9 @@ def _batch_seconds(tables: CostTables, batch: Batch) -> float:
 
 
 # ----------------------------------------------------------------------------- μ-queue
-def simulate_mu_queue(tables: CostTables, routing: Routing, workload: Sequence[SimRequest],
+def simulate_mu_queue(tables: CostTables, routing: RoutingSource, workload: Sequence[SimRequest],
                       num_devices: int, num_layers: int, num_experts: int, top_k: int,
-                      scheduler: Scheduler | str, hidden: int, dtype_bytes: int,
+                      scheduler: QueueScheduler | str, hidden: int, dtype_bytes: int,
                       expert_device: Sequence[int] | None = None) -> SimResult:
     """AsyncMoE decode of ``workload`` on ``num_devices`` devices, each a
     :class:`DeviceEngine` with ``scheduler`` (an object or a name for
@@ -204,7 +204,7 @@ def simulate_mu_queue(tables: CostTables, routing: Routing, workload: Sequence[S
 
 def replay_outputs(outputs: Sequence[Any], prompt_lengths: Sequence[int],
                    arrivals: Sequence[float], tables: CostTables, num_devices: int,
-                   num_layers: int, num_experts: int, top_k: int, scheduler: Scheduler | str,
+                   num_layers: int, num_experts: int, top_k: int, scheduler: QueueScheduler | str,
                    hidden: int, dtype_bytes: int) -> SimResult:
     """The simulation of what a real run decoded: every request of ``outputs`` (the
     runtime's ``SequenceOutput`` s, with their recorded ``decode_experts`` /
@@ -224,7 +224,7 @@ class RoutingExecutor:
     """The simulator's executor: no arithmetic, no payloads; attention batches take their
     top-k from ``routing``, and a request decodes ``decode_tokens`` steps."""
 
-    def __init__(self, routing: Routing, requests: Sequence[SimRequest]) -> None:
+    def __init__(self, routing: RoutingSource, requests: Sequence[SimRequest]) -> None:
         self.routing = routing
         self.decode_tokens = {r.request_id: r.decode_tokens for r in requests}
 
@@ -247,7 +247,7 @@ class RoutingExecutor:
 
 
 # ----------------------------------------------------------------------------- sync EP
-def simulate_sync_ep(tables: CostTables, routing: Routing, workload: Sequence[SimRequest],
+def simulate_sync_ep(tables: CostTables, routing: RoutingSource, workload: Sequence[SimRequest],
                      num_devices: int, num_layers: int, num_experts: int, top_k: int,
                      hidden: int, dtype_bytes: int,
                      expert_device: Sequence[int] | None = None) -> SimResult:

@@ -13,7 +13,7 @@ import jax
 
 from moejax.decode.paged import WRITE_ROWS, PagedKV
 from moejax.kv.blocks import block_slots
-from moejax.kv_cache import bucket
+from moejax.sizes import bucket
 from moejax.prefix_hash import BLOCK_SIZE
 
 

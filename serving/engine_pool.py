@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Hashable, Sequence
 
 from moejax.ops import PrefillOp
-from serving.engine import Engine, SequenceOutput
+from serving.engine import Engine, SequenceOutcome
 from serving.router import BlocksEvicted, BlocksStored, FlopsExecuted, Router, RoutingReport
 
 
@@ -49,7 +49,7 @@ class EnginePool:
         return self.router.assign(ops)
 
     def run(self, ops: Sequence[PrefillOp], on_batch_done: Callable[[int], None] | None = None
-            ) -> tuple[dict[Hashable, SequenceOutput], dict[int, OpTiming]]:
+            ) -> tuple[dict[Hashable, SequenceOutcome], dict[int, OpTiming]]:
         """Score ``ops`` (keys distinct) -> (outputs by op key, timing by op index)."""
         start = time.perf_counter()
         report = self.route(ops)
@@ -57,7 +57,7 @@ class EnginePool:
         work: list[list[int]] = [[] for _ in self.engines]
         for i, assignment in enumerate(report.assignments):
             work[assignment.engine].append(i)
-        outputs: dict[Hashable, SequenceOutput] = {}
+        outputs: dict[Hashable, SequenceOutcome] = {}
         timings: dict[int, OpTiming] = {}
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             futures = {pool.submit(self._run_engine, g, ops, indices, on_batch_done): g
@@ -74,7 +74,7 @@ class EnginePool:
         return outputs, timings
 
     def _run_engine(self, g: int, ops: Sequence[PrefillOp], indices: list[int],
-                    on_batch_done) -> dict[Hashable, SequenceOutput]:
+                    on_batch_done) -> dict[Hashable, SequenceOutcome]:
         return self.engines[g].run([ops[i] for i in indices], on_batch_done=on_batch_done)
 
     def _report(self, g: int, costs: list[int], ops: list[PrefillOp]) -> None:
