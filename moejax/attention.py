@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,48 @@ def _triangular(queries, keys, values, bias, sub: int, sinks=None, positions=Non
     return jnp.concatenate(outs, axis=3)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SoftmaxState:
+    """A running softmax over key chunks (flash-attention style), per query:
+    ``peak`` [..., C] the largest score so far, ``total`` [..., C] the sum of
+    exp(score - peak), ``acc`` [..., C, h] the exp-weighted sum of values. The one online
+    softmax of moejax: packed attention (:func:`_flash`) and paged attention
+    (``moejax.decode.paged``) both fold their key chunks into it."""
+
+    peak: jax.Array
+    total: jax.Array
+    acc: jax.Array
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], head_dim: int,
+              sinks: jax.Array | None = None) -> "SoftmaxState":
+        """No key seen yet; with ``sinks`` (broadcasting to ``shape``) the sink column is:
+        peak = sink, total = exp(sink - sink) = 1, acc = 0 (a sink has no value)."""
+        if sinks is None:
+            return cls(peak=jnp.full(shape, MASK_VALUE, jnp.float32),
+                       total=jnp.zeros(shape, jnp.float32),
+                       acc=jnp.zeros((*shape, head_dim), jnp.float32))
+        return cls(peak=jnp.broadcast_to(sinks.astype(jnp.float32), shape),
+                   total=jnp.ones(shape, jnp.float32),
+                   acc=jnp.zeros((*shape, head_dim), jnp.float32))
+
+    def add(self, scores: Float[Array, "... C W"], visible: Bool[Array, "..."],
+            values_of: Any) -> "SoftmaxState":
+        """Fold in one chunk of scores (masked by ``visible``, which broadcasts to them);
+        ``values_of(probs)`` gives the chunk's probability-weighted values [..., C, h]."""
+        peak = jnp.maximum(self.peak, jnp.max(jnp.where(visible, scores, MASK_VALUE), -1))
+        # Masked scores weigh exactly 0 (not exp(MASK - MASK) = 1 in an empty chunk).
+        probs = jnp.where(visible, jnp.exp(scores - peak[..., None]), 0.0)
+        rescale = jnp.exp(self.peak - peak)
+        return SoftmaxState(peak=peak, total=self.total * rescale + probs.sum(-1),
+                            acc=self.acc * rescale[..., None] + values_of(probs))
+
+    def result(self) -> jax.Array:
+        """The attention output [..., C, h] (0 for a query that saw no key)."""
+        return self.acc / jnp.maximum(self.total, jnp.finfo(jnp.float32).tiny)[..., None]
+
+
 def _flash(queries, keys, values, segment_ids, chunk: int, sinks=None, positions=None,
            window=None) -> jax.Array:
     """sinks [n_kv, g] f32 (the softmax starts from the sink: peak = sink, total = 1,
@@ -203,8 +246,7 @@ def _flash(queries, keys, values, segment_ids, chunk: int, sinks=None, positions
         row_q = i * chunk + local
         pos_q = None if window is None else jax.lax.dynamic_slice_in_dim(pos[b], i * chunk, chunk)
 
-        def key_chunk(j, carry):
-            m, l, acc = carry
+        def key_chunk(j, state: SoftmaxState) -> SoftmaxState:
             k = jax.lax.dynamic_slice_in_dim(keys[b], j * chunk, chunk, axis=1)
             v = jax.lax.dynamic_slice_in_dim(values[b], j * chunk, chunk, axis=1)
             seg_k = jax.lax.dynamic_slice_in_dim(seg[b], j * chunk, chunk)
@@ -213,26 +255,14 @@ def _flash(queries, keys, values, segment_ids, chunk: int, sinks=None, positions
                 pos_k = jax.lax.dynamic_slice_in_dim(pos[b], j * chunk, chunk)
                 visible = visible & in_window(pos_q[:, None], pos_k[None, :], window)
             s = jnp.einsum("kgqh,ksh->kgqs", q, k, preferred_element_type=jnp.float32) * scale
-            s = jnp.where(visible, s, MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            # Tiles seen before any visible key add junk with weight exp(-1e30 - m) = 0 later.
-            p = jnp.exp(s - m_new[..., None])
-            correction = jnp.exp(m - m_new)
-            acc = acc * correction[..., None] + jnp.einsum(
-                "kgqs,ksh->kgqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            return m_new, l * correction + p.sum(axis=-1), acc
+            return state.add(s, visible, lambda p: jnp.einsum(
+                "kgqs,ksh->kgqh", p.astype(v.dtype), v, preferred_element_type=jnp.float32))
 
-        if sinks is None:
-            init = (jnp.full((n_kv, g, chunk), MASK_VALUE, jnp.float32),
-                    jnp.zeros((n_kv, g, chunk), jnp.float32),
-                    jnp.zeros((n_kv, g, chunk, hv), jnp.float32))
-        else:   # the sink column first: exp(sink - peak) = 1 with peak = sink
-            init = (jnp.broadcast_to(sinks[:, :, None], (n_kv, g, chunk)),
-                    jnp.ones((n_kv, g, chunk), jnp.float32),
-                    jnp.zeros((n_kv, g, chunk, hv), jnp.float32))
+        # With sinks, the sink column comes first (SoftmaxState.empty).
+        init = SoftmaxState.empty((n_kv, g, chunk), hv,
+                                  None if sinks is None else sinks[:, :, None])
         first = 0 if window is None else jnp.maximum(i * chunk - window + 1, 0) // chunk
-        _, l, acc = jax.lax.fori_loop(first, i + 1, key_chunk, init)
-        return acc / l[..., None]
+        return jax.lax.fori_loop(first, i + 1, key_chunk, init).result()
 
     out = jax.lax.map(query_chunk, jnp.arange(nb * n, dtype=jnp.int32))   # [nb·n, kv, g, c, hv]
     out = out.reshape(nb, n, n_kv, g, chunk, hv).transpose(0, 2, 3, 1, 4, 5)

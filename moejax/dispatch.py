@@ -16,14 +16,16 @@ two parts, and a backend supplies only the part that differs:
   (``moejax.backends.sync_ep.AllToAllTokens``).
 
 Both parts may keep a *carry* through the layer loop (gathered weights, per-layer
-stats); :meth:`MoEDispatcher.init_carry` gives its start.
+stats); :meth:`MoEDispatcher.init_carry` gives its start. The two seams are the Protocols
+:class:`ExpertSource` and :class:`TokenTransport`; the experts kernel a transport runs is
+chosen by name from ``moe.EXPERT_KERNELS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 from jaxtyping import Array, Bool, Float
@@ -35,12 +37,48 @@ from moejax.param_layout import EXPERT_BIAS_KEYS
 ExpertWeights = Mapping[str, jax.Array]   # w_gate, w_up [E, d, f]; w_down [E, f, d]
 
 
+# --------------------------------------------------------------------- the seams
+@runtime_checkable    # the tests' type checks ask isinstance of a dispatcher's parts
+class ExpertSource(Protocol):
+    """Where each layer's expert weights are. ``communicates``: whether fetching them runs
+    a collective or keeps state in the carry (a layer without routed experts may then not
+    be skipped)."""
+
+    communicates: bool
+
+    def init_carry(self) -> Any: ...
+
+    def layer_experts(self, layer: Any, carry: Any) -> tuple[ExpertWeights, Any]:
+        """Layer ``layer``'s experts [E, ...] (layer: an int, or a traced index), and the
+        carry for the next layer."""
+        ...
+
+
+@runtime_checkable
+class TokenTransport(Protocol):
+    """How the routed tokens reach the expert weights and come back: ``prepare``
+    (dispatch), ``experts`` (the experts kernel on what arrived), ``finalize`` (combine).
+    ``communicates``: whether any of them runs a collective or keeps state in the carry."""
+
+    communicates: bool
+
+    def init_carry(self) -> Any: ...
+
+    def prepare(self, x: jax.Array, routing: moe.Routing, valid: jax.Array | None) -> Any: ...
+
+    def experts(self, prepared: Any, weights: ExpertWeights) -> jax.Array: ...
+
+    def finalize(self, y: jax.Array, prepared: Any, routing: moe.Routing,
+                 valid: jax.Array | None, carry: Any) -> tuple[jax.Array, Any]: ...
+
+
 # --------------------------------------------------------------------- sources
 @dataclasses.dataclass(frozen=True)
 class StackedExperts:
     """Every layer's experts on the device, stacked [L, E, ...]: layer l is indexed in place."""
 
     stacked: ExpertWeights
+    communicates: ClassVar[bool] = False
 
     def init_carry(self) -> Any:
         return ()
@@ -55,6 +93,7 @@ class GivenExperts:
     window, the last layer of a gathered stack)."""
 
     weights: ExpertWeights
+    communicates: ClassVar[bool] = False
 
     def init_carry(self) -> Any:
         return ()
@@ -77,6 +116,7 @@ class GatheredAhead:
     axis: str
     num_experts: int
     num_layers: int
+    communicates: ClassVar[bool] = True     # the all-gather, and the carried layer
 
     def init_carry(self) -> Any:
         return dict(self.first)
@@ -112,6 +152,10 @@ class LocalTokens:
     psum_axis: str | None = None
     activation: moe.ClampedSwiGLU | None = None   # GPT-OSS (None: silu SwiGLU)
 
+    @property
+    def communicates(self) -> bool:
+        return self.psum_axis is not None
+
     def init_carry(self) -> Any:
         return ()
 
@@ -139,8 +183,8 @@ class MoEDispatcher:
     """An expert source and a token transport (module docstring). ``apply`` is what the
     decoder layer calls after routing."""
 
-    source: Any
-    transport: Any
+    source: ExpertSource
+    transport: TokenTransport
 
     def init_carry(self) -> Any:
         return self.source.init_carry(), self.transport.init_carry()
@@ -148,10 +192,9 @@ class MoEDispatcher:
     @property
     def skippable(self) -> bool:
         """May a layer without routed experts skip ``apply`` (under a ``lax.cond``)? Only
-        when nothing in it communicates or carries state: local tokens, no partial sums,
-        weights resident or handed in."""
-        return (isinstance(self.transport, LocalTokens) and self.transport.psum_axis is None
-                and isinstance(self.source, (StackedExperts, GivenExperts)))
+        when nothing in it communicates or carries state (local tokens, no partial sums,
+        weights resident or handed in): a collective must run on every device alike."""
+        return not (self.source.communicates or self.transport.communicates)
 
     def apply(self, layer, x: Float[Array, "n d"], routing: moe.Routing,
               valid: Bool[Array, "n"] | None, carry: Any) -> tuple[jax.Array, Any]:
@@ -165,7 +208,7 @@ class MoEDispatcher:
         return out, (source_carry, transport_carry)
 
 
-def local_dispatcher(source: Any, num_experts: int, impl: moe.ExpertImpl = "auto",
+def local_dispatcher(source: ExpertSource, num_experts: int, impl: moe.ExpertImpl = "auto",
                      tile_rows: int | tuple[int, int] | None = None,
                      psum_axis: str | None = None,
                      activation: moe.ClampedSwiGLU | None = None) -> MoEDispatcher:

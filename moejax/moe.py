@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -234,23 +235,62 @@ def _expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_dow
                                tile_rows)
     if impl == "auto":
         impl = gmm_lib.choose_expert_impl(x.shape[1], w_gate.shape[2])
-    if impl == "pallas":
-        hidden = pallas_gmm.gmm_swiglu(x, w_gate, w_up, sizes)
-        return pallas_gmm.gmm(hidden, w_down, sizes)
-    if impl == "fused_tiles":
-        return gmm_lib.grouped_swiglu_tiles(x, w_gate, w_up, w_down, sizes, tile_rows=tile_rows)
-    if impl == "dense":
-        return gmm_lib.swiglu_dense(x, w_gate, w_up, w_down, sizes)
-    if impl == "blocks":
-        return gmm_lib.swiglu_blocks(x, w_gate, w_up, w_down, sizes)
-    if impl in ("gmm", "ragged_dot"):
-        matmul = gmm_lib.gmm if impl == "gmm" else gmm_lib.ragged_dot_gmm
-        kwargs = {"tile_rows": tile_rows} if impl == "gmm" else {}
-        gate = matmul(x, w_gate, sizes, **kwargs)
-        up = matmul(x, w_up, sizes, **kwargs)
-        hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-        return matmul(hidden, w_down, sizes, **kwargs)
-    raise ValueError(f"unknown expert implementation {impl!r}; choose one of {EXPERT_IMPLS}")
+    kernel = EXPERT_KERNELS.get(impl)
+    if kernel is None:
+        raise ValueError(f"unknown expert implementation {impl!r}; choose one of {EXPERT_IMPLS}")
+    return kernel(x, w_gate, w_up, w_down, sizes, tile_rows)
+
+
+# ------------------------------------------------------------------ the experts kernels
+class ExpertKernel(typing.Protocol):
+    """A grouped SwiGLU over rows sorted by expert: x [M, d] in groups of ``sizes`` [E]
+    rows, weights w_gate, w_up [E, d, f] and w_down [E, f, d] -> [M, d] (rows past the
+    groups: zeros). ``tile_rows``: the row tile, for the kernels that take one."""
+
+    def __call__(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                 sizes: jax.Array, tile_rows: int | tuple[int, int] | None) -> jax.Array: ...
+
+
+def _swiglu_matmuls(matmul: Callable[..., jax.Array], x: jax.Array, w_gate: jax.Array,
+                    w_up: jax.Array, w_down: jax.Array, **kwargs: typing.Any) -> jax.Array:
+    """The SwiGLU as three grouped matmuls ``matmul(lhs, rhs, sizes...)`` (f32 activation)."""
+    gate = matmul(x, w_gate, **kwargs)
+    up = matmul(x, w_up, **kwargs)
+    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    return matmul(hidden, w_down, **kwargs)
+
+
+def _pallas_kernel(x, w_gate, w_up, w_down, sizes, tile_rows):
+    return pallas_gmm.gmm(pallas_gmm.gmm_swiglu(x, w_gate, w_up, sizes), w_down, sizes)
+
+
+def _fused_tiles_kernel(x, w_gate, w_up, w_down, sizes, tile_rows):
+    return gmm_lib.grouped_swiglu_tiles(x, w_gate, w_up, w_down, sizes, tile_rows=tile_rows)
+
+
+def _dense_kernel(x, w_gate, w_up, w_down, sizes, tile_rows):
+    return gmm_lib.swiglu_dense(x, w_gate, w_up, w_down, sizes)
+
+
+def _blocks_kernel(x, w_gate, w_up, w_down, sizes, tile_rows):
+    return gmm_lib.swiglu_blocks(x, w_gate, w_up, w_down, sizes)
+
+
+def _gmm_kernel(x, w_gate, w_up, w_down, sizes, tile_rows):
+    return _swiglu_matmuls(lambda lhs, rhs: gmm_lib.gmm(lhs, rhs, sizes, tile_rows=tile_rows),
+                           x, w_gate, w_up, w_down)
+
+
+def _ragged_dot_kernel(x, w_gate, w_up, w_down, sizes, tile_rows):
+    return _swiglu_matmuls(lambda lhs, rhs: gmm_lib.ragged_dot_gmm(lhs, rhs, sizes),
+                           x, w_gate, w_up, w_down)
+
+
+# Every name of EXPERT_IMPLS but "auto" (resolved per platform and shape first); a new
+# kernel is one entry here (and its name in EXPERT_IMPLS), beside its reference and test.
+EXPERT_KERNELS: dict[str, ExpertKernel] = {
+    "fused_tiles": _fused_tiles_kernel, "pallas": _pallas_kernel, "gmm": _gmm_kernel,
+    "ragged_dot": _ragged_dot_kernel, "dense": _dense_kernel, "blocks": _blocks_kernel}
 
 
 def combine(y_sorted: Float[Array, "M d"], perm: Permutation, routing: Routing,

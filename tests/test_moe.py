@@ -294,7 +294,12 @@ def _moe_block(x, router, wg, wu, wd, valid, impl, norm_topk_prob, with_valid=Tr
                          valid=valid if with_valid else None, impl=impl, tile_rows=4)
 
 
-@pytest.mark.parametrize("impl", ["fused_tiles", "pallas", "gmm", "dense", "ragged_dot", "blocks"])
+def test_every_expert_impl_but_auto_is_a_registered_kernel():
+    assert set(moe.EXPERT_KERNELS) == set(moe.EXPERT_IMPLS) - {"auto"}
+    assert set(moe.BIASED_IMPLS) <= set(moe.EXPERT_KERNELS)
+
+
+@pytest.mark.parametrize("impl", sorted(moe.EXPERT_KERNELS))   # every kernel, by its name
 def test_moe_block_padding(impl):
     router, wg, wu, wd = _moe_weights(1)
     rng = np.random.default_rng(7)
@@ -351,3 +356,22 @@ def test_unknown_expert_impl_raises(typechecks_off):
                            group_sizes=np.array([4, 0, 0, 0, 0], np.int32))
     with pytest.raises(ValueError, match="unknown expert implementation 'nope'"):
         moe.expert_compute(perm, wg, wu, wd, impl="nope")
+
+
+def test_a_layer_may_be_skipped_only_when_its_dispatch_does_not_communicate():
+    """``MoEDispatcher.skippable``: a collective must run on every device alike, so only a
+    dispatch whose source and transport both stay local may sit under a ``lax.cond``."""
+    from moejax import dispatch
+    from moejax.backends.sync_ep import AllToAllTokens
+    from moejax.backends.streamed import GatheredFromWindow
+
+    stacked, given = dispatch.StackedExperts({}), dispatch.GivenExperts({})
+    ahead = dispatch.GatheredAhead({}, {}, "ep", NUM_E, 2)
+    local, tp = dispatch.LocalTokens(NUM_E), dispatch.LocalTokens(NUM_E, psum_axis="tp")
+    assert dispatch.MoEDispatcher(stacked, local).skippable
+    assert dispatch.MoEDispatcher(given, local).skippable
+    assert not dispatch.MoEDispatcher(stacked, tp).skippable
+    assert not dispatch.MoEDispatcher(ahead, local).skippable
+    assert not dispatch.MoEDispatcher(GatheredFromWindow({}, {}, "ep", NUM_E, 2), local).skippable
+    assert not dispatch.MoEDispatcher(stacked, AllToAllTokens(ctx=None, capacity=1)).skippable
+

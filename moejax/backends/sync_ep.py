@@ -83,7 +83,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -351,6 +351,7 @@ class AllToAllTokens:
     capacity: int
     impl: moe.ExpertImpl = "auto"
     tile_rows: int | tuple[int, int] | None = None
+    communicates: ClassVar[bool] = True      # two all-to-alls, and the stats carry
 
     def init_carry(self) -> jax.Array:
         return jnp.zeros((NUM_STATS,), jnp.int32)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from moejax.attention import MASK_VALUE, Window, clamp_window, in_window
+from moejax.attention import SoftmaxState, Window, clamp_window, in_window
 from moejax.config import ModelConfig
 from moejax.layers import LayerParams, attention_options, expand_kv, project_kv, project_q
 from moejax.prefix_hash import BLOCK_SIZE
@@ -88,46 +88,6 @@ def empty_paged_kv(cfg: ModelConfig, num_blocks: int, dtype: Any, device: Any = 
     return PagedKV(keys=jnp.zeros((*shape, key_dim), dtype, device=device),
                    values=jnp.zeros((*shape, value_dim), dtype, device=device),
                    expert_counts=counts)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SoftmaxState:
-    """A running softmax over key chunks (flash-attention style), per query:
-    ``peak`` [..., C] the largest score so far, ``total`` [..., C] the sum of
-    exp(score - peak), ``acc`` [..., C, h] the exp-weighted sum of values."""
-
-    peak: jax.Array
-    total: jax.Array
-    acc: jax.Array
-
-    @classmethod
-    def empty(cls, shape: tuple[int, ...], head_dim: int,
-              sinks: jax.Array | None = None) -> "SoftmaxState":
-        """No key seen yet; with ``sinks`` (broadcasting to ``shape``) the sink column is:
-        peak = sink, total = exp(sink - sink) = 1, acc = 0 (a sink has no value)."""
-        if sinks is None:
-            return cls(peak=jnp.full(shape, MASK_VALUE, jnp.float32),
-                       total=jnp.zeros(shape, jnp.float32),
-                       acc=jnp.zeros((*shape, head_dim), jnp.float32))
-        return cls(peak=jnp.broadcast_to(sinks.astype(jnp.float32), shape),
-                   total=jnp.ones(shape, jnp.float32),
-                   acc=jnp.zeros((*shape, head_dim), jnp.float32))
-
-    def add(self, scores: Float[Array, "... C W"], visible: Bool[Array, "..."],
-            values_of: Any) -> "SoftmaxState":
-        """Fold in one chunk of scores (masked by ``visible``, which broadcasts to them);
-        ``values_of(probs)`` gives the chunk's probability-weighted values [..., C, h]."""
-        peak = jnp.maximum(self.peak, jnp.max(jnp.where(visible, scores, MASK_VALUE), -1))
-        # Masked scores weigh exactly 0 (not exp(MASK - MASK) = 1 in an empty chunk).
-        probs = jnp.where(visible, jnp.exp(scores - peak[..., None]), 0.0)
-        rescale = jnp.exp(self.peak - peak)
-        return SoftmaxState(peak=peak, total=self.total * rescale + probs.sum(-1),
-                            acc=self.acc * rescale[..., None] + values_of(probs))
-
-    def result(self) -> jax.Array:
-        """The attention output [..., C, h] (0 for a query that saw no key)."""
-        return self.acc / jnp.maximum(self.total, jnp.finfo(jnp.float32).tiny)[..., None]
 
 
 def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S s hk"],
