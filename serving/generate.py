@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -75,8 +74,9 @@ from serving.continuous import GenerationLoop, Scheduler, SchedulerOptions, Sequ
 from serving.decoders import DecoderPool
 from serving.options import ScorerOptions
 from serving.prefix_share import ScorerPrefixSource
-from serving.requests import (RequestError, TokenizerAdapter, id_problem, request_id_of,
-                              request_label, show, unexpected_error, unknown_fields)
+from serving.requests import (FieldChecker, RequestError, TokenizerAdapter, id_problem,
+                              request_id_of, request_label, show, unexpected_error,
+                              unknown_fields)
 
 DEFAULT_MAX_NEW_TOKENS = 16
 MAX_DOMAIN_CHARS = 256
@@ -394,53 +394,6 @@ def model_eos_ids(model_dir: str, vocab_size: int) -> frozenset[int]:
 
 
 # ----------------------------------------------------------------------------- parsing
-class _Fields:
-    """Checks the fields of one request; failures are :class:`RequestError` s that name
-    the request and the field."""
-
-    def __init__(self, request_id: Any, index: int):
-        self.index = index
-        self.label = request_label(request_id, index)
-
-    def fail(self, field: str, problem: str) -> RequestError:
-        return RequestError(f"{self.label}: {field}: {problem}", index=self.index, field=field)
-
-    def integer(self, value: Any, field: str, low: int, high: int | None = None) -> int:
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise self.fail(field, f"must be an integer, got {type(value).__name__}")
-        value = int(value)
-        if value < low or (high is not None and value >= high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high})"
-            raise self.fail(field, f"must be {bound}, got {show(value)}")
-        return value
-
-    def number(self, value: Any, field: str) -> float:
-        """A finite real number that float32 (the sampling dtype) can hold."""
-        if (isinstance(value, (bool, np.bool_))
-                or not isinstance(value, (int, float, np.integer, np.floating))):
-            raise self.fail(field, f"must be a number, got {type(value).__name__}")
-        try:
-            number = float(value)
-        except OverflowError:   # an int past float64's range
-            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
-                                   f"got {show(value)}") from None
-        if not math.isfinite(number):
-            raise self.fail(field, f"must be finite, got {number}")
-        with np.errstate(over="ignore"):
-            too_big = not np.isfinite(np.float32(number))
-        if too_big:
-            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
-                                   f"got {number:g}")
-        return number
-
-    def token_ids(self, value: Any, field: str, vocab_size: int, allow_empty: bool) -> list[int]:
-        if not isinstance(value, (list, tuple)):
-            raise self.fail(field, f"must be a list of integers, got {type(value).__name__}")
-        if not value and not allow_empty:
-            raise self.fail(field, "is empty")
-        return [self.integer(v, f"{field}[{i}]", 0, vocab_size) for i, v in enumerate(value)]
-
-
 def _as_request(obj: Any, index: int) -> GenerationRequest:
     """A dict (JSON object) or a GenerationRequest -> GenerationRequest; unknown keys are
     an error (they are usually typos)."""
@@ -457,14 +410,14 @@ def _as_request(obj: Any, index: int) -> GenerationRequest:
     return GenerationRequest(**{name: obj[name] for name in _FIELDS if name in obj})
 
 
-def _prompt_ids(check: _Fields, req: GenerationRequest, tokenizer: TokenizerAdapter,
+def _prompt_ids(check: FieldChecker, req: GenerationRequest, tokenizer: TokenizerAdapter,
                 vocab_size: int) -> list[int]:
     """Exactly one of prompt / prompt_token_ids, as non-empty vocabulary ids."""
     if (req.prompt is None) == (req.prompt_token_ids is None):
         raise check.fail("prompt", "give exactly one of prompt or prompt_token_ids (got "
                                    f"{'neither' if req.prompt is None else 'both'})")
     if req.prompt_token_ids is not None:
-        return check.token_ids(req.prompt_token_ids, "prompt_token_ids", vocab_size, False)
+        return check.token_ids(req.prompt_token_ids, "prompt_token_ids", vocab_size=vocab_size)
     if not isinstance(req.prompt, str):
         raise check.fail("prompt", f"must be a str, got {type(req.prompt).__name__}")
     if not req.prompt:
@@ -475,7 +428,7 @@ def _prompt_ids(check: _Fields, req: GenerationRequest, tokenizer: TokenizerAdap
         raise check.fail("prompt", str(exc)) from exc
     if not ids:
         raise check.fail("prompt", f"{req.prompt!r} tokenizes to no tokens")
-    return check.token_ids(ids, "prompt (tokenized)", vocab_size, False)
+    return check.token_ids(ids, "prompt (tokenized)", vocab_size=vocab_size)
 
 
 def parse_generation_request(obj: Any, index: int, tokenizer: TokenizerAdapter, *,
@@ -497,7 +450,7 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
            max_context: int, default_stop: frozenset[int]) -> SequenceSpec:
     """:func:`parse_generation_request` without the safety net."""
     req = _as_request(obj, index)
-    check = _Fields(req.id, index)
+    check = FieldChecker(req.id, index)
     problem = id_problem(req.id)
     if problem is not None:
         raise check.fail("id", problem)
@@ -523,7 +476,8 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
         raise check.fail("top_p", f"must not round to 0 in float32, got {top_p:g}")
     seed = 0 if req.seed is None else check.integer(req.seed, "seed", 0, MAX_SEED)
     stop = default_stop if req.stop_token_ids is None else frozenset(
-        check.token_ids(req.stop_token_ids, "stop_token_ids", vocab_size, True))
+        check.token_ids(req.stop_token_ids, "stop_token_ids", vocab_size=vocab_size,
+                        allow_empty=True))
     domain = req.domain
     if domain is not None and (not isinstance(domain, str) or len(domain) > MAX_DOMAIN_CHARS):
         raise check.fail("domain", f"must be a string of at most {MAX_DOMAIN_CHARS} "

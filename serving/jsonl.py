@@ -44,7 +44,7 @@ import stat
 import sys
 from typing import Any, BinaryIO, Callable, Iterator, Sequence, TextIO, TypeVar
 
-from serving.requests import renamed
+from serving.requests import renamed, text_problem
 
 DEFAULT_MAX_LINE_MIB = 16.0
 """Longest input line accepted, in MiB (``--max-line-mib``): a request of a few million
@@ -122,16 +122,6 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _text_problem(text: str) -> str | None:
-    """Why a decoded JSON string is not Unicode text (a lone surrogate escape), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return (f"is not valid UTF-8 text (lone surrogate {text[exc.start]!r} at index "
-                f"{exc.start})")
-    return None
-
-
 def _tree_problem(obj: Any) -> str | None:
     """The first problem of a parsed line: nesting deeper than MAX_JSON_DEPTH, or a key or
     string that is not Unicode text (named by its path, e.g. ``candidates[1]``). Walked
@@ -140,7 +130,7 @@ def _tree_problem(obj: Any) -> str | None:
     while stack:
         value, depth, path = stack.pop()
         if isinstance(value, str):
-            problem = _text_problem(value)
+            problem = text_problem(value)
             if problem is not None:
                 return f"{path}: {problem}"
             continue
@@ -148,7 +138,7 @@ def _tree_problem(obj: Any) -> str | None:
             return f"invalid JSON: nested too deeply (more than {MAX_JSON_DEPTH} levels)"
         if isinstance(value, dict):
             for key, item in value.items():
-                problem = _text_problem(key)
+                problem = text_problem(key)
                 if problem is not None:
                     return f"{path or 'object'}: key {_short(repr(key))} {problem}"
                 if isinstance(item, (dict, list, str)):

@@ -90,6 +90,7 @@ checking it (a user object that breaks its own protocol) becomes the error
 from __future__ import annotations
 
 import dataclasses
+import math
 import reprlib
 import string
 from typing import Any, Mapping, Protocol, Sequence
@@ -235,7 +236,7 @@ class TokenizerAdapter:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; raises TypeError / ValueError on non-str or non-UTF-8 text."""
-        problem = _text_problem(text)
+        problem = text_problem(text)
         if problem is not None:
             raise (TypeError if not isinstance(text, str) else ValueError)(f"text {problem}")
         # encode_batch releases the GIL while it works (encode holds it: a long prompt would
@@ -244,6 +245,7 @@ class TokenizerAdapter:
 
 
 # ----------------------------------------------------------------------------- parsing
+_FLOAT32 = np.finfo(np.float32)
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 60
 _REPR.maxlist = _REPR.maxtuple = 6
@@ -274,7 +276,7 @@ def id_problem(request_id: Any) -> str | None:
     if request_id is None:
         return None
     if isinstance(request_id, str):
-        return _text_problem(request_id)
+        return text_problem(request_id)
     if isinstance(request_id, int) and not isinstance(request_id, bool):
         try:
             int.__repr__(request_id)
@@ -314,7 +316,7 @@ def request_id_of(obj: Any) -> str | int | None:
     return request_id if request_id is not None and id_problem(request_id) is None else None
 
 
-def _text_problem(value: Any) -> str | None:
+def text_problem(value: Any) -> str | None:
     """Why ``value`` is not usable text (None when it is a str of valid UTF-8)."""
     if isinstance(value, (bytes, bytearray)):
         try:
@@ -332,17 +334,9 @@ def _text_problem(value: Any) -> str | None:
     return None
 
 
-def _as_token_id(value: Any) -> int | None:
-    """``value`` as an int token id, or None when it is not an integer (bools refused)."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    return None
-
-
-class _Checker:
-    """Raises :class:`RequestError` s that name one request and the offending field."""
+class FieldChecker:
+    """Checks the fields of one request, scoring or generation alike: each failure is a
+    :class:`RequestError` that names the request and the offending field."""
 
     def __init__(self, request_id: Any, index: int | None):
         self.index = index
@@ -354,24 +348,55 @@ class _Checker:
 
     def text(self, value: Any, field: str) -> str:
         """A str of valid UTF-8 (a str subclass comes back as a plain str)."""
-        problem = _text_problem(value)
+        problem = text_problem(value)
         if problem is not None:
             raise self.fail(field, problem)
         return str.__str__(value)
 
-    def token_ids(self, value: Any, field: str) -> list[int]:
-        """A non-empty list of integers (range is checked later, against the model vocab)."""
+    def integer(self, value: Any, field: str, low: int | None = None,
+                high: int | None = None) -> int:
+        """An integer (not a bool) in [low, high) (a bound that is None: none that side)."""
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise self.fail(field, f"must be an integer, got {type(value).__name__}")
+        value = int(value)
+        if low is None:
+            if high is not None and value >= high:
+                raise self.fail(field, f"must be < {high}, got {show(value)}")
+            return value
+        if value < low or (high is not None and value >= high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high})"
+            raise self.fail(field, f"must be {bound}, got {show(value)}")
+        return value
+
+    def number(self, value: Any, field: str) -> float:
+        """A finite real number that float32 (the sampling dtype) can hold."""
+        if (isinstance(value, (bool, np.bool_))
+                or not isinstance(value, (int, float, np.integer, np.floating))):
+            raise self.fail(field, f"must be a number, got {type(value).__name__}")
+        try:
+            number = float(value)
+        except OverflowError:   # an int past float64's range
+            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
+                                   f"got {show(value)}") from None
+        if not math.isfinite(number):
+            raise self.fail(field, f"must be finite, got {number}")
+        with np.errstate(over="ignore"):
+            too_big = not np.isfinite(np.float32(number))
+        if too_big:
+            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
+                                   f"got {number:g}")
+        return number
+
+    def token_ids(self, value: Any, field: str, *, vocab_size: int | None = None,
+                  allow_empty: bool = False) -> list[int]:
+        """A list of integer token ids, each in [0, vocab_size) when that is given (a
+        scoring request's are checked against the model later, after tokenizing)."""
         if not isinstance(value, (list, tuple)):
             raise self.fail(field, f"must be a list of integers, got {type(value).__name__}")
-        if not value:
+        if not value and not allow_empty:
             raise self.fail(field, "is empty")
-        ids = []
-        for i, v in enumerate(value):
-            token = _as_token_id(v)
-            if token is None:
-                raise self.fail(f"{field}[{i}]", f"is not an integer (got {type(v).__name__})")
-            ids.append(token)
-        return ids
+        low = None if vocab_size is None else 0
+        return [self.integer(v, f"{field}[{i}]", low, vocab_size) for i, v in enumerate(value)]
 
     def choice_of(self, value: Any, field: str, accepted: tuple[str, ...]) -> str:
         """One of ``accepted`` (the type is checked first: ``in`` would compare a NumPy
@@ -382,14 +407,14 @@ class _Checker:
         return str.__str__(value)
 
 
-def _check_id(check: _Checker, request_id: Any) -> None:
+def _check_id(check: FieldChecker, request_id: Any) -> None:
     """Ids end up in JSONL output, so only JSON scalars of valid UTF-8 are allowed."""
     problem = id_problem(request_id)
     if problem is not None:
         raise check.fail("id", problem)
 
 
-def _parse_prompt(check: _Checker, req: ScoreRequest) -> tuple[str | None, list[int] | None]:
+def _parse_prompt(check: FieldChecker, req: ScoreRequest) -> tuple[str | None, list[int] | None]:
     """Exactly one non-empty prompt, as text or as token ids."""
     has_text, has_ids = req.prompt is not None, req.prompt_token_ids is not None
     if has_text == has_ids:
@@ -403,7 +428,7 @@ def _parse_prompt(check: _Checker, req: ScoreRequest) -> tuple[str | None, list[
     return text, None
 
 
-def _parse_candidates(check: _Checker, req: ScoreRequest
+def _parse_candidates(check: FieldChecker, req: ScoreRequest
                       ) -> tuple[list[str] | None, list[list[int]] | None]:
     """Exactly one non-empty, duplicate-free candidate list, as text or as token ids."""
     has_text, has_ids = req.candidates is not None, req.candidate_token_ids is not None
@@ -425,7 +450,7 @@ def _parse_candidates(check: _Checker, req: ScoreRequest
     return (parsed, None) if has_text else (None, parsed)
 
 
-def _check_distinct(check: _Checker, field: str, values: Sequence[Any]) -> None:
+def _check_distinct(check: FieldChecker, field: str, values: Sequence[Any]) -> None:
     """Duplicates would split probability mass between identical answers."""
     first: dict[Any, int] = {}
     for i, v in enumerate(values):
@@ -435,7 +460,7 @@ def _check_distinct(check: _Checker, field: str, values: Sequence[Any]) -> None:
         first[v] = i
 
 
-def _check_kind_inputs(check: _Checker, req: ScoreRequest) -> None:
+def _check_kind_inputs(check: FieldChecker, req: ScoreRequest) -> None:
     """Input forms that a kind cannot use."""
     if req.kind == "choice":
         # The options are rendered into the prompt as text; ids cannot be rendered.
@@ -460,7 +485,7 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
     Raises :class:`RequestError`.
     """
     req = obj if isinstance(obj, ScoreRequest) else ScoreRequest.from_dict(obj, index)
-    check = _Checker(req.id, index)
+    check = FieldChecker(req.id, index)
     _check_id(check, req.id)
     kind = check.choice_of(req.kind, "kind", KINDS)
     normalize = check.choice_of(req.normalize, "normalize", NORMALIZATIONS)
@@ -477,7 +502,7 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
 class _Encoder:
     """Encodes text for one request, turning tokenizer failures into RequestErrors."""
 
-    def __init__(self, tokenizer: Tokenizer, check: _Checker, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, check: FieldChecker, vocab_size: int):
         self.tokenizer, self.check, self.vocab_size = tokenizer, check, vocab_size
 
     def encode(self, text: str, field: str, *, allow_empty: bool = False) -> list[int]:
@@ -622,14 +647,14 @@ def _prompt_ids(req: ScoreRequest, enc: _Encoder) -> list[int]:
     return enc.encode(req.prompt, "prompt")
 
 
-def _check_prompt_len(check: _Checker, prompt_len: int, max_context: int) -> None:
+def _check_prompt_len(check: FieldChecker, prompt_len: int, max_context: int) -> None:
     """The prompt alone must fit in the model's context window."""
     if prompt_len > max_context:
         raise check.fail("prompt", f"has {prompt_len} tokens, more than "
                                    f"max_context ({max_context})")
 
 
-def _check_context(check: _Checker, ops: list[PrefillOp], prompt_len: int,
+def _check_context(check: FieldChecker, ops: list[PrefillOp], prompt_len: int,
                    max_context: int) -> None:
     """Every op must fit in the model's context window."""
     _check_prompt_len(check, prompt_len, max_context)
@@ -646,7 +671,7 @@ def _check_context(check: _Checker, ops: list[PrefillOp], prompt_len: int,
 def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size: int,
                  max_context: int, options: NormalizeOptions) -> tuple[list[PrefillOp], int]:
     """Ops and prompt length of one parsed request; raises RequestError."""
-    check = _Checker(req.id, index)
+    check = FieldChecker(req.id, index)
     enc = _Encoder(tokenizer, check, vocab_size)
     need_vocab = req.normalize == "vocab"
     if req.kind == "choice":
