@@ -312,25 +312,3 @@ def weighted_sum(y_rows: Float[Array, "M d"], routing: Routing,
         weights = jnp.where(valid[:, None], weights, 0.0)
     out = jnp.einsum("tkd,tk->td", y_rows.reshape(t, k, -1).astype(jnp.float32), weights)
     return out.astype(y_rows.dtype)
-
-
-def moe_block(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-              w_down: jax.Array, *, k: int, norm_topk_prob: bool,
-              valid: jax.Array | None = None, impl: ExpertImpl = "auto",
-              tile_rows: int | None = None) -> jax.Array:
-    """The whole MoE layer on x [T, d]: route -> permute -> experts -> combine."""
-    return moe_block_with_routing(x, router_w, w_gate, w_up, w_down, k=k,
-                                  norm_topk_prob=norm_topk_prob, valid=valid, impl=impl,
-                                  tile_rows=tile_rows)[0]
-
-
-def moe_block_with_routing(x: jax.Array, router_w: jax.Array, w_gate: jax.Array,
-                           w_up: jax.Array, w_down: jax.Array, *, k: int, norm_topk_prob: bool,
-                           valid: jax.Array | None = None, impl: ExpertImpl = "auto",
-                           tile_rows: int | None = None) -> tuple[jax.Array, Routing]:
-    """:func:`moe_block` that also returns its :class:`Routing` (top-k ids [T, k] and
-    weights), for expert-activation tracing; the output [T, d] is the same array."""
-    routing = route(x, router_w, k, norm_topk_prob)
-    perm = permute(x, routing, w_gate.shape[0], valid)
-    y_sorted = expert_compute(perm, w_gate, w_up, w_down, impl=impl, tile_rows=tile_rows)
-    return combine(y_sorted, perm, routing, valid), routing

@@ -290,8 +290,12 @@ def test_route_vs_numpy(norm_topk_prob):
 
 @functools.partial(jax.jit, static_argnames=("impl", "norm_topk_prob", "with_valid"))
 def _moe_block(x, router, wg, wu, wd, valid, impl, norm_topk_prob, with_valid=True):
-    return moe.moe_block(x, router, wg, wu, wd, k=K_TOP, norm_topk_prob=norm_topk_prob,
-                         valid=valid if with_valid else None, impl=impl, tile_rows=4)
+    """The MoE layer's stages on x [T, d]: route -> permute -> experts -> combine."""
+    valid = valid if with_valid else None
+    routing = moe.route(x, router, K_TOP, norm_topk_prob)
+    perm = moe.permute(x, routing, wg.shape[0], valid)
+    y_sorted = moe.expert_compute(perm, wg, wu, wd, impl=impl, tile_rows=4)
+    return moe.combine(y_sorted, perm, routing, valid)
 
 
 def test_every_expert_impl_but_auto_is_a_registered_kernel():
