@@ -261,7 +261,7 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
     from moejax.decode.programs import StepOptions
     from moejax.decode.factory import make_runner
     from moejax.sequences import SequenceSpec
-    from serving.continuous import Scheduler, SchedulerOptions
+    from moejax.core.continuous import Scheduler, SchedulerOptions
 
     specs = [SequenceSpec(prompt=p, max_new_tokens=new_tokens) for p in prompts]
     arrivals = [REAL_ARRIVAL_GAP * i for i in range(len(specs))]

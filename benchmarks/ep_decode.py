@@ -222,7 +222,7 @@ def real_decode(trace: Any, shape: dict[str, Any]) -> dict[str, Any]:
     from moejax.decode.factory import make_runner
     from moejax.sequences import SequenceSpec
     from moejax.prefetch.train import load_model
-    from serving.continuous import Scheduler, SchedulerOptions
+    from moejax.core.continuous import Scheduler, SchedulerOptions
 
     cfg, params = load_model(MODEL)
     prompts = [tuple(int(t) for t in r.prompt_token_ids)

@@ -133,7 +133,7 @@ class Decoding:
         """Greedy tokens of every prompt, the runner's stats, decode ms per token (a
         counted timed pass named ``timed`` when given)."""
         from moejax.sequences import SequenceSpec
-        from serving.continuous import Scheduler, SchedulerOptions
+        from moejax.core.continuous import Scheduler, SchedulerOptions
 
         runner = self.runner(prefetch, mode)
         options = SchedulerOptions(max_batch_size=batch or self.batch, max_prefill_tokens=256,
@@ -235,7 +235,7 @@ def resident_tokens(dec: Decoding, prompts: list[list[int]], answer_tokens: int,
     from moejax.decode.programs import StepOptions
     from moejax.decode.factory import make_runner
     from moejax.sequences import SequenceSpec
-    from serving.continuous import Scheduler, SchedulerOptions
+    from moejax.core.continuous import Scheduler, SchedulerOptions
 
     runner = make_runner("resident", dec.cfg, dec.params, dtype="float32", opts=StepOptions())
     out = []

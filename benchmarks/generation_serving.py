@@ -62,7 +62,7 @@ wait on each other every op, slow down far more than XLA's (on a loaded 2-core V
 recorded and a note printed when it is above 0.5.
 
 moejax arrivals are replayed through the Generator's background loop
-(``Generator.start_loop()``, a ``serving.continuous.GenerationLoop`` over its
+(``Generator.start_loop()``, a ``moejax.core.continuous.GenerationLoop`` over its
 scheduler): each request is submitted at its arrival (``loop.submit(request,
 on_event)``) and its first and last token times are taken in its event callbacks.
 Static batching has no loop, so ``static`` is replayed here with the static batcher's

@@ -93,7 +93,7 @@ from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import median, timed_call
 from moejax.config import ModelConfig
 from moejax.kv import BlockAllocator
-from serving.prefix_cache import plan_run
+from moejax.core.prefix_plan import plan_run
 from serving.prefix_hash import BLOCK_SIZE
 
 HOST_DEVICES = 8        # at least: the engines run on forced CPU host devices
@@ -163,7 +163,7 @@ def no_reuse_flops(cfg: ModelConfig, ops: Sequence[Any]) -> int:
 
 
 def _plan(ops: Sequence[Any], cache: BlockAllocator):
-    """``serving.prefix_cache.plan_run`` over ``ops`` (one score call on one engine)."""
+    """``moejax.core.prefix_plan.plan_run`` over ``ops`` (one score call on one engine)."""
     return plan_run(ops, cache)
 
 

@@ -41,7 +41,7 @@ from benchmarks.lib.timing import percentile
 from moejax.config import ModelConfig
 from moejax.ops import PrefillOp
 from serving.prefix_hash import BLOCK_SIZE, DIGEST_SIZE, block_hashes
-from serving.router import BlocksEvicted, BlocksStored, FlopsExecuted, make_router
+from moejax.core.router import BlocksEvicted, BlocksStored, FlopsExecuted, make_router
 
 # Qwen3-30B-A3B shapes: only the FLOP model reads them.
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48,

@@ -1,8 +1,8 @@
 """The prefill op: one record for one forward pass, from the request to its result.
 
 A scoring request becomes one or more :class:`PrefillOp` s (``serving.requests``); the
-router (``serving.router``), the prefix cache (``serving.prefix_cache``), the packer
-(``moejax.packing``) and the engine (``serving.engine``) all read that same record, and
+router (``moejax.core.router``), the prefix cache (``moejax.core.prefix_plan``), the packer
+(``moejax.packing``) and the engine (``moejax.core.scoring_engine``) all read that same record, and
 the results are matched back to it by its ``key``. What more than one of them needs is
 derived here, once:
 

@@ -23,7 +23,7 @@ class SequenceSpec:
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     # A label of the request's domain: read only by the domain-oracle decode routing
-    # (serving.decoders); never changes a token.
+    # (moejax.core.decoders); never changes a token.
     domain: str | None = None
 
 

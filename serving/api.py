@@ -5,7 +5,7 @@
     results = scorer.score([{"prompt": "Is the sky blue?", "candidates": [" yes", " no"]}])
 
 Requests are validated and expanded into prefill ops (``serving.requests``),
-packed into bucketed batches and run by an :class:`~serving.engine.Engine`;
+packed into bucketed batches and run by an :class:`~moejax.core.scoring_engine.Engine`;
 results come back in request order, bad requests as results with ``error`` set, and a
 text candidate that tokenizes differently after its prompt than apart is scored as
 tokenized apart with a warning in its result's ``warnings``.
@@ -23,21 +23,21 @@ from typing import Any, Hashable, Mapping, Sequence
 import numpy as np
 
 from moejax import checkpoint, distributed
-from moejax.distributed import DistributedOptions, join as distributed_join
-from moejax.model_dirs import resolve_model_dir  # noqa: F401  (serving's import path for it)
 from moejax.backends import backend_class, make_backend
 from moejax.backends.base import require_devices
 from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,
                               calibrate, fallback_theta, uncalibrated)
+from moejax.core.engine_pool import EnginePool, OpTiming
+from moejax.core.prefix_plan import blocks_for_budget, sharing_flops
+from moejax.core.router import make_router
+from moejax.core.scoring_engine import Engine
+from moejax.distributed import DistributedOptions, join as distributed_join
+from moejax.model_dirs import resolve_model_dir  # noqa: F401  (serving's import path for it)
+from moejax.ops import OpKey
 from moejax.packing import BucketPolicy
 from serving.compilation_cache import enable_compilation_cache
-from serving.engine import Engine
-from serving.engine_pool import EnginePool, OpTiming
-from serving.options import ScorerOptions, load_options
-from serving.router import make_router
-from moejax.ops import OpKey
 from serving.limits import RequestLimits
-from serving.prefix_cache import blocks_for_budget, sharing_flops
+from serving.options import ScorerOptions, load_options
 from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest,
                               ScoreResult, TokenizerAdapter, boundary_warnings,
                               normalize_requests, renamed, request_label)

@@ -1,7 +1,7 @@
 """``Generator``: the Python entry point for text generation (prefill + KV-cache decode).
 
 By default requests run on the decode runtime (``moejax.decode``): a paged KV pool of
-16-token blocks and continuous batching (``serving.continuous``), on the ``resident``,
+16-token blocks and continuous batching (``moejax.core.continuous``), on the ``resident``,
 ``offload`` or ``sync_ep`` backend, with fused or layer-by-layer steps
 (:class:`GeneratorOptions`). ``batching="static"`` keeps the older baseline (batches of
 ``max_batch_size`` over a dense cache, run to their longest sequence). ``stream`` yields
@@ -57,11 +57,14 @@ import jax
 import numpy as np
 
 from moejax import checkpoint
-from moejax.decode.programs import StepOptions
 from moejax.backends import check_multi_process
 from moejax.backends.base import BackendError, require_devices
-from moejax.distributed import DistributedOptions, join as join_processes
+from moejax.core.continuous import GenerationLoop, Scheduler, SchedulerOptions, SequenceTooLong
+from moejax.core.decoders import DecoderPool
+from moejax.core.prefix_share import ScorerPrefixSource
 from moejax.decode.factory import make_runner
+from moejax.decode.programs import StepOptions
+from moejax.distributed import DistributedOptions, join as join_processes
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, POLICIES, Policy, check_tau, make_policy
 from moejax.generate import DecodeEngine
@@ -70,10 +73,7 @@ from moejax.sampling import MAX_SEED
 from moejax.sequences import SequenceOutput, SequenceSpec
 from serving.api import resolve_model_dir
 from serving.compilation_cache import enable_compilation_cache
-from serving.continuous import GenerationLoop, Scheduler, SchedulerOptions, SequenceTooLong
-from serving.decoders import DecoderPool
 from serving.options import ScorerOptions
-from serving.prefix_share import ScorerPrefixSource
 from serving.requests import (FieldChecker, RequestError, TokenizerAdapter, id_problem,
                               request_id_of, request_label, show, unexpected_error,
                               unknown_fields)
@@ -137,7 +137,7 @@ class GeneratorOptions:
 
     * ``dtype`` ("float32" | "bfloat16" | "auto": bfloat16 on GPU, float32 on CPU);
     * ``batching``: "continuous" (default: sequences join and leave the running batch at
-      every step, ``serving.continuous``) or "static" (the old baseline: batches of
+      every step, ``moejax.core.continuous``) or "static" (the old baseline: batches of
       ``max_batch_size`` run to their longest sequence; resident, fused only);
     * ``step``: "fused" (every layer in one program), "layerwise" (the host drives each
       layer: it sees the routing between attention and experts) or "auto" (layerwise
@@ -158,7 +158,7 @@ class GeneratorOptions:
     * ``expert_impl`` and ``tile_rows`` (as for the Scorer), ``compilation_cache`` (as
       for the Scorer: default None leaves JAX's process-wide compilation cache alone);
     * ``decoders`` (default 1): with K >= 2, prefill runs on a prefill engine (device 0)
-      and decode on K decoders, decoder i on device i (``serving.decoders``); resident or
+      and decode on K decoders, decoder i on device i (``moejax.core.decoders``); resident or
       offload backend on one device each. Each decoder runs up to ``max_batch_size``
       sequences and has its own pool (``kv_cache_*``: per decoder; the prefill engine's
       pool has the same size). ``routing`` picks each request's decoder at the
@@ -710,7 +710,7 @@ class Generator:
         """Reuse the prompt blocks ``scorer`` (a :class:`serving.Scorer` of the same model
         and dtype, with its prefix cache on) has cached: a generation prompt that starts
         with a prompt scored earlier copies those blocks' keys/values instead of
-        prefilling them (:mod:`serving.prefix_share`; the copied tokens are counted in
+        prefilling them (:mod:`moejax.core.prefix_share`; the copied tokens are counted in
         ``scheduler.stats["shared_prefix_tokens"]``). Continuous batching on a one-rank
         backend (resident, offload) only."""
         if self.scheduler is None:
@@ -866,7 +866,7 @@ class SubmittedRequest:
 
 
 class GeneratorLoop:
-    """A :class:`~serving.continuous.GenerationLoop` over a Generator's scheduler that
+    """A :class:`~moejax.core.continuous.GenerationLoop` over a Generator's scheduler that
     takes requests as :meth:`Generator.generate` does."""
 
     def __init__(self, generator: Generator):

@@ -19,7 +19,7 @@ from moejax.decode.programs import StepOptions
 from moejax.decode.factory import make_runner
 from moejax.sequences import SequenceSpec
 from serving.api import resolve_model_dir
-from serving.continuous import Scheduler, SchedulerOptions
+from moejax.core.continuous import Scheduler, SchedulerOptions
 
 LENGTHS_NEW = [(5, 7), (20, 5), (9, 9), (3, 1), (12, 6), (31, 4)]
 

@@ -21,7 +21,7 @@ from moejax.generate import DecodeEngine
 from moejax.sequences import SequenceSpec
 from serving import Generator
 from serving.api import resolve_model_dir
-from serving.continuous import Scheduler, SchedulerOptions, SequenceTooLong
+from moejax.core.continuous import Scheduler, SchedulerOptions, SequenceTooLong
 
 from compile_events import backend_compiles
 

@@ -1,4 +1,4 @@
-"""The prefill/decode split (``serving.decoders``) and ELDR's signature cache
+"""The prefill/decode split (``moejax.core.decoders``) and ELDR's signature cache
 (``moejax.decode.paged``): the cache's counts against a NumPy reference and against a
 traced run, exact under prefix-cache hits; K decoders on K CPU devices give the tokens of
 one decoder under every routing policy; bad options get clear errors."""
@@ -22,7 +22,7 @@ from moejax.generate import expert_counts
 from moejax.sequences import SequenceSpec
 from serving import Generator
 from serving.api import resolve_model_dir
-from serving.continuous import Scheduler, SchedulerOptions
+from moejax.core.continuous import Scheduler, SchedulerOptions
 
 from compile_events import backend_compiles
 

@@ -49,7 +49,7 @@ from moejax.backends import BackendError, make_backend  # noqa: E402
 from moejax.ops import PrefillOp  # noqa: E402
 from moejax.packing import BucketPolicy, pack  # noqa: E402
 from serving import Generator  # noqa: E402
-from serving.engine import Engine  # noqa: E402
+from moejax.core.scoring_engine import Engine  # noqa: E402
 
 # The families under test, as they land (names: keys of hf_family_models.FAMILY_CONFIGS).
 FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe_dense", "deepseek_v3", "deepseek_v2", "gpt_oss",

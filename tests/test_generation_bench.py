@@ -164,7 +164,7 @@ def test_replay_batches_serves_arrived_requests_in_order_up_to_the_batch_size():
 
 
 class _FakeLoop:
-    """A stand-in for serving.continuous.GenerationLoop: each submitted request's tokens
+    """A stand-in for moejax.core.continuous.GenerationLoop: each submitted request's tokens
     come one per event from a worker thread, the last event carrying the result."""
 
     class Event:

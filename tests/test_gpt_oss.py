@@ -324,7 +324,7 @@ def test_prefix_cache_scores_equal_without_it(tiny):
     from moejax.backends import make_backend
     from moejax.ops import PrefillOp
     from moejax.packing import BucketPolicy
-    from serving.engine import Engine
+    from moejax.core.scoring_engine import Engine
 
     path, _ = tiny
     cfg, params, _ = ck.load_model_dir(path, "float32")

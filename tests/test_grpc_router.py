@@ -1,7 +1,7 @@
 """``moejax router`` (serving.grpc.upstream_router) over fake upstreams (tests/grpc_fakes.py)
 and, once, over two real ``moejax serve`` processes.
 
-Routing is compared decision by decision with the in-process Router of serving.router fed
+Routing is compared decision by decision with the in-process Router of moejax.core.router fed
 the same ops and events; failover, health, auth/TLS both ways, the bounded shadow of the
 upstreams' caches and the CLI are checked on fakes that can be told to fail, hang, stop
 or turn NOT_SERVING. Waits poll a condition with a generous bound; nothing asserts how long
@@ -30,7 +30,7 @@ from serving.grpc.upstream_router import RouterOptions, RouterServer
 from serving.grpc.router_core import load_model
 from serving.grpc.upstreams import UpstreamOptions, parse_upstreams
 from serving.requests import normalize_requests, parse_request
-from serving.router import BlocksStored, FlopsExecuted, make_router
+from moejax.core.router import BlocksStored, FlopsExecuted, make_router
 from tests.grpc_fakes import FakeUpstream, comparable, fake_result
 
 T = 30  # seconds: bound on every wait and RPC

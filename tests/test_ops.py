@@ -17,11 +17,11 @@ from moejax.config import ModelConfig
 from moejax.ops import OpKey, PrefillOp
 from moejax.packing import BucketPolicy
 from serving import requests as requests_lib
-from serving.engine_pool import EnginePool
-from serving.engine import Engine
+from moejax.core.engine_pool import EnginePool
+from moejax.core.scoring_engine import Engine
 from moejax.kv import BlockAllocator
-from serving.prefix_cache import plan_run
-from serving.router import PrefixAwareRouter
+from moejax.core.prefix_plan import plan_run
+from moejax.core.router import PrefixAwareRouter
 
 PROMPT = list(range(2, 42))                        # 40 tokens: 2 whole blocks + 8
 

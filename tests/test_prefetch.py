@@ -24,7 +24,7 @@ from moejax.prefetch import predictors, replay, runner as runner_lib
 from moejax.prefetch.defaults import PrefetchFileError
 from moejax.sequences import SequenceSpec
 from serving.api import resolve_model_dir
-from serving.continuous import Scheduler, SchedulerOptions
+from moejax.core.continuous import Scheduler, SchedulerOptions
 
 PROMPTS_NEW = [(5, 8), (17, 6), (9, 10), (3, 7)]
 

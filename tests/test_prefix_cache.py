@@ -11,9 +11,9 @@ from backend_fixtures import CFG, make_params
 from moejax.backends import BackendError, make_backend
 from moejax.ops import PrefillOp
 from moejax.packing import BucketPolicy
-from serving.engine import Engine
+from moejax.core.scoring_engine import Engine
 from moejax.kv import BlockAllocator
-from serving.prefix_cache import blocks_for_budget, plan_run
+from moejax.core.prefix_plan import blocks_for_budget, plan_run
 from serving.prefix_hash import block_hashes
 
 TOL = 1e-5

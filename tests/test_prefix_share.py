@@ -1,4 +1,4 @@
-"""Generation reuses the prompt blocks that scoring cached (``serving.prefix_share``):
+"""Generation reuses the prompt blocks that scoring cached (``moejax.core.prefix_share``):
 copied blocks hold the keys/values generation computes itself, the tokens do not change,
 an engine busy scoring is skipped (never waited on), and mismatched pairs are refused.
 Also the other thing a server shares between the two: the weights (``weights_of``)."""

@@ -20,7 +20,7 @@ from moejax.backends import make_backend
 from moejax.backends.base import plan_steps
 from moejax.ops import OpKey, PrefillOp
 from moejax.packing import BucketPolicy, pack
-from serving.engine import Engine
+from moejax.core.scoring_engine import Engine
 from serving.requests import OpOutput, ScoreResult
 from serving.results import combine_results
 

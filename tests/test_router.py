@@ -17,7 +17,7 @@ from moejax.config import ModelConfig
 from moejax.ops import OpKey, PrefillOp
 from serving.prefix_hash import (BLOCK_SIZE, DIGEST_SIZE, HASH_PERSON, ROOT_HASH, block_hash,
                                  block_hashes, num_full_blocks)
-from serving.router import (BlocksEvicted, BlocksStored, FlopsExecuted, LeastTokensRouter,
+from moejax.core.router import (BlocksEvicted, BlocksStored, FlopsExecuted, LeastTokensRouter,
                             PrefixAwareRouter, RandomRouter, RoundRobinRouter, make_router)
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=64, num_layers=2,

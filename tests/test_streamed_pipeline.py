@@ -26,7 +26,7 @@ from backend_fixtures import (CFG, F32_TOL, make_params, max_rel_err, run_backen
                               small_workload)
 from moejax.backends import BackendError, make_backend
 from moejax.backends.streamed import HybridBackend
-from serving.engine import Engine
+from moejax.core.scoring_engine import Engine
 from test_recovery import POLICY, check_recovery, failing_on_call, failing_program, make_ops
 
 from benchmarks import backends as bench

@@ -11,5 +11,5 @@
 * :mod:`~moejax.eldr.fitting` — the offline fit from an expert trace (``moejax eldr-fit``);
 * :mod:`~moejax.eldr.policies` — every decode routing policy (Random, RR, JSQ, P2C, the
   domain oracle, ELDR's locality band): the one code the runtime
-  (``serving.decoders``) and the simulator (:mod:`~moejax.eldr.simulator`) both run.
+  (``moejax.core.decoders``) and the simulator (:mod:`~moejax.eldr.simulator`) both run.
 """

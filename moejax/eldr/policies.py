@@ -1,5 +1,5 @@
 """Decode routing policies: which of K decoders takes a request at the prefill→decode
-hand-off. The runtime (``serving.decoders``) and the simulator
+hand-off. The runtime (``moejax.core.decoders``) and the simulator
 (:mod:`moejax.eldr.simulator`) both call these same objects, so a simulated figure is
 the routing the runtime would do.
 

@@ -33,7 +33,7 @@ or unless ``--backend`` names a backend that cannot decode (a warning; with
 programs before the server reports SERVING (no stream then waits on a compile). With the
 Scorer's prefix cache on (``--prefix-cache-blocks``), a generation prompt that starts with
 a prompt scored earlier copies its cached blocks instead of prefilling them
-(``serving.prefix_share``; one-rank decode backends).
+(``moejax.core.prefix_share``; one-rank decode backends).
 
 ``client generate`` sends each request of a JSONL file (the format of ``moejax generate``)
 as one ``Generate`` call, ``--concurrency`` at once, a chunk (``--chunk-size`` lines) at a
@@ -104,7 +104,7 @@ def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _share_prefix_cache(generator: Any, scorer: Any) -> None:
     """Let generation reuse the prompt blocks scoring cached, where both can."""
-    from serving.prefix_share import caching_engines
+    from moejax.core.prefix_share import caching_engines
 
     if scorer is None or not caching_engines(scorer):
         return

@@ -49,7 +49,7 @@ def _positive_float(text: str) -> float:
 def add_router_command(sub: Any) -> None:
     """Register ``router`` on the ``moejax`` subparsers."""
     from serving.grpc.cli_options import add_listener_options
-    from serving.router import ROUTER_NAMES
+    from moejax.core.router import ROUTER_NAMES
 
     p = sub.add_parser("router", help="route the gRPC API over many 'moejax serve' upstreams "
                                       "(prefix-aware, health-checked, with failover)")

@@ -45,12 +45,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from moejax.config import ModelConfig
+from moejax.core.router import (Assignment, BlocksEvicted, BlocksStored, FlopsExecuted,
+                            make_router)
 from moejax.ops import PrefillOp
 from serving.grpc import convert, scoring_pb2 as pb
 from serving.limits import RequestLimits
 from serving.requests import RequestError, TokenizerAdapter, normalize_requests
-from serving.router import (Assignment, BlocksEvicted, BlocksStored, FlopsExecuted,
-                            make_router)
 
 if TYPE_CHECKING:
     from serving.grpc.upstreams import UpstreamPool

@@ -3,7 +3,7 @@ the same ``moejax.v1`` API (Scoring, Generation, grpc.health.v1).
 
 Why: one ``moejax serve`` is one model replica; more throughput means more replicas, and a
 prefix-aware choice of replica per request keeps each prompt's KV cache hits on the replica
-that holds them. The choice is Algorithm 1 of :mod:`serving.router` — the same Router
+that holds them. The choice is Algorithm 1 of :mod:`moejax.core.router` — the same Router
 objects that spread ops over the engines of one Scorer — with one *engine* per upstream.
 
 Per request (routed in arrival order; a ``ScoreBatch`` as one ``Router.assign`` call):
@@ -87,13 +87,13 @@ from serving.grpc.router_core import RoutingCore, load_model, model_mismatch
 from serving.grpc.router_service import RouterService
 # The server's handler tables take any object with the handler methods, and its one event
 # loop per process is where every grpc.aio object of this process must live.
+from moejax.core.router import PrefixAwareRouter
 from serving.grpc.server import (add_health_and_reflection, generation_handlers,
                                  listen, listen_address, new_server, scoring_handlers,
                                  server_credentials, server_loop)
 from serving.grpc.upstreams import (GENERATION_SERVICE, SCORING_SERVICE, UpstreamOptions,
                                     UpstreamPool)
 from serving.requests import TokenizerAdapter
-from serving.router import PrefixAwareRouter
 
 log = logging.getLogger("moejax.grpc.router")
 
@@ -102,7 +102,7 @@ log = logging.getLogger("moejax.grpc.router")
 class RouterOptions:
     """``moejax router`` settings. ``upstreams``: "HOST:PORT" targets. ``model``: the
     upstreams' model (dir or built-in name: config and tokenizer only). ``routing``: a
-    ``serving.router.ROUTER_NAMES`` name. ``theta``: Θ in FLOPs (default: the first
+    ``moejax.core.router.ROUTER_NAMES`` name. ``theta``: Θ in FLOPs (default: the first
     upstream's calibrated Θ, else one full batch of its ``max_batch_tokens``). ``token``,
     ``tls_cert``, ``tls_key``: toward clients, as ``moejax serve``. ``upstream``: toward the
     upstreams. ``startup_timeout``: how long :meth:`RouterServer.check_upstreams` waits for
@@ -126,7 +126,7 @@ class RouterOptions:
     startup_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        from serving.router import ROUTER_NAMES
+        from moejax.core.router import ROUTER_NAMES
 
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")

@@ -15,7 +15,7 @@ data-parallel rank: ``max_batch_size`` is the total) and a *waiting* queue. Each
    one **decode** program over every sequence that is generating (one token each);
 4. retires finished sequences: their token and the finish reason are reported.
 
-A scheduler may also serve one side of a prefill/decode split (``serving.decoders``):
+A scheduler may also serve one side of a prefill/decode split (``moejax.core.decoders``):
 with ``handoff`` it only prefills — a sequence whose prompt has run (its first token
 sampled) leaves the running set with its blocks still held, to be taken
 (:meth:`Scheduler.take_handoffs`) and later released (:meth:`Scheduler.release`) by
@@ -59,15 +59,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from moejax import prefix_hash, sampling
+from moejax.core.prefix_share import ScorerPrefixSource
 from moejax.decode.paged import SUM_BLOCK_COUNTS, PagedKV
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.generate import expert_counts
 from moejax.kv import BlockAllocator
 from moejax.kv.copy import copy_blocks
-from moejax.sizes import bucket, bucket_sizes
 from moejax.sequences import SequenceOutput, SequenceSpec
-from serving.prefix_share import ScorerPrefixSource
+from moejax.sizes import bucket, bucket_sizes
 
 BLOCK = prefix_hash.BLOCK_SIZE
 MAX_RECORDS = 100_000   # step (and route) records kept, newest last: tens of MB at most
@@ -197,7 +197,7 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
         self.stats = collections.Counter()
-        # Where else cached prompt blocks may be found (serving.prefix_share; one rank).
+        # Where else cached prompt blocks may be found (moejax.core.prefix_share; one rank).
         self.prefix_source: ScorerPrefixSource | None = None
         self._handoffs: list[SequenceState] = []
         # The latest steps only: a serving decoder steps for as long as it runs.
@@ -228,7 +228,7 @@ class Scheduler:
 
     def share_prefix_cache(self, source: ScorerPrefixSource) -> None:
         """Admit prompts whose leading blocks ``source`` holds by copying those blocks
-        instead of prefilling them (:mod:`serving.prefix_share`)."""
+        instead of prefilling them (:mod:`moejax.core.prefix_share`)."""
         if self.ranks != 1:
             raise ValueError(f"sharing cached prompt blocks needs a one-rank decode backend "
                              f"(this one has {self.ranks} ranks)")
@@ -263,7 +263,7 @@ class Scheduler:
     def block_counts(self, block_lists: Sequence[Sequence[int]]) -> np.ndarray:
         """The signature-cache counts [len(block_lists), L, E] int32 summed over each list
         of this pool's blocks (rows padded to a power of two; an empty list is a row of
-        padding, which is how :meth:`serving.decoders.DecoderPool.precompile` compiles
+        padding, which is how :meth:`moejax.core.decoders.DecoderPool.precompile` compiles
         every row count)."""
         if self.kv.expert_counts is None:
             raise ValueError("this scheduler keeps no signature cache (expert_counts=False)")

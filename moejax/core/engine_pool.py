@@ -18,9 +18,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Hashable, Sequence
 
+from moejax.core.router import BlocksEvicted, BlocksStored, FlopsExecuted, Router, RoutingReport
+from moejax.core.scoring_engine import Engine, SequenceOutcome
 from moejax.ops import PrefillOp
-from serving.engine import Engine, SequenceOutcome
-from serving.router import BlocksEvicted, BlocksStored, FlopsExecuted, Router, RoutingReport
 
 
 @dataclasses.dataclass(frozen=True)

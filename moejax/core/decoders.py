@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from moejax.core.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
 from moejax.eldr.policies import HandOff, Policy
 from moejax.kv.copy import copy_blocks
-from moejax.sizes import bucket_sizes
 from moejax.sequences import SequenceSpec
-from serving.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
+from moejax.sizes import bucket_sizes
 
 
 @dataclasses.dataclass(frozen=True)

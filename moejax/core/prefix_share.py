@@ -1,12 +1,12 @@
 """Generation reads the prompt blocks that scoring cached: a system prompt scored once is
 not prefilled again when a generation request starts with it.
 
-A Scorer engine's prefix cache (:mod:`serving.prefix_cache`) and the generation pool
+A Scorer engine's prefix cache (:mod:`moejax.core.prefix_plan`) and the generation pool
 (:mod:`moejax.decode.paged`) hold the same thing in the same layout: 16-token blocks named
 by the same chain hash (:mod:`moejax.prefix_hash`), keys (after RoPE) and values per layer
 in ``[L, S, n_kv, h]`` slots, ``block * 16 + offset``. :class:`ScorerPrefixSource` looks
 a prompt's block hashes up in the Scorer's engines; the scheduler
-(:class:`serving.continuous.Scheduler`) then copies the hits into fresh blocks of its own
+(:class:`moejax.core.continuous.Scheduler`) then copies the hits into fresh blocks of its own
 pool (:func:`moejax.kv.copy.copy_blocks`: a gather on the engine's device, one scatter into
 the pool)
 and names them, so from then on they are its own cached blocks.

@@ -21,10 +21,10 @@ import numpy as np
 from moejax import model as model_lib
 from moejax.backends.base import Backend, padded_step, plan_steps
 from moejax.config import ModelConfig
-from moejax.ops import PrefillOp
+from moejax.core.prefix_plan import plan_run
 from moejax.kv import BlockAllocator
+from moejax.ops import PrefillOp
 from moejax.packing import BucketPolicy, HostBatch, pack, unpack
-from serving.prefix_cache import plan_run
 
 log = logging.getLogger("moejax.engine")
 
@@ -90,7 +90,7 @@ class Engine:
         self.last_cache_events: tuple[list[bytes], list[bytes]] = ([], [])
         self.prefix_cache: BlockAllocator | None = None
         # Held while the cache or its pool changes (a run, a reset): another thread
-        # (generation reading cached prompt blocks, serving.prefix_share) must not look
+        # (generation reading cached prompt blocks, moejax.core.prefix_share) must not look
         # blocks up or read the pool meanwhile (blocks get evicted, the pool is donated).
         self.prefix_lock = threading.RLock()
         if prefix_cache_blocks:
@@ -164,7 +164,7 @@ class Engine:
     def _run_with_prefix_cache(self, ops: Sequence[PrefillOp],
                                on_batch_done: Callable[[int], None] | None
                                ) -> dict[Hashable, SequenceOutcome]:
-        """Run the levels of the prefix plan (serving/prefix_cache.py): each op continues
+        """Run the levels of the prefix plan (moejax/core/prefix_plan.py): each op continues
         the cached blocks and the shared tokens earlier levels stored."""
         with self.prefix_lock:
             return self._run_levels(ops, on_batch_done)

@@ -1,0 +1,12 @@
+"""The engine core: what runs requests on the devices, below the front door (``serving``).
+
+* ``scoring_engine`` — one device group's scoring engine: packs prefill ops, runs the
+  backend's steps, and reuses prompt blocks through the prefix pool (``prefix_plan``).
+* ``engine_pool`` and ``router`` — data-parallel scoring engines behind the prefix-,
+  FLOP- and saturation-aware router (DESIGN.md, Algorithm 1).
+* ``continuous`` — continuous batching of generation over a decode runner
+  (``moejax.decode``); ``decoders`` — a prefill engine handing prompts to decoders;
+  ``prefix_share`` — generation reading the prompt blocks a scoring engine cached.
+
+Blocks of every KV pool are kept by ``moejax.kv.BlockAllocator``.
+"""
