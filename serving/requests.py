@@ -359,12 +359,9 @@ class FieldChecker:
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise self.fail(field, f"must be an integer, got {type(value).__name__}")
         value = int(value)
-        if low is None:
-            if high is not None and value >= high:
-                raise self.fail(field, f"must be < {high}, got {show(value)}")
-            return value
-        if value < low or (high is not None and value >= high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        if (low is not None and value < low) or (high is not None and value >= high):
+            bound = (f"< {high}" if low is None else f">= {low}" if high is None
+                     else f"in [{low}, {high})")
             raise self.fail(field, f"must be {bound}, got {show(value)}")
         return value
 
