@@ -60,7 +60,7 @@ def attention_table(cfg: Any, dense: Any, batches: Sequence[int], contexts: Sequ
     import jax
 
     from moejax.decode import programs
-    from moejax.decode.paged import empty_paged_kv
+    from moejax.kv import empty_pool
     from moejax.prefix_hash import BLOCK_SIZE
 
     opts = programs.StepOptions()
@@ -68,7 +68,7 @@ def attention_table(cfg: Any, dense: Any, batches: Sequence[int], contexts: Sequ
     for rows in batches:
         line = []
         for context in contexts:
-            kv = empty_paged_kv(cfg, rows * -(-context // BLOCK_SIZE), "float32")
+            kv = empty_pool(cfg, rows * -(-context // BLOCK_SIZE), "float32")
             batch = jax.device_put(decode_batch(rows, context))
 
             def run():

@@ -23,7 +23,7 @@ prefetch issue starts from:
    (``prefill_union_*``).
 
 2. **Prefill-decode correlation.** Per request, Pearson's r between its per-(layer, expert)
-   prefill counts and its decode counts (``moejax.generate.expert_counts``, flattened [L, E]),
+   prefill counts and its decode counts (``moejax.expert_trace.expert_counts``, flattened [L, E]),
    averaged over requests (ELDR: 0.70-0.92). Part of that is just each layer's global expert
    popularity, shared by every request, so it is printed beside the same r against the
    decode counts of *another* request of the same domain and of a *different* domain (the
@@ -244,7 +244,7 @@ def analyse(prefill_ids: list[np.ndarray], decode_ids: np.ndarray, domains: np.n
     ``first_eos`` [R]: decode steps before each request's first EOS (default: all);
     ``router``: the router weights [L, d, E] and, per phase, the traced router inputs
     [L, n, d] and expert ids [L, n, k] (for the next-layer recall)."""
-    from moejax.generate import expert_counts
+    from moejax.expert_trace import expert_counts
 
     rng = np.random.default_rng(seed)
     prefill = np.stack(prefill_ids)                                      # [R, L, P, k]

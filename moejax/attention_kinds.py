@@ -17,10 +17,10 @@ Kinds:
   batch (``moejax.attention``), blocks of ``attn_block`` tokens;
 * :class:`PrefixPooled` — the prefix cache: each block also reads pooled keys/values
   of cached prefixes, and the rows to keep are written to the pool;
-* :class:`PromptToCache` — generation prefill: packed prompts (one per block) whose
-  keys/values fill a fresh KV cache;
-* :class:`CacheSlots` — decode: one token per row at its own position, written to its
-  KV-cache slot, attending over slots [0, position].
+* :class:`moejax.decode.paged.PagedRows` — generation: rows over the paged KV pool.
+
+The static-batching runtime's kinds over its dense cache (``PromptToCache``,
+``CacheSlots``) live with it, in :mod:`moejax.static.cache`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from moejax import attention
 from moejax.config import ModelConfig
-from moejax.kv_cache import KVCache, attend_cache, write_prompt, write_token
 from moejax.layers import LayerParams, attention_options, expand_kv, project_kv, project_q
 
 _STATIC = {"static": True}
@@ -245,71 +244,3 @@ class PrefixPooled:
         pool_k = self.pool_k.at[layer, ctx.store_slot].set(k[ctx.store_row], mode="drop")
         pool_v = self.pool_v.at[layer, ctx.store_slot].set(v[ctx.store_row], mode="drop")
         return out, dataclasses.replace(self, pool_k=pool_k, pool_v=pool_v)
-
-
-@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PromptToCache:
-    """Generation prefill: right-padded prompts flattened to [B·P] (one prompt per
-    attention block of P tokens), attended causally; each layer's keys/values fill the
-    prompt slots [0, P) of a KV cache [L, B, S, n_kv, h]."""
-
-    packed: PackedCausal
-    cache: KVCache
-
-    @property
-    def prompt_len(self) -> int:
-        return self.packed.attn_block
-
-    def carry(self) -> Any:
-        return self.cache
-
-    def with_carry(self, carry: Any) -> "PromptToCache":
-        return dataclasses.replace(self, cache=carry)
-
-    def valid_rows(self, rows: jax.Array | None) -> jax.Array | None:
-        return self.packed.valid_rows(rows)
-
-    def attend(self, p: LayerParams, layer, h_in: Float[Array, "T d"],
-               rows: Int[Array, "r"] | None, cfg: ModelConfig):
-        k, v = self.packed.keys_values(p, h_in, cfg)
-        out = self.packed.attend_to(p, h_in, k, v, rows, cfg, layer)
-        batch = k.shape[0] // self.prompt_len
-        cache = write_prompt(self.cache, layer, k.reshape(batch, self.prompt_len, *k.shape[1:]),
-                             v.reshape(batch, self.prompt_len, *v.shape[1:]))
-        return out, dataclasses.replace(self, cache=cache)
-
-
-@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class CacheSlots:
-    """Decode: one token per row at ``positions`` [B]; its key/value go to the row's
-    cache slot first, then it attends over slots [0, position]. ``active`` [B] bool:
-    rows still generating (the others are computed but kept out of the experts)."""
-
-    positions: jax.Array
-    active: jax.Array
-    cache: KVCache
-
-    def carry(self) -> Any:
-        return self.cache
-
-    def with_carry(self, carry: Any) -> "CacheSlots":
-        return dataclasses.replace(self, cache=carry)
-
-    def valid_rows(self, rows: jax.Array | None) -> Bool[Array, "B"] | None:
-        return self.active if rows is None else None
-
-    def attend(self, p: LayerParams, layer, h_in: Float[Array, "B d"],
-               rows: Int[Array, "r"] | None, cfg: ModelConfig):
-        if rows is not None:
-            raise ValueError("decode attention runs every row (rows must be None)")
-        q = project_q(p, h_in, self.positions, cfg)
-        k, v = project_kv(p, h_in, self.positions, cfg)
-        cache = write_token(self.cache, layer, self.positions, k, v)
-        keys, values = expand_kv(p, cache.keys[layer], cache.values[layer], cfg)
-        extra = attention_options(p, layer, cfg)
-        out = attend_cache(q, keys, values, self.positions + 1, **extra)
-        return out, dataclasses.replace(self, cache=cache)

@@ -67,7 +67,7 @@ from moejax.decode.programs import StepOptions
 from moejax.distributed import DistributedOptions, join as join_processes
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, POLICIES, Policy, check_tau, make_policy
-from moejax.generate import DecodeEngine
+from moejax.static.decode import DecodeEngine
 from moejax.prefix_hash import BLOCK_SIZE
 from moejax.sampling import MAX_SEED
 from moejax.sequences import SequenceOutput, SequenceSpec

@@ -19,7 +19,7 @@ import pytest
 
 from moejax import attention
 from moejax.decode.paged import BLOCK_SIZE, paged_attention
-from moejax.kv_cache import attend_cache
+from moejax.static.cache import attend_cache
 
 N_Q, N_KV, H = 4, 2, 8
 MLA_H, MLA_HV = 12, 8            # a value head dim other than the query/key one

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from moejax import generate
+from moejax.static import decode as static_decode
 from serving import Generator, Scorer
 
 REQUESTS = [
@@ -87,14 +87,14 @@ def test_scoring_compiles_once_per_shape(options, compile_log):
 
 def test_generation_compiles_one_prefill_and_one_decode_step_per_bucket(compile_log):
     gen = Generator("demo", dtype="float32", max_batch_size=2)
-    before = generate.compiled_program_counts()
+    before = static_decode.compiled_program_counts()
     requests = [{"id": "x", "prompt": "2+3=", "max_new_tokens": 5},
                 {"id": "y", "prompt": "def f(x):", "max_new_tokens": 7}]
     gen.generate(requests)
-    after_first = generate.compiled_program_counts()
+    after_first = static_decode.compiled_program_counts()
     logged = [p for p in compile_log.programs if "prefill_program" in p or "decode_step" in p]
     gen.generate(requests)
-    assert generate.compiled_program_counts() == after_first      # nothing new the second time
+    assert static_decode.compiled_program_counts() == after_first      # nothing new the second time
     assert [p for p in compile_log.programs
             if "prefill_program" in p or "decode_step" in p] == logged
     new = {k: after_first[k] - before[k] for k in after_first}

@@ -17,7 +17,7 @@ import pytest
 from moejax import checkpoint
 from moejax.decode.programs import StepOptions, compiled_program_counts
 from moejax.decode.factory import make_runner
-from moejax.generate import DecodeEngine
+from moejax.static.decode import DecodeEngine
 from moejax.sequences import SequenceSpec
 from serving import Generator
 from serving.api import resolve_model_dir

@@ -12,13 +12,13 @@ import pytest
 
 from moejax import checkpoint
 from moejax.backends.base import BackendError
-from moejax.decode.paged import (BLOCK_SIZE, count_experts, expert_count_bytes,
-                                 sum_block_counts)
+from moejax.kv import count_experts, expert_count_bytes, sum_block_counts
+from moejax.prefix_hash import BLOCK_SIZE
 from moejax.decode.programs import StepOptions
 from moejax.decode.factory import make_runner
 from moejax.eldr import fitfile
 from moejax.eldr.fitfile import EldrFit, FitError
-from moejax.generate import expert_counts
+from moejax.expert_trace import expert_counts
 from moejax.sequences import SequenceSpec
 from serving import Generator
 from serving.api import resolve_model_dir

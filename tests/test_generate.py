@@ -25,7 +25,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from tokenizers import decoders  # noqa: E402
 
 from moejax import checkpoint  # noqa: E402
-from moejax import generate as gen_lib  # noqa: E402
+from moejax import expert_trace  # noqa: E402
+from moejax.static import decode as static_decode  # noqa: E402
 from moejax.decode import programs as decode_programs  # noqa: E402
 from moejax import sampling  # noqa: E402
 from moejax.sequences import SequenceSpec  # noqa: E402
@@ -198,23 +199,23 @@ def test_static_batching_compiles_once(built):
     """The static baseline: one batch of 4 prompts and 11 decode steps compile one prefill
     and one decode program; another batch in the same buckets compiles nothing; its
     tokens equal continuous batching's."""
-    before = gen_lib.compiled_program_counts()
+    before = static_decode.compiled_program_counts()
     static = Generator(built.path, dtype="float32", batching="static", compilation_cache="off")
     requests = [{"prompt_token_ids": p, "max_new_tokens": NEW} for p in built.prompts]
     assert [r.token_ids for r in _run(static, requests)] == [r.token_ids for r in built.greedy]
-    after = gen_lib.compiled_program_counts()
+    after = static_decode.compiled_program_counts()
     assert after["decode_step"] - before["decode_step"] == 1
     assert after["prefill"] - before["prefill"] == 1
     others = [[int(t) for t in np.arange(3, 3 + n)] for n in (3, 20, 12)]
     static.generate([{"prompt_token_ids": p, "max_new_tokens": 7} for p in others])
-    assert gen_lib.compiled_program_counts() == after
+    assert static_decode.compiled_program_counts() == after
 
 
 def test_shape_buckets(qwen):
     """Batch, prompt and cache sizes are powers of two (the cache capped at the context,
     but never below the prompt bucket, which the attention tiling needs whole)."""
     cfg = dataclasses.replace(qwen.gen.config, max_context=100)
-    engine = gen_lib.DecodeEngine(qwen.params, cfg, max_batch_size=8)
+    engine = static_decode.DecodeEngine(qwen.params, cfg, max_batch_size=8)
     spec = SequenceSpec
     assert engine.shapes([spec((1,) * 5, 3)] * 3) == (4, 16, 64)
     assert engine.shapes([spec((1,) * 40, 30)] * 5) == (8, 64, 100)
@@ -225,9 +226,9 @@ def test_shape_buckets(qwen):
 
 def test_trace_prefill_experts_function(qwen):
     prompt = qwen.prompts[1]
-    ids = gen_lib.trace_prefill_experts(qwen.params, qwen.gen.config, prompt)
+    ids = expert_trace.trace_prefill_experts(qwen.params, qwen.gen.config, prompt)
     np.testing.assert_array_equal(ids, qwen.greedy[1].experts["prefill"])
-    counts = gen_lib.expert_counts(ids, E)
+    counts = expert_trace.expert_counts(ids, E)
     assert counts.shape == (L, E) and (counts.sum(axis=1) == len(prompt) * K).all()
 
 

@@ -48,7 +48,7 @@ from moejax.asyncmoe.schedulers import QueueScheduler, make_scheduler
 from moejax.backends.base import check_expert_bias, validated
 from moejax.config import ModelConfig
 from moejax.decode import programs
-from moejax.decode.paged import WRITE_ROWS, empty_paged_kv
+from moejax.kv import WRITE_ROWS, empty_pool
 from moejax.decode.programs import PagedBatch, StepOptions
 from moejax.param_layout import EXPERT_KEYS, Params
 from moejax.prefix_hash import BLOCK_SIZE
@@ -128,7 +128,7 @@ class ModelExecutor:
 
     def prepare(self, specs: dict[int, SequenceSpec], blocks_per_rank: int) -> None:
         """A fresh KV pool of ``blocks_per_rank`` blocks per rank for a run of ``specs``."""
-        self.kv = [empty_paged_kv(self.cfg, blocks_per_rank, self.dtype, d)
+        self.kv = [empty_pool(self.cfg, blocks_per_rank, self.dtype, d)
                    for d in self.devices]
         self.free_blocks = [list(range(blocks_per_rank)) for _ in self.devices]
         self.max_table = 1

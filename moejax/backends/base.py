@@ -21,24 +21,11 @@ import numpy as np
 from moejax.attention_kinds import PrefixContext
 from moejax.config import ModelConfig
 from moejax.distributed import fetch_global
+from moejax.kv import KVPool, empty_pool
 from moejax.model import ForwardOptions, PackedBatch, check_params
 from moejax.param_layout import EXPERT_KEYS, Params
 
 StepOutput = tuple[jax.Array, "jax.Array | None"]   # ([P, C] logits f32, [P] log-sum-exp)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PrefixPool:
-    """Keys and values of cached prefix blocks, per layer: keys, values [L, S, n_kv, h]
-    with S = blocks · block size token slots, placed by the backend that made it."""
-
-    keys: jax.Array
-    values: jax.Array
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.keys.shape[1])
 
 
 def check_expert_bias(name: str, cfg: ModelConfig, serves: bool) -> None:
@@ -92,7 +79,7 @@ class Backend(abc.ABC):
     :meth:`step` and :meth:`memory_report`."""
 
     name: str = ""
-    # Whether make_prefix_pool / prefix_step work here (the prefix cache and in-call
+    # Whether kv_placement / prefix_step work here (the prefix cache and in-call
     # prompt sharing need them).
     holds_prefix_pool: bool = False
 
@@ -140,31 +127,26 @@ class Backend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "devices": len(self.devices), "ranks": self.num_ranks}
 
-    def make_prefix_pool(self, num_blocks: int, block_size: int) -> PrefixPool:
-        """A zeroed prefix pool of ``num_blocks`` blocks on this backend's device(s), for
-        :meth:`prefix_step`. Backends that cannot hold one raise BackendError."""
+    @property
+    def kv_placement(self) -> Any:
+        """Where this backend's KV pool lives (a device or a sharding), for
+        :meth:`prefix_step`; backends that cannot hold a pool raise BackendError. Scoring and
+        generation on one device share the pool (:class:`moejax.kv.KVStore`)."""
         raise BackendError(f"backend {self.name!r} cannot hold a prefix KV pool (the prefix "
                            f"cache runs on 'resident' and 'offload'); set "
                            f"prefix_cache_blocks=0 for it")
 
-    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
-                    opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+    def make_kv_pool(self, num_blocks: int) -> KVPool:
+        """A zeroed KV pool of ``num_blocks`` blocks placed for :meth:`prefix_step`."""
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise BackendError(f"a KV pool needs num_blocks >= 1, got {num_blocks!r}")
+        return empty_pool(self.cfg, num_blocks, self.dtype, self.kv_placement)
+
+    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: KVPool,
+                    opts: ForwardOptions) -> tuple[StepOutput, KVPool]:
         """One batch whose sequences continue (``context``) and store prefix keys/values in
         ``pool`` (consumed: use the returned pool) -> (its output, the updated pool)."""
         raise BackendError(f"backend {self.name!r} cannot run the prefix cache")
-
-    def _zero_pool(self, num_blocks: int, block_size: int, sharding: Any) -> PrefixPool:
-        """A zeroed pool placed by ``sharding`` (for the backends that hold one)."""
-        if num_blocks < 1 or block_size < 1:
-            raise BackendError(f"a prefix pool needs num_blocks >= 1 and block_size >= 1, "
-                               f"got {num_blocks} and {block_size}")
-        cfg = self.cfg
-        heads, key_dim, value_dim = cfg.kv_store_dims
-        shape = (cfg.num_layers, num_blocks * block_size, heads)
-        # One eager op, cached across engines and backends (a jit per call would compile
-        # per engine).
-        return PrefixPool(keys=jnp.zeros((*shape, key_dim), self.dtype, device=sharding),
-                          values=jnp.zeros((*shape, value_dim), self.dtype, device=sharding))
 
     def time_expert_transfer(self, repeats: int) -> tuple[str, float] | None:
         """(channel, median seconds) of moving one layer's experts over this backend's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -10,21 +11,23 @@ import jax.numpy as jnp
 
 from moejax import model as model_lib
 from moejax.attention_kinds import PrefixContext, PrefixPooled
-from moejax.backends.base import (Backend, MemoryReport, PrefixPool, StepOutput, dense_bytes,
+from moejax.backends.base import (Backend, MemoryReport, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, validated)
 from moejax.config import ModelConfig
+from moejax.kv import KVPool
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params
 
 
-def pooled_score(params: Params, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
-                 *, cfg: ModelConfig, opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+def pooled_score(params: Params, batch: PackedBatch, context: PrefixContext, pool: KVPool,
+                 *, cfg: ModelConfig, opts: ForwardOptions) -> tuple[StepOutput, KVPool]:
     """The scoring forward with the prefix pool as its attention kind -> (output, pool)."""
     attn = PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
                            pool.keys, pool.values, defer_writes=True)
     out = model_lib.decoder(cfg, params).score(batch, opts, attn=attn)
     keys, values = out.attn.written()
-    return (out.logits, out.lse), PrefixPool(keys=keys, values=values)
+    # The signature cache (if any) passes through: scoring keeps no expert counts.
+    return (out.logits, out.lse), dataclasses.replace(pool, keys=keys, values=values)
 
 
 class ResidentBackend(Backend):
@@ -65,12 +68,12 @@ class ResidentBackend(Backend):
         batch = jax.device_put(batches[0], self.device)
         return [self._forward.lower(self.params, batch, cfg=self.cfg, opts=opts)]
 
-    def make_prefix_pool(self, num_blocks: int, block_size: int) -> PrefixPool:
-        return self._zero_pool(num_blocks, block_size,
-                               jax.sharding.SingleDeviceSharding(self.device))
+    @property
+    def kv_placement(self) -> Any:
+        return self.device
 
-    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
-                    opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: KVPool,
+                    opts: ForwardOptions) -> tuple[StepOutput, KVPool]:
         batch, context = jax.device_put((batch, context), self.device)
         return self._pooled(self.params, batch, context, pool, opts=opts)
 

@@ -72,10 +72,11 @@ from moejax import moe
 from moejax.attention_kinds import PackedCausal, PrefixContext, PrefixPooled
 from moejax.backends import xla_flags
 from moejax.backends.async_ep import AXIS, pad_experts
-from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, PrefixPool,
+from moejax.backends.base import (BackendError, MemoryReport, MeshBackend,
                                   StepOutput, dense_bytes, expert_bytes_per_layer,
                                   require_devices, stack_batches, unstack_outputs, validated)
 from moejax.config import ModelConfig
+from moejax.kv import KVPool
 from moejax.dispatch import (ExpertWeights, GatheredAhead, GivenExperts, gather_layer,
                              local_dispatcher)
 from moejax.distributed import place_local_ranks
@@ -233,7 +234,7 @@ def _local(tree: Any) -> Any:
 
 
 def _attention(batch: PackedBatch, opts: ForwardOptions, context: PrefixContext | None,
-               pool: PrefixPool | None):
+               pool: KVPool | None):
     """Packed causal attention, or the prefix pool's kind when a pool is given."""
     if pool is None:
         return PackedCausal.of(batch.positions, batch.segment_ids, opts.attn_block)
@@ -241,9 +242,10 @@ def _attention(batch: PackedBatch, opts: ForwardOptions, context: PrefixContext 
                            pool.keys, pool.values)
 
 
-def _pool_after(attn: Any, pool: PrefixPool | None) -> PrefixPool | None:
+def _pool_after(attn: Any, pool: KVPool | None) -> KVPool | None:
     """The pool as the layer left it (None without one)."""
-    return None if pool is None else PrefixPool(keys=attn.pool_k, values=attn.pool_v)
+    return (None if pool is None
+            else dataclasses.replace(pool, keys=attn.pool_k, values=attn.pool_v))
 
 
 def _source(current: ExpertWeights, incoming: ExpertWeights | None, cfg: ModelConfig):
@@ -257,7 +259,7 @@ def _source(current: ExpertWeights, incoming: ExpertWeights | None, cfg: ModelCo
 
 def layer_program(params: Params, layer: jax.Array, current: ExpertWeights,
                   incoming: ExpertWeights | None, x: jax.Array, batch: PackedBatch,
-                  context: PrefixContext | None, pool: PrefixPool | None, *, cfg: ModelConfig,
+                  context: PrefixContext | None, pool: KVPool | None, *, cfg: ModelConfig,
                   opts: ForwardOptions):
     """Per device (inside shard_map): layer ``layer`` on this rank's x [1, T, d] with the
     experts ``current`` [E, ...]. ``incoming`` (hybrid): the next layer's local shards,
@@ -275,7 +277,7 @@ def layer_program(params: Params, layer: jax.Array, current: ExpertWeights,
 
 def last_layer_program(params: Params, current: ExpertWeights, x: jax.Array,
                        batch: PackedBatch, context: PrefixContext | None,
-                       pool: PrefixPool | None, *, cfg: ModelConfig, opts: ForwardOptions):
+                       pool: KVPool | None, *, cfg: ModelConfig, opts: ForwardOptions):
     """Per device: the last layer and the LM head (``MoEDecoder.finish``) -> ([1, P, C]
     logits, [1, P] log-sum-exp | None, pool | None)."""
     batch = _local(batch)
@@ -506,7 +508,7 @@ class StreamedBackend(MeshBackend):
             self._window.dispatched(done, release=[current])
 
     def _forward(self, batch: PackedBatch, opts: ForwardOptions,
-                 context: PrefixContext | None = None, pool: PrefixPool | None = None):
+                 context: PrefixContext | None = None, pool: KVPool | None = None):
         """Every layer of one step, each with its experts from the window -> (logits,
         lse, pool). After dispatching a layer the host waits for the one ``sync_lag``
         layers back, frees its experts and issues the next copy."""
@@ -573,11 +575,12 @@ class OffloadBackend(StreamedBackend):
                                f"use 'hybrid' to stream expert shards to several")
         super().__init__(cfg, params, devices=1, **options)
 
-    def make_prefix_pool(self, num_blocks: int, block_size: int) -> PrefixPool:
-        return self._zero_pool(num_blocks, block_size, self._replicated)
+    @property
+    def kv_placement(self) -> Any:
+        return self._replicated
 
-    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: PrefixPool,
-                    opts: ForwardOptions) -> tuple[StepOutput, PrefixPool]:
+    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: KVPool,
+                    opts: ForwardOptions) -> tuple[StepOutput, KVPool]:
         batch = place_local_ranks(stack_batches([batch]), self._batch_sharding)
         context = jax.device_put(context, self._replicated)
         logits, lse, pool = self._recovering(self._forward, batch, opts, context, pool)

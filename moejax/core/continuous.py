@@ -60,10 +60,10 @@ import numpy as np
 
 from moejax import prefix_hash, sampling
 from moejax.core.prefix_share import ScorerPrefixSource
-from moejax.decode.paged import SUM_BLOCK_COUNTS, PagedKV
+from moejax.kv import SUM_BLOCK_COUNTS, KVPool
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
-from moejax.generate import expert_counts
+from moejax.expert_trace import expert_counts
 from moejax.kv import BlockAllocator
 from moejax.kv.copy import copy_blocks
 from moejax.sequences import SequenceOutput, SequenceSpec
@@ -187,7 +187,7 @@ class Scheduler:
         self.options = options
         self.ranks = runner.num_ranks
         self.managers = [BlockAllocator(num_blocks, BLOCK) for _ in range(self.ranks)]
-        self.kv: PagedKV = runner.make_kv(num_blocks, expert_counts=options.expert_counts)
+        self.kv: KVPool = runner.make_kv(num_blocks, expert_counts=options.expert_counts)
         self.num_blocks = num_blocks
         self.per_rank = max(1, -(-options.max_batch_size // self.ranks))
         self.max_table = -(-runner.cfg.max_context // BLOCK)
@@ -278,7 +278,7 @@ class Scheduler:
         return (len(self.running) < self.per_rank
                 and self.managers[0].num_available >= -(-seq.computed // BLOCK))
 
-    def adopt(self, seq: SequenceState, source: PagedKV, source_blocks: Sequence[int]) -> None:
+    def adopt(self, seq: SequenceState, source: KVPool, source_blocks: Sequence[int]) -> None:
         """Take a sequence prefilled elsewhere: copy its ``seq.computed`` tokens' blocks
         from the pool ``source`` (any device) into fresh blocks of this pool, and decode
         it from here on (one-rank runners; check :meth:`room_to_adopt` first)."""

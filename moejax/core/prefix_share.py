@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from moejax.decode.paged import PagedKV
+from moejax.kv import KVPool
 from moejax.kv.copy import copy_blocks
 
 
@@ -55,9 +55,9 @@ class ScorerPrefixSource:
         self.engines = engines
         self.busy_skips = 0      # lookups skipped because an engine was scoring
 
-    def copy_into(self, hashes: Sequence[bytes], kv: PagedKV,
+    def copy_into(self, hashes: Sequence[bytes], kv: KVPool,
                   allocate: Callable[[int], list[int]], device: Any
-                  ) -> tuple[PagedKV, list[int]]:
+                  ) -> tuple[KVPool, list[int]]:
         """Copy the longest leading run of ``hashes`` that an idle engine holds into
         blocks from ``allocate(n)`` (which may give fewer) -> (the pool, the blocks now
         holding hashes[0], hashes[1], ... in order; empty if none was found)."""

@@ -96,8 +96,7 @@ class Engine:
         if prefix_cache_blocks:
             self.prefix_cache = BlockAllocator(prefix_cache_blocks, record_events=True)
             # The backend places the pool (BackendError where it cannot hold one).
-            self.prefix_pool = backend.make_prefix_pool(prefix_cache_blocks,
-                                                        self.prefix_cache.block_size)
+            self.prefix_pool = backend.make_kv_pool(prefix_cache_blocks)
 
     @property
     def device(self) -> jax.Device:
@@ -216,8 +215,7 @@ class Engine:
             if self.prefix_cache is not None:
                 log.error("a prefix-pool step failed on %s: the pool and the cached prefixes "
                           "are dropped", self.backend.name)
-                self.prefix_pool = self.backend.make_prefix_pool(self.prefix_cache.num_blocks,
-                                                                 self.prefix_cache.block_size)
+                self.prefix_pool = self.backend.make_kv_pool(self.prefix_cache.num_blocks)
                 self.reset_prefix_cache()
             raise
         return results

@@ -1,6 +1,6 @@
-"""The paged KV cache on the device, and attention over block tables.
+"""Attention over block tables of the one KV pool (:class:`moejax.kv.KVPool`).
 
-The cache is one pool of token slots per layer, ``keys``/``values`` [L, S, n_kv, h] with
+The pool is one set of token slots per layer, ``keys``/``values`` [L, S, n_kv, h] with
 S = blocks × :data:`BLOCK_SIZE` (16, the prefix cache's block and hash-chain size). A
 sequence owns a *block table*: its token at position p lives in slot
 ``table[p // 16] * 16 + p % 16``. The host owns the tables and the free list
@@ -11,7 +11,7 @@ a long prompt chunk spans several consecutive rows of one *segment*). A row's to
 have their own positions; every position below ``context_len[b]`` is already in the
 pool. The step *reads* the pool and keeps its own new keys/values apart (the
 :class:`PagedRows` carry, [L, B·C, n_kv, h]); the host writes them into the pool
-afterwards (:func:`write_rows`, one scatter in place). A layer loop that both read and
+afterwards (:func:`moejax.kv.write_rows`, one scatter in place). A layer loop that both read and
 wrote the pool would make XLA copy the whole pool per layer; reading only, it copies
 nothing.
 
@@ -19,15 +19,6 @@ Attention of a query: its row's pool slots below ``context_len[b]``, read a chun
 time up to the step's longest context (:func:`paged_attention`), and the step's new
 keys of the same segment at positions up to its own — one softmax over both, in
 float32, grouped-query as in :mod:`moejax.attention`.
-
-The signature cache (ELDR, optional): ``expert_counts`` [blocks, L, E] int8, one count per
-(KV block, MoE layer, expert): how many of the block's tokens have the expert in their
-top-k at the layer. :func:`write_rows` keeps it in the same program that writes the
-keys/values (a token at offset 0 of a block starts the block afresh), so a block's
-counts always describe the tokens it holds — also when a later prompt reuses it from the
-prefix cache — and a request's prompt counts are the sum over its blocks
-(:func:`sum_block_counts`). A block holds at most 16 tokens and a token names an expert
-at most once per layer, so a count never passes 16.
 """
 
 from __future__ import annotations
@@ -45,49 +36,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.attention import SoftmaxState, Window, clamp_window, in_window
 from moejax.config import ModelConfig
+from moejax.kv.pool import KVPool
 from moejax.layers import LayerParams, attention_options, expand_kv, project_kv, project_q
 from moejax.prefix_hash import BLOCK_SIZE
 
 _STATIC = {"static": True}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PagedKV:
-    """keys, values: [L, S, n_kv, h], S = num_blocks · BLOCK_SIZE token slots;
-    expert_counts: the signature cache [num_blocks, L, E] int8, or None (module
-    docstring)."""
-
-    keys: Float[Array, "L S n_kv hk"]
-    values: Float[Array, "L S n_kv hv"]
-    expert_counts: Int[Array, "NB L E"] | None = None
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.keys.shape[1])
-
-
-def block_bytes(cfg: ModelConfig, itemsize: int) -> int:
-    """Bytes of one block of keys and values over every layer."""
-    return BLOCK_SIZE * cfg.kv_bytes_per_token(itemsize)
-
-
-def expert_count_bytes(cfg: ModelConfig) -> int:
-    """Bytes of one block's signature-cache counts (one int8 per layer and expert)."""
-    return cfg.num_layers * cfg.num_experts
-
-
-def empty_paged_kv(cfg: ModelConfig, num_blocks: int, dtype: Any, device: Any = None,
-                   expert_counts: bool = False) -> PagedKV:
-    """A zeroed pool of ``num_blocks`` blocks (placed on ``device``: a device or sharding),
-    with a zeroed signature cache when ``expert_counts``."""
-    heads, key_dim, value_dim = cfg.kv_store_dims
-    shape = (cfg.num_layers, num_blocks * BLOCK_SIZE, heads)
-    counts = (jnp.zeros((num_blocks, cfg.num_layers, cfg.num_experts), jnp.int8,
-                        device=device) if expert_counts else None)
-    return PagedKV(keys=jnp.zeros((*shape, key_dim), dtype, device=device),
-                   values=jnp.zeros((*shape, value_dim), dtype, device=device),
-                   expert_counts=counts)
 
 
 def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S s hk"],
@@ -218,7 +171,7 @@ class PagedRows:
     table (padded to a multiple of ``chunk_blocks``); context_len [B]: positions already
     in the pool (the same for every row of a sequence); pool_keys/values: the pool (read only); new_keys/new_values
     [L, B·C, n_kv, h]: this step's keys and values, the carry (written to the pool by
-    :func:`write_rows` after the step). ``chunk_blocks``: KV blocks read per iteration of
+    :func:`moejax.kv.write_rows` after the step). ``chunk_blocks``: KV blocks read per iteration of
     the attention's context loop."""
 
     positions: jax.Array
@@ -234,7 +187,7 @@ class PagedRows:
     chunk_blocks: int = dataclasses.field(metadata=_STATIC)
 
     @classmethod
-    def of(cls, kv: PagedKV, positions: Int[Array, "BC"], valid: Bool[Array, "BC"],
+    def of(cls, kv: KVPool, positions: Int[Array, "BC"], valid: Bool[Array, "BC"],
            segments: Int[Array, "B"], block_tables: Int[Array, "B MB"],
            context_len: Int[Array, "B"], chunk_blocks: int) -> "PagedRows":
         rows = positions.shape[0]
@@ -281,47 +234,3 @@ class PagedRows:
         kind = dataclasses.replace(self, new_keys=self.new_keys.at[layer].set(k),
                                    new_values=self.new_values.at[layer].set(v))
         return out.reshape(q.shape[0], q.shape[1], -1), kind    # value head dim (MLA: v)
-
-
-def write_rows(kv: PagedKV, slots: Int[Array, "BC"], new_keys: Float[Array, "L BC n_kv hk"],
-               new_values: Float[Array, "L BC n_kv hv"],
-               experts: Int[Array, "L BC k"] | None = None) -> PagedKV:
-    """The pool with a step's new rows stored at ``slots`` (slot S, past the end: dropped),
-    and, when the pool keeps a signature cache and ``experts`` (the rows' top-k ids) is
-    given, their expert counts added to their blocks'. Jitted with the pool donated, the
-    scatters are in place."""
-    counts = kv.expert_counts
-    if counts is not None and experts is not None:
-        counts = count_experts(counts, slots, experts)
-    return PagedKV(keys=kv.keys.at[:, slots].set(new_keys.astype(kv.keys.dtype), mode="drop"),
-                   values=kv.values.at[:, slots].set(new_values.astype(kv.values.dtype),
-                                                     mode="drop"),
-                   expert_counts=counts)
-
-
-def count_experts(counts: Int[Array, "NB L E"], slots: Int[Array, "T"],
-                  experts: Int[Array, "L T k"]) -> Int[Array, "NB L E"]:
-    """``counts`` with each written token's top-k experts counted in its block: a token at
-    offset 0 starts its block afresh (blocks fill in order, so that token is the block's
-    first since it was allocated); unwritten rows (slot S) count nowhere."""
-    num_blocks = counts.shape[0]
-    block = slots // BLOCK_SIZE                                 # num_blocks: past the end
-    fresh = jnp.where(slots % BLOCK_SIZE == 0, block, num_blocks)
-    counts = counts.at[fresh].set(0, mode="drop")
-    layers = jnp.arange(experts.shape[0])[:, None, None]
-    return counts.at[block[None, :, None], layers, experts].add(
-        jnp.ones(experts.shape, counts.dtype), mode="drop")
-
-
-def sum_block_counts(counts: Int[Array, "NB L E"], tables: Int[Array, "H MB"]
-                     ) -> Int[Array, "H L E"]:
-    """Each table's raw prompt counts: the sum of its blocks' counts (int32); table
-    entries past the pool (>= num_blocks) are padding and add nothing."""
-    gathered = jnp.take(counts, tables, axis=0, mode="fill", fill_value=0)
-    return gathered.astype(jnp.int32).sum(axis=1)
-
-
-SUM_BLOCK_COUNTS = jax.jit(sum_block_counts)
-
-
-WRITE_ROWS = jax.jit(write_rows, donate_argnums=0)

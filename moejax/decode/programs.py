@@ -32,7 +32,8 @@ from jaxtyping import Array, Bool, Float, Int
 from moejax import layers as layers_lib
 from moejax import model, moe, sampling
 from moejax.config import ModelConfig
-from moejax.decode.paged import PagedKV, PagedRows
+from moejax.decode.paged import PagedRows
+from moejax.kv import KVPool
 from moejax.dispatch import StackedExperts, local_dispatcher
 from moejax.moe import ExpertImpl
 from moejax.param_layout import ALL_EXPERT_KEYS, Params
@@ -115,7 +116,7 @@ def _observer(router_inputs: bool):
     return observe
 
 
-def _attention_kind(kv: PagedKV, batch: PagedBatch, opts: StepOptions) -> PagedRows:
+def _attention_kind(kv: KVPool, batch: PagedBatch, opts: StepOptions) -> PagedRows:
     return PagedRows.of(kv, batch.positions, batch.valid, batch.segments, batch.block_tables,
                         batch.context_len, opts.pool_chunk_blocks)
 
@@ -127,7 +128,7 @@ def _next_tokens(module: model.MoEDecoder, x: Float[Array, "BC d"], batch: Paged
 
 
 # ----------------------------------------------------------------------------- fused
-def paged_forward(module: model.MoEDecoder, kv: PagedKV, batch: PagedBatch,
+def paged_forward(module: model.MoEDecoder, kv: KVPool, batch: PagedBatch,
                   samp: sampling.SamplingParams, dispatcher: Any, opts: StepOptions
                   ) -> tuple[StepResult, Any]:
     """Every layer of one paged step with the MoE seam ``dispatcher`` (local experts, or an
@@ -146,7 +147,7 @@ def count_compile(program: str) -> None:
     _COMPILES[program] += 1
 
 
-def fused_step(params: Params, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams,
+def fused_step(params: Params, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams,
                *, cfg: ModelConfig, opts: StepOptions) -> StepResult:
     """Every layer of one paged step in one program, experts resident."""
     count_compile("fused_step")
@@ -159,7 +160,7 @@ FUSED_STEP = jax.jit(fused_step, static_argnames=("cfg", "opts"))
 
 
 # ----------------------------------------------------------------------------- layerwise
-def begin_program(params: Params, kv: PagedKV, batch: PagedBatch, *, cfg: ModelConfig,
+def begin_program(params: Params, kv: KVPool, batch: PagedBatch, *, cfg: ModelConfig,
                   opts: StepOptions) -> tuple[jax.Array, PagedRows]:
     """The embedded tokens [B·C, d] and the attention kind of a layerwise step, without
     the pool (a program output is a new buffer: returning the pool would copy it)."""
@@ -170,7 +171,7 @@ def begin_program(params: Params, kv: PagedKV, batch: PagedBatch, *, cfg: ModelC
 
 
 def attention_program(params: Params, layer: Int[Array, ""], x: Float[Array, "BC d"],
-                      kv: PagedKV, attn: PagedRows, *, cfg: ModelConfig
+                      kv: KVPool, attn: PagedRows, *, cfg: ModelConfig
                       ) -> tuple[jax.Array, Any, jax.Array, moe.Routing]:
     """Layer ``layer``'s attention half and router over the pool ``kv``: (x after
     attention, the kind's carry with the layer's keys/values kept, the normed MoE input,

@@ -37,7 +37,7 @@ from moejax.model import check_params
 from moejax.backends.streamed import host_memory_kind
 from moejax.config import ModelConfig
 from moejax.decode import programs
-from moejax.decode.paged import WRITE_ROWS, PagedKV, block_bytes, empty_paged_kv
+from moejax.kv import WRITE_ROWS, KVPool, block_bytes, empty_pool
 from moejax.decode.programs import LayerwiseStep, PagedBatch, StepOptions, StepResult
 from moejax.param_layout import Params, expert_names, split_experts
 
@@ -74,13 +74,13 @@ class DecodeRunner(abc.ABC):
         """Bytes of one KV block (all layers, keys and values) on one rank."""
         return block_bytes(self.cfg, self.dtype.itemsize)
 
-    def make_kv(self, num_blocks: int, expert_counts: bool = False) -> PagedKV:
+    def make_kv(self, num_blocks: int, expert_counts: bool = False) -> KVPool:
         """A zeroed pool of ``num_blocks`` blocks per rank (with the ELDR signature cache
         when ``expert_counts``: one-rank runners only)."""
         if expert_counts and self.num_ranks != 1:
             raise BackendError(f"backend {self.name!r}: the signature cache (expert counts "
                                f"per KV block) needs a one-rank decode backend")
-        return empty_paged_kv(self.cfg, num_blocks, self.dtype, self.device, expert_counts)
+        return empty_pool(self.cfg, num_blocks, self.dtype, self.device, expert_counts)
 
     def precompile(self) -> None:
         """Compile what a step runs besides its programs (the scheduler's ``precompile``
@@ -91,8 +91,8 @@ class DecodeRunner(abc.ABC):
             raise BackendError(f"backend {self.name!r} runs decode steps "
                                f"{' or '.join(map(repr, self.steps))}, not {step!r}")
 
-    def run(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams, step: str
-            ) -> tuple[PagedKV, StepResult]:
+    def run(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams, step: str
+            ) -> tuple[KVPool, StepResult]:
         """One step (``kv`` is consumed: use the returned pool)."""
         batch, samp = jax.device_put((batch, samp), self.device)
         if step == "fused":
@@ -103,7 +103,7 @@ class DecodeRunner(abc.ABC):
                         None if kv.expert_counts is None else result.experts)
         return kv, result
 
-    def fused(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams
+    def fused(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams
               ) -> StepResult:
         raise BackendError(f"backend {self.name!r} has no fused decode step")
 
@@ -113,7 +113,7 @@ class DecodeRunner(abc.ABC):
         """The experts layer ``layer`` runs with under ``routing``: (a stack [L', E', ...],
         the index into it, the routing renumbered for that stack)."""
 
-    def attend(self, layer: int, state: LayerwiseStep, kv: PagedKV
+    def attend(self, layer: int, state: LayerwiseStep, kv: KVPool
                ) -> tuple[jax.Array, jax.Array, moe.Routing]:
         """Layer ``layer``'s attention and router on a layerwise step: records the traced
         routing (and router inputs) in ``state``, applies the layer hook -> (the
@@ -129,7 +129,7 @@ class DecodeRunner(abc.ABC):
             routing = self.layer_hook(layer, routing) or routing
         return x, moe_in, routing
 
-    def layerwise(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams
+    def layerwise(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams
                   ) -> StepResult:
         """The host drives the layers: attention + router, (hook), experts, per layer."""
         dense, cfg, opts = self.dense_params, self.cfg, self.opts
@@ -189,7 +189,7 @@ class ResidentRunner(DecodeRunner):
     def device(self) -> Any:
         return self._device
 
-    def fused(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams
+    def fused(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams
               ) -> StepResult:
         return programs.FUSED_STEP(self.params, kv, batch, samp, cfg=self.cfg, opts=self.opts)
 

@@ -8,7 +8,7 @@ device exactly its own rows. Block tables and write slots are rank-local.
 
 * **KV pool.** ``keys``/``values`` are [L, G·S, n_kv, h] (S = num_blocks · 16 slots
   per rank), sharded on the slot axis: device g holds rank g's pool [L, S, n_kv, h],
-  and inside the ``shard_map`` it is an ordinary :class:`~moejax.decode.paged.PagedKV`.
+  and inside the ``shard_map`` it is an ordinary :class:`~moejax.decode.paged.KVPool`.
 * **Weights.** Dense weights (embedding, attention, norms, routers, head) are
   replicated; the experts are the scoring backend's per-device slots [G, L, S_e, ...]
   (:func:`~moejax.backends.sync_ep.slot_weights` of its
@@ -20,7 +20,7 @@ device exactly its own rows. Block tables and write slots are rank-local.
   tokens), with an MoE dispatcher whose transport is the scoring backend's
   :class:`~moejax.backends.sync_ep.AllToAllTokens` (the layout's replica router:
   home, ``eplb_even`` or ``metro``). Then a second ``shard_map`` program writes each
-  rank's new rows into its pool (:func:`moejax.decode.paged.write_rows`, pool donated).
+  rank's new rows into its pool (:func:`moejax.kv.write_rows`, pool donated).
   The result is rank-major: tokens [G·B], experts/weights/new keys [L, G·B·C, ...].
 
 **Capacity: nothing is ever dropped.** The scoring backend sizes its dispatch buffers
@@ -52,7 +52,7 @@ from moejax.backends.sync_ep import (AXIS, HOME, ROUTERS, STAT_ACTIVATED, STAT_O
                                      EPStepStats, ExpertLayout, build_layout, slot_weights)
 from moejax.config import ModelConfig
 from moejax.decode import programs
-from moejax.decode.paged import PagedKV, empty_paged_kv, write_rows
+from moejax.kv import KVPool, empty_pool, write_rows
 from moejax.decode.programs import PagedBatch, StepOptions, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.distributed import fetch_global
@@ -93,7 +93,7 @@ def dispatch_context(cfg: ModelConfig, num_devices: int, replicas: float | None,
 
 
 # ----------------------------------------------------------------------------- per rank
-def rank_step(params: Params, slots: dict[str, jax.Array], kv: PagedKV, batch: PagedBatch,
+def rank_step(params: Params, slots: dict[str, jax.Array], kv: KVPool, batch: PagedBatch,
               samp: sampling.SamplingParams, *, cfg: ModelConfig, opts: StepOptions,
               ctx: DispatchContext) -> tuple[StepResult, jax.Array]:
     """Per-rank body (inside shard_map): ``programs.fused_step`` with the local expert
@@ -184,16 +184,16 @@ class SyncEPRunner(DecodeRunner):
         """The sharding of the pool: the slot axis split over the ranks."""
         return self._pool
 
-    def make_kv(self, num_blocks: int, expert_counts: bool = False) -> PagedKV:
+    def make_kv(self, num_blocks: int, expert_counts: bool = False) -> KVPool:
         """A zeroed pool of ``num_blocks`` blocks per rank: [L, G·S, n_kv, h], rank g's
         slots on device g (no signature cache: its ranks would each need their own)."""
         if expert_counts:
             raise BackendError("backend 'sync_ep': the signature cache (expert counts per KV "
                                "block) needs a one-rank decode backend")
-        return empty_paged_kv(self.cfg, num_blocks * self.num_ranks, self.dtype, self._pool)
+        return empty_pool(self.cfg, num_blocks * self.num_ranks, self.dtype, self._pool)
 
-    def run(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams, step: str
-            ) -> tuple[PagedKV, StepResult]:
+    def run(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams, step: str
+            ) -> tuple[KVPool, StepResult]:
         """One step over every rank, then the writes (``kv`` is consumed)."""
         self.check_step(step)
         batch, samp = jax.device_put((batch, samp), self._ranks)

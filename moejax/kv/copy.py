@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from moejax.decode.paged import WRITE_ROWS, PagedKV
+from moejax.kv.pool import WRITE_ROWS, KVPool
 from moejax.kv.blocks import block_slots
 from moejax.sizes import bucket
 from moejax.prefix_hash import BLOCK_SIZE
@@ -25,8 +25,8 @@ def _gather_slots(keys: jax.Array, values: jax.Array, slots: jax.Array
 GATHER_SLOTS = jax.jit(_gather_slots)
 
 
-def copy_blocks(source: Any, source_blocks: Sequence[int], kv: PagedKV,
-                dest_blocks: Sequence[int], device: Any) -> PagedKV:
+def copy_blocks(source: Any, source_blocks: Sequence[int], kv: KVPool,
+                dest_blocks: Sequence[int], device: Any) -> KVPool:
     """``kv`` (consumed) with blocks ``dest_blocks`` holding the keys/values of
     ``source_blocks`` of the pool ``source`` (keys/values [L, S', n_kv, h], any device).
     Block counts are padded to a power of two (few compiled shapes): padding reads

@@ -34,7 +34,7 @@ from moejax import moe, sampling
 from moejax.backends.base import BackendError
 from moejax.config import ModelConfig
 from moejax.decode import programs
-from moejax.decode.paged import PagedKV
+from moejax.kv import KVPool
 from moejax.decode.programs import LayerwiseStep, PagedBatch, StepOptions, StepResult
 from moejax.decode.runners import RENUMBER_EXPERTS, ExpertSlots, OffloadRunner
 from moejax.param_layout import Params
@@ -183,7 +183,7 @@ class PrefetchRunner(OffloadRunner):
         self.stats.recall_rows[layer] += len(true_ids)
 
     # ---------------------------------------------------------------- the step
-    def layerwise(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams
+    def layerwise(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams
                   ) -> StepResult:
         if batch.chunk != 1 or self.prefetch == "none":
             before = self._copied_by_layer.copy()
@@ -212,7 +212,7 @@ class PrefetchRunner(OffloadRunner):
         self.stats.decode_rows += rows
         self.stats.decode_steps += rows > 0
 
-    def _decode_step(self, kv: PagedKV, batch: PagedBatch, samp: sampling.SamplingParams
+    def _decode_step(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams
                      ) -> StepResult:
         dense, cfg, opts = self.dense_params, self.cfg, self.opts
         valid = np.asarray(batch.valid)

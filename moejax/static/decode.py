@@ -1,10 +1,13 @@
-"""Generation: batched prefill into a KV cache, then one compiled decode step per token.
+"""Static-batching generation (``batching="static"``): batched prefill into a dense KV
+cache, then one compiled decode step per token. The baseline continuous batching is
+measured against (``benchmarks/generation_serving.py``) and a reference the paged runtime's
+tests compare with.
 
 Stages (pure functions, jitted once per shape bucket):
 
 * :func:`prefill_program` — prompts right-padded to [B, P] (each row's tokens at positions
   0..n-1, padding masked out of attention and of the experts) run through the decoder
-  layers once; every layer's keys/values go into a fresh :class:`~moejax.kv_cache.KVCache`
+  layers once; every layer's keys/values go into a fresh :class:`~moejax.static.cache.KVCache`
   [L, B, S, n_kv, h], and the first token is chosen from the logits at each row's last
   prompt token.
 * :func:`decode_step_program` — one token per row at its own position: write its keys and
@@ -40,9 +43,9 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from moejax import model, moe, sampling
-from moejax.attention_kinds import CacheSlots, PackedCausal, PromptToCache
+from moejax.attention_kinds import PackedCausal
 from moejax.config import ModelConfig
-from moejax.kv_cache import KVCache, empty_cache
+from moejax.static.cache import CacheSlots, KVCache, PromptToCache, empty_cache
 from moejax.moe import ExpertImpl
 from moejax.param_layout import Params
 from moejax.sequences import SequenceOutput, SequenceSpec
@@ -140,7 +143,7 @@ def decode_step_program(params: Params, cache: KVCache, tokens: Int[Array, "B"],
 
 # One jitted function per stage, shared by every engine: the compile cache is keyed by
 # (cfg, opts, shapes), so engines of the same model and buckets share programs.
-_PREFILL = jax.jit(prefill_program, static_argnames=("cfg", "opts", "cache_len"))
+PREFILL = jax.jit(prefill_program, static_argnames=("cfg", "opts", "cache_len"))
 _DECODE_STEP = jax.jit(decode_step_program, static_argnames=("cfg", "opts"),
                        donate_argnames=("cache",))
 # Traces of each program so far: a program body runs in Python only when jit traces it,
@@ -248,13 +251,13 @@ class DecodeEngine:
         batch, prompt_len, cache_len = self.shapes(specs)
         padded = list(specs) + [SequenceSpec(prompt=(0,), max_new_tokens=1)] * (
             batch - len(specs))
-        tokens, lengths = _pad_prompts(padded, prompt_len)
+        tokens, lengths = pad_prompts(padded, prompt_len)
         # Placed once: every step of the batch reads the same settings.
         samp = jax.device_put(sampling.make_sampling_params(
             [s.temperature for s in padded], [s.top_p for s in padded],
             [s.seed for s in padded]))
         rows = _Rows.start(padded, len(specs))
-        out = _PREFILL(self.params, tokens, lengths, samp, cfg=self.cfg, opts=self.opts,
+        out = PREFILL(self.params, tokens, lengths, samp, cfg=self.cfg, opts=self.opts,
                        cache_len=cache_len)
         if trace:
             prefill_ids = np.asarray(out.experts)
@@ -283,7 +286,7 @@ class DecodeEngine:
             rows.accept(np.asarray(out.tokens), np.asarray(out.experts) if trace else None)
 
 
-def _pad_prompts(specs: Sequence[SequenceSpec], prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(specs: Sequence[SequenceSpec], prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded tokens [B, P] int32 (padding id 0) and lengths [B] int32."""
     tokens = np.zeros((len(specs), prompt_len), np.int32)
     lengths = np.array([len(s.prompt) for s in specs], np.int32)
@@ -297,34 +300,3 @@ def _stack_steps(steps: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
     if not steps:
         return np.zeros((cfg.num_layers, 0, cfg.num_experts_per_tok), np.int32)
     return np.stack(steps, axis=1).astype(np.int32)
-
-
-# ------------------------------------------------------------------------- tracing
-def trace_prefill_experts(params: Params, cfg: ModelConfig, token_ids: Sequence[int], *,
-                          expert_impl: ExpertImpl = "auto") -> np.ndarray:
-    """Top-k expert ids of every prompt token at every layer: [L, n, k] int32, for one
-    prompt of n token ids (ids in descending router probability)."""
-    ids = [int(t) for t in token_ids]
-    if not ids:
-        raise ValueError("token_ids is empty")
-    if any(not 0 <= t < cfg.vocab_size for t in ids):
-        raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
-    if len(ids) > cfg.max_context:
-        raise ValueError(f"{len(ids)} tokens exceed the model's context ({cfg.max_context})")
-    prompt_len = bucket(len(ids), MIN_PROMPT_BUCKET)
-    spec = SequenceSpec(prompt=tuple(ids), max_new_tokens=1)
-    tokens, lengths = _pad_prompts([spec], prompt_len)
-    samp = sampling.make_sampling_params([0.0], [1.0], [0])
-    out = _PREFILL(params, tokens, lengths, samp, cfg=cfg, opts=DecodeOptions(expert_impl),
-                   cache_len=prompt_len)
-    return np.asarray(out.experts)[:, 0, :len(ids)]
-
-
-def expert_counts(expert_ids: np.ndarray, num_experts: int) -> np.ndarray:
-    """Per-layer activation counts [L, E] of traced ids [L, n, k] (each token counts once
-    for each of its k experts)."""
-    ids = np.asarray(expert_ids)
-    counts = np.zeros((ids.shape[0], num_experts), np.int64)
-    for layer in range(ids.shape[0]):
-        counts[layer] = np.bincount(ids[layer].reshape(-1), minlength=num_experts)
-    return counts
