@@ -61,7 +61,6 @@ from moejax.backends import check_multi_process
 from moejax.backends.base import BackendError, require_devices
 from moejax.core.continuous import GenerationLoop, Scheduler, SchedulerOptions, SequenceTooLong
 from moejax.core.decoders import DecoderPool
-from moejax.core.prefix_share import ScorerPrefixSource
 from moejax.decode.factory import make_runner
 from moejax.decode.programs import StepOptions
 from moejax.distributed import DistributedOptions, join as join_processes
@@ -77,6 +76,7 @@ from serving.options import ScorerOptions
 from serving.requests import (FieldChecker, RequestError, TokenizerAdapter, id_problem,
                               request_id_of, request_label, show, unexpected_error,
                               unknown_fields)
+from serving.scorer_sharing import plan_sharing
 
 DEFAULT_MAX_NEW_TOKENS = 16
 MAX_DOMAIN_CHARS = 256
@@ -578,17 +578,18 @@ class Generator:
     owns the Generator: ``generate``/``stream`` then raise RuntimeError (submit to the
     loop instead, whose ``submit`` is thread-safe), as does a second ``start_loop``.
 
-    ``weights_of=scorer`` decodes with a :class:`serving.Scorer`'s weights instead of a
-    second copy, where it can use them as they are (the same model, both resident on
-    one device, one dtype, continuous batching; otherwise it loads its own and logs
-    why). ``moejax serve`` does this.
+    ``share_with=scorer`` builds the Generator beside a :class:`serving.Scorer` of the same
+    model on the same device, sharing its weights (both resident) and its KV pool (one
+    rank): one copy of each, and prompt blocks either side computed are read by the other
+    in place (:mod:`serving.scorer_sharing`). What cannot be shared is kept apart and the
+    reason logged; :attr:`shared_with_scorer` says which. ``moejax serve`` does this.
 
     ``distributed`` (:class:`moejax.distributed.DistributedOptions` or its dict): join the
     other processes of a multi-process run first (backend ``sync_ep`` over every
     process's devices; every process runs the same requests and gets the same tokens).
     """
 
-    def __init__(self, model: str | os.PathLike = "demo", *, weights_of: Any = None,
+    def __init__(self, model: str | os.PathLike = "demo", *, share_with: Any = None,
                  distributed: DistributedOptions | dict[str, Any] | None = None,
                  **options: Any):
         join_processes(distributed)   # before anything computes (see moejax.distributed)
@@ -598,8 +599,8 @@ class Generator:
         self.model_dir, self.is_demo = resolve_model_dir(model)
         dtype = shared.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
-        if weights_of is not None:
-            params = self._shared_weights(weights_of, params, dtype)
+        self.sharing = (plan_sharing(share_with, self.config, dtype, self.options)
+                        if share_with is not None else None)
         self.tokenizer = TokenizerAdapter(tokenizer)
         self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
         opts = self.options
@@ -620,8 +621,10 @@ class Generator:
                                        max_batch_size=opts.max_batch_size)
         elif opts.decoders == 1:
             runner = self._runner(params, dtype, devices=opts.devices)
-            self.scheduler = Scheduler(runner, self.kv_cache_blocks(runner),
-                                       self._scheduler_options())
+            store = None if self.sharing is None else self.sharing.kv_store
+            self.scheduler = Scheduler(
+                runner, self.kv_cache_blocks(runner) if store is None else store.num_blocks,
+                self._scheduler_options(), store=store)
         else:
             self.scheduler = self._decoder_pool(params, dtype)
         if self.scheduler is not None and opts.precompile:
@@ -629,8 +632,16 @@ class Generator:
         self.call_guard = CallGuard()
         del params  # the engine or runner holds the device copy
 
+    @property
+    def shared_with_scorer(self) -> dict[str, str] | None:
+        """With ``share_with``: ``weights`` and ``kv_pool``, each ``"shared"`` or why not;
+        None without."""
+        return None if self.sharing is None else self.sharing.describe()
+
     def _runner(self, params: Any, dtype: Any, **placement: Any) -> Any:
         opts = self.options
+        if self.sharing is not None and self.sharing.placement is not None:
+            params, placement["placement"] = None, self.sharing.placement
         return make_runner(opts.backend, self.config, params, dtype=dtype,
                            opts=StepOptions(expert_impl=opts.expert_impl,
                                             tile_rows=opts.tile_rows,
@@ -677,49 +688,13 @@ class Generator:
                                 expert_counts=policy.reads_counts))
         decoders = []
         for index in range(count):
-            # Decoder 0 shares the prefill engine's device and (resident) its weights.
-            source = (prefill_runner.params if index == 0 and hasattr(prefill_runner, "params")
-                      else params)
-            runner = self._runner(source, dtype, device=devices[index])
+            # Decoder 0 shares the prefill engine's device and (resident) its placement.
+            shared = getattr(prefill_runner, "placement", None) if index == 0 else None
+            runner = (self._runner(None, dtype, placement=shared) if shared is not None
+                      else self._runner(params, dtype, device=devices[index]))
             decoders.append(Scheduler(runner, self.kv_cache_blocks(runner),
                                       self._scheduler_options(record_steps=True)))
         return DecoderPool(prefill, decoders, policy)
-
-    def _shared_weights(self, scorer: Any, params: Any, dtype: Any) -> Any:
-        """The weights of ``scorer`` (``weights_of=``) when this Generator can decode with
-        them as they are — the same model, a resident Scorer with one engine, a resident
-        continuous Generator, one dtype — so that a server holds one copy; else
-        ``params`` (logged)."""
-        engines = scorer.engines
-        backend = engines[0].backend
-        why = None
-        if scorer.config != self.config:
-            why = "it serves another model configuration"
-        elif len(engines) != 1 or backend.name != "resident":
-            why = "its weights are not on one resident engine"
-        elif self.options.backend != "resident" or self.options.batching != "continuous":
-            why = "this Generator does not decode resident with continuous batching"
-        elif np.dtype(backend.dtype) != np.dtype(dtype):
-            why = f"it computes in {np.dtype(backend.dtype).name}, this in {np.dtype(dtype).name}"
-        if why is not None:
-            log.info("the Generator keeps its own copy of the weights: %s", why)
-            return params
-        return backend.params
-
-    def share_prefix_cache(self, scorer: Any) -> None:
-        """Reuse the prompt blocks ``scorer`` (a :class:`serving.Scorer` of the same model
-        and dtype, with its prefix cache on) has cached: a generation prompt that starts
-        with a prompt scored earlier copies those blocks' keys/values instead of
-        prefilling them (:mod:`moejax.core.prefix_share`; the copied tokens are counted in
-        ``scheduler.stats["shared_prefix_tokens"]``). Continuous batching on a one-rank
-        backend (resident, offload) only."""
-        if self.scheduler is None:
-            raise ValueError("sharing the Scorer's prefix cache needs batching='continuous'")
-        if isinstance(self.scheduler, DecoderPool):
-            raise ValueError("sharing the Scorer's prefix cache needs decoders=1 (the "
-                             "prefill engine of several decoders keeps its own)")
-        self.scheduler.share_prefix_cache(ScorerPrefixSource(
-            scorer, self.config, self.scheduler.runner.dtype))
 
     def kv_cache_blocks(self, runner: Any) -> int:
         """The paged pool's blocks per rank (:class:`GeneratorOptions`)."""

@@ -86,3 +86,66 @@ def test_block_slots():
     np.testing.assert_array_equal(BlockAllocator(4, 2).slots([3, 1]), [6, 7, 2, 3])
     with pytest.raises(ValueError, match="do not fit a count of 1"):
         block_slots([0, 1], 16, count=1)
+
+
+def test_forget_names_keeps_what_readers_hold():
+    blocks = BlockAllocator(4, record_events=True)
+    hashes = block_hashes(np.arange(48), 16)
+    held, cached = blocks.allocate(1), blocks.allocate(1)
+    blocks.name(held[0], hashes[0])
+    blocks.name(cached[0], hashes[1])
+    blocks.release(cached)
+    blocks.drain_events()
+    blocks.forget_names()
+    assert blocks.lookup(hashes) == [] and blocks.num_named == 0
+    assert blocks.refs[held[0]] == 1 and blocks.num_in_use == 1   # still the reader's
+    assert blocks.num_available == 3 and blocks.num_cached == 0
+    assert sorted(blocks.drain_events()[1]) == sorted(hashes[:2])
+    blocks.release(held)                                           # anonymous: freed
+    assert blocks.num_available == 4
+
+
+def test_reset_forgets_every_block():
+    blocks = BlockAllocator(3, record_events=True)
+    hashes = block_hashes(np.arange(32), 16)
+    a = blocks.allocate(2)
+    blocks.name(a[0], hashes[0])
+    blocks.drain_events()
+    blocks.reset()
+    assert blocks.num_in_use == 0 and blocks.num_named == 0 and blocks.allocate(3) == [0, 1, 2]
+    assert blocks.drain_events() == ([], [hashes[0]])
+
+
+def test_events_stay_bounded_without_a_reader():
+    """A pool that names and evicts for a long time with nobody draining keeps a few
+    pools' worth of events: the net effect, newest evictions last."""
+    blocks = BlockAllocator(2, record_events=True)
+    hashes = block_hashes(np.arange(16 * 400), 16)
+    for digest in hashes:
+        [block] = blocks.allocate(1)
+        blocks.name(block, digest)
+        blocks.release([block])
+    stored, evicted = blocks.drain_events()
+    assert len(stored) + len(evicted) <= 2 * (4 * 2 + 64)
+    assert set(stored) >= {hashes[-1], hashes[-2]}          # what the pool holds now
+    assert hashes[-3] in evicted and not set(stored) & set(evicted)
+
+
+def test_a_store_shares_one_pool_and_its_allocators():
+    import jax.numpy as jnp
+
+    from moejax.kv import KVPool, KVStore
+
+    def make():
+        return KVPool(keys=jnp.zeros((1, 32, 1, 2)), values=jnp.zeros((1, 32, 1, 2)))
+
+    store = KVStore.single(make, 2)
+    first = store.pool
+    [block] = store.allocators[0].allocate(1)
+    store.reset()
+    assert store.epoch == 1 and store.pool is not first
+    assert store.allocators[0].num_in_use == 0 and block == 0
+    with pytest.raises(ValueError, match="keep 48"):
+        KVStore(make, [BlockAllocator(3)])
+    with pytest.raises(ValueError, match="at least one block allocator"):
+        KVStore(make, [])

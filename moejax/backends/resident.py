@@ -30,26 +30,57 @@ def pooled_score(params: Params, batch: PackedBatch, context: PrefixContext, poo
     return (out.logits, out.lse), dataclasses.replace(pool, keys=keys, values=values)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResidentPlacement:
+    """Every weight on one device, in one dtype: the placement that the resident scoring
+    backend and the resident decode runner (:class:`moejax.decode.runners.ResidentRunner`)
+    both run on. Built once (:meth:`place`); a server that scores and generates on the
+    device hands the same placement to both, so it holds one copy of the weights."""
+
+    cfg: ModelConfig
+    dtype: Any
+    device: jax.Device
+    params: Params
+
+    @classmethod
+    def place(cls, cfg: ModelConfig, params: Params, dtype: Any, device: jax.Device
+              ) -> "ResidentPlacement":
+        """``params`` validated, cast to ``dtype`` and put on ``device``."""
+        dtype = jnp.dtype(dtype)
+        return cls(cfg, dtype, device, jax.device_put(validated(params, cfg, dtype), device))
+
+
 class ResidentBackend(Backend):
-    """All params on one device; one jitted forward per batch shape."""
+    """All params on one device; one jitted forward per batch shape. ``placement``: run on
+    an existing :class:`ResidentPlacement` (``params`` then None)."""
 
     name = "resident"
     holds_prefix_pool = True
     serves_expert_bias = True
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
-                 devices: int = 1, device: jax.Device | None = None):
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *,
+                 dtype: Any = jnp.float32, devices: int = 1, device: jax.Device | None = None,
+                 placement: ResidentPlacement | None = None):
+        if placement is not None:
+            dtype = placement.dtype
         super().__init__(cfg, dtype=dtype)
         if devices != 1:
             raise ValueError(f"backend 'resident' runs on one device, got devices={devices}; "
                              f"use async_ep, sync_ep or tp for several")
-        self.device = device or require_devices(self.name, 1)[0]
-        host = validated(params, cfg, self.dtype)
-        self._memory = MemoryReport(
-            dense_weight_bytes=dense_bytes(host),
-            expert_weight_bytes=expert_bytes_per_layer(host) * cfg.num_layers,
-            expert_bytes_all_layers=expert_bytes_per_layer(host) * cfg.num_layers)
-        self.params = jax.device_put(host, self.device)
+        if (placement is None) == (params is None):
+            raise ValueError("backend 'resident' takes params or a placement, not both")
+        if placement is None:
+            placement = ResidentPlacement.place(
+                cfg, params, dtype, device or require_devices(self.name, 1)[0])
+        elif placement.cfg != cfg:
+            raise ValueError("the placement holds another model configuration's weights")
+        self.placement = placement
+        self.device = placement.device
+        self.params = placement.params
+        per_layer = expert_bytes_per_layer(self.params)
+        self._memory = MemoryReport(dense_weight_bytes=dense_bytes(self.params),
+                                    expert_weight_bytes=per_layer * cfg.num_layers,
+                                    expert_bytes_all_layers=per_layer * cfg.num_layers)
         self._forward = jax.jit(model_lib.forward, static_argnames=("cfg", "opts"))
         # The pool is donated: written in place, O(stored rows) per step.
         self._pooled = jax.jit(functools.partial(pooled_score, cfg=cfg),

@@ -5,8 +5,9 @@
 * ``engine_pool`` and ``router`` — data-parallel scoring engines behind the prefix-,
   FLOP- and saturation-aware router (DESIGN.md, Algorithm 1).
 * ``continuous`` — continuous batching of generation over a decode runner
-  (``moejax.decode``); ``decoders`` — a prefill engine handing prompts to decoders;
-  ``prefix_share`` — generation reading the prompt blocks a scoring engine cached.
+  (``moejax.decode``); ``decoders`` — a prefill engine handing prompts to decoders.
 
-Blocks of every KV pool are kept by ``moejax.kv.BlockAllocator``.
+Every KV pool is a ``moejax.kv.KVPool`` whose blocks a ``moejax.kv.BlockAllocator`` keeps;
+a device's pool and allocator form one ``moejax.kv.KVStore``, which a scoring engine and a
+continuous scheduler on the same device share.
 """

@@ -21,6 +21,10 @@ sampled) leaves the running set with its blocks still held, to be taken
 (:meth:`Scheduler.take_handoffs`) and later released (:meth:`Scheduler.release`) by
 whoever hands it to a decoder; a decoder takes such a sequence with
 :meth:`Scheduler.adopt`, copying its prompt blocks into its own pool, and decodes it.
+The pool and its block allocators are a :class:`moejax.kv.KVStore`, which a scoring
+engine on the same device may share (``Generator(share_with=scorer)``): each step holds
+the store's lock, and a step that finds the store reset (a sharer's step failed with the
+pool) re-queues its running sequences to be recomputed, as after a preemption.
 With ``expert_counts`` the pool keeps ELDR's signature cache (one int8 count per block,
 layer and expert, written by the step programs: ``moejax.decode.paged``) and
 :meth:`Scheduler.prompt_counts` sums a sequence's blocks into its raw signature.
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -59,12 +64,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from moejax import prefix_hash, sampling
-from moejax.core.prefix_share import ScorerPrefixSource
-from moejax.kv import SUM_BLOCK_COUNTS, KVPool
 from moejax.decode.programs import PagedBatch, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.expert_trace import expert_counts
-from moejax.kv import BlockAllocator
+from moejax.kv import SUM_BLOCK_COUNTS, BlockAllocator, KVPool, KVStore
 from moejax.kv.copy import copy_blocks
 from moejax.sequences import SequenceOutput, SequenceSpec
 from moejax.sizes import bucket, bucket_sizes
@@ -177,7 +180,8 @@ class _Launch:
 class Scheduler:
     """Continuous batching of :class:`SequenceSpec` s over a runner (module docstring)."""
 
-    def __init__(self, runner: DecodeRunner, num_blocks: int, options: SchedulerOptions):
+    def __init__(self, runner: DecodeRunner, num_blocks: int, options: SchedulerOptions,
+                 store: KVStore | None = None):
         if min(options.max_batch_size, options.max_prefill_tokens,
                options.prefill_row_tokens) < 1:
             raise ValueError("max_batch_size, max_prefill_tokens and prefill_row_tokens "
@@ -186,8 +190,15 @@ class Scheduler:
         self.runner = runner
         self.options = options
         self.ranks = runner.num_ranks
-        self.managers = [BlockAllocator(num_blocks, BLOCK) for _ in range(self.ranks)]
-        self.kv: KVPool = runner.make_kv(num_blocks, expert_counts=options.expert_counts)
+        if store is None:
+            store = KVStore(functools.partial(runner.make_kv, num_blocks,
+                                              expert_counts=options.expert_counts),
+                            [BlockAllocator(num_blocks, BLOCK) for _ in range(self.ranks)])
+        else:
+            self._check_shared(store, num_blocks)
+        # The device's KV memory (moejax.kv.store), possibly shared with a scoring engine.
+        self.store = store
+        self._epoch = store.epoch
         self.num_blocks = num_blocks
         self.per_rank = max(1, -(-options.max_batch_size // self.ranks))
         self.max_table = -(-runner.cfg.max_context // BLOCK)
@@ -197,8 +208,6 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
         self.stats = collections.Counter()
-        # Where else cached prompt blocks may be found (moejax.core.prefix_share; one rank).
-        self.prefix_source: ScorerPrefixSource | None = None
         self._handoffs: list[SequenceState] = []
         # The latest steps only: a serving decoder steps for as long as it runs.
         self.step_records: collections.deque[StepRecord] = collections.deque(
@@ -226,21 +235,45 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def share_prefix_cache(self, source: ScorerPrefixSource) -> None:
-        """Admit prompts whose leading blocks ``source`` holds by copying those blocks
-        instead of prefilling them (:mod:`moejax.core.prefix_share`)."""
-        if self.ranks != 1:
-            raise ValueError(f"sharing cached prompt blocks needs a one-rank decode backend "
-                             f"(this one has {self.ranks} ranks)")
-        if self.options.expert_counts:
-            raise ValueError("sharing the Scorer's cached prompt blocks and keeping the "
-                             "signature cache do not mix: the Scorer's blocks carry no "
-                             "expert counts")
-        self.prefix_source = source
+    def _check_shared(self, store: KVStore, num_blocks: int) -> None:
+        """ValueError unless this scheduler can step ``store`` (a scoring engine's)."""
+        if self.ranks != 1 or len(store.allocators) != 1:
+            raise ValueError(f"sharing a KV pool needs a one-rank decode backend (this one "
+                             f"has {self.ranks} ranks)")
+        if self.options.expert_counts or self.options.handoff:
+            raise ValueError("a shared KV pool keeps no signature cache and serves no "
+                             "prefill/decode split: scoring's blocks carry no expert counts")
+        if store.num_blocks != num_blocks:
+            raise ValueError(f"the shared KV pool has {store.num_blocks} blocks, not "
+                             f"{num_blocks}")
+        pool, cfg = store.pool, self.runner.cfg
+        heads, key_dim, value_dim = cfg.kv_store_dims
+        if (pool.keys.shape[0] != cfg.num_layers or pool.keys.shape[2:] != (heads, key_dim)
+                or pool.values.shape[2:] != (heads, value_dim)
+                or pool.keys.dtype != self.runner.dtype):
+            raise ValueError("the shared KV pool holds another model's or dtype's keys and "
+                             "values")
+        if pool.keys.devices() != {self.runner.device}:
+            raise ValueError("the shared KV pool lives on another device than the decode "
+                             "runner")
+
+    @property
+    def kv(self) -> KVPool:
+        """The pool (the store's: a step replaces it)."""
+        return self.store.pool
+
+    @kv.setter
+    def kv(self, pool: KVPool) -> None:
+        self.store.pool = pool
+
+    @property
+    def allocators(self) -> list[BlockAllocator]:
+        """The block allocator of each rank's part of the pool."""
+        return self.store.allocators
 
     def occupancy(self) -> int:
         """KV blocks held by sequences, over every rank."""
-        return sum(m.num_in_use for m in self.managers)
+        return sum(m.num_in_use for m in self.allocators)
 
     # ----------------------------------------------------------------- hand-off
     def take_handoffs(self) -> list[SequenceState]:
@@ -252,7 +285,7 @@ class Scheduler:
     def release(self, blocks: Sequence[int]) -> None:
         """Give back a handed-off sequence's blocks, once they are copied (its full prompt
         blocks stay cached here for later prompts)."""
-        self.managers[0].release(blocks)
+        self.allocators[0].release(blocks)
 
     def prompt_counts(self, seqs: Sequence[SequenceState]) -> np.ndarray:
         """The raw signatures [len(seqs), L, E] int32 of sequences whose blocks this pool
@@ -276,7 +309,7 @@ class Scheduler:
     def room_to_adopt(self, seq: SequenceState) -> bool:
         """Whether :meth:`adopt` can take ``seq`` now (a running row and its blocks)."""
         return (len(self.running) < self.per_rank
-                and self.managers[0].num_available >= -(-seq.computed // BLOCK))
+                and self.allocators[0].num_available >= -(-seq.computed // BLOCK))
 
     def adopt(self, seq: SequenceState, source: KVPool, source_blocks: Sequence[int]) -> None:
         """Take a sequence prefilled elsewhere: copy its ``seq.computed`` tokens' blocks
@@ -285,9 +318,10 @@ class Scheduler:
         if self.ranks != 1:
             raise ValueError("adopting a prefilled sequence needs a one-rank decode backend")
         count = -(-seq.computed // BLOCK)
-        blocks = self.managers[0].allocate(count)
-        self.kv = copy_blocks(source, list(source_blocks)[:count], self.kv, blocks,
-                              self.runner.device)
+        with self.store.lock:
+            blocks = self.allocators[0].allocate(count)
+            self.kv = copy_blocks(source, list(source_blocks)[:count], self.kv, blocks,
+                                  self.runner.device)
         seq.rank, seq.blocks, seq.handed_off = 0, blocks, False
         self.running.append(seq)
         self.stats["adopted"] += 1
@@ -301,7 +335,32 @@ class Scheduler:
 
     # ----------------------------------------------------------------- a step
     def step(self) -> list[TokenEvent]:
-        """One scheduling step (module docstring); the events it produced."""
+        """One scheduling step (module docstring); the events it produced. Holds the
+        store's lock throughout (a scoring engine sharing the pool waits, and is waited
+        for). A step that fails resets the store: its pool went into the step."""
+        with self.store.lock:
+            if self.store.epoch != self._epoch:
+                self._recompute_after_reset()
+            try:
+                return self._step()
+            except BaseException:
+                self.store.reset()
+                self._epoch = self.store.epoch
+                raise
+
+    def _recompute_after_reset(self) -> None:
+        """The store was reset (a sharer's step failed with the pool): every block this
+        scheduler held is gone, so its running sequences go back to the front of the queue
+        to be recomputed, as after a preemption (nothing is lost; their tokens do not
+        change)."""
+        self._epoch = self.store.epoch
+        for seq in sorted(self.running, key=lambda s: s.seq_id, reverse=True):
+            seq.blocks, seq.computed = [], 0
+            self.waiting.appendleft(seq)
+        self.stats["recomputed_after_reset"] += len(self.running)
+        self.running = []
+
+    def _step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         started = time.perf_counter()
         self._drop_cancelled(events)
@@ -337,9 +396,10 @@ class Scheduler:
         stalls on a compile. Returns how many programs ran."""
         shapes = self.program_shapes()
         self.runner.precompile()
-        for rows, width in shapes:
-            batch, samp, _, _ = self._batch([[] for _ in range(self.ranks)], rows, width)
-            self.kv, _ = self.runner.run(self.kv, batch, samp, self.options.step)
+        with self.store.lock:
+            for rows, width in shapes:
+                batch, samp, _, _ = self._batch([[] for _ in range(self.ranks)], rows, width)
+                self.kv, _ = self.runner.run(self.kv, batch, samp, self.options.step)
         return len(shapes)
 
     def run_until_idle(self, sink: Callable[[TokenEvent], None] | None = None) -> None:
@@ -368,7 +428,7 @@ class Scheduler:
         events.append(TokenEvent(seq, list(tokens), seq.output))
 
     def _free(self, seq: SequenceState) -> None:
-        self.managers[seq.rank].release(seq.blocks)
+        self.allocators[seq.rank].release(seq.blocks)
         seq.blocks = []
         seq.computed = 0
 
@@ -380,34 +440,19 @@ class Scheduler:
                 return
             self.waiting.popleft()
             seq.rank = rank
-            manager = self.managers[rank]
+            allocator = self.allocators[rank]
             tokens = seq.tokens
             # At least the last token is computed (its logits choose the next token).
             reusable = (len(tokens) - 1) // BLOCK
             seq.hashes = prefix_hash.block_hashes(np.asarray(tokens[:reusable * BLOCK]))
             # A traced request computes every token: a prefix hit would skip the routing
             # of the tokens it covers, and the trace must hold all of them.
-            hits = [] if self.options.trace else manager.lookup(seq.hashes)
-            manager.acquire(hits)
+            hits = [] if self.options.trace else allocator.lookup(seq.hashes)
+            allocator.acquire(hits)
             seq.blocks = list(hits)
             self.stats["prefix_hit_tokens"] += len(hits) * BLOCK
-            if (self.prefix_source is not None and not self.options.trace
-                    and len(hits) < len(seq.hashes)):
-                self._copy_shared_prefix(seq, manager)
             seq.computed = len(seq.blocks) * BLOCK
             self.running.append(seq)
-
-    def _copy_shared_prefix(self, seq: SequenceState, manager: BlockAllocator) -> None:
-        """Extend ``seq``'s cached blocks with those the prefix source holds (copied into
-        blocks of this pool, named: cached here from now on)."""
-        missing = seq.hashes[len(seq.blocks):]
-        self.kv, blocks = self.prefix_source.copy_into(
-            missing, self.kv, lambda n: manager.allocate(min(n, manager.num_available)),
-            self.runner.device)
-        for block, digest in zip(blocks, missing):
-            manager.name(block, digest)
-        seq.blocks += blocks
-        self.stats["shared_prefix_tokens"] += len(blocks) * BLOCK
 
     def _rank_for(self, seq: SequenceState) -> int | None:
         """The rank with room (running rows, blocks for the first chunk) and the fewest
@@ -418,7 +463,7 @@ class Scheduler:
         for s in self.running:
             counts[s.rank] += 1
         open_ranks = [r for r in range(self.ranks) if counts[r] < self.per_rank
-                      and self.managers[r].num_available >= need]
+                      and self.allocators[r].num_available >= need]
         return min(open_ranks, key=lambda r: counts[r]) if open_ranks else None
 
     def _plan(self) -> tuple[_Rows, _Rows]:
@@ -445,16 +490,16 @@ class Scheduler:
         """Blocks for ``seq``'s first ``length`` tokens; preempts the newest running
         sequences (possibly ``seq`` itself) until they fit. False if ``seq`` was
         preempted."""
-        manager = self.managers[seq.rank]
+        allocator = self.allocators[seq.rank]
         need = -(-length // BLOCK) - len(seq.blocks)
-        while need > manager.num_available:
+        while need > allocator.num_available:
             victim = max((s for s in self.running if s.rank == seq.rank),
                          key=lambda s: s.seq_id)
             self._preempt(victim)
             if victim is seq:
                 return False
         if need > 0:
-            seq.blocks += manager.allocate(need)
+            seq.blocks += allocator.allocate(need)
         return True
 
     def _preempt(self, seq: SequenceState) -> None:
@@ -517,9 +562,9 @@ class Scheduler:
             parent = seq.hashes[-1] if seq.hashes else prefix_hash.ROOT_HASH
             seq.hashes += prefix_hash.block_hashes(
                 np.asarray(tokens[len(seq.hashes) * BLOCK:full * BLOCK]), parent=parent)
-        manager = self.managers[seq.rank]
+        allocator = self.allocators[seq.rank]
         for block, digest in zip(seq.blocks[:full], seq.hashes[:full]):
-            manager.name(block, digest)
+            allocator.name(block, digest)
 
     def _batch(self, per_rank: list[list[tuple[SequenceState, int, int]]], rows: int,
                width: int) -> tuple[PagedBatch, sampling.SamplingParams, list[int], list[int]]:

@@ -10,8 +10,8 @@ compiles so that an operator can see the bucket count stay bounded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -22,7 +22,7 @@ from moejax import model as model_lib
 from moejax.backends.base import Backend, padded_step, plan_steps
 from moejax.config import ModelConfig
 from moejax.core.prefix_plan import plan_run
-from moejax.kv import BlockAllocator
+from moejax.kv import BlockAllocator, KVStore
 from moejax.ops import PrefillOp
 from moejax.packing import BucketPolicy, HostBatch, pack, unpack
 
@@ -88,15 +88,19 @@ class Engine:
         self.stats = EngineStats()
         self.kv_cache_free = kv_cache_free
         self.last_cache_events: tuple[list[bytes], list[bytes]] = ([], [])
-        self.prefix_cache: BlockAllocator | None = None
-        # Held while the cache or its pool changes (a run, a reset): another thread
-        # (generation reading cached prompt blocks, moejax.core.prefix_share) must not look
-        # blocks up or read the pool meanwhile (blocks get evicted, the pool is donated).
-        self.prefix_lock = threading.RLock()
+        # The device's KV memory (moejax.kv.store): its pool and block allocator, shared
+        # with a generation scheduler on the same device when a server builds one there.
+        self.kv_store: KVStore | None = None
         if prefix_cache_blocks:
-            self.prefix_cache = BlockAllocator(prefix_cache_blocks, record_events=True)
             # The backend places the pool (BackendError where it cannot hold one).
-            self.prefix_pool = backend.make_kv_pool(prefix_cache_blocks)
+            self.kv_store = KVStore.single(
+                functools.partial(backend.make_kv_pool, prefix_cache_blocks),
+                prefix_cache_blocks, record_events=True)
+
+    @property
+    def prefix_cache(self) -> BlockAllocator | None:
+        """The block allocator of this engine's prefix cache (None without one)."""
+        return None if self.kv_store is None else self.kv_store.allocators[0]
 
     @property
     def device(self) -> jax.Device:
@@ -104,9 +108,9 @@ class Engine:
 
     def _step(self, hosts: Sequence[HostBatch]):
         if hosts[0].context is not None:        # continues or stores prefix KV: the pool path
-            host = hosts[0]
-            output, self.prefix_pool = self.backend.prefix_step(host.batch, host.context,
-                                                                self.prefix_pool, host.options)
+            host, store = hosts[0], self.kv_store
+            output, store.pool = self.backend.prefix_step(host.batch, host.context,
+                                                          store.pool, host.options)
             return [output]
         batches = padded_step([h.batch for h in hosts], self.backend.num_ranks)
         return self.backend.step(batches, hosts[0].options)
@@ -137,12 +141,12 @@ class Engine:
         return outs
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (the pool's contents become unreachable)."""
-        with self.prefix_lock:
-            if self.prefix_cache is not None:
-                self.prefix_cache = BlockAllocator(self.prefix_cache.num_blocks,
-                                                   self.prefix_cache.block_size,
-                                                   record_events=True)
+        """Forget every cached prefix: no block is found by its hash any more (blocks a
+        generation on the same pool is reading stay its own until it releases them)."""
+        if self.kv_store is not None:
+            with self.kv_store.lock:
+                for allocator in self.kv_store.allocators:
+                    allocator.forget_names()
 
     def run(self, ops: Sequence[PrefillOp],
             on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutcome]:
@@ -153,7 +157,7 @@ class Engine:
         prefix cache computes each op's shared prefix (``op.prefix_len``) once.
         """
         start = time.perf_counter()
-        if self.prefix_cache is None:
+        if self.kv_store is None:
             results = self._run_batches(pack(ops, self.policy, self.options), on_batch_done)
         else:
             results = self._run_with_prefix_cache(ops, on_batch_done)
@@ -165,13 +169,13 @@ class Engine:
                                ) -> dict[Hashable, SequenceOutcome]:
         """Run the levels of the prefix plan (moejax/core/prefix_plan.py): each op continues
         the cached blocks and the shared tokens earlier levels stored."""
-        with self.prefix_lock:
+        with self.kv_store.lock:
             return self._run_levels(ops, on_batch_done)
 
     def _run_levels(self, ops: Sequence[PrefillOp],
                     on_batch_done: Callable[[int], None] | None
                     ) -> dict[Hashable, SequenceOutcome]:
-        cache = self.prefix_cache
+        cache, epoch = self.prefix_cache, self.kv_store.epoch
         plan = plan_run(ops, cache, self.kv_cache_free)
         slots = cache.num_slots
         try:
@@ -182,7 +186,8 @@ class Engine:
             for block, digest in plan.to_commit:     # written: later runs may find them
                 cache.name(block, digest)
         finally:
-            cache.release(plan.pinned)
+            if self.kv_store.epoch == epoch:         # else a failed step reset every block
+                cache.release(plan.pinned)
         # The cache's stored/evicted hashes of this run only (a router reads them; without
         # one they must not pile up over a long job).
         self.last_cache_events = cache.drain_events()
@@ -212,11 +217,10 @@ class Engine:
             if pending is not None:
                 self._collect(*pending, results, on_batch_done)
         except Exception:
-            if self.prefix_cache is not None:
+            if self.kv_store is not None:
                 log.error("a prefix-pool step failed on %s: the pool and the cached prefixes "
                           "are dropped", self.backend.name)
-                self.prefix_pool = self.backend.make_kv_pool(self.prefix_cache.num_blocks)
-                self.reset_prefix_cache()
+                self.kv_store.reset()
             raise
         return results
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from moejax import moe, sampling
 from moejax.backends.base import BackendError, check_expert_bias, require_devices, validated
-from moejax.model import check_params
+from moejax.backends.resident import ResidentPlacement
 from moejax.backends.streamed import host_memory_kind
 from moejax.config import ModelConfig
 from moejax.decode import programs
@@ -156,31 +156,33 @@ def one_device(backend: str, device: Any) -> Any:
     return device
 
 
-def placed_params(params: Params, cfg: ModelConfig, dtype: Any, device: Any) -> Params:
-    """``params`` in ``dtype`` on ``device``: used as they are when every leaf already is
-    (a Scorer's resident weights on the same device: no second copy), else cast and
-    placed."""
-    if all(isinstance(a, jax.Array) and a.dtype == dtype and a.devices() == {device}
-           for a in jax.tree.leaves(params)):
-        check_params(params, cfg)
-        return params
-    return jax.device_put(validated(params, cfg, dtype), device)
-
-
 class ResidentRunner(DecodeRunner):
-    """Every weight on one device."""
+    """Every weight on one device: a :class:`~moejax.backends.resident.ResidentPlacement`,
+    built here from ``params`` or handed in (``placement``: the one a resident scoring
+    backend on the device runs on, so that the two hold one copy)."""
 
     name = "resident"
     serves_expert_bias = True
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any, opts: StepOptions,
-                 devices: int = 1, device: Any = None):
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, dtype: Any,
+                 opts: StepOptions, devices: int = 1, device: Any = None,
+                 placement: ResidentPlacement | None = None):
+        if placement is not None:
+            dtype = placement.dtype
         super().__init__(cfg, dtype=dtype, opts=opts)
         if devices != 1:
             raise BackendError(f"backend 'resident' decodes on one device, got "
                                f"devices={devices}; use sync_ep for several")
-        self._device = one_device(self.name, device)
-        self.params = placed_params(params, cfg, self.dtype, self._device)
+        if (placement is None) == (params is None):
+            raise BackendError("backend 'resident' takes params or a placement, not both")
+        if placement is None:
+            placement = ResidentPlacement.place(cfg, params, self.dtype,
+                                                one_device(self.name, device))
+        elif placement.cfg != cfg:
+            raise BackendError("the placement holds another model configuration's weights")
+        self.placement = placement
+        self._device = placement.device
+        self.params = placement.params
         self.dense_params = programs.dense_params(self.params)
         self.experts = {k: self.params["layers"][k]
                         for k in expert_names(self.params["layers"])}

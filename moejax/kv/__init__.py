@@ -5,9 +5,10 @@ blocks. Scoring's prefix cache and generation's paged cache are both a pool and 
 allocator. Blocks are named by the chain hash of :mod:`moejax.prefix_hash`."""
 
 from moejax.kv.blocks import BlockAllocator, OutOfBlocks, block_slots
+from moejax.kv.store import KVStore
 from moejax.kv.pool import (SUM_BLOCK_COUNTS, WRITE_ROWS, KVPool, block_bytes, count_experts,
                             empty_pool, expert_count_bytes, sum_block_counts, write_rows)
 
-__all__ = ["BlockAllocator", "KVPool", "OutOfBlocks", "SUM_BLOCK_COUNTS", "WRITE_ROWS",
+__all__ = ["BlockAllocator", "KVPool", "KVStore", "OutOfBlocks", "SUM_BLOCK_COUNTS", "WRITE_ROWS",
            "block_bytes", "block_slots", "count_experts", "empty_pool", "expert_count_bytes",
            "sum_block_counts", "write_rows"]

@@ -140,6 +140,8 @@ class BlockAllocator:
                     self.evicted.append(digest)
             self.refs[block] = 1
             blocks.append(block)
+        if self.record_events:
+            self._bound_events()
         return blocks
 
     def acquire(self, blocks: Sequence[int]) -> None:
@@ -176,7 +178,45 @@ class BlockAllocator:
         self._hash_of[block] = digest
         if self.record_events:
             self.stored.append(digest)
+            self._bound_events()
         return True
+
+    def forget_names(self) -> None:
+        """Drop every name: cached blocks become free, blocks in use stay in use but
+        anonymous (freed when released). What readers hold is untouched; nothing is found
+        by a lookup any more. The names dropped are recorded as evicted."""
+        if self.record_events:
+            self.evicted.extend(self._block_of)
+        self._free.extend(reversed(self._cached))
+        self._cached.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+        self._bound_events()
+
+    def reset(self) -> None:
+        """Forget every block: all free, nothing named (after the pool's contents were
+        lost). The names dropped are recorded as evicted (``record_events``)."""
+        if self.record_events:
+            self.evicted.extend(self._block_of)
+        self.refs = [0] * self.num_blocks
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._cached.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+        self._bound_events()
+
+    def _bound_events(self) -> None:
+        """Keep the recorded events to a few pool's worth between drains (a pool that
+        names blocks for a long time without a reader): the net effect replaces them, and
+        past that only the newest evictions are kept (an older one a reader misses only
+        makes it believe a block is still here, which costs a lookup miss, not a wrong
+        result)."""
+        bound = 4 * self.num_blocks + 64
+        if len(self.stored) + len(self.evicted) <= bound:
+            return
+        self.stored = [d for d in dict.fromkeys(self.stored) if d in self._block_of]
+        evicted = [d for d in dict.fromkeys(self.evicted) if d not in self._block_of]
+        self.evicted = evicted[-bound:]
 
     def drain_events(self) -> tuple[list[bytes], list[bytes]]:
         """(named, evicted) hashes since the last call (``record_events``)."""

@@ -24,16 +24,17 @@ counted), as in ``moejax score``: ``"line 3: prompt: is empty"``. The input and 
 checked before connecting (one-line error, exit 2); an RPC failure exits 1.
 
 ``serve`` also serves ``moejax.v1.Generation`` (a :class:`serving.Generator` of the same
-model, loaded after the Scorer; it decodes with the Scorer's weights where both are
-resident on one device in one dtype, else it holds a second copy) unless ``--no-generation``,
+model, built beside the Scorer with ``share_with``: where both run on one device in one
+dtype it decodes on the Scorer's resident weights and keeps its KV blocks in the Scorer's
+pool, else it holds its own, ``serving.scorer_sharing``) unless ``--no-generation``,
 or unless ``--backend`` names a backend that cannot decode (a warning; with
 ``--generation`` given explicitly, an error). The Generator takes ``--dtype``,
 ``--expert-impl``, ``--backend`` / ``--devices`` (resident, offload, sync_ep) and
 ``--generation-batch-size`` (its ``max_batch_size``); ``--precompile`` compiles its step
-programs before the server reports SERVING (no stream then waits on a compile). With the
-Scorer's prefix cache on (``--prefix-cache-blocks``), a generation prompt that starts with
-a prompt scored earlier copies its cached blocks instead of prefilling them
-(``moejax.core.prefix_share``; one-rank decode backends).
+programs before the server reports SERVING (no stream then waits on a compile). On a
+shared pool a generation prompt that starts with a prompt scored earlier reads its cached
+blocks in place instead of prefilling them, and scoring reads generation's the same way;
+the pool's size is the Scorer's (``--prefix-cache-blocks`` / ``--prefix-cache-mib``).
 
 ``client generate`` sends each request of a JSONL file (the format of ``moejax generate``)
 as one ``Generate`` call, ``--concurrency`` at once, a chunk (``--chunk-size`` lines) at a
@@ -102,19 +103,6 @@ def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
             "compilation_cache": command_compilation_cache(args.deployment)}
 
 
-def _share_prefix_cache(generator: Any, scorer: Any) -> None:
-    """Let generation reuse the prompt blocks scoring cached, where both can."""
-    from moejax.core.prefix_share import caching_engines
-
-    if scorer is None or not caching_engines(scorer):
-        return
-    try:
-        generator.share_prefix_cache(scorer)
-    except ValueError as exc:
-        logging.getLogger("moejax.grpc").warning(
-            "generation will not reuse the prompt blocks scoring cached: %s", exc)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (see the module docstring). Over several
     processes, process 0 serves and the others follow its runs."""
@@ -163,8 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if generation and not stop.is_set():
             from serving.generate import Generator
 
-            generator = Generator(args.model, weights_of=scorer, **_generator_options(args))
-            _share_prefix_cache(generator, scorer)
+            generator = Generator(args.model, share_with=scorer, **_generator_options(args))
         loading.clear()
     except _Interrupted:
         scorer = None

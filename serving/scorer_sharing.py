@@ -1,0 +1,102 @@
+"""What a :class:`serving.Generator` built with ``share_with=scorer`` shares with the
+:class:`serving.Scorer` it is built beside, so that a server scoring and generating on
+one device holds one copy of each:
+
+* **the weights**: the resident placement (:class:`moejax.backends.resident.ResidentPlacement`)
+  the Scorer's first engine runs on becomes the decode runner's, when both are resident;
+* **the KV pool**: the Scorer's first engine's :class:`moejax.kv.KVStore` (pool and block
+  allocator) becomes the continuous scheduler's, when generation runs on one rank of the
+  same device. Prompt blocks either side computed are then found by the other under
+  their chain hash and read in place, by the same block ids.
+
+Each part is shared where it can be; where not, the Generator keeps its own and the
+reason is logged and kept (:attr:`ScorerSharing.why_not`). A Scorer of another model is
+refused outright.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from moejax.backends.resident import ResidentPlacement
+from moejax.kv import KVStore
+
+log = logging.getLogger(__name__)
+PARTS = ("weights", "kv_pool")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerSharing:
+    """The shared placement and KV store (None where not shared) and, for each part not
+    shared, why."""
+
+    placement: ResidentPlacement | None = None
+    kv_store: KVStore | None = None
+    why_not: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def describe(self) -> dict[str, str]:
+        """Each part (``weights``, ``kv_pool``): ``"shared"`` or why not."""
+        return {part: self.why_not.get(part, "shared") for part in PARTS}
+
+
+def plan_sharing(scorer: Any, config: Any, dtype: Any, options: Any) -> ScorerSharing:
+    """What a Generator of ``config`` computing in ``dtype`` with ``options``
+    (:class:`serving.generate.GeneratorOptions`) can share with ``scorer``."""
+    if scorer.config != config:
+        raise ValueError("share_with: the Scorer serves another model configuration than "
+                         "this Generator; nothing of it can be shared")
+    engine = scorer.engine
+    common = _common_blocker(engine, dtype, options)
+    why_not = {}
+    placement = getattr(engine.backend, "placement", None)
+    if common:
+        why_not = {part: common for part in PARTS}
+    else:
+        if not isinstance(placement, ResidentPlacement):
+            why_not["weights"] = (f"the Scorer's weights are placed by backend "
+                                  f"{engine.backend.name!r}, not resident")
+        elif options.backend != "resident" or options.prefetch not in (None, "none"):
+            why_not["weights"] = "this Generator does not decode on the resident backend"
+        kv = _kv_blocker(engine, options)
+        if kv:
+            why_not["kv_pool"] = kv
+    sharing = ScorerSharing(placement=None if "weights" in why_not else placement,
+                            kv_store=None if "kv_pool" in why_not else engine.kv_store,
+                            why_not=why_not)
+    for part, state in sharing.describe().items():
+        log.info("share_with: %s %s", part.replace("_", " "),
+                 "shared with the Scorer" if state == "shared" else f"not shared: {state}")
+    return sharing
+
+
+def _common_blocker(engine: Any, dtype: Any, options: Any) -> str | None:
+    """Why nothing can be shared, or None."""
+    if options.runtime != "continuous" or options.batching != "continuous":
+        return "this Generator does not run continuous batching on the paged runtime"
+    if options.decoders != 1:
+        return "this Generator splits prefill and decode over several devices"
+    if np.dtype(engine.dtype) != np.dtype(dtype):
+        return (f"the Scorer computes in {np.dtype(engine.dtype).name}, this Generator in "
+                f"{np.dtype(dtype).name}")
+    if engine.device != jax.devices()[0]:
+        return "the Scorer's first engine is not on this Generator's device"
+    return None
+
+
+def _kv_blocker(engine: Any, options: Any) -> str | None:
+    """Why the KV pool cannot be shared, or None."""
+    store = engine.kv_store
+    if store is None:
+        return "the Scorer keeps no KV pool (prefix_cache_blocks=0, share_prompts=false)"
+    if options.backend not in ("resident", "offload") or options.devices != 1:
+        return "this Generator decodes on more than one rank"
+    if len(store.pool.keys.devices()) != 1:
+        return "the Scorer's pool spans several devices"
+    if options.kv_cache_blocks is not None or options.kv_cache_mib is not None:
+        return "this Generator sizes its own pool (kv_cache_blocks / kv_cache_mib)"
+    return None
