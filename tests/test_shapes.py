@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas import metro
-from moejax import attention, grouped_gemm, kv_cache
+from moejax import attention, grouped_gemm
+from moejax.static import cache as kv_cache
 
 CONFTEST = sys.modules["conftest"]
 pytestmark = pytest.mark.skipif(jaxtyping.config.jaxtyping_disable,
