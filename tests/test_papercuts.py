@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from serving import Scorer
-from moejax.core.scoring_engine import SHAPE_KEY_FIELDS
+from moejax.core.scoring_steps import SHAPE_KEY_FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
 # Candidates of several tokens and a "multi" request: ops that continue a shared prompt.

@@ -19,7 +19,8 @@ import time
 from typing import Any, Callable, Hashable, Sequence
 
 from moejax.core.router import BlocksEvicted, BlocksStored, FlopsExecuted, Router, RoutingReport
-from moejax.core.scoring_engine import Engine, SequenceOutcome
+from moejax.core.scoring_engine import Engine
+from moejax.core.scoring_steps import SequenceOutcome
 from moejax.ops import PrefillOp
 
 

@@ -1,10 +1,13 @@
-"""Executes packed scoring batches on an execution backend.
+"""The scoring engine: prefill-only work on the engine core.
 
-The engine packs sequences into bucketed batches (``moejax.packing``), hands them
-to its backend (``moejax.backends``) a step at a time, dispatches each step before
-fetching the previous one's results (JAX dispatch is asynchronous, so the host
-packs and unpacks while the devices compute), and logs every new program shape it
-compiles so that an operator can see the bucket count stay bounded.
+An :class:`Engine` packs a run's sequences into bucketed batches (``moejax.packing``),
+plans their reuse of the prefix pool in levels (``moejax.core.prefix_plan``), and runs
+each level on the engine core (``moejax.core.engine_core``): a host-only schedule of
+steps and a runner that owns the backend and the device's KV store
+(``moejax.core.scoring_steps``). Each step is dispatched before the previous one's
+results are fetched (JAX dispatch is asynchronous, so the host packs and unpacks while
+the devices compute), and every new program shape is logged when it compiles so that an
+operator can see the bucket count stay bounded.
 """
 
 from __future__ import annotations
@@ -13,40 +16,21 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import jax
-import numpy as np
 
 from moejax import model as model_lib
-from moejax.backends.base import Backend, padded_step, plan_steps
+from moejax.backends.base import Backend
 from moejax.config import ModelConfig
+from moejax.core.engine_core import EngineCore
 from moejax.core.prefix_plan import plan_run
+from moejax.core.scoring_steps import ScoringRunner, ScoringSchedule, SequenceOutcome
 from moejax.kv import BlockAllocator, KVStore
 from moejax.ops import PrefillOp
-from moejax.packing import BucketPolicy, HostBatch, pack, unpack
+from moejax.packing import BucketPolicy, HostBatch, pack
 
 log = logging.getLogger("moejax.engine")
-
-# The fields of a batch's shape key (moejax.packing.HostBatch.shape_key), in order: a
-# plain batch has the first five; a batch on the prefix pool adds the last two.
-SHAPE_KEY_FIELDS = ("T", "block", "positions", "columns", "full_vocab",
-                    "context_slots", "stored_rows")
-
-
-def describe_shape_key(key: Sequence[Any]) -> str:
-    """``key`` as ``name=value`` pairs (``"T=64 block=16 ..."``), whatever its length: a
-    field past the known names is shown by its position (``field8=...``)."""
-    names = list(SHAPE_KEY_FIELDS) + [f"field{i + 1}" for i in range(len(SHAPE_KEY_FIELDS),
-                                                                       len(key))]
-    return " ".join(f"{name}={value}" for name, value in zip(names, key))
-
-# Per op: (logits per score position, log-sum-exp or None), or the exception of the step
-# that failed it (the backend recovered; serving.results turns it into an error result).
-# One scored sequence: its logits at each score position, and their log-sum-exp (None
-# without full-vocabulary scoring); or the exception of the step that failed it.
-SequenceLogits = tuple[list[np.ndarray], np.ndarray | None]
-SequenceOutcome = SequenceLogits | Exception
 
 
 @dataclasses.dataclass
@@ -69,10 +53,10 @@ class Engine:
     """Runs prefill ops (:class:`moejax.ops.PrefillOp`) through the model on one execution backend.
 
     The backend (``moejax.backends``: resident, offload, async_ep, hybrid, sync_ep, tp)
-    owns the weights and their placement; the engine packs, groups batches of one shape
-    into steps of the backend's data-parallel rank count (padding a short step with
-    empty batches), dispatches each step before collecting the previous one, and
-    unpacks the results.
+    owns the weights and their placement; the engine packs and plans (host), and its
+    :class:`~moejax.core.scoring_steps.ScoringRunner` executes on the backend and the
+    device's KV store (``kv_store``; shared with a generation scheduler on the device,
+    ``moejax.kv.store``).
     """
 
     def __init__(self, cfg: ModelConfig, backend: Backend, *,
@@ -96,6 +80,7 @@ class Engine:
             self.kv_store = KVStore.single(
                 functools.partial(backend.make_kv_pool, prefix_cache_blocks),
                 prefix_cache_blocks, record_events=True)
+        self.runner = ScoringRunner(backend, self.kv_store, self.stats)
 
     @property
     def prefix_cache(self) -> BlockAllocator | None:
@@ -105,40 +90,6 @@ class Engine:
     @property
     def device(self) -> jax.Device:
         return self.backend.devices[0]
-
-    def _step(self, hosts: Sequence[HostBatch]):
-        if hosts[0].context is not None:        # continues or stores prefix KV: the pool path
-            host, store = hosts[0], self.kv_store
-            output, store.pool = self.backend.prefix_step(host.batch, host.context,
-                                                          store.pool, host.options)
-            return [output]
-        batches = padded_step([h.batch for h in hosts], self.backend.num_ranks)
-        return self.backend.step(batches, hosts[0].options)
-
-    def _dispatch(self, hosts: Sequence[HostBatch]):
-        """Start one step -> its outputs, or the exception it raised (a plain step's
-        sequences then get it as their result, see :meth:`_collect`). A step on the prefix
-        pool raises: the pool went into it (see :meth:`_run_batches`)."""
-        key = hosts[0].shape_key
-        start = time.perf_counter()
-        try:
-            outs = self._step(hosts)
-            if self.backend.serialize_steps:
-                jax.block_until_ready(outs)
-            if key not in self.stats.shapes:   # first use of this shape: compiled just now
-                jax.block_until_ready(outs)
-                elapsed = time.perf_counter() - start
-                self.stats.shapes.add(key)
-                self.stats.compiles += 1
-                self.stats.compile_seconds += elapsed
-                log.info("compiled forward #%d for %s on %s (%.1fs, includes first run)",
-                         self.stats.compiles, describe_shape_key(key), self.backend.name,
-                         elapsed)
-        except Exception as error:   # noqa: BLE001  (the backend recovered; see _collect)
-            if hosts[0].context is not None:
-                raise
-            return error
-        return outs
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: no block is found by its hash any more (blocks a
@@ -200,56 +151,18 @@ class Engine:
     def _run_batches(self, batches: Sequence[HostBatch],
                      on_batch_done: Callable[[int], None] | None
                      ) -> dict[Hashable, SequenceOutcome]:
-        """Run ``batches`` a step at a time -> outputs by key. The sequences of a step that
-        raises get the exception as their value (the backend has recovered: the other
-        steps run as usual). A step on the prefix pool fails the run instead: the pool went
-        into it (donated), so its contents — what this run's later levels and the cache's
-        blocks read — are lost; the engine starts from a fresh pool and an empty cache."""
-        results: dict[Hashable, SequenceOutcome] = {}
-        pending: tuple[list[HostBatch], Any] | None = None
+        """Run ``batches`` on the engine core, a step at a time with one step of lookahead
+        (:mod:`moejax.core.scoring_steps`) -> outcomes by key. A step on the prefix pool
+        that fails fails the run: the pool went into it (donated), so its contents — what
+        this run's later levels and the cache's blocks read — are lost, and the store
+        starts afresh (a generation scheduler sharing it recomputes what it held)."""
+        schedule = ScoringSchedule(batches, self.backend.num_ranks, self.cfg, self.stats,
+                                   on_batch_done)
         try:
-            for step in plan_steps([h.shape_key for h in batches], self.backend.num_ranks):
-                hosts = [batches[i] for i in step]
-                outs = self._dispatch(hosts)
-                if pending is not None:
-                    self._collect(*pending, results, on_batch_done)
-                pending = (hosts, outs)
-            if pending is not None:
-                self._collect(*pending, results, on_batch_done)
+            return dict(EngineCore(schedule, self.runner).run())
         except Exception:
             if self.kv_store is not None:
                 log.error("a prefix-pool step failed on %s: the pool and the cached prefixes "
                           "are dropped", self.backend.name)
                 self.kv_store.reset()
             raise
-        return results
-
-    def _collect(self, hosts: list[HostBatch], outs: Any, results: dict[Hashable, SequenceOutcome],
-                 on_batch_done: Callable[[int], None] | None) -> None:
-        """Fetch one step's outputs into ``results``. A failed plain step (its outputs are
-        the exception, or fetching them raises: an asynchronous failure) gives each of its
-        sequences the exception; a failed step on the prefix pool raises it."""
-        try:
-            if isinstance(outs, Exception):
-                raise outs
-            fetched = jax.device_get(outs[:len(hosts)])
-        except Exception as error:   # noqa: BLE001
-            if hosts[0].context is not None:
-                raise
-            log.error("a step of %d batch(es) failed on %s: %s: %s", len(hosts),
-                      self.backend.name, type(error).__name__, error)
-            for host in hosts:
-                results.update({op.key: error for op in host.sequences})
-                if on_batch_done is not None:
-                    on_batch_done(len(host.sequences))
-            return
-        for host, (logits, lse) in zip(hosts, fetched):
-            for key, per_position, seq_lse in unpack(host, logits, lse):
-                results[key] = (per_position, seq_lse)
-            self.stats.batches += 1
-            self.stats.real_tokens += host.real_tokens
-            # A continuation's cost counts only the tokens it runs (moejax.ops).
-            self.stats.executed_flops += sum(op.flops(self.cfg) for op in host.sequences)
-            self.stats.padded_tokens += int(host.batch.tokens.shape[0]) - host.real_tokens
-            if on_batch_done is not None:
-                on_batch_done(len(host.sequences))
