@@ -204,3 +204,4 @@ def test_a_failed_generation_step_resets_the_shared_store(pair, reference, monke
     [got] = scorer.score([request])
     [want] = reference.score([request])
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
+

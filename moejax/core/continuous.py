@@ -63,14 +63,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from moejax import prefix_hash, sampling
-from moejax.decode.programs import PagedBatch, StepResult
+from moejax import prefix_hash
+from moejax.core.engine_core import EngineCore
+from moejax.core.paged_plan import (GenerationPlan, Launch, RowLayout, SequenceState,
+                                    TokenEvent, Work)
+from moejax.core.paged_runner import PagedRunner
+from moejax.decode.programs import StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.expert_trace import expert_counts
-from moejax.kv import SUM_BLOCK_COUNTS, BlockAllocator, KVPool, KVStore
-from moejax.kv.copy import copy_blocks
-from moejax.sequences import SequenceOutput, SequenceSpec
-from moejax.sizes import bucket, bucket_sizes
+from moejax.kv import BlockAllocator, KVPool, KVStore
+from moejax.sequences import SequenceSpec
+from moejax.sizes import bucket_sizes
 
 BLOCK = prefix_hash.BLOCK_SIZE
 MAX_RECORDS = 100_000   # step (and route) records kept, newest last: tens of MB at most
@@ -117,66 +120,6 @@ class StepRecord:
     seconds: float
 
 
-@dataclasses.dataclass
-class SequenceState:
-    """One sequence in the scheduler (host side)."""
-
-    seq_id: int
-    spec: SequenceSpec
-    on_event: Callable[["TokenEvent"], None] | None
-    output: SequenceOutput = dataclasses.field(
-        default_factory=lambda: SequenceOutput([], "length"))
-    rank: int = 0
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    hashes: list[bytes] = dataclasses.field(default_factory=list)
-    computed: int = 0            # tokens whose keys/values are in the pool
-    traced: int = 0              # tokens whose routing has been recorded
-    routing: list[tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
-    cancelled: bool = False
-    finished: bool = False
-    handed_off: bool = False     # prefilled on a hand-off scheduler, waiting for a decoder
-    preemptions: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        """What the model reads: the prompt, then the generated tokens."""
-        return list(self.spec.prompt) + self.output.token_ids
-
-    @property
-    def pending(self) -> int:
-        """Tokens still to run through the model (1: decoding)."""
-        return len(self.spec.prompt) + len(self.output.token_ids) - self.computed
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
-    """New tokens of one sequence; ``output`` is set on its last event (finished,
-    cancelled or failed)."""
-
-    sequence: SequenceState
-    token_ids: list[int]
-    output: SequenceOutput | None = None
-
-
-@dataclasses.dataclass
-class _Rows:
-    """The work of one program of a step: (sequence, first position, token count) each."""
-
-    work: list[tuple[SequenceState, int, int]]
-
-
-@dataclasses.dataclass
-class _Launch:
-    """A dispatched program: its work items (rank order), row width, each item's first
-    and last row, and the (not yet read) result."""
-
-    works: list[tuple[SequenceState, int, int]]
-    width: int
-    first_rows: list[int]
-    last_rows: list[int]
-    result: StepResult
-
-
 class Scheduler:
     """Continuous batching of :class:`SequenceSpec` s over a runner (module docstring)."""
 
@@ -204,6 +147,13 @@ class Scheduler:
         self.max_table = -(-runner.cfg.max_context // BLOCK)
         self.row_tokens = min(options.prefill_row_tokens, options.max_prefill_tokens)
         self.prefill_rows = max(1, options.max_prefill_tokens // self.row_tokens)
+        # The device side; each step() runs the engine core over this (host) scheduler and
+        # it (built per step: a scheduler holding its core would be a reference cycle,
+        # keeping a dropped scheduler's pool alive until the cyclic collector runs).
+        self.paged = PagedRunner(runner, store, RowLayout(
+            ranks=self.ranks, per_rank=self.per_rank, prefill_rows=self.prefill_rows,
+            row_tokens=self.row_tokens, num_blocks=num_blocks, max_table=self.max_table),
+            options.step)
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
@@ -298,13 +248,7 @@ class Scheduler:
         of this pool's blocks (rows padded to a power of two; an empty list is a row of
         padding, which is how :meth:`moejax.core.decoders.DecoderPool.precompile` compiles
         every row count)."""
-        if self.kv.expert_counts is None:
-            raise ValueError("this scheduler keeps no signature cache (expert_counts=False)")
-        rows = bucket(max(len(block_lists), 1), 1)
-        tables = np.full((rows, self.max_table), self.num_blocks, np.int32)
-        for i, blocks in enumerate(block_lists):
-            tables[i, :len(blocks)] = blocks
-        return np.asarray(SUM_BLOCK_COUNTS(self.kv.expert_counts, tables))[:len(block_lists)]
+        return self.paged.block_counts(block_lists)
 
     def room_to_adopt(self, seq: SequenceState) -> bool:
         """Whether :meth:`adopt` can take ``seq`` now (a running row and its blocks)."""
@@ -320,8 +264,7 @@ class Scheduler:
         count = -(-seq.computed // BLOCK)
         with self.store.lock:
             blocks = self.allocators[0].allocate(count)
-            self.kv = copy_blocks(source, list(source_blocks)[:count], self.kv, blocks,
-                                  self.runner.device)
+            self.paged.copy_in(source, list(source_blocks)[:count], blocks)
         seq.rank, seq.blocks, seq.handed_off = 0, blocks, False
         self.running.append(seq)
         self.stats["adopted"] += 1
@@ -339,10 +282,8 @@ class Scheduler:
         store's lock throughout (a scoring engine sharing the pool waits, and is waited
         for). A step that fails resets the store: its pool went into the step."""
         with self.store.lock:
-            if self.store.epoch != self._epoch:
-                self._recompute_after_reset()
             try:
-                return self._step()
+                return EngineCore(self, self.paged).step()
             except BaseException:
                 self.store.reset()
                 self._epoch = self.store.epoch
@@ -360,27 +301,36 @@ class Scheduler:
         self.stats["recomputed_after_reset"] += len(self.running)
         self.running = []
 
-    def _step(self) -> list[TokenEvent]:
+    # ------------------------------------------------- the engine core's contract
+    def has_work(self) -> bool:
+        return self.busy
+
+    def schedule(self) -> GenerationPlan:
+        """Host-only: drop cancelled sequences, admit waiting ones, and plan this step's
+        prefill chunks and decode rows with their blocks allocated (recomputing what a
+        reset of the store took first)."""
+        if self.store.epoch != self._epoch:
+            self._recompute_after_reset()
         events: list[TokenEvent] = []
         started = time.perf_counter()
         self._drop_cancelled(events)
         self._admit()
         prefill, decode = self._plan()
-        # Both programs are dispatched before either result is read: the decode rows do
-        # not depend on this step's prefill (other sequences), so the host builds the
-        # decode batch while the prefill runs (the pool carries the order on the device).
-        launched = [self._launch(rows, width)
-                    for rows, width in ((prefill, self.row_tokens), (decode, 1)) if rows.work]
+        return GenerationPlan(prefill, decode, events, started)
+
+    def update(self, plan: GenerationPlan, launches: list[Launch]) -> list[TokenEvent]:
+        """The step's tokens (and routing) into its sequences -> the step's events."""
+        events = plan.events
         active = None
-        for launch in launched:
+        for launch in launches:
             self._collect(launch, events)
             if launch.width == 1 and self.options.record_steps:
                 active = _active_experts(launch, self.runner.cfg.num_experts)
         self.running = [s for s in self.running if not (s.finished or s.handed_off)]
         self.stats["steps"] += 1
-        if self.options.record_steps and launched:
-            self.step_records.append(StepRecord(len(prefill.work), len(decode.work), active,
-                                                time.perf_counter() - started))
+        if self.options.record_steps and launches:
+            self.step_records.append(StepRecord(len(plan.prefill), len(plan.decode), active,
+                                                time.perf_counter() - plan.started))
         return events
 
     def program_shapes(self) -> list[tuple[int, int]]:
@@ -395,11 +345,8 @@ class Scheduler:
         rows that are all padding (nothing is read or written), so that no later step
         stalls on a compile. Returns how many programs ran."""
         shapes = self.program_shapes()
-        self.runner.precompile()
         with self.store.lock:
-            for rows, width in shapes:
-                batch, samp, _, _ = self._batch([[] for _ in range(self.ranks)], rows, width)
-                self.kv, _ = self.runner.run(self.kv, batch, samp, self.options.step)
+            self.paged.precompile(shapes)
         return len(shapes)
 
     def run_until_idle(self, sink: Callable[[TokenEvent], None] | None = None) -> None:
@@ -466,11 +413,12 @@ class Scheduler:
                       and self.allocators[r].num_available >= need]
         return min(open_ranks, key=lambda r: counts[r]) if open_ranks else None
 
-    def _plan(self) -> tuple[_Rows, _Rows]:
+    def _plan(self) -> tuple[list[Work], list[Work]]:
         """This step's prefill chunks and decode rows, with their blocks allocated
         (preempting the newest sequences where blocks run out)."""
         rows_left = self.prefill_rows
-        prefill, decode = _Rows([]), _Rows([])
+        prefill: list[Work] = []
+        decode: list[Work] = []
         for seq in sorted(self.running, key=lambda s: s.seq_id):
             if seq not in self.running:          # preempted for an older one
                 continue
@@ -479,11 +427,11 @@ class Scheduler:
                 if count == 0 or not self._reserve(seq, seq.computed + count):
                     continue
                 rows_left -= -(-count // self.row_tokens)
-                prefill.work.append((seq, seq.computed, count))
+                prefill.append((seq, seq.computed, count))
             elif self._reserve(seq, seq.computed + 1):
-                decode.work.append((seq, seq.computed, 1))
-        prefill.work = [w for w in prefill.work if w[0] in self.running]
-        decode.work = [w for w in decode.work if w[0] in self.running]
+                decode.append((seq, seq.computed, 1))
+        prefill = [w for w in prefill if w[0] in self.running]
+        decode = [w for w in decode if w[0] in self.running]
         return prefill, decode
 
     def _reserve(self, seq: SequenceState, length: int) -> bool:
@@ -512,21 +460,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ----------------------------------------------------------------- running
-    def _launch(self, rows: _Rows, width: int) -> "_Launch":
-        """Dispatch one program over ``rows`` (rows of ``width`` tokens); its result is
-        read by :meth:`_collect`."""
-        per_rank: list[list[tuple[SequenceState, int, int]]] = [[] for _ in range(self.ranks)]
-        for work in rows.work:
-            per_rank[work[0].rank].append(work)
-        needed = max(sum(-(-count // width) for _, _, count in works) for works in per_rank)
-        cap = self.per_rank if width == 1 else self.prefill_rows
-        batch, samp, first_rows, last_rows = self._batch(per_rank, bucket(needed, 1, cap),
-                                                         width)
-        self.kv, result = self.runner.run(self.kv, batch, samp, self.options.step)
-        works = [work for rank_works in per_rank for work in rank_works]
-        return _Launch(works, width, first_rows, last_rows, result)
-
-    def _collect(self, launch: "_Launch", events: list[TokenEvent]) -> None:
+    def _collect(self, launch: Launch, events: list[TokenEvent]) -> None:
         """A dispatched program's tokens (and routing) into its sequences."""
         tokens = np.asarray(launch.result.tokens)
         routing = _host_routing(launch.result, self.options.trace)
@@ -566,59 +500,7 @@ class Scheduler:
         for block, digest in zip(seq.blocks[:full], seq.hashes[:full]):
             allocator.name(block, digest)
 
-    def _batch(self, per_rank: list[list[tuple[SequenceState, int, int]]], rows: int,
-               width: int) -> tuple[PagedBatch, sampling.SamplingParams, list[int], list[int]]:
-        """The step's arrays: ranks × ``rows`` rows of ``width`` tokens, rank-major; each
-        work item (sequence, first position, token count) fills as many consecutive rows
-        as it needs. Also the first and the last row of each work item (rank order)."""
-        total = self.ranks * rows
-        slots_per_rank = self.num_blocks * BLOCK
-        tokens = np.zeros((total, width), np.int32)
-        positions = np.zeros((total, width), np.int32)
-        valid = np.zeros((total, width), bool)
-        write = np.full((total, width), slots_per_rank, np.int32)
-        segments = np.full(total, -1, np.int32)
-        tables = np.zeros((total, self.max_table), np.int32)
-        context = np.zeros(total, np.int32)
-        last = np.arange(total, dtype=np.int32) * width
-        counters = np.zeros(total, np.int32)
-        temperature, top_p, seeds = [0.0] * total, [1.0] * total, [0] * total
-        first_rows: list[int] = []
-        last_rows: list[int] = []
-        for rank, works in enumerate(per_rank):
-            row = rank * rows
-            for segment, (seq, start, count) in enumerate(works):
-                first_rows.append(row)
-                seq_tokens = np.asarray(seq.tokens[start:start + count], np.int32)
-                blocks = np.asarray(seq.blocks, np.int32)
-                pos = np.arange(start, start + count, dtype=np.int32)
-                for offset in range(0, count, width):
-                    n = min(width, count - offset)
-                    part = pos[offset:offset + n]
-                    tokens[row, :n] = seq_tokens[offset:offset + n]
-                    positions[row, :n] = part
-                    valid[row, :n] = True
-                    write[row, :n] = blocks[part // BLOCK] * BLOCK + part % BLOCK
-                    segments[row] = segment
-                    tables[row, :len(blocks)] = blocks
-                    context[row] = start
-                    row += 1
-                row -= 1
-                last[row] = row * width + (count - 1) % width
-                counters[row] = len(seq.output.token_ids)
-                temperature[row], top_p[row] = seq.spec.temperature, seq.spec.top_p
-                seeds[row] = seq.spec.seed
-                last_rows.append(row)
-                row += 1
-        flat = lambda a: a.reshape(-1)   # noqa: E731
-        return (PagedBatch(tokens=flat(tokens), positions=flat(positions), valid=flat(valid),
-                           write_slots=flat(write), segments=segments, block_tables=tables,
-                           context_len=context, last=last, counters=counters),
-                sampling.make_sampling_params(temperature, top_p, seeds),
-                first_rows, last_rows)
-
-
-def _active_experts(launch: "_Launch", num_experts: int) -> np.ndarray:
+def _active_experts(launch: Launch, num_experts: int) -> np.ndarray:
     """The distinct experts the launch's rows (one token each) chose at each layer [L]."""
     experts = np.asarray(launch.result.experts)[:, launch.last_rows]      # [L, n, k]
     return (expert_counts(experts, num_experts) > 0).sum(axis=1)

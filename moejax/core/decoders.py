@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from moejax.core.continuous import MAX_RECORDS, Scheduler, SequenceState, TokenEvent
+from moejax.core.continuous import MAX_RECORDS, Scheduler
+from moejax.core.paged_plan import SequenceState, TokenEvent
 from moejax.eldr.policies import HandOff, Policy
-from moejax.kv.copy import copy_blocks
 from moejax.sequences import SequenceSpec
 from moejax.sizes import bucket_sizes
 
@@ -166,8 +166,7 @@ class DecoderPool:
             # A handed-off prompt holds at most a context's blocks, and fits in both pools.
             most_blocks = min(prefill.max_table, prefill.num_blocks, decoder.num_blocks)
             for count in bucket_sizes(most_blocks):
-                decoder.kv = copy_blocks(prefill.kv, [0] * count, decoder.kv, [],
-                                         decoder.runner.device)
+                decoder.paged.copy_in(prefill.kv, [0] * count, [])
                 ran += 1
         if self.policy.reads_counts:
             # One prefill step hands off at most its running set.

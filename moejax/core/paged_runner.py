@@ -1,0 +1,140 @@
+"""The device side of paged generation on the engine core (:mod:`moejax.core.engine_core`):
+:class:`PagedRunner` owns the KV store (pool and allocators, :class:`moejax.kv.KVStore`) and
+the decode runner (the weight placement and the step programs, :mod:`moejax.decode.runners`),
+turns a :class:`~moejax.core.paged_plan.GenerationPlan` into device arrays and dispatches
+its programs: the prefill rows and then the decode rows, both before either result is read
+(the decode rows do not depend on this step's prefill, so the host builds the decode batch
+while the prefill runs; the pool carries the order on the device).
+
+A step's arrays: ranks × rows rows of ``width`` tokens, rank-major; each work item
+(sequence, first position, token count) fills as many consecutive rows as it needs. Row
+counts are powers of two up to the layout's caps, so a scheduler runs a handful of
+programs (:meth:`PagedRunner.precompile` runs each once on padding rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from moejax import sampling
+from moejax.core.paged_plan import GenerationPlan, Launch, RowLayout, Work
+from moejax.decode.programs import PagedBatch
+from moejax.decode.runners import DecodeRunner
+from moejax.kv import SUM_BLOCK_COUNTS, KVPool, KVStore
+from moejax.kv.copy import copy_blocks
+from moejax.prefix_hash import BLOCK_SIZE
+from moejax.sizes import bucket
+
+
+class PagedRunner:
+    """Executes generation plans on ``runner`` and ``store`` (module docstring), with
+    ``step`` ("fused" | "layerwise") programs laid out by ``layout``."""
+
+    def __init__(self, runner: DecodeRunner, store: KVStore, layout: RowLayout, step: str):
+        self.runner = runner
+        self.store = store
+        self.layout = layout
+        self.step = step
+
+    def execute(self, plan: GenerationPlan) -> list[Launch]:
+        """Dispatch the plan's prefill program, then its decode program (those with work)."""
+        return [self.launch(works, width)
+                for works, width in ((plan.prefill, self.layout.row_tokens), (plan.decode, 1))
+                if works]
+
+    def launch(self, works: Sequence[Work], width: int) -> Launch:
+        """Dispatch one program over ``works`` (rows of ``width`` tokens)."""
+        layout = self.layout
+        per_rank: list[list[Work]] = [[] for _ in range(layout.ranks)]
+        for work in works:
+            per_rank[work[0].rank].append(work)
+        needed = max(sum(-(-count // width) for _, _, count in items) for items in per_rank)
+        cap = layout.per_rank if width == 1 else layout.prefill_rows
+        batch, samp, first_rows, last_rows = self.build_batch(per_rank, bucket(needed, 1, cap),
+                                                              width)
+        self.store.pool, result = self.runner.run(self.store.pool, batch, samp, self.step)
+        ordered = [work for items in per_rank for work in items]
+        return Launch(ordered, width, first_rows, last_rows, result)
+
+    def precompile(self, shapes: Sequence[tuple[int, int]]) -> None:
+        """Run each (rows per rank, row width) program once on rows that are all padding
+        (nothing is read or written)."""
+        self.runner.precompile()
+        for rows, width in shapes:
+            batch, samp, _, _ = self.build_batch([[] for _ in range(self.layout.ranks)], rows,
+                                                 width)
+            self.store.pool, _ = self.runner.run(self.store.pool, batch, samp, self.step)
+
+    def copy_in(self, source: KVPool, source_blocks: Sequence[int], blocks: Sequence[int]
+                ) -> None:
+        """Copy ``source_blocks`` of the pool ``source`` (any device) into ``blocks`` of
+        this pool (a sequence prefilled elsewhere, adopted by a decoder)."""
+        self.store.pool = copy_blocks(source, source_blocks, self.store.pool, blocks,
+                                      self.runner.device)
+
+    def block_counts(self, block_lists: Sequence[Sequence[int]]) -> np.ndarray:
+        """The signature-cache counts [len(block_lists), L, E] int32 summed over each list
+        of this pool's blocks (rows padded to a power of two; an empty list is a row of
+        padding)."""
+        counts = self.store.pool.expert_counts
+        if counts is None:
+            raise ValueError("this scheduler keeps no signature cache (expert_counts=False)")
+        rows = bucket(max(len(block_lists), 1), 1)
+        tables = np.full((rows, self.layout.max_table), self.layout.num_blocks, np.int32)
+        for i, blocks in enumerate(block_lists):
+            tables[i, :len(blocks)] = blocks
+        return np.asarray(SUM_BLOCK_COUNTS(counts, tables))[:len(block_lists)]
+
+    def build_batch(self, per_rank: list[list[Work]], rows: int, width: int
+                    ) -> tuple[PagedBatch, sampling.SamplingParams, list[int], list[int]]:
+        """The step's arrays: ranks × ``rows`` rows of ``width`` tokens, rank-major; each
+        work item (sequence, first position, token count) fills as many consecutive rows
+        as it needs. Also the first and the last row of each work item (rank order)."""
+        layout = self.layout
+        total = layout.ranks * rows
+        slots_per_rank = layout.slots_per_rank
+        tokens = np.zeros((total, width), np.int32)
+        positions = np.zeros((total, width), np.int32)
+        valid = np.zeros((total, width), bool)
+        write = np.full((total, width), slots_per_rank, np.int32)
+        segments = np.full(total, -1, np.int32)
+        tables = np.zeros((total, layout.max_table), np.int32)
+        context = np.zeros(total, np.int32)
+        last = np.arange(total, dtype=np.int32) * width
+        counters = np.zeros(total, np.int32)
+        temperature, top_p, seeds = [0.0] * total, [1.0] * total, [0] * total
+        first_rows: list[int] = []
+        last_rows: list[int] = []
+        for rank, works in enumerate(per_rank):
+            row = rank * rows
+            for segment, (seq, start, count) in enumerate(works):
+                first_rows.append(row)
+                seq_tokens = np.asarray(seq.tokens[start:start + count], np.int32)
+                blocks = np.asarray(seq.blocks, np.int32)
+                pos = np.arange(start, start + count, dtype=np.int32)
+                for offset in range(0, count, width):
+                    n = min(width, count - offset)
+                    part = pos[offset:offset + n]
+                    tokens[row, :n] = seq_tokens[offset:offset + n]
+                    positions[row, :n] = part
+                    valid[row, :n] = True
+                    write[row, :n] = blocks[part // BLOCK_SIZE] * BLOCK_SIZE + part % BLOCK_SIZE
+                    segments[row] = segment
+                    tables[row, :len(blocks)] = blocks
+                    context[row] = start
+                    row += 1
+                row -= 1
+                last[row] = row * width + (count - 1) % width
+                counters[row] = len(seq.output.token_ids)
+                temperature[row], top_p[row] = seq.spec.temperature, seq.spec.top_p
+                seeds[row] = seq.spec.seed
+                last_rows.append(row)
+                row += 1
+        flat = lambda a: a.reshape(-1)   # noqa: E731
+        return (PagedBatch(tokens=flat(tokens), positions=flat(positions), valid=flat(valid),
+                           write_slots=flat(write), segments=segments, block_tables=tables,
+                           context_len=context, last=last, counters=counters),
+                sampling.make_sampling_params(temperature, top_p, seeds),
+                first_rows, last_rows)
