@@ -7,10 +7,11 @@ arithmetic. The simulator's executor only replays routing (no payloads); the run
 batches in the same order for the same routing and costs, because this one loop decides
 them.
 
-Events (batch done, records delivered, request arrived) run in time order; at one
-instant, batch ends first, then deliveries, then arrivals, each in the order they were
-scheduled; then every idle device with queued tokens starts ``engine.next_batch()``
-(lowest device first). A batch takes ``duration(batch)`` seconds. Its outputs
+Events (batch done, records delivered, request arrived) run in time order (one
+:class:`moejax.events.EventQueue`, ranked by ``EVENT_*``); at one instant, batch ends
+first, then deliveries, then arrivals, each in the order they were scheduled; then
+every idle device with queued tokens starts ``engine.next_batch()`` (lowest device
+first). A batch takes ``duration(batch)`` seconds. Its outputs
 (``engine.route``) are sent per destination device as one transfer taking
 ``link(bytes)`` (free on the same device) and handed to that engine's ``deliver``; each
 token it merges becomes ``merged.next_record(executor.merge(...))`` (the next block's
@@ -24,7 +25,6 @@ attention rank with the fewest active requests (ties: the lowest rank).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -34,6 +34,7 @@ import numpy as np
 from moejax.asyncmoe.engine import Batch, DeviceEngine, Merged
 from moejax.asyncmoe.records import (ATTENTION, ATTENTION_UNIT, EXPERT, HEAD, HEAD_UNIT,
                                      TokenRecord, attention_record)
+from moejax.events import EventQueue
 
 MU_QUEUE = "mu_queue"
 SYNC_EP = "sync_ep"
@@ -221,16 +222,16 @@ class MuQueueLoop:
         self.progress: dict[int, RequestProgress] = {}
         self.active = [0] * len(self.engines)
         self.busy = [False] * len(self.engines)
-        self.events: list[tuple[float, int, int, Any]] = []
-        self.sequence = 0
+        # Ordered by time, then EVENT_* (lower first), then push order (module docstring).
+        self.events: EventQueue[Any] = EventQueue()
         self.batches: list[ExecutedBatch] = []
         self.depth: list[tuple[float, int]] = []
         self.stall_s = 0.0
         self.active_s = 0.0
 
     def push(self, time: float, order: int, payload: Any) -> None:
-        heapq.heappush(self.events, (time, order, self.sequence, payload))
-        self.sequence += 1
+        """Schedule an event of kind ``order`` (EVENT_*) at ``time``."""
+        self.events.push(time, order, payload)
 
     def run(self, requests: Sequence[Any]) -> SimResult:
         """Every request (``request_id``, ``arrival_s``, ``prompt_length``) to the end."""
@@ -238,13 +239,13 @@ class MuQueueLoop:
             self.push(request.arrival_s, EVENT_ARRIVAL, request)
         last = 0.0
         while self.events:
-            now = self.events[0][0]
+            now = self.events.next_time()
             if sum(self.active):
                 self.active_s += now - last
                 self.stall_s += (now - last) * self.busy.count(False)
             last = now
-            while self.events and self.events[0][0] == now:
-                _, order, _, payload = heapq.heappop(self.events)
+            while self.events and self.events.next_time() == now:
+                _, order, payload = self.events.pop()
                 if order == EVENT_DONE:
                     self.finish_batch(now, *payload)
                 elif order == EVENT_DELIVERY:

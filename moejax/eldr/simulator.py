@@ -19,10 +19,11 @@ Model:
   :meth:`CostModel.step_seconds` of the union, per layer, of the expert ids the rows
   chose at their current step. A request leaves after its D-th decode token. An idle
   decoder starts a step at the moment a request joins it.
-* Events run in time order. Ties: at one instant, every arrival is routed first (in
-  arrival order), then decoder boundaries run, lowest decoder index first. So a request
-  finishing at the instant another arrives still counts in the load the router sees,
-  and requests arriving together at an idle decoder start their first step together.
+* Events run in time order (one :class:`moejax.events.EventQueue`). Ties: at one
+  instant, every arrival is routed first (in arrival order), then decoder boundaries
+  run, lowest decoder index first. So a request finishing at the instant another
+  arrives still counts in the load the router sees, and requests arriving together at
+  an idle decoder start their first step together.
 
 TPOT here is (finish − arrival) / D: the time from the hand-off to the last decode token
 per decode token, queueing at the decoder included (a request that waits for a batch
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import json
 import math
 import os
@@ -49,6 +49,7 @@ from jaxtyping import Float, Integer
 
 from moejax import traces as traces_lib
 from moejax.eldr.policies import HandOff, Policy
+from moejax.events import EventQueue
 
 COST_KEYS = ("t0_s", "a_s", "b_s")
 """The keys of a cost-model JSON file (per layer, seconds); other keys are metadata."""
@@ -393,6 +394,115 @@ def _check_signatures(signatures_of: Mapping[int, Any] | None, n: int,
     return shown
 
 
+# The order of an arrival among the events of one instant: below every decoder index, the
+# order of a decoder's boundary. So at one instant every arrival is routed first (in
+# arrival order: push order), then boundaries run, lowest decoder index first (module
+# docstring's tie rule).
+_ARRIVAL = -1
+
+
+class _Replay:
+    """One :func:`simulate` run (inputs already checked): its state, and its two events
+    as methods, :meth:`arrive` (a request reaches the hand-off and is routed) and
+    :meth:`boundary` (a decoder's step ends, or an idle decoder wakes), replayed in time
+    order by :meth:`run` from one :class:`moejax.events.EventQueue`."""
+
+    def __init__(self, requests: Sequence[SimRequest], arrivals: Float[np.ndarray, "R"],
+                 policy: Policy, *, num_decoders: int, cost: CostModel, max_batch_size: int,
+                 shown: Mapping[int, np.ndarray]) -> None:
+        self.requests, self.arrivals, self.policy = requests, arrivals, policy
+        self.k, self.cost, self.max_batch, self.shown = num_decoders, cost, max_batch_size, shown
+        self.num_layers, self.num_experts = requests[0].num_layers, requests[0].num_experts
+        n, k = len(requests), num_decoders
+
+        # Every decode token's expert ids as flat (layer, expert) cells, [tokens, L·k], in
+        # request order: a step's union is one scatter into a boolean [L·E] mask.
+        self.decode = np.array([req.decode_tokens for req in requests], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.decode)[:-1]])
+        ids = np.concatenate([req.decode_experts for req in requests], axis=1)   # [L, N, k]
+        cells = (ids.transpose(1, 0, 2).astype(np.int64)
+                 + (np.arange(self.num_layers, dtype=np.int64) * self.num_experts)[None, :, None])
+        self.cells = cells.reshape(cells.shape[0], -1)
+
+        self.chosen = np.full(n, -1, np.int64)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.in_flight = np.zeros(k, np.int64)
+        self.waiting: list[collections.deque[int]] = [collections.deque() for _ in range(k)]
+        # Per decoder, its running requests, the row in ``cells`` of each one's next decode
+        # token and its decode tokens left; None while idle (no step, no wake-up due).
+        self.running: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * k
+        self.empty = np.zeros(0, np.int64)
+        self.records: list[tuple] = []          # per step: d, start, end, seconds, rows, active
+        # Arrivals (payload: request index, order _ARRIVAL) and decoder boundaries
+        # (payload and order: the decoder index); a decoder has at most one pending.
+        self.events: EventQueue[int] = EventQueue()
+
+    def run(self) -> None:
+        """Every arrival, then every boundary they cause, in time order (tie rule: the
+        module docstring, by :data:`_ARRIVAL`)."""
+        for i, t in enumerate(self.arrivals.tolist()):
+            self.events.push(t, _ARRIVAL, i)
+        while self.events:
+            t, order, index = self.events.pop()
+            if order == _ARRIVAL:
+                self.arrive(t, index)
+            else:
+                self.boundary(t, index)
+
+    def arrive(self, t: float, i: int) -> None:
+        """Request ``i`` reaches the hand-off at ``t``: routed once, queued at its decoder;
+        an idle decoder wakes at this instant."""
+        k, policy, requests = self.k, self.policy, self.requests
+        counts = self.shown.get(i, requests[i].counts)
+        d = policy.choose(HandOff(counts=counts, domain=requests[i].domain),
+                          tuple(self.in_flight.tolist()))
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d < k:
+            raise ValueError(f"policy {policy.name!r} chose decoder {d!r} for request {i}, "
+                             f"outside [0, {k})")
+        d = int(d)
+        self.chosen[i] = d
+        self.in_flight[d] += 1
+        self.waiting[d].append(i)
+        if self.running[d] is None:             # idle: wake at this instant
+            self.running[d] = (self.empty, self.empty, self.empty)
+            self.events.push(t, d, d)
+
+    def boundary(self, t: float, d: int) -> None:
+        """Decoder ``d``'s step boundary at ``t``: finished requests leave, waiting ones
+        join (FIFO) up to the batch limit, and the next step starts (or ``d`` goes idle)."""
+        rows, position, left = self.running[d]
+        if rows.size:                           # the step that just ended
+            position, left = position + 1, left - 1
+            done = left == 0
+            if done.any():
+                self.finish[rows[done]] = t
+                self.in_flight[d] -= int(np.count_nonzero(done))
+                keep = ~done
+                rows, position, left = rows[keep], position[keep], left[keep]
+        room = self.max_batch - rows.size
+        joining = self.empty
+        if room > 0 and self.waiting[d]:
+            queue = self.waiting[d]
+            joining = np.array([queue.popleft() for _ in range(min(room, len(queue)))], np.int64)
+            rows = np.concatenate([rows, joining])
+            position = np.concatenate([position, self.offsets[joining]])
+            left = np.concatenate([left, self.decode[joining]])
+        if not rows.size:
+            self.running[d] = None
+            return
+        num_layers, num_experts = self.num_layers, self.num_experts
+        mask = np.zeros(num_layers * num_experts, bool)
+        mask[self.cells[position].reshape(-1)] = True
+        seconds = self.cost.seconds(int(np.count_nonzero(mask)), rows.size, num_layers)
+        end = t + seconds
+        self.first_token[joining] = end
+        self.records.append((d, t, end, seconds, rows,
+                             np.add.reduce(mask.reshape(num_layers, num_experts), axis=1)))
+        self.running[d] = (rows, position, left)
+        self.events.push(end, d, d)
+
+
 def simulate(requests: Sequence[SimRequest],
              arrival_times: Float[np.ndarray, "R"] | Sequence[float],
              policy: Policy, *, num_decoders: int, cost: CostModel, max_batch_size: int,
@@ -419,81 +529,11 @@ def simulate(requests: Sequence[SimRequest],
                          f"num_decoders is {k}")
     shown = _check_signatures(signatures_of, n, (num_layers, num_experts))
 
-    # Every decode token's expert ids as flat (layer, expert) cells, [tokens, L·k], in
-    # request order: a step's union is one scatter into a boolean [L·E] mask.
-    decode = np.array([req.decode_tokens for req in requests], np.int64)
-    offsets = np.concatenate([[0], np.cumsum(decode)[:-1]])
-    ids = np.concatenate([req.decode_experts for req in requests], axis=1)   # [L, N, k]
-    cells = (ids.transpose(1, 0, 2).astype(np.int64)
-             + (np.arange(num_layers, dtype=np.int64) * num_experts)[None, :, None])
-    cells = cells.reshape(cells.shape[0], -1)
-
-    chosen = np.full(n, -1, np.int64)
-    first_token = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
-    in_flight = np.zeros(k, np.int64)
-    waiting = [collections.deque() for _ in range(k)]
-    # Per decoder, its running requests, the row in ``cells`` of each one's next decode
-    # token and its decode tokens left; None while idle (no step, no wake-up due).
-    running: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * k
-    empty = np.zeros(0, np.int64)
-    records: list[tuple] = []                   # per step: d, start, end, seconds, rows, active
-    heap: list[tuple[float, int]] = []          # (time of the decoder's next boundary, d)
-
-    def arrive(i: int) -> None:
-        counts = shown.get(i, requests[i].counts)
-        d = policy.choose(HandOff(counts=counts, domain=requests[i].domain),
-                          tuple(in_flight.tolist()))
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d < k:
-            raise ValueError(f"policy {policy.name!r} chose decoder {d!r} for request {i}, "
-                             f"outside [0, {k})")
-        d = int(d)
-        chosen[i] = d
-        in_flight[d] += 1
-        waiting[d].append(i)
-        if running[d] is None:                  # idle: wake at this instant
-            running[d] = (empty, empty, empty)
-            heapq.heappush(heap, (float(arrivals[i]), d))
-
-    def boundary(t: float, d: int) -> None:
-        rows, position, left = running[d]
-        if rows.size:                           # the step that just ended
-            position, left = position + 1, left - 1
-            done = left == 0
-            if done.any():
-                finish[rows[done]] = t
-                in_flight[d] -= int(np.count_nonzero(done))
-                keep = ~done
-                rows, position, left = rows[keep], position[keep], left[keep]
-        room = max_batch - rows.size
-        joining = empty
-        if room > 0 and waiting[d]:
-            queue = waiting[d]
-            joining = np.array([queue.popleft() for _ in range(min(room, len(queue)))], np.int64)
-            rows = np.concatenate([rows, joining])
-            position = np.concatenate([position, offsets[joining]])
-            left = np.concatenate([left, decode[joining]])
-        if not rows.size:
-            running[d] = None
-            return
-        mask = np.zeros(num_layers * num_experts, bool)
-        mask[cells[position].reshape(-1)] = True
-        seconds = cost.seconds(int(np.count_nonzero(mask)), rows.size, num_layers)
-        end = t + seconds
-        first_token[joining] = end
-        records.append((d, t, end, seconds, rows,
-                        np.add.reduce(mask.reshape(num_layers, num_experts), axis=1)))
-        running[d] = (rows, position, left)
-        heapq.heappush(heap, (end, d))
-
-    nxt = 0
-    while nxt < n or heap:
-        if nxt < n and (not heap or arrivals[nxt] <= heap[0][0]):
-            arrive(nxt)
-            nxt += 1
-        else:
-            t, d = heapq.heappop(heap)
-            boundary(t, d)
+    replay = _Replay(requests, arrivals, policy, num_decoders=k, cost=cost,
+                     max_batch_size=max_batch, shown=shown)
+    replay.run()
+    decode, records = replay.decode, replay.records
+    chosen, first_token, finish = replay.chosen, replay.first_token, replay.finish
 
     columns = list(zip(*records))
     step_decoder = np.array(columns[0], np.int64)
