@@ -61,7 +61,7 @@ positive_seconds = positive_number("seconds")   # argparse type: seconds > 0
 
 def add_remote_options(p: argparse.ArgumentParser) -> None:
     """The options of ``moejax score --target`` (connection options included)."""
-    from serving.cli_options import positive_int
+    from serving.cli.options import positive_int
     from serving.grpc.cli_options import add_connection_options
 
     p.add_argument("--target", default=None,

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moejax import configure_xla  # noqa: E402
-from serving.distributed_cli import (add_distributed_options, distributed_options,  # noqa: E402
+from serving.cli.distributed import (add_distributed_options, distributed_options,  # noqa: E402
                                      host_devices_per_process)
 
 SCORE_REQUESTS = [{"id": i, "prompt": "def add(a, b):\n    return a + b\n" * (1 + i % 3)

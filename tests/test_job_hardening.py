@@ -422,7 +422,7 @@ def test_chatter_is_dropped_by_whole_lines_only(pieces, shown):
 def test_native_stdout_goes_to_stderr_in_a_multi_process_run():
     """gloo prints its connection lines on the process's stdout (file descriptor 1): in a
     multi-process ``moejax score IN > OUT`` they landed among the results."""
-    code = ("import os; from serving.distributed_cli import native_stdout_to_stderr; "
+    code = ("import os; from serving.cli.distributed import native_stdout_to_stderr; "
             "native_stdout_to_stderr(); os.write(1, b'[Gloo] Rank 0 is connected\\n'); "
             "print('{\"id\": 1}')")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),

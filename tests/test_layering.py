@@ -168,7 +168,7 @@ def test_cli_configures_xla_for_its_devices_before_running(monkeypatch):
 # ----------------------------------------------------------------------------- compilation cache
 def test_commands_turn_the_compilation_cache_on(tmp_path):
     from serving import cli
-    from serving.cli_options import command_compilation_cache, scorer_options
+    from serving.cli.options import command_compilation_cache, scorer_options
 
     assert command_compilation_cache(None) == "auto"
     args = cli.build_parser().parse_args(["score", "-"])

@@ -174,7 +174,7 @@ def test_single_process_helpers_are_identities():
 
 def test_devices_must_split_over_processes():
     from serving.cli import build_parser
-    from serving.distributed_cli import host_devices_per_process
+    from serving.cli.distributed import host_devices_per_process
 
     args = build_parser().parse_args(["score", "x.jsonl", "--devices", "6",
                                       "--num-processes", "4"])

@@ -143,7 +143,7 @@ def test_the_calibration_example_is_what_trace_reads(tmp_path):
     from serving.generate import parse_generation_request
     from serving.jsonl import open_jsonl
     from serving.requests import TokenizerAdapter
-    from serving.trace_cli import prepare_line
+    from serving.cli.trace import prepare_line
 
     model_dir, _ = model_dirs.resolve_model_dir("demo-e32")
     cfg = checkpoint.load_model_config(model_dir)
@@ -192,7 +192,7 @@ def test_decoders_sets_the_cpu_host_devices(tmp_path):
 def test_host_devices_cover_the_decoders_the_devices_and_the_engines():
     import argparse
 
-    from serving.distributed_cli import host_devices_per_process
+    from serving.cli.distributed import host_devices_per_process
 
     def count(**flags):
         return host_devices_per_process(argparse.Namespace(**flags))

@@ -55,7 +55,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from serving.cli_options import (add_model_options, command_compilation_cache, positive_int,
+from serving.cli.options import (add_model_options, command_compilation_cache, positive_int,
                                  scorer_options)
 # The client commands call ``connect`` by this module's name (tests replace it here).
 from serving.grpc.cli_options import add_connection_options, add_listener_options, connect, token_of

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from serving.cli_options import add_model_options, command_compilation_cache, positive_int
+from serving.cli.options import add_model_options, command_compilation_cache, positive_int
 from serving.exit_status import ERRORS_STATUS
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 
@@ -39,7 +39,7 @@ EXIT_CODES = f"""exit codes:
 
 def add_generate_command(sub: Any) -> argparse.ArgumentParser:
     """Register ``generate`` on the ``moejax`` subparsers ``sub``, with the shared
-    --model / --dtype / --expert-impl ... block (:func:`serving.cli_options.add_model_options`)."""
+    --model / --dtype / --expert-impl ... block (:func:`serving.cli.options.add_model_options`)."""
     p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
                        description=__doc__.split("\n\n")[1],
                        epilog="Of the model options, generate uses --model, --dtype, --backend\n"

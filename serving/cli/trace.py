@@ -25,8 +25,8 @@ import sys
 import time
 from typing import Any
 
-from serving.cli_options import add_model_options, command_compilation_cache, positive_int
-from serving.generate_cli import SCORING_ONLY
+from serving.cli.options import add_model_options, command_compilation_cache, positive_int
+from serving.cli.generate import SCORING_ONLY
 
 # trace runs the default (resident) decode runtime: the backend flags are refused too.
 REFUSED = SCORING_ONLY + ("backend", "devices")
@@ -38,7 +38,7 @@ _DOMAIN = "domain"
 
 def add_trace_command(sub: Any) -> argparse.ArgumentParser:
     """Register ``trace`` on the ``moejax`` subparsers ``sub``, with the shared --model /
-    --dtype / --expert-impl ... block (:func:`serving.cli_options.add_model_options`)."""
+    --dtype / --expert-impl ... block (:func:`serving.cli.options.add_model_options`)."""
     p = sub.add_parser("trace", help="generate for a JSONL file of requests and write an "
                                      "expert trace (.npz)",
                        description=__doc__.split("\n\n")[1],

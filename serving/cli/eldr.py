@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from serving.cli_options import positive_int
+from serving.cli.options import positive_int
 
 
 def layer_list(text: str) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ As an entry point, :func:`main` sets what a library leaves to its user: the XLA 
 (``moejax.configure_xla``, before JAX starts) and JAX's persistent compilation cache
 (``"auto"`` unless configs/scoring.yaml or the deployment names one). This module is the
 dispatcher: it registers the subcommands of the other ``*_cli`` modules, which take their
-shared options from :mod:`serving.cli_options` (never from here: no import cycle).
+shared options from :mod:`serving.cli.options` (never from here: no import cycle).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from typing import Any, Sequence
 
 from moejax import configure_xla
 from moejax.distributed import JoinError
-from serving.cli_options import add_model_options, positive_int, scorer_options
+from serving.cli.options import add_model_options, positive_int, scorer_options
 from serving.exit_status import BROKEN_PIPE_STATUS, ERRORS_STATUS, FAILED_STATUS
-from serving.distributed_cli import (exit_now, host_devices_per_process,
+from serving.cli.distributed import (exit_now, host_devices_per_process,
                                      join as join_processes, quiet_unless_output_process)
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 from serving.multi_process import CollectiveFailure, collective_failure, is_collective_failure
@@ -217,10 +217,10 @@ class CommandParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``moejax`` argument parser with every subcommand."""
-    from serving.generate_cli import add_generate_command
-    from serving.trace_cli import add_trace_command
-    from serving.eldr_cli import add_parser as add_eldr_fit_command
-    from serving.prefetch_cli import add_parser as add_prefetch_calibrate_command
+    from serving.cli.generate import add_generate_command
+    from serving.cli.trace import add_trace_command
+    from serving.cli.eldr import add_parser as add_eldr_fit_command
+    from serving.cli.prefetch import add_parser as add_prefetch_calibrate_command
     from serving.grpc.cli import add_commands as add_grpc_commands
     from serving.launch import add_launch_command
     from serving.remote_score import add_remote_options
@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     multi_process = False
     try:
         # Before anything starts JAX's backends, which read XLA_FLAGS once; then join the
-        # other processes of a multi-process run (serving.distributed_cli).
+        # other processes of a multi-process run (serving.cli.distributed).
         configure_xla(host_devices=host_devices_per_process(args))
         multi_process = join_processes(args)
         if multi_process:
@@ -350,6 +350,3 @@ def _silence_stdout() -> None:
     except (AttributeError, OSError, ValueError):   # a stdout without a descriptor (tests)
         pass
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Command-line options shared by the ``moejax`` subcommands.
 
 The dispatcher (:mod:`serving.cli`) and the modules that define subcommands
-(``serving.generate_cli``, ``serving.trace_cli``, ``serving.eldr_cli``,
+(``serving.cli.generate``, ``serving.cli.trace``, ``serving.cli.eldr``,
 ``serving.remote_score``, ``serving.grpc.cli``, ...) all take these: argparse types, the
 model option block of ``score`` / ``info`` / ``serve`` (and, in part, ``generate`` and
 ``trace``), and the Scorer keywords those options mean. They live here, apart from the
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Collection
 
-from serving.distributed_cli import add_distributed_options
+from serving.cli.distributed import add_distributed_options
 
 # The commands keep a restarted job's compiled shapes (a library Scorer leaves the
 # process-wide cache alone unless asked).

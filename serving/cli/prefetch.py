@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from serving.eldr_cli import non_negative_int
+from serving.cli.eldr import non_negative_int
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
