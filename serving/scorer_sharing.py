@@ -2,8 +2,10 @@
 :class:`serving.Scorer` it is built beside, so that a server scoring and generating on
 one device holds one copy of each:
 
-* **the weights**: the resident placement (:class:`moejax.backends.resident.ResidentPlacement`)
-  the Scorer's first engine runs on becomes the decode runner's, when both are resident;
+* **the weights**: the placement the Scorer's first engine runs on becomes the decode
+  runner's, when both use the same backend: resident
+  (:class:`moejax.backends.resident.ResidentPlacement`) or sync_ep over the same devices
+  (:class:`moejax.backends.sync_ep.SyncEPPlacement`);
 * **the KV pool**: the Scorer's first engine's :class:`moejax.kv.KVStore` (pool and block
   allocator) becomes the continuous scheduler's, when generation runs on one rank of the
   same device. Prompt blocks either side computed are then found by the other under
@@ -24,6 +26,7 @@ import jax
 import numpy as np
 
 from moejax.backends.resident import ResidentPlacement
+from moejax.backends.sync_ep import SyncEPPlacement
 from moejax.kv import KVStore
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ class ScorerSharing:
     """The shared placement and KV store (None where not shared) and, for each part not
     shared, why."""
 
-    placement: ResidentPlacement | None = None
+    placement: ResidentPlacement | SyncEPPlacement | None = None
     kv_store: KVStore | None = None
     why_not: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -57,11 +60,9 @@ def plan_sharing(scorer: Any, config: Any, dtype: Any, options: Any) -> ScorerSh
     if common:
         why_not = {part: common for part in PARTS}
     else:
-        if not isinstance(placement, ResidentPlacement):
-            why_not["weights"] = (f"the Scorer's weights are placed by backend "
-                                  f"{engine.backend.name!r}, not resident")
-        elif options.backend != "resident" or options.prefetch not in (None, "none"):
-            why_not["weights"] = "this Generator does not decode on the resident backend"
+        weights = _weights_blocker(placement, engine.backend.name, options)
+        if weights:
+            why_not["weights"] = weights
         kv = _kv_blocker(engine, options)
         if kv:
             why_not["kv_pool"] = kv
@@ -86,6 +87,26 @@ def _common_blocker(engine: Any, dtype: Any, options: Any) -> str | None:
     if engine.device != jax.devices()[0]:
         return "the Scorer's first engine is not on this Generator's device"
     return None
+
+
+def _weights_blocker(placement: Any, backend: str, options: Any) -> str | None:
+    """Why the Scorer's weight placement cannot be the decode runner's, or None: the same
+    backend's placement (resident; sync_ep on as many devices, with the layout the
+    Scorer's options built)."""
+    if isinstance(placement, ResidentPlacement):
+        if options.backend != "resident" or options.prefetch not in (None, "none"):
+            return "this Generator does not decode on the resident backend"
+        return None
+    if isinstance(placement, SyncEPPlacement):
+        if options.backend != "sync_ep" or options.devices != len(placement.devices):
+            return (f"this Generator does not decode on backend sync_ep over the Scorer's "
+                    f"{len(placement.devices)} devices")
+        own = dict(options.backend_options or {})
+        if own.get("replicas") is not None or own.get("expert_load") is not None:
+            return "this Generator sets its own expert layout (replicas / expert_load)"
+        return None
+    return (f"backend {backend!r} places the Scorer's weights for scoring only (offload, "
+            f"async_ep, hybrid and tp have no decode runner on their placement)")
 
 
 def _kv_blocker(engine: Any, options: Any) -> str | None:

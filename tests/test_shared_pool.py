@@ -185,7 +185,7 @@ def test_what_cannot_be_shared_is_kept_apart_and_said(pair, caplog):
 def test_a_failed_generation_step_resets_the_shared_store(pair, reference, monkeypatch):
     """The pool went into the failed step: the store starts afresh and scoring, which
     plans each run on the current pool, still answers correctly."""
-    scorer, shared, _, system = pair
+    scorer, shared, plain, system = pair
     scheduler = shared.scheduler
     epoch = scheduler.store.epoch
 
@@ -193,15 +193,36 @@ def test_a_failed_generation_step_resets_the_shared_store(pair, reference, monke
         raise RuntimeError("injected step failure")
 
     monkeypatch.setattr(scheduler.runner, "run", fail)
-    scheduler.submit(SequenceSpec(prompt=tuple(system[:20]), max_new_tokens=2))
     with pytest.raises(RuntimeError, match="injected"):
-        scheduler.step()
+        shared.generate([_request(system[:20], new=2)])
     monkeypatch.undo()
-    scheduler.drain()
+    assert not scheduler.busy                  # the call's sequences were dropped cleanly
     assert scheduler.store.epoch == epoch + 1
     assert scheduler.store.allocators[0].num_named == 0
+    request = _request(system[:20], new=2)
+    assert shared.generate([request])[0].token_ids == plain.generate([request])[0].token_ids
     request = {"prompt_token_ids": system, "candidate_token_ids": [[5]]}
     [got] = scorer.score([request])
     [want] = reference.score([request])
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
 
+
+
+def test_a_sync_ep_server_holds_one_placement(pair):
+    """sync_ep scoring and sync_ep decode over the same devices run on one
+    SyncEPPlacement (dense weights replicated, expert slots per device); the tokens are
+    resident decode's. A Generator asking for its own expert layout keeps its own."""
+    _, _, plain, system = pair
+    scorer = Scorer("demo", backend="sync_ep", devices=2, **OPTS)
+    gen = Generator("demo", share_with=scorer, backend="sync_ep", devices=2, **OPTS)
+    assert gen.shared_with_scorer["weights"] == "shared"
+    assert "keeps no KV pool" in gen.shared_with_scorer["kv_pool"]
+    runner, backend = gen.scheduler.runner, scorer.engine.backend
+    assert runner.placement is backend.placement
+    assert runner.expert_slots is backend.expert_slots and runner.layout is backend.layout
+    request = _request(system[:18], new=4)
+    assert gen.generate([request])[0].token_ids == plain.generate([request])[0].token_ids
+    own = Generator("demo", share_with=scorer, backend="sync_ep", devices=2,
+                    backend_options={"replicas": 1.5}, **OPTS)
+    assert "own expert layout" in own.shared_with_scorer["weights"]
+    assert own.scheduler.runner.placement is not backend.placement

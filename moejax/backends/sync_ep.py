@@ -458,6 +458,54 @@ def build_layout(num_experts: int, num_devices: int, replicas: float | None,
     return layout_from_placement(placement)
 
 
+def check_placement(name: str, cfg: ModelConfig, placement: "SyncEPPlacement",
+                    replicas: float | None, expert_load: Any) -> None:
+    """BackendError unless ``placement`` can serve ``cfg`` as given (the layout comes with
+    the placement: options that would build another one are refused)."""
+    if placement.cfg != cfg:
+        raise BackendError(f"backend {name!r}: the placement holds another model "
+                           f"configuration's weights")
+    if replicas is not None or expert_load is not None:
+        raise BackendError(f"backend {name!r}: replicas and expert_load set the expert "
+                           f"layout, which an existing placement already has")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SyncEPPlacement:
+    """The weights of ``sync_ep`` on the mesh ``('dp',)`` of ``devices``: the dense weights
+    replicated, the experts as each device's slots [G, L, S_e, ...] where ``layout`` puts
+    them (replicas placed by EPLB when asked). Built once (:meth:`place`); the sync_ep
+    scoring backend and decode runner (``moejax.decode.sync_ep``) both run on it, so a
+    server that scores and generates on one mesh holds one copy."""
+
+    cfg: ModelConfig
+    dtype: Any
+    devices: tuple[jax.Device, ...]
+    layout: ExpertLayout
+    mesh: Mesh
+    dense_params: Params
+    expert_slots: dict[str, jax.Array]
+    dense_bytes: int
+    expert_bytes_per_layer: int
+    replicated: bool     # the layout places replicas (a replica router picks among them)
+
+    @classmethod
+    def place(cls, cfg: ModelConfig, params: Params, dtype: Any,
+              devices: Sequence[jax.Device], layout: ExpertLayout, *,
+              replicated: bool = False) -> "SyncEPPlacement":
+        """``params`` validated, cast to ``dtype`` and placed on ``devices`` by ``layout``
+        (``replicated``: built with replicas)."""
+        dtype = jnp.dtype(dtype)
+        host = validated(params, cfg, dtype)
+        dense_layers, experts = split_experts(host["layers"])
+        mesh = Mesh(np.array(devices), (AXIS,))
+        dense = jax.device_put({**{k: v for k, v in host.items() if k != "layers"},
+                                "layers": dense_layers}, NamedSharding(mesh, P()))
+        slots = jax.device_put(slot_weights(experts, layout), NamedSharding(mesh, P(AXIS)))
+        return cls(cfg, dtype, tuple(devices), layout, mesh, dense, slots,
+                   dense_bytes(host), expert_bytes_per_layer(host), replicated)
+
+
 class SyncEPBackend(MeshBackend):
     """DP attention + expert parallelism with two all-to-alls per MoE layer (module docstring).
 
@@ -474,10 +522,13 @@ class SyncEPBackend(MeshBackend):
 
     name = "sync_ep"
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
-                 devices: int = 1, capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *,
+                 dtype: Any = jnp.float32, devices: int = 1,
+                 capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
                  replicas: float | None = None, router: str = "eplb_even",
-                 expert_load: Any = None):
+                 expert_load: Any = None, placement: SyncEPPlacement | None = None):
+        if placement is not None:
+            dtype = placement.dtype
         super().__init__(cfg, dtype=dtype)
         if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) \
                 or not math.isfinite(capacity_factor) or capacity_factor <= 0:
@@ -486,26 +537,30 @@ class SyncEPBackend(MeshBackend):
         if router not in ROUTERS:
             raise BackendError(f"backend 'sync_ep': unknown router {router!r}; choose one of "
                                f"{ROUTERS}")
-        self._devices = require_devices(self.name, devices)
+        if placement is None:
+            self._devices = require_devices(self.name, devices)
+            placement = SyncEPPlacement.place(
+                cfg, params, dtype, self._devices,
+                build_layout(cfg.num_experts, len(self._devices), replicas, expert_load),
+                replicated=replicas is not None)
+        else:
+            check_placement(self.name, cfg, placement, replicas, expert_load)
+            self._devices = placement.devices
         num_devices = len(self._devices)
         self.capacity_factor = float(capacity_factor)
         self.replicas = replicas
-        self.router = router if replicas is not None else HOME
-        self.layout = build_layout(cfg.num_experts, num_devices, replicas, expert_load)
+        self.router = router if placement.replicated else HOME
+        self.placement = placement
+        self.layout = placement.layout
         self._ctx = DispatchContext(layout=self.layout, router=self.router,
                                     num_devices=num_devices)
-        self.mesh = Mesh(np.array(self._devices), (AXIS,))
+        self.mesh = placement.mesh
         self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
-
-        host = validated(params, cfg, self.dtype)
-        dense_layers, experts = split_experts(host["layers"])
-        self.params = jax.device_put({**{k: v for k, v in host.items() if k != "layers"},
-                                      "layers": dense_layers}, NamedSharding(self.mesh, P()))
-        self.expert_slots = jax.device_put(slot_weights(experts, self.layout),
-                                           self._batch_sharding)
-        per_layer = expert_bytes_per_layer(host)
+        self.params = placement.dense_params
+        self.expert_slots = placement.expert_slots
+        per_layer = placement.expert_bytes_per_layer
         local = self.layout.slots * (per_layer // cfg.num_experts) * cfg.num_layers
-        self._memory = MemoryReport(dense_weight_bytes=dense_bytes(host),
+        self._memory = MemoryReport(dense_weight_bytes=placement.dense_bytes,
                                     expert_weight_bytes=local,
                                     expert_bytes_all_layers=per_layer * cfg.num_layers,
                                     detail={"experts_local": local})

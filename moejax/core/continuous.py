@@ -286,7 +286,9 @@ class Scheduler:
                 return EngineCore(self, self.paged).step()
             except BaseException:
                 self.store.reset()
-                self._epoch = self.store.epoch
+                # What this scheduler held went with the pool: nothing is released into
+                # the fresh allocators, and a caller that goes on stepping recomputes.
+                self._recompute_after_reset()
                 raise
 
     def _recompute_after_reset(self) -> None:

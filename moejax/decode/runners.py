@@ -16,8 +16,9 @@ keys/values into the pool (donated: in place). Runners by backend name:
 :func:`moejax.decode.factory.make_runner` builds the runner of a backend name.
 
 A layerwise step calls ``layer_hook(layer, routing)`` (when set) between a layer's
-router and its experts: it may return a routing to use instead (the prefetch and
-μ-queue runtimes hook in here). The traced routing is always the router's own.
+router and its experts: it may return a routing to use instead (a seam for research
+code and tests; the prefetching runner overrides ``layerwise`` instead, and the μ-queue
+runtime has its own loop). The traced routing is always the router's own.
 """
 
 from __future__ import annotations

@@ -46,10 +46,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax import model, moe, sampling
-from moejax.backends.base import BackendError, require_devices, validated
+from moejax.backends.base import BackendError, require_devices
 from moejax.backends.sync_ep import (AXIS, HOME, ROUTERS, STAT_ACTIVATED, STAT_OVERFLOW,
                                      STAT_PEAK, STAT_TOKENS, AllToAllTokens, DispatchContext,
-                                     EPStepStats, ExpertLayout, build_layout, slot_weights)
+                                     EPStepStats, ExpertLayout, SyncEPPlacement, build_layout,
+                                     check_placement)
 from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.kv import KVPool, empty_pool, write_rows
@@ -57,7 +58,7 @@ from moejax.decode.programs import PagedBatch, StepOptions, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.distributed import fetch_global
 from moejax.dispatch import MoEDispatcher, StackedExperts
-from moejax.param_layout import Params, split_experts
+from moejax.param_layout import Params
 
 log = logging.getLogger(__name__)
 
@@ -150,21 +151,35 @@ class SyncEPRunner(DecodeRunner):
     name = "sync_ep"
     steps = ("fused",)
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any, opts: StepOptions,
-                 devices: int = 1, replicas: float | None = None, router: str = "eplb_even",
-                 expert_load: Any = None, **options: Any):
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, dtype: Any,
+                 opts: StepOptions, devices: int = 1, replicas: float | None = None,
+                 router: str = "eplb_even", expert_load: Any = None,
+                 placement: SyncEPPlacement | None = None, **options: Any):
+        if placement is not None:
+            dtype = placement.dtype
         super().__init__(cfg, dtype=dtype, opts=opts)
         check_options(options)
-        self._devices = require_devices(self.name, devices)
-        self.ctx = dispatch_context(cfg, len(self._devices), replicas, router, expert_load)
-        self.mesh = Mesh(np.array(self._devices), (AXIS,))
+        if placement is None:
+            self.ctx = dispatch_context(cfg, devices, replicas, router, expert_load)
+            placement = SyncEPPlacement.place(cfg, params, self.dtype,
+                                              require_devices(self.name, devices),
+                                              self.ctx.layout, replicated=replicas is not None)
+        else:
+            check_placement(self.name, cfg, placement, replicas, expert_load)
+            if router not in ROUTERS:
+                raise BackendError(f"backend 'sync_ep': unknown router {router!r}; choose "
+                                   f"one of {ROUTERS}")
+            self.ctx = DispatchContext(layout=placement.layout,
+                                       router=router if placement.replicated else HOME,
+                                       num_devices=len(placement.devices))
+        # The one placement of sync_ep's weights (moejax.backends.sync_ep.SyncEPPlacement).
+        self.placement = placement
+        self._devices = placement.devices
+        self.mesh = placement.mesh
         self._ranks = NamedSharding(self.mesh, P(AXIS))
         self._pool = NamedSharding(self.mesh, P(None, AXIS))
-        host = validated(params, cfg, self.dtype)
-        dense_layers, experts = split_experts(host["layers"])
-        self.dense_params = jax.device_put({**host, "layers": dense_layers},
-                                           NamedSharding(self.mesh, P()))
-        self.expert_slots = jax.device_put(slot_weights(experts, self.layout), self._ranks)
+        self.dense_params = placement.dense_params
+        self.expert_slots = placement.expert_slots
         self._step = make_step(self.mesh, cfg, opts, self.ctx)
         self._write = make_write(self.mesh)
         self.overflow_steps = 0

@@ -1,7 +1,8 @@
 """Copying KV blocks from one pool to another, on any devices: a gather of the source
 blocks' slots, then one scatter into the destination pool (donated). Used where a
-sequence's prompt blocks change pools: generation reading a Scorer's cached blocks, and a
-prefill engine handing a prompt to a decoder.
+sequence's prompt blocks change pools: a prefill engine handing a prompt to a decoder on
+another device (``moejax.core.decoders``). Scoring and generation on one device share one
+pool (``moejax.kv.store``) and copy nothing.
 """
 
 from __future__ import annotations
