@@ -45,34 +45,23 @@ programs as untraced runs, so tracing never changes the tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Iterator
 from typing import Any, Mapping, Sequence
 
-import jax
-
 from moejax import checkpoint
-from moejax.backends.base import BackendError, require_devices
-from moejax.core.continuous import Scheduler, SchedulerOptions, SequenceTooLong
-from moejax.core.decoders import DecoderPool
-from moejax.decode.factory import make_runner
-from moejax.decode.programs import StepOptions
+from moejax.core.continuous import SequenceTooLong
 from moejax.distributed import DistributedOptions, join as join_processes
-from moejax.eldr import fitfile
-from moejax.eldr.policies import DEFAULT_TAU, Policy, make_policy
-from moejax.prefix_hash import BLOCK_SIZE
 from moejax.sequences import SequenceOutput, SequenceSpec
-from moejax.static.decode import DecodeEngine
 from serving.api import resolve_model_dir
 from serving.compilation_cache import enable_compilation_cache
 from serving.generation_loop import CallGuard, GeneratorLoop, SubmittedRequest
-from serving.generation_options import (DEFAULT_KV_CACHE_MIB, GeneratorOptions,
-                                        check_decode_processes, make_options)
+from serving.generation_options import GeneratorOptions, check_decode_processes, make_options
 from serving.generation_requests import (GenerationEvent, GenerationRequest,
                                          GenerationResult, as_generation_request,
                                          model_eos_ids, parse_generation_request)
+from serving.generation_runtime import build_runtime
 from serving.requests import RequestError, TokenizerAdapter, request_id_of, request_label
 from serving.scorer_sharing import plan_sharing
 
@@ -127,30 +116,13 @@ class Generator:
         self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
         opts = self.options
         check_decode_processes(opts)
-        self.engine: DecodeEngine | None = None
-        self.scheduler: Scheduler | DecoderPool | None = None
-        self.mu_queue: Any = None
-        if opts.runtime == "mu_queue":
-            from moejax.asyncmoe.runtime import MuQueueRuntime
-
-            self.mu_queue = MuQueueRuntime(
-                self.config, params, require_devices("mu_queue", opts.devices),
-                scheduler=opts.scheduler or "defrag", dtype=dtype,
-                blocks_per_rank=opts.kv_cache_blocks)
-        elif opts.batching == "static":
-            self.engine = DecodeEngine(params, self.config, expert_impl=opts.expert_impl,
-                                       tile_rows=opts.tile_rows,
-                                       max_batch_size=opts.max_batch_size)
-        elif opts.decoders == 1:
-            runner = self._runner(params, dtype, devices=opts.devices)
-            store = None if self.sharing is None else self.sharing.kv_store
-            self.scheduler = Scheduler(
-                runner, self.kv_cache_blocks(runner) if store is None else store.num_blocks,
-                self._scheduler_options(), store=store)
-        else:
-            self.scheduler = self._decoder_pool(params, dtype)
-        if self.scheduler is not None and opts.precompile:
-            self.scheduler.precompile()
+        # The runtime the options name (serving.generation_runtime): the static batcher
+        # (``engine``), a continuous scheduler or a prefill/decode split (``scheduler``),
+        # or the μ-queue runtime (``mu_queue``); exactly one is set.
+        runtime = build_runtime(self.config, params, dtype, opts, self.sharing)
+        self.runtime_name = runtime.name
+        self.engine, self.scheduler, self.mu_queue = (runtime.engine, runtime.scheduler,
+                                                      runtime.mu_queue)
         self.call_guard = CallGuard()
         del params  # the engine or runner holds the device copy
 
@@ -159,79 +131,6 @@ class Generator:
         """With ``share_with``: ``weights`` and ``kv_pool``, each ``"shared"`` or why not;
         None without."""
         return None if self.sharing is None else self.sharing.describe()
-
-    def _runner(self, params: Any, dtype: Any, **placement: Any) -> Any:
-        opts = self.options
-        if self.sharing is not None and self.sharing.placement is not None:
-            params, placement["placement"] = None, self.sharing.placement
-        return make_runner(opts.backend, self.config, params, dtype=dtype,
-                           opts=StepOptions(expert_impl=opts.expert_impl,
-                                            tile_rows=opts.tile_rows,
-                                            router_inputs=opts.trace_router_inputs),
-                           **placement, **dict(opts.backend_options or {}),
-                           **opts.prefetch_options())
-
-    def _scheduler_options(self, **changes: Any) -> SchedulerOptions:
-        opts = self.options
-        return dataclasses.replace(SchedulerOptions(
-            max_batch_size=opts.max_batch_size, max_prefill_tokens=opts.max_prefill_tokens,
-            prefill_row_tokens=opts.prefill_row_tokens, step=opts.resolved_step(),
-            trace=opts.trace_experts), **changes)
-
-    def _decoder_pool(self, params: Any, dtype: Any) -> DecoderPool:
-        """A prefill engine on device 0 and ``decoders`` decoders, decoder i on device i,
-        behind the routing policy (:class:`GeneratorOptions`)."""
-        opts, count = self.options, self.options.decoders
-        devices = jax.devices()
-        if count > len(devices):
-            hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
-                    "JAX starts)" if devices[0].platform == "cpu" else "")
-            raise BackendError(f"decoders={count} needs one device per decoder, but only "
-                               f"{len(devices)} {devices[0].platform} device(s) exist{hint}")
-        routing = opts.resolved_routing()
-        if isinstance(routing, Policy):
-            policy = routing
-        else:
-            fit = None
-            if routing == "eldr":
-                fit = fitfile.load(opts.eldr_fit)
-                fit.check_model(self.config, fitfile.model_fingerprint(
-                    self.config, params["layers"]["router"]), count,
-                    where=f"eldr_fit {os.fspath(opts.eldr_fit)!r}")
-            policy = make_policy(routing, count, fit=fit,
-                                 tau=DEFAULT_TAU if opts.eldr_tau is None else opts.eldr_tau,
-                                 seed=opts.routing_seed)
-        prefill_runner = self._runner(params, dtype, device=devices[0])
-        # One decoder's pool size: the prefill engine holds prompts only, each until its
-        # decoder adopts it (when it runs short, prefill waits for adoptions to free blocks).
-        prefill = Scheduler(prefill_runner, self.kv_cache_blocks(prefill_runner),
-                            self._scheduler_options(
-                                max_batch_size=count * opts.max_batch_size, handoff=True,
-                                expert_counts=policy.reads_counts))
-        decoders = []
-        for index in range(count):
-            # Decoder 0 shares the prefill engine's device and (resident) its placement.
-            shared = getattr(prefill_runner, "placement", None) if index == 0 else None
-            runner = (self._runner(None, dtype, placement=shared) if shared is not None
-                      else self._runner(params, dtype, device=devices[index]))
-            decoders.append(Scheduler(runner, self.kv_cache_blocks(runner),
-                                      self._scheduler_options(record_steps=True)))
-        return DecoderPool(prefill, decoders, policy)
-
-    def kv_cache_blocks(self, runner: Any) -> int:
-        """The paged pool's blocks per rank (:class:`GeneratorOptions`)."""
-        opts, block = self.options, runner.block_bytes()
-        if opts.kv_cache_blocks is not None:
-            return opts.kv_cache_blocks
-        if opts.kv_cache_mib is not None:
-            blocks = int(opts.kv_cache_mib * 2**20 // block)
-            if blocks < 1:
-                raise ValueError(f"kv_cache_mib={opts.kv_cache_mib} holds no KV block "
-                                 f"({block} bytes each)")
-            return blocks
-        per_rank = -(-opts.max_batch_size // runner.num_ranks)
-        full = per_rank * -(-self.config.max_context // BLOCK_SIZE)
-        return max(1, min(full, DEFAULT_KV_CACHE_MIB * 2**20 // block))
 
     # ----------------------------------------------------------------- entry points
     def generate(self, requests: Sequence[GenerationRequest | Mapping[str, Any]]

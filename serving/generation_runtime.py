@@ -1,0 +1,191 @@
+"""What a :class:`serving.Generator` runs on, built from its options: one of four runtimes,
+looked up by name in :data:`RUNTIMES` rather than branched over.
+
+* ``continuous`` — a continuous-batching :class:`moejax.core.continuous.Scheduler` on a
+  decode runner (resident, offload, prefetching offload, sync_ep; fused or layerwise
+  steps) and a KV store of its own or shared with a Scorer (``share_with``);
+* ``split`` — a :class:`moejax.core.decoders.DecoderPool`: a prefill scheduler on device 0
+  handing prompts to ``decoders`` decode schedulers (each a ``continuous`` scheduler);
+* ``static`` — the static batcher (:class:`moejax.static.decode.DecodeEngine`), the
+  baseline;
+* ``mu_queue`` — AsyncMoE's μ-queue runtime (:mod:`moejax.asyncmoe.runtime`).
+
+The first two run through the engine core (``moejax.core.engine_core``) and serve
+``Generator.start_loop``; the last two take whole calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from moejax.backends.base import BackendError, require_devices
+from moejax.config import ModelConfig
+from moejax.core.continuous import Scheduler, SchedulerOptions
+from moejax.core.decoders import DecoderPool
+from moejax.decode.factory import make_runner
+from moejax.decode.programs import StepOptions
+from moejax.eldr import fitfile
+from moejax.eldr.policies import DEFAULT_TAU, Policy, make_policy
+from moejax.param_layout import Params
+from moejax.prefix_hash import BLOCK_SIZE
+from moejax.static.decode import DecodeEngine
+from serving.generation_options import DEFAULT_KV_CACHE_MIB, GeneratorOptions
+from serving.scorer_sharing import ScorerSharing
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRuntime:
+    """The built runtime: exactly one of ``engine`` (static), ``scheduler`` (continuous
+    or split) and ``mu_queue`` is set; ``name`` says which runtime it is."""
+
+    name: str
+    engine: DecodeEngine | None = None
+    scheduler: Scheduler | DecoderPool | None = None
+    mu_queue: Any = None
+
+
+def runtime_name(options: GeneratorOptions) -> str:
+    """The runtime ``options`` select (module docstring)."""
+    if options.runtime == "mu_queue":
+        return "mu_queue"
+    if options.batching == "static":
+        return "static"
+    return "continuous" if options.decoders == 1 else "split"
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeInputs:
+    """What every runtime is built from: the model, its host params (placed by the
+    runtime), the dtype, the Generator's options and what it shares with a Scorer."""
+
+    config: ModelConfig
+    params: Params
+    dtype: Any
+    options: GeneratorOptions
+    sharing: ScorerSharing | None = None
+
+    def runner(self, params: Params | None, **placement: Any) -> Any:
+        """The decode runner of the options' backend, on the Scorer's placement where one
+        is shared."""
+        opts = self.options
+        if self.sharing is not None and self.sharing.placement is not None:
+            params, placement["placement"] = None, self.sharing.placement
+        return make_runner(opts.backend, self.config, params, dtype=self.dtype,
+                           opts=StepOptions(expert_impl=opts.expert_impl,
+                                            tile_rows=opts.tile_rows,
+                                            router_inputs=opts.trace_router_inputs),
+                           **placement, **dict(opts.backend_options or {}),
+                           **opts.prefetch_options())
+
+    def scheduler_options(self, **changes: Any) -> SchedulerOptions:
+        opts = self.options
+        return dataclasses.replace(SchedulerOptions(
+            max_batch_size=opts.max_batch_size, max_prefill_tokens=opts.max_prefill_tokens,
+            prefill_row_tokens=opts.prefill_row_tokens, step=opts.resolved_step(),
+            trace=opts.trace_experts), **changes)
+
+    def kv_cache_blocks(self, runner: Any) -> int:
+        """The paged pool's blocks per rank (:class:`GeneratorOptions`)."""
+        opts, block = self.options, runner.block_bytes()
+        if opts.kv_cache_blocks is not None:
+            return opts.kv_cache_blocks
+        if opts.kv_cache_mib is not None:
+            blocks = int(opts.kv_cache_mib * 2**20 // block)
+            if blocks < 1:
+                raise ValueError(f"kv_cache_mib={opts.kv_cache_mib} holds no KV block "
+                                 f"({block} bytes each)")
+            return blocks
+        per_rank = -(-opts.max_batch_size // runner.num_ranks)
+        full = per_rank * -(-self.config.max_context // BLOCK_SIZE)
+        return max(1, min(full, DEFAULT_KV_CACHE_MIB * 2**20 // block))
+
+    def policy(self, count: int) -> Policy:
+        """The hand-off routing policy over ``count`` decoders."""
+        opts = self.options
+        routing = opts.resolved_routing()
+        if isinstance(routing, Policy):
+            return routing
+        fit = None
+        if routing == "eldr":
+            fit = fitfile.load(opts.eldr_fit)
+            fit.check_model(self.config, fitfile.model_fingerprint(
+                self.config, self.params["layers"]["router"]), count,
+                where=f"eldr_fit {os.fspath(opts.eldr_fit)!r}")
+        return make_policy(routing, count, fit=fit,
+                           tau=DEFAULT_TAU if opts.eldr_tau is None else opts.eldr_tau,
+                           seed=opts.routing_seed)
+
+
+def build_continuous(inputs: RuntimeInputs) -> GenerationRuntime:
+    runner = inputs.runner(inputs.params, devices=inputs.options.devices)
+    store = None if inputs.sharing is None else inputs.sharing.kv_store
+    blocks = inputs.kv_cache_blocks(runner) if store is None else store.num_blocks
+    return GenerationRuntime("continuous", scheduler=Scheduler(
+        runner, blocks, inputs.scheduler_options(), store=store))
+
+
+def build_split(inputs: RuntimeInputs) -> GenerationRuntime:
+    """A prefill engine on device 0 and ``decoders`` decoders, decoder i on device i,
+    behind the routing policy (:class:`GeneratorOptions`)."""
+    opts, count = inputs.options, inputs.options.decoders
+    devices = jax.devices()
+    if count > len(devices):
+        hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+                "JAX starts)" if devices[0].platform == "cpu" else "")
+        raise BackendError(f"decoders={count} needs one device per decoder, but only "
+                           f"{len(devices)} {devices[0].platform} device(s) exist{hint}")
+    policy = inputs.policy(count)
+    prefill_runner = inputs.runner(inputs.params, device=devices[0])
+    # One decoder's pool size: the prefill engine holds prompts only, each until its
+    # decoder adopts it (when it runs short, prefill waits for adoptions to free blocks).
+    prefill = Scheduler(prefill_runner, inputs.kv_cache_blocks(prefill_runner),
+                        inputs.scheduler_options(
+                            max_batch_size=count * opts.max_batch_size, handoff=True,
+                            expert_counts=policy.reads_counts))
+    decoders = []
+    for index in range(count):
+        # Decoder 0 shares the prefill engine's device and (resident) its placement.
+        shared = getattr(prefill_runner, "placement", None) if index == 0 else None
+        runner = (inputs.runner(None, placement=shared) if shared is not None
+                  else inputs.runner(inputs.params, device=devices[index]))
+        decoders.append(Scheduler(runner, inputs.kv_cache_blocks(runner),
+                                  inputs.scheduler_options(record_steps=True)))
+    return GenerationRuntime("split", scheduler=DecoderPool(prefill, decoders, policy))
+
+
+def build_static(inputs: RuntimeInputs) -> GenerationRuntime:
+    opts = inputs.options
+    return GenerationRuntime("static", engine=DecodeEngine(
+        inputs.params, inputs.config, expert_impl=opts.expert_impl, tile_rows=opts.tile_rows,
+        max_batch_size=opts.max_batch_size))
+
+
+def build_mu_queue(inputs: RuntimeInputs) -> GenerationRuntime:
+    from moejax.asyncmoe.runtime import MuQueueRuntime   # imported when used: mesh code
+
+    opts = inputs.options
+    return GenerationRuntime("mu_queue", mu_queue=MuQueueRuntime(
+        inputs.config, inputs.params, require_devices("mu_queue", opts.devices),
+        scheduler=opts.scheduler or "defrag", dtype=inputs.dtype,
+        blocks_per_rank=opts.kv_cache_blocks))
+
+
+RUNTIMES: dict[str, Callable[[RuntimeInputs], GenerationRuntime]] = {
+    "continuous": build_continuous, "split": build_split, "static": build_static,
+    "mu_queue": build_mu_queue}
+
+
+def build_runtime(config: ModelConfig, params: Params, dtype: Any, options: GeneratorOptions,
+                  sharing: ScorerSharing | None = None) -> GenerationRuntime:
+    """The runtime ``options`` select, built (and precompiled when ``options.precompile``:
+    the schedulers' step programs)."""
+    runtime = RUNTIMES[runtime_name(options)](
+        RuntimeInputs(config, params, dtype, options, sharing))
+    if runtime.scheduler is not None and options.precompile:
+        runtime.scheduler.precompile()
+    return runtime
