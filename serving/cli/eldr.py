@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from serving.cli.options import positive_int
+from serving.cli.options import add_traces_argument, positive_int
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -54,11 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eldr-fit", help="fit ELDR's expert-locality decode router "
                                                "from expert traces",
                               description=__doc__.split("\n\n")[1])
-    p.add_argument("traces", nargs="+", metavar="TRACES",
-                   help="expert traces (.npz) of calibration requests, from `moejax trace "
-                        "REQUESTS.jsonl -o TRACE.npz --model M`: REQUESTS.jsonl holds "
-                        "generation requests, one a line, each with an optional \"domain\" "
-                        "label (examples/calibration.jsonl, for demo-e32)")
+    add_traces_argument(p)
     p.add_argument("-o", "--output", required=True,
                    help="the fit file (.npz, written under exactly this name)")
     p.add_argument("--decoders", type=positive_int, required=True,

@@ -100,6 +100,15 @@ def add_model_options(p: argparse.ArgumentParser, *, hidden: Collection[str] = (
     add_distributed_options(p)
 
 
+def add_traces_argument(p: argparse.ArgumentParser) -> None:
+    """The calibration commands' positional TRACES (``eldr-fit``, ``prefetch-calibrate``)."""
+    p.add_argument("traces", nargs="+", metavar="TRACES",
+                   help="expert traces (.npz) of calibration requests, from `moejax trace "
+                        "REQUESTS.jsonl -o TRACE.npz --model M`: REQUESTS.jsonl holds "
+                        "generation requests, one a line, each with an optional \"domain\" "
+                        "label (examples/calibration.jsonl, for demo-e32)")
+
+
 def command_compilation_cache(deployment: str | None) -> str:
     """The commands' ``compilation_cache``: configs/scoring.yaml's or the deployment's
     setting when they name one, else :data:`COMMAND_COMPILATION_CACHE`."""

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from serving.cli.eldr import non_negative_int
+from serving.cli.options import add_traces_argument
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -26,11 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               help="compute the default vectors of speculative expert "
                                    "prefetch from expert traces",
                               description=__doc__.split("\n\n")[1])
-    p.add_argument("traces", nargs="+", metavar="TRACES",
-                   help="expert traces (.npz) of calibration requests, from `moejax trace "
-                        "REQUESTS.jsonl -o TRACE.npz --model M`: REQUESTS.jsonl holds "
-                        "generation requests, one a line, each with an optional \"domain\" "
-                        "label (examples/calibration.jsonl, for demo-e32)")
+    add_traces_argument(p)
     p.add_argument("-o", "--output", required=True, help="the default-vector file (.npz)")
     p.add_argument("--model", default=None,
                    help="a built-in name or model directory (default: the model the traces "
