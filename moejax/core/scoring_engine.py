@@ -157,7 +157,7 @@ class Engine:
         this run's later levels and the cache's blocks read — are lost, and the store
         starts afresh (a generation scheduler sharing it recomputes what it held)."""
         schedule = ScoringSchedule(batches, self.backend.num_ranks, self.cfg, self.stats,
-                                   on_batch_done)
+                                   on_batch_done, backend_name=self.backend.name)
         try:
             return dict(EngineCore(schedule, self.runner).run())
         except Exception:

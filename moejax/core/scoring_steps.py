@@ -59,13 +59,15 @@ class ScoringSchedule:
     called with the op count of each finished batch."""
 
     def __init__(self, batches: Sequence[HostBatch], num_ranks: int, cfg: ModelConfig,
-                 stats: Any, on_batch_done: Callable[[int], None] | None = None):
+                 stats: Any, on_batch_done: Callable[[int], None] | None = None,
+                 backend_name: str = ""):
         self._steps = collections.deque(
             [batches[i] for i in step]
             for step in plan_steps([h.shape_key for h in batches], num_ranks))
         self.cfg = cfg
         self.stats = stats
         self.on_batch_done = on_batch_done
+        self.backend_name = backend_name      # named in the log of a failed step
 
     def has_work(self) -> bool:
         return bool(self._steps)
@@ -84,8 +86,8 @@ class ScoringSchedule:
         except Exception as error:   # noqa: BLE001
             if hosts[0].context is not None:
                 raise
-            log.error("a step of %d batch(es) failed: %s: %s", len(hosts),
-                      type(error).__name__, error)
+            log.error("a step of %d batch(es) failed on %s: %s: %s", len(hosts),
+                      self.backend_name, type(error).__name__, error)
             events: list[ScoringEvent] = []
             for host in hosts:
                 events += [(op.key, error) for op in host.sequences]
