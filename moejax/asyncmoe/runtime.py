@@ -48,7 +48,7 @@ from moejax.asyncmoe.schedulers import QueueScheduler, make_scheduler
 from moejax.backends.base import check_expert_bias, validated
 from moejax.config import ModelConfig
 from moejax.decode import programs
-from moejax.kv import WRITE_ROWS, empty_pool
+from moejax.kv import WRITE_ROWS, BlockAllocator, empty_pool
 from moejax.decode.programs import PagedBatch, StepOptions
 from moejax.param_layout import EXPERT_KEYS, Params
 from moejax.prefix_hash import BLOCK_SIZE
@@ -130,7 +130,8 @@ class ModelExecutor:
         """A fresh KV pool of ``blocks_per_rank`` blocks per rank for a run of ``specs``."""
         self.kv = [empty_pool(self.cfg, blocks_per_rank, self.dtype, d)
                    for d in self.devices]
-        self.free_blocks = [list(range(blocks_per_rank)) for _ in self.devices]
+        # The one block allocator of moejax's pools, one per rank (no prefix reuse here).
+        self.allocators = [BlockAllocator(blocks_per_rank) for _ in self.devices]
         self.max_table = 1
         self.sequences: dict[int, _Sequence] = {}
         self.specs = dict(specs)
@@ -141,10 +142,11 @@ class ModelExecutor:
     def start(self, request: LoopRequest, rank: int) -> tuple[bool, Any]:
         spec = self.specs[request.request_id]
         need = -(-(len(spec.prompt) + spec.max_new_tokens) // BLOCK_SIZE)
-        if need > len(self.free_blocks[rank]):
+        allocator = self.allocators[rank]
+        if need > allocator.num_available:
             raise RuntimeError(f"request {request.request_id}: needs {need} KV blocks, rank "
-                               f"{rank} has {len(self.free_blocks[rank])} free")
-        blocks = np.array([self.free_blocks[rank].pop(0) for _ in range(need)], np.int32)
+                               f"{rank} has {allocator.num_available} free")
+        blocks = np.array(allocator.allocate(need), np.int32)
         self.max_table = max(self.max_table, bucket(need, 1))
         seq = _Sequence(spec, rank, blocks, [])
         self.sequences[request.request_id] = seq
@@ -277,7 +279,7 @@ class ModelExecutor:
             seq.finish_reason = "stop"
         elif len(seq.tokens) < seq.spec.max_new_tokens:
             return True
-        self.free_blocks[seq.rank].extend(int(b) for b in seq.blocks)
+        self.allocators[seq.rank].release([int(b) for b in seq.blocks])
         return False
 
     def output(self, request_id: int) -> SequenceOutput:
