@@ -33,7 +33,7 @@ def trace_prefill_experts(params: Params, cfg: ModelConfig, token_ids: Sequence[
     tokens, lengths = pad_prompts([spec], prompt_len)
     samp = sampling.make_sampling_params([0.0], [1.0], [0])
     out = PREFILL(params, tokens, lengths, samp, cfg=cfg, opts=DecodeOptions(expert_impl),
-                   cache_len=prompt_len)
+                  cache_len=prompt_len)
     return np.asarray(out.experts)[:, 0, :len(ids)]
 
 

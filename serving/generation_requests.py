@@ -15,10 +15,9 @@ import numpy as np
 
 from moejax.sampling import MAX_SEED
 from moejax.sequences import SequenceSpec
-from serving.requests import (FieldChecker, RequestError, TokenizerAdapter, id_problem,
+from serving.requests import (FLOAT32, FieldChecker, RequestError, TokenizerAdapter,
                               request_label, show, unexpected_error, unknown_fields)
 
-_FLOAT32 = np.finfo(np.float32)
 DEFAULT_MAX_NEW_TOKENS = 16
 MAX_DOMAIN_CHARS = 256
 
@@ -63,8 +62,6 @@ class GenerationResult:
         return d
 
 
-
-
 def model_eos_ids(model_dir: str, vocab_size: int) -> frozenset[int]:
     """The model's EOS id(s): generation_config.json wins over config.json (as in
     transformers); ids outside the vocabulary are dropped (they cannot be generated)."""
@@ -83,7 +80,6 @@ def model_eos_ids(model_dir: str, vocab_size: int) -> frozenset[int]:
         ids = eos if isinstance(eos, list) else [eos]
         return frozenset(int(t) for t in ids if isinstance(t, int) and 0 <= t < vocab_size)
     return frozenset()
-
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -144,9 +140,7 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
     """:func:`parse_generation_request` without the safety net."""
     req = as_generation_request(obj, index)
     check = FieldChecker(req.id, index)
-    problem = id_problem(req.id)
-    if problem is not None:
-        raise check.fail("id", problem)
+    check.request_id(req.id)
     prompt = _prompt_ids(check, req, tokenizer, vocab_size)
     max_new = DEFAULT_MAX_NEW_TOKENS if req.max_new_tokens is None else check.integer(
         req.max_new_tokens, "max_new_tokens", 1)
@@ -158,9 +152,9 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
                                                                     "temperature")
     if temperature < 0:
         raise check.fail("temperature", f"must be >= 0 (0 = greedy), got {temperature}")
-    if 0 < temperature < _FLOAT32.tiny:
+    if 0 < temperature < FLOAT32.tiny:
         # A subnormal float32 (or 0 after rounding) would not divide the logits sanely.
-        raise check.fail("temperature", f"must be 0 (greedy) or at least {_FLOAT32.tiny:.7g} "
+        raise check.fail("temperature", f"must be 0 (greedy) or at least {FLOAT32.tiny:.7g} "
                                         f"(the smallest normal float32), got {temperature:g}")
     top_p = 1.0 if req.top_p is None else check.number(req.top_p, "top_p")
     if not 0 < top_p <= 1:
@@ -179,7 +173,6 @@ def _parse(obj: Any, index: int, tokenizer: TokenizerAdapter, *, vocab_size: int
                         top_p=top_p, seed=seed, stop_token_ids=stop, domain=domain)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GenerationEvent:
     """New tokens of request ``index`` (its position in the ``stream`` call, or the
@@ -188,5 +181,3 @@ class GenerationEvent:
     index: int
     token_ids: list[int]
     result: GenerationResult | None = None
-
-

@@ -245,7 +245,7 @@ class TokenizerAdapter:
 
 
 # ----------------------------------------------------------------------------- parsing
-_FLOAT32 = np.finfo(np.float32)
+FLOAT32 = np.finfo(np.float32)   # sampling's dtype: the bounds of a number field
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 60
 _REPR.maxlist = _REPR.maxtuple = 6
@@ -346,6 +346,13 @@ class FieldChecker:
         """The error to raise for ``field`` (returned so callers write ``raise check.fail``)."""
         return RequestError(f"{self.label}: {field}: {problem}", index=self.index, field=field)
 
+    def request_id(self, value: Any) -> None:
+        """The request's ``id``: ids end up in JSONL output, so only JSON scalars of valid
+        UTF-8 are allowed (:func:`id_problem`)."""
+        problem = id_problem(value)
+        if problem is not None:
+            raise self.fail("id", problem)
+
     def text(self, value: Any, field: str) -> str:
         """A str of valid UTF-8 (a str subclass comes back as a plain str)."""
         problem = text_problem(value)
@@ -373,14 +380,14 @@ class FieldChecker:
         try:
             number = float(value)
         except OverflowError:   # an int past float64's range
-            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
+            raise self.fail(field, f"must fit in float32 (at most {FLOAT32.max:.7g}), "
                                    f"got {show(value)}") from None
         if not math.isfinite(number):
             raise self.fail(field, f"must be finite, got {number}")
         with np.errstate(over="ignore"):
             too_big = not np.isfinite(np.float32(number))
         if too_big:
-            raise self.fail(field, f"must fit in float32 (at most {_FLOAT32.max:.7g}), "
+            raise self.fail(field, f"must fit in float32 (at most {FLOAT32.max:.7g}), "
                                    f"got {number:g}")
         return number
 
@@ -402,13 +409,6 @@ class FieldChecker:
             raise self.fail(field, f"{show(value)} is not one of "
                                    f"{', '.join(repr(a) for a in accepted)}")
         return str.__str__(value)
-
-
-def _check_id(check: FieldChecker, request_id: Any) -> None:
-    """Ids end up in JSONL output, so only JSON scalars of valid UTF-8 are allowed."""
-    problem = id_problem(request_id)
-    if problem is not None:
-        raise check.fail("id", problem)
 
 
 def _parse_prompt(check: FieldChecker, req: ScoreRequest) -> tuple[str | None, list[int] | None]:
@@ -483,7 +483,7 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
     """
     req = obj if isinstance(obj, ScoreRequest) else ScoreRequest.from_dict(obj, index)
     check = FieldChecker(req.id, index)
-    _check_id(check, req.id)
+    check.request_id(req.id)
     kind = check.choice_of(req.kind, "kind", KINDS)
     normalize = check.choice_of(req.normalize, "normalize", NORMALIZATIONS)
     prompt, prompt_ids = _parse_prompt(check, req)

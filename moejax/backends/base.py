@@ -225,6 +225,17 @@ def unstack_outputs(logits: jax.Array, lse: jax.Array | None, count: int) -> lis
     return [(logits[g], None if lse is None else lse[g]) for g in range(count)]
 
 
+def one_device(name: str, device: Any) -> jax.Device:
+    """The device a one-device backend or runner ``name`` runs on: ``device`` (a
+    ``jax.Device``, e.g. one decoder of several) or the platform's first."""
+    if device is None:
+        return require_devices(name, 1)[0]
+    if not isinstance(device, jax.Device):
+        raise BackendError(f"backend {name!r}: device must be a jax.Device, got "
+                           f"{type(device).__name__}")
+    return device
+
+
 def require_devices(name: str, count: int, platform_devices: Sequence[jax.Device] | None = None
                     ) -> tuple[jax.Device, ...]:
     """The first ``count`` devices of the default platform, or a BackendError saying why not."""

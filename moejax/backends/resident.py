@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from moejax import model as model_lib
 from moejax.attention_kinds import PrefixContext, PrefixPooled
-from moejax.backends.base import (Backend, MemoryReport, StepOutput, dense_bytes,
-                                  expert_bytes_per_layer, require_devices, validated)
+from moejax.backends.base import (Backend, BackendError, MemoryReport, StepOutput, dense_bytes,
+                                  expert_bytes_per_layer, one_device, validated)
 from moejax.config import ModelConfig
 from moejax.kv import KVPool
 from moejax.model import ForwardOptions, PackedBatch
@@ -49,6 +49,21 @@ class ResidentPlacement:
         dtype = jnp.dtype(dtype)
         return cls(cfg, dtype, device, jax.device_put(validated(params, cfg, dtype), device))
 
+    @classmethod
+    def resolve(cls, name: str, cfg: ModelConfig, params: Params | None, dtype: Any,
+                device: jax.Device | None, placement: "ResidentPlacement | None"
+                ) -> "ResidentPlacement":
+        """What backend or runner ``name`` runs on: ``placement`` as it is (it must hold
+        ``cfg``'s weights), or ``params`` placed now on ``device`` (default: the first)."""
+        if (placement is None) == (params is None):
+            raise BackendError(f"backend {name!r} takes params or a placement, not both")
+        if placement is None:
+            return cls.place(cfg, params, dtype, one_device(name, device))
+        if placement.cfg != cfg:
+            raise BackendError(f"backend {name!r}: the placement holds another model "
+                               f"configuration's weights")
+        return placement
+
 
 class ResidentBackend(Backend):
     """All params on one device; one jitted forward per batch shape. ``placement``: run on
@@ -67,13 +82,7 @@ class ResidentBackend(Backend):
         if devices != 1:
             raise ValueError(f"backend 'resident' runs on one device, got devices={devices}; "
                              f"use async_ep, sync_ep or tp for several")
-        if (placement is None) == (params is None):
-            raise ValueError("backend 'resident' takes params or a placement, not both")
-        if placement is None:
-            placement = ResidentPlacement.place(
-                cfg, params, dtype, device or require_devices(self.name, 1)[0])
-        elif placement.cfg != cfg:
-            raise ValueError("the placement holds another model configuration's weights")
+        placement = ResidentPlacement.resolve(self.name, cfg, params, dtype, device, placement)
         self.placement = placement
         self.device = placement.device
         self.params = placement.params

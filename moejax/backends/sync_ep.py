@@ -458,16 +458,12 @@ def build_layout(num_experts: int, num_devices: int, replicas: float | None,
     return layout_from_placement(placement)
 
 
-def check_placement(name: str, cfg: ModelConfig, placement: "SyncEPPlacement",
-                    replicas: float | None, expert_load: Any) -> None:
-    """BackendError unless ``placement`` can serve ``cfg`` as given (the layout comes with
-    the placement: options that would build another one are refused)."""
-    if placement.cfg != cfg:
-        raise BackendError(f"backend {name!r}: the placement holds another model "
-                           f"configuration's weights")
-    if replicas is not None or expert_load is not None:
-        raise BackendError(f"backend {name!r}: replicas and expert_load set the expert "
-                           f"layout, which an existing placement already has")
+def check_router(name: str, router: Any) -> None:
+    """BackendError unless ``router`` names a replica router (checked with or without
+    replicas, so that a typo never passes silently)."""
+    if router not in ROUTERS:
+        raise BackendError(f"backend {name!r}: unknown router {router!r}; choose one of "
+                           f"{ROUTERS}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -505,6 +501,28 @@ class SyncEPPlacement:
         return cls(cfg, dtype, tuple(devices), layout, mesh, dense, slots,
                    dense_bytes(host), expert_bytes_per_layer(host), replicated)
 
+    @classmethod
+    def resolve(cls, name: str, cfg: ModelConfig, params: Params | None, dtype: Any,
+                devices: int, replicas: float | None, expert_load: Any,
+                placement: "SyncEPPlacement | None") -> "SyncEPPlacement":
+        """What backend or runner ``name`` runs on: ``placement`` as it is (it must hold
+        ``cfg``'s weights; its layout comes with it, so options that would build another
+        are refused), or ``params`` placed now on the first ``devices`` devices by the
+        layout ``replicas`` and ``expert_load`` build."""
+        if (placement is None) == (params is None):
+            raise BackendError(f"backend {name!r} takes params or a placement, not both")
+        if placement is None:
+            on = require_devices(name, devices)
+            layout = build_layout(cfg.num_experts, len(on), replicas, expert_load)
+            return cls.place(cfg, params, dtype, on, layout, replicated=replicas is not None)
+        if placement.cfg != cfg:
+            raise BackendError(f"backend {name!r}: the placement holds another model "
+                               f"configuration's weights")
+        if replicas is not None or expert_load is not None:
+            raise BackendError(f"backend {name!r}: replicas and expert_load set the expert "
+                               f"layout, which an existing placement already has")
+        return placement
+
 
 class SyncEPBackend(MeshBackend):
     """DP attention + expert parallelism with two all-to-alls per MoE layer (module docstring).
@@ -534,18 +552,10 @@ class SyncEPBackend(MeshBackend):
                 or not math.isfinite(capacity_factor) or capacity_factor <= 0:
             raise BackendError(f"backend 'sync_ep': capacity_factor must be a finite number > 0, "
                                f"got {capacity_factor!r}")
-        if router not in ROUTERS:
-            raise BackendError(f"backend 'sync_ep': unknown router {router!r}; choose one of "
-                               f"{ROUTERS}")
-        if placement is None:
-            self._devices = require_devices(self.name, devices)
-            placement = SyncEPPlacement.place(
-                cfg, params, dtype, self._devices,
-                build_layout(cfg.num_experts, len(self._devices), replicas, expert_load),
-                replicated=replicas is not None)
-        else:
-            check_placement(self.name, cfg, placement, replicas, expert_load)
-            self._devices = placement.devices
+        check_router(self.name, router)
+        placement = SyncEPPlacement.resolve(self.name, cfg, params, dtype, devices, replicas,
+                                            expert_load, placement)
+        self._devices = placement.devices
         num_devices = len(self._devices)
         self.capacity_factor = float(capacity_factor)
         self.replicas = replicas

@@ -142,18 +142,18 @@ class Scheduler:
         # The device's KV memory (moejax.kv.store), possibly shared with a scoring engine.
         self.store = store
         self._epoch = store.epoch
-        self.num_blocks = num_blocks
-        self.per_rank = max(1, -(-options.max_batch_size // self.ranks))
-        self.max_table = -(-runner.cfg.max_context // BLOCK)
-        self.row_tokens = min(options.prefill_row_tokens, options.max_prefill_tokens)
-        self.prefill_rows = max(1, options.max_prefill_tokens // self.row_tokens)
+        row_tokens = min(options.prefill_row_tokens, options.max_prefill_tokens)
+        # The step programs' geometry, which the planning here and the arrays the runner
+        # builds both follow.
+        self.layout = RowLayout(
+            ranks=self.ranks, per_rank=max(1, -(-options.max_batch_size // self.ranks)),
+            prefill_rows=max(1, options.max_prefill_tokens // row_tokens),
+            row_tokens=row_tokens, num_blocks=num_blocks,
+            max_table=-(-runner.cfg.max_context // BLOCK))
         # The device side; each step() runs the engine core over this (host) scheduler and
         # it (built per step: a scheduler holding its core would be a reference cycle,
         # keeping a dropped scheduler's pool alive until the cyclic collector runs).
-        self.paged = PagedRunner(runner, store, RowLayout(
-            ranks=self.ranks, per_rank=self.per_rank, prefill_rows=self.prefill_rows,
-            row_tokens=self.row_tokens, num_blocks=num_blocks, max_table=self.max_table),
-            options.step)
+        self.paged = PagedRunner(runner, store, self.layout, options.step)
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
@@ -208,13 +208,14 @@ class Scheduler:
                              "runner")
 
     @property
+    def num_blocks(self) -> int:
+        """KV blocks per rank."""
+        return self.layout.num_blocks
+
+    @property
     def kv(self) -> KVPool:
         """The pool (the store's: a step replaces it)."""
         return self.store.pool
-
-    @kv.setter
-    def kv(self, pool: KVPool) -> None:
-        self.store.pool = pool
 
     @property
     def allocators(self) -> list[BlockAllocator]:
@@ -252,7 +253,7 @@ class Scheduler:
 
     def room_to_adopt(self, seq: SequenceState) -> bool:
         """Whether :meth:`adopt` can take ``seq`` now (a running row and its blocks)."""
-        return (len(self.running) < self.per_rank
+        return (len(self.running) < self.layout.per_rank
                 and self.allocators[0].num_available >= -(-seq.computed // BLOCK))
 
     def adopt(self, seq: SequenceState, source: KVPool, source_blocks: Sequence[int]) -> None:
@@ -337,10 +338,10 @@ class Scheduler:
 
     def program_shapes(self) -> list[tuple[int, int]]:
         """(rows per rank, row width) of every step program this scheduler can run."""
-        decode_rows = bucket_sizes(self.per_rank, self.per_rank)
-        prefill_rows = bucket_sizes(self.prefill_rows, self.prefill_rows)
+        decode_rows = bucket_sizes(self.layout.per_rank, self.layout.per_rank)
+        prefill_rows = bucket_sizes(self.layout.prefill_rows, self.layout.prefill_rows)
         return ([(rows, 1) for rows in decode_rows]
-                + [(rows, self.row_tokens) for rows in prefill_rows])
+                + [(rows, self.layout.row_tokens) for rows in prefill_rows])
 
     def precompile(self) -> int:
         """Compile every step program (:meth:`program_shapes`) by running each once on
@@ -411,24 +412,24 @@ class Scheduler:
         counts = [0] * self.ranks
         for s in self.running:
             counts[s.rank] += 1
-        open_ranks = [r for r in range(self.ranks) if counts[r] < self.per_rank
+        open_ranks = [r for r in range(self.ranks) if counts[r] < self.layout.per_rank
                       and self.allocators[r].num_available >= need]
         return min(open_ranks, key=lambda r: counts[r]) if open_ranks else None
 
     def _plan(self) -> tuple[list[Work], list[Work]]:
         """This step's prefill chunks and decode rows, with their blocks allocated
         (preempting the newest sequences where blocks run out)."""
-        rows_left = self.prefill_rows
+        rows_left = self.layout.prefill_rows
         prefill: list[Work] = []
         decode: list[Work] = []
         for seq in sorted(self.running, key=lambda s: s.seq_id):
             if seq not in self.running:          # preempted for an older one
                 continue
             if seq.pending > 1:
-                count = min(seq.pending, rows_left * self.row_tokens)
+                count = min(seq.pending, rows_left * self.layout.row_tokens)
                 if count == 0 or not self._reserve(seq, seq.computed + count):
                     continue
-                rows_left -= -(-count // self.row_tokens)
+                rows_left -= -(-count // self.layout.row_tokens)
                 prefill.append((seq, seq.computed, count))
             elif self._reserve(seq, seq.computed + 1):
                 decode.append((seq, seq.computed, 1))

@@ -164,13 +164,14 @@ class DecoderPool:
         prefill = self.prefill
         for decoder in self.decoders:
             # A handed-off prompt holds at most a context's blocks, and fits in both pools.
-            most_blocks = min(prefill.max_table, prefill.num_blocks, decoder.num_blocks)
+            most_blocks = min(prefill.layout.max_table, prefill.num_blocks,
+                              decoder.num_blocks)
             for count in bucket_sizes(most_blocks):
                 decoder.paged.copy_in(prefill.kv, [0] * count, [])
                 ran += 1
         if self.policy.reads_counts:
             # One prefill step hands off at most its running set.
-            for rows in bucket_sizes(prefill.per_rank):
+            for rows in bucket_sizes(prefill.layout.per_rank):
                 prefill.block_counts([[]] * rows)
                 ran += 1
         return ran

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import moe, sampling
-from moejax.backends.base import BackendError, check_expert_bias, require_devices, validated
+from moejax.backends.base import BackendError, check_expert_bias, one_device, validated
 from moejax.backends.resident import ResidentPlacement
 from moejax.backends.streamed import host_memory_kind
 from moejax.config import ModelConfig
@@ -146,17 +146,6 @@ class DecodeRunner(abc.ABC):
     dense_params: Params
 
 
-def one_device(backend: str, device: Any) -> Any:
-    """The device a one-device runner runs on: ``device`` (a ``jax.Device``, e.g. one
-    decoder of several) or the platform's first."""
-    if device is None:
-        return require_devices(backend, 1)[0]
-    if not isinstance(device, jax.Device):
-        raise BackendError(f"backend {backend!r}: device must be a jax.Device, got "
-                           f"{type(device).__name__}")
-    return device
-
-
 class ResidentRunner(DecodeRunner):
     """Every weight on one device: a :class:`~moejax.backends.resident.ResidentPlacement`,
     built here from ``params`` or handed in (``placement``: the one a resident scoring
@@ -174,13 +163,8 @@ class ResidentRunner(DecodeRunner):
         if devices != 1:
             raise BackendError(f"backend 'resident' decodes on one device, got "
                                f"devices={devices}; use sync_ep for several")
-        if (placement is None) == (params is None):
-            raise BackendError("backend 'resident' takes params or a placement, not both")
-        if placement is None:
-            placement = ResidentPlacement.place(cfg, params, self.dtype,
-                                                one_device(self.name, device))
-        elif placement.cfg != cfg:
-            raise BackendError("the placement holds another model configuration's weights")
+        placement = ResidentPlacement.resolve(self.name, cfg, params, self.dtype, device,
+                                              placement)
         self.placement = placement
         self._device = placement.device
         self.params = placement.params

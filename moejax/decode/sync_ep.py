@@ -8,7 +8,7 @@ device exactly its own rows. Block tables and write slots are rank-local.
 
 * **KV pool.** ``keys``/``values`` are [L, G·S, n_kv, h] (S = num_blocks · 16 slots
   per rank), sharded on the slot axis: device g holds rank g's pool [L, S, n_kv, h],
-  and inside the ``shard_map`` it is an ordinary :class:`~moejax.decode.paged.KVPool`.
+  and inside the ``shard_map`` it is an ordinary :class:`~moejax.kv.KVPool`.
 * **Weights.** Dense weights (embedding, attention, norms, routers, head) are
   replicated; the experts are the scoring backend's per-device slots [G, L, S_e, ...]
   (:func:`~moejax.backends.sync_ep.slot_weights` of its
@@ -46,11 +46,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax import model, moe, sampling
-from moejax.backends.base import BackendError, require_devices
-from moejax.backends.sync_ep import (AXIS, HOME, ROUTERS, STAT_ACTIVATED, STAT_OVERFLOW,
-                                     STAT_PEAK, STAT_TOKENS, AllToAllTokens, DispatchContext,
-                                     EPStepStats, ExpertLayout, SyncEPPlacement, build_layout,
-                                     check_placement)
+from moejax.backends.base import BackendError
+from moejax.backends.sync_ep import (AXIS, HOME, STAT_ACTIVATED, STAT_OVERFLOW, STAT_PEAK,
+                                     STAT_TOKENS, AllToAllTokens, DispatchContext, EPStepStats,
+                                     ExpertLayout, SyncEPPlacement, check_router)
 from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.kv import KVPool, empty_pool, write_rows
@@ -78,19 +77,6 @@ def check_options(options: dict[str, Any]) -> None:
     if unknown:
         raise BackendError(f"backend 'sync_ep' (decode) got unknown option(s) "
                            f"{', '.join(map(repr, unknown))}; it takes {', '.join(OPTIONS)}")
-
-
-def dispatch_context(cfg: ModelConfig, num_devices: int, replicas: float | None,
-                     router: str, expert_load: Any) -> DispatchContext:
-    """The layout and replica router (as the scoring backend builds them; errors as
-    BackendError). Without replicas every expert has one home and ``router`` is only
-    validated."""
-    if router not in ROUTERS:
-        raise BackendError(f"backend 'sync_ep': unknown router {router!r}; choose one of "
-                           f"{ROUTERS}")
-    layout = build_layout(cfg.num_experts, num_devices, replicas, expert_load)
-    return DispatchContext(layout=layout, router=router if replicas is not None else HOME,
-                           num_devices=num_devices)
 
 
 # ----------------------------------------------------------------------------- per rank
@@ -159,19 +145,13 @@ class SyncEPRunner(DecodeRunner):
             dtype = placement.dtype
         super().__init__(cfg, dtype=dtype, opts=opts)
         check_options(options)
-        if placement is None:
-            self.ctx = dispatch_context(cfg, devices, replicas, router, expert_load)
-            placement = SyncEPPlacement.place(cfg, params, self.dtype,
-                                              require_devices(self.name, devices),
-                                              self.ctx.layout, replicated=replicas is not None)
-        else:
-            check_placement(self.name, cfg, placement, replicas, expert_load)
-            if router not in ROUTERS:
-                raise BackendError(f"backend 'sync_ep': unknown router {router!r}; choose "
-                                   f"one of {ROUTERS}")
-            self.ctx = DispatchContext(layout=placement.layout,
-                                       router=router if placement.replicated else HOME,
-                                       num_devices=len(placement.devices))
+        check_router(self.name, router)
+        placement = SyncEPPlacement.resolve(self.name, cfg, params, self.dtype, devices,
+                                            replicas, expert_load, placement)
+        # The layout's replica router (home without replicas), as the scoring backend's.
+        self.ctx = DispatchContext(layout=placement.layout,
+                                   router=router if placement.replicated else HOME,
+                                   num_devices=len(placement.devices))
         # The one placement of sync_ep's weights (moejax.backends.sync_ep.SyncEPPlacement).
         self.placement = placement
         self._devices = placement.devices

@@ -196,14 +196,9 @@ class BlockAllocator:
     def reset(self) -> None:
         """Forget every block: all free, nothing named (after the pool's contents were
         lost). The names dropped are recorded as evicted (``record_events``)."""
-        if self.record_events:
-            self.evicted.extend(self._block_of)
+        self.forget_names()
         self.refs = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._cached.clear()
-        self._block_of.clear()
-        self._hash_of.clear()
-        self._bound_events()
 
     def _bound_events(self) -> None:
         """Keep the recorded events to a few pool's worth between drains (a pool that

@@ -59,7 +59,7 @@ def expert_count_bytes(cfg: ModelConfig) -> int:
 
 
 def empty_pool(cfg: ModelConfig, num_blocks: int, dtype: Any, device: Any = None,
-                   expert_counts: bool = False) -> KVPool:
+               expert_counts: bool = False) -> KVPool:
     """A zeroed pool of ``num_blocks`` blocks (placed on ``device``: a device or sharding),
     with a zeroed signature cache when ``expert_counts``."""
     heads, key_dim, value_dim = cfg.kv_store_dims
@@ -67,8 +67,8 @@ def empty_pool(cfg: ModelConfig, num_blocks: int, dtype: Any, device: Any = None
     counts = (jnp.zeros((num_blocks, cfg.num_layers, cfg.num_experts), jnp.int8,
                         device=device) if expert_counts else None)
     return KVPool(keys=jnp.zeros((*shape, key_dim), dtype, device=device),
-                   values=jnp.zeros((*shape, value_dim), dtype, device=device),
-                   expert_counts=counts)
+                  values=jnp.zeros((*shape, value_dim), dtype, device=device),
+                  expert_counts=counts)
 
 
 def write_rows(kv: KVPool, slots: Int[Array, "BC"], new_keys: Float[Array, "L BC n_kv hk"],
@@ -82,9 +82,9 @@ def write_rows(kv: KVPool, slots: Int[Array, "BC"], new_keys: Float[Array, "L BC
     if counts is not None and experts is not None:
         counts = count_experts(counts, slots, experts)
     return KVPool(keys=kv.keys.at[:, slots].set(new_keys.astype(kv.keys.dtype), mode="drop"),
-                   values=kv.values.at[:, slots].set(new_values.astype(kv.values.dtype),
-                                                     mode="drop"),
-                   expert_counts=counts)
+                  values=kv.values.at[:, slots].set(new_values.astype(kv.values.dtype),
+                                                    mode="drop"),
+                  expert_counts=counts)
 
 
 def count_experts(counts: Int[Array, "NB L E"], slots: Int[Array, "T"],

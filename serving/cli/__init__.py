@@ -36,8 +36,9 @@ stops quietly.
 As an entry point, :func:`main` sets what a library leaves to its user: the XLA flags
 (``moejax.configure_xla``, before JAX starts) and JAX's persistent compilation cache
 (``"auto"`` unless configs/scoring.yaml or the deployment names one). This module is the
-dispatcher: it registers the subcommands of the other ``*_cli`` modules, which take their
-shared options from :mod:`serving.cli.options` (never from here: no import cycle).
+dispatcher (and ``score``): it registers the subcommands of the package's other modules
+(``generate``, ``trace``, ``eldr``, ``prefetch``) and of ``serving.grpc.cli``, which take
+their shared options from :mod:`serving.cli.options` (never from here: no import cycle).
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ from typing import Any, Sequence
 
 from moejax import configure_xla
 from moejax.distributed import JoinError
-from serving.cli.options import add_model_options, positive_int, scorer_options
-from serving.exit_status import BROKEN_PIPE_STATUS, ERRORS_STATUS, FAILED_STATUS
 from serving.cli.distributed import (exit_now, host_devices_per_process,
                                      join as join_processes, quiet_unless_output_process)
+from serving.cli.options import add_model_options, positive_int, scorer_options
+from serving.exit_status import BROKEN_PIPE_STATUS, ERRORS_STATUS, FAILED_STATUS
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 from serving.multi_process import CollectiveFailure, collective_failure, is_collective_failure
 from serving.score_progress import IncompleteRun
