@@ -319,13 +319,15 @@ def attention_at_rows(q: Float[Array, "P n_q h"], k: Float[Array, "T n_kv h"],
     if window is not None:
         key_pos = positions.reshape(-1, attn_block)[block_of_row]     # [P, B]
         visible = visible & in_window(positions[rows][:, None], key_pos, window)
-    return _attend_rows(q, keys, values, visible, sinks)
+    return attend_rows(q, keys, values, visible, sinks)
 
 
-def _attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
+def attend_rows(q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array,
                  sinks: jax.Array | None = None) -> jax.Array:
     """q [P, n_q, h] over per-row keys [P, S, n_kv, h] / values [P, S, n_kv, hv] where
-    ``visible`` [P, S]; sinks [n_q] or None -> [P, n_q, hv]."""
+    ``visible`` [P, S]; sinks [n_q] or None -> [P, n_q, hv]. Grouped-query, f32 scores
+    and weighted sum (the scoring rows here, and the static runtime's one-token decode,
+    ``moejax.static.cache.attend_cache``)."""
     p, n_q, h = q.shape
     n_kv = keys.shape[2]
     queries = q.reshape(p, n_kv, n_q // n_kv, h)
@@ -430,4 +432,4 @@ def context_attention_at_rows(q: Float[Array, "P n_q h"], k: Float[Array, "T n_k
         own = own & in_window(row_pos, positions.reshape(-1, attn_block)[block_of_row], window)
         ctx = ctx & in_window(row_pos, ctx_positions[block_of_row], window)
     visible = jnp.concatenate([ctx, own], axis=1)                       # [P, Cp + B]
-    return _attend_rows(q, keys, values, visible, sinks)
+    return attend_rows(q, keys, values, visible, sinks)

@@ -16,7 +16,6 @@ handful of compiled programs serve every batch.
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from typing import Any
 
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from moejax.attention import MASK_VALUE, Window, group_sinks, in_window, softmax_with_sinks
+from moejax.attention import Window, attend_rows, in_window
 from moejax.attention_kinds import PackedCausal
 from moejax.config import ModelConfig
 from moejax.layers import LayerParams, attention_options, expand_kv, project_kv, project_q
@@ -84,21 +83,11 @@ def attend_cache(q: Float[Array, "B n_q h"], keys: Float[Array, "B S n_kv h"],
     ``window`` (slot s = position s is visible when ``lengths - 1 - s < window``): as in
     :mod:`moejax.attention`.
     """
-    b, n_q, h = q.shape
-    s, n_kv = keys.shape[1], keys.shape[2]
-    queries = q.reshape(b, n_kv, n_q // n_kv, h)
-    scores = jnp.einsum("bkgh,bskh->bkgs", queries, keys,
-                        preferred_element_type=jnp.float32) / math.sqrt(h)
-    slot = jnp.arange(s, dtype=lengths.dtype)[None, :]
+    slot = jnp.arange(keys.shape[1], dtype=lengths.dtype)[None, :]
     visible = slot < lengths[:, None]                                                # [B, S]
     if window is not None:
         visible = visible & in_window(lengths[:, None] - 1, slot, window)
-    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-    sinks = group_sinks(sinks, n_kv)
-    probs = softmax_with_sinks(scores, None if sinks is None else sinks[None]
-                               ).astype(values.dtype)
-    out = jnp.einsum("bkgs,bskh->bkgh", probs, values, preferred_element_type=jnp.float32)
-    return out.reshape(b, n_q, values.shape[-1]).astype(q.dtype)
+    return attend_rows(q, keys, values, visible, sinks)
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
