@@ -4,8 +4,10 @@ one device holds one copy of each:
 
 * **the weights**: the placement the Scorer's first engine runs on becomes the decode
   runner's, when both use the same backend: resident
-  (:class:`moejax.backends.resident.ResidentPlacement`) or sync_ep over the same devices
-  (:class:`moejax.backends.sync_ep.SyncEPPlacement`);
+  (:class:`moejax.backends.resident.ResidentPlacement`), offload
+  (:class:`moejax.offload.OffloadPlacement`: the dense weights on the device and the
+  experts in host memory, once; the scoring window and decode's slots both copy from
+  it) or sync_ep over the same devices (:class:`moejax.backends.sync_ep.SyncEPPlacement`);
 * **the KV pool**: the Scorer's first engine's :class:`moejax.kv.KVStore` (pool and block
   allocator) becomes the continuous scheduler's, when generation runs on one rank of the
   same device. Prompt blocks either side computed are then found by the other under
@@ -28,6 +30,7 @@ import numpy as np
 from moejax.backends.resident import ResidentPlacement
 from moejax.backends.sync_ep import SyncEPPlacement
 from moejax.kv import KVStore
+from moejax.offload.placement import OffloadPlacement
 
 log = logging.getLogger(__name__)
 PARTS = ("weights", "kv_pool")
@@ -38,7 +41,7 @@ class ScorerSharing:
     """The shared placement and KV store (None where not shared) and, for each part not
     shared, why."""
 
-    placement: ResidentPlacement | SyncEPPlacement | None = None
+    placement: ResidentPlacement | OffloadPlacement | SyncEPPlacement | None = None
     kv_store: KVStore | None = None
     why_not: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -97,6 +100,10 @@ def _weights_blocker(placement: Any, backend: str, options: Any) -> str | None:
         if options.backend != "resident" or options.prefetch not in (None, "none"):
             return "this Generator does not decode on the resident backend"
         return None
+    if isinstance(placement, OffloadPlacement):
+        if options.backend != "offload" or len(placement.devices) != 1:
+            return "this Generator does not decode on the offload backend"
+        return None
     if isinstance(placement, SyncEPPlacement):
         if options.backend != "sync_ep" or options.devices != len(placement.devices):
             return (f"this Generator does not decode on backend sync_ep over the Scorer's "
@@ -105,8 +112,8 @@ def _weights_blocker(placement: Any, backend: str, options: Any) -> str | None:
         if own.get("replicas") is not None or own.get("expert_load") is not None:
             return "this Generator sets its own expert layout (replicas / expert_load)"
         return None
-    return (f"backend {backend!r} places the Scorer's weights for scoring only (offload, "
-            f"async_ep, hybrid and tp have no decode runner on their placement)")
+    return (f"backend {backend!r} places the Scorer's weights for scoring only (async_ep, "
+            f"hybrid and tp have no decode runner on their placement)")
 
 
 def _kv_blocker(engine: Any, options: Any) -> str | None:

@@ -168,7 +168,7 @@ def test_precompiled_offload_compiles_nothing_later(demo):
     scheduler = _scheduler(runner, step="layerwise")
     scheduler.precompile()
     assert runner.experts_copied == 0 and all(
-        held is None for slots in runner.slot_buffers for held in slots.held)
+        held is None for slots in runner.slots.pair for held in slots.held)
     with backend_compiles() as compiles:
         seqs = [scheduler.submit(s) for s in specs[:3]]
         scheduler.run_until_idle()

@@ -9,18 +9,20 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax import checkpoint
 from moejax.backends.base import BackendError
 from moejax.decode.programs import StepOptions
 from moejax.decode.factory import make_runner
-from moejax.decode.runners import ExpertSlots
+from moejax.offload import ExpertSlots, HostExperts, slot_map_is_injective
 from moejax.eldr.fitfile import model_fingerprint
 from moejax.prefetch import defaults as defaults_lib
 from moejax.prefetch import estimator as estimator_lib
-from moejax.prefetch import predictors, replay, runner as runner_lib
+from moejax.prefetch import predictors, replay
 from moejax.prefetch.defaults import PrefetchFileError
 from moejax.sequences import SequenceSpec
 from serving.api import resolve_model_dir
@@ -266,18 +268,21 @@ def test_slot_maps_never_alias(demo, monkeypatch):
     """Random loads into a small slot buffer, and every load of a prefetch run: each
     expert id maps to its own slot, and that slot holds it."""
     rng = np.random.default_rng(1)
-    host = [[{"w": np.full((2, 3), 10 * layer + e, np.float32)} for e in range(8)]
-            for layer in range(3)]
-    slots = ExpertSlots.empty({"w": (2, 3)}, 4, np.float32, None)
-    for _ in range(60):
-        layer = int(rng.integers(3))
-        wanted = rng.choice(8, int(rng.integers(1, 5)), replace=False)
-        slot_of, _ = slots.load(layer, wanted, host, None, 8)
-        assert runner_lib.slot_map_is_injective(slots, layer, slot_of)
-        assert set(np.flatnonzero(slot_of >= 0)) >= set(wanted.tolist())
-        got = np.asarray(slots.buffers["w"])[0, slot_of[wanted], 0, 0]
-        np.testing.assert_array_equal(got, 10 * layer + wanted)
-    assert not runner_lib.slot_map_is_injective(slots, 0, np.array([0, 0] + [-1] * 6))
+    stacks = np.broadcast_to((10 * np.arange(3)[:, None] + np.arange(8)).astype(np.float32)
+                             [:, :, None, None], (3, 8, 2, 3))
+    for kind in ("auto", None):         # pinned host memory (where JAX has it), and NumPy
+        host = HostExperts({"w": stacks}, NamedSharding(Mesh(jax.devices()[:1], ("x",)), P(),
+                                                        memory_kind="device"), kind)
+        slots = ExpertSlots.empty(host, 4)
+        for _ in range(60):
+            layer = int(rng.integers(3))
+            wanted = rng.choice(8, int(rng.integers(1, 5)), replace=False)
+            slot_of, _ = slots.load(host, layer, wanted)
+            assert slot_map_is_injective(slots, layer, slot_of)
+            assert set(np.flatnonzero(slot_of >= 0)) >= set(wanted.tolist())
+            got = np.asarray(slots.buffers["w"])[slot_of[wanted], 0, 0]
+            np.testing.assert_array_equal(got, 10 * layer + wanted)
+        assert not slot_map_is_injective(slots, 0, np.array([0, 0] + [-1] * 6))
 
     # Batch 2 of one-token prompts: at most 2k = 4 experts per layer, in 4 slots.
     specs = [SequenceSpec(prompt=(7,), max_new_tokens=8), SequenceSpec(prompt=(9,), max_new_tokens=8)]
@@ -289,8 +294,7 @@ def test_slot_maps_never_alias(demo, monkeypatch):
 
     def checked_load(layer, wanted):
         slot_of, copied = load(layer, wanted)
-        checked.append(runner_lib.slot_map_is_injective(runner.slot_buffers[layer % 2], layer,
-                                                        slot_of))
+        checked.append(slot_map_is_injective(runner.slots.slots(layer), layer, slot_of))
         return slot_of, copied
 
     monkeypatch.setattr(runner, "_load", checked_load)

@@ -226,3 +226,30 @@ def test_a_sync_ep_server_holds_one_placement(pair):
                     backend_options={"replicas": 1.5}, **OPTS)
     assert "own expert layout" in own.shared_with_scorer["weights"]
     assert own.scheduler.runner.placement is not backend.placement
+
+
+def test_an_offload_server_holds_one_placement(pair, reference):
+    """offload scoring and offload decode (with or without prefetch) on one device run on
+    one OffloadPlacement: the dense weights on the device and the experts in host memory
+    once, copied in by the scoring window and by decode's slots alike. Generation reads
+    the prompt blocks scoring wrote, and tokens and scores are resident's."""
+    _, _, plain, system = pair
+    scorer = Scorer("demo", backend="offload", prefix_cache_blocks=32, **OPTS)
+    gen = Generator("demo", share_with=scorer, backend="offload", max_batch_size=2, **OPTS)
+    assert gen.shared_with_scorer == {"weights": "shared", "kv_pool": "shared"}
+    runner, backend = gen.scheduler.runner, scorer.engine.backend
+    assert runner.placement is backend.placement
+    assert runner.slots.host is backend.host_experts is backend.placement.host
+    request = {"prompt_token_ids": system, "candidate_token_ids": [[5]]}
+    [got] = scorer.score([request])
+    [want] = reference.score([request])
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
+    hits = gen.scheduler.stats["prefix_hit_tokens"]
+    prompt = _request(system + [7, 8, 9])
+    assert gen.generate([prompt])[0].token_ids == plain.generate([prompt])[0].token_ids
+    assert gen.scheduler.stats["prefix_hit_tokens"] == hits + 32
+    assert runner.experts_copied > 0
+    ahead = Generator("demo", share_with=scorer, backend="offload", prefetch="oracle",
+                      max_batch_size=2, **OPTS)
+    assert ahead.scheduler.runner.placement is backend.placement
+    assert ahead.generate([prompt])[0].token_ids == plain.generate([prompt])[0].token_ids

@@ -1,9 +1,11 @@
 """``offload`` and ``hybrid``: expert weights live in host memory and stream to the devices.
 
-Both keep the attention weights (and everything else that is not an expert) on the
-device, and hold every layer's experts in host memory (the ``pinned_host`` memory
-kind where the platform has it). A window of W layers of experts is on the device
-at any time: the copy of layer l+W is issued as soon as layer l has finished, so it
+Both run on an :class:`~moejax.offload.OffloadPlacement` (the one the offload decode
+runners run on too): the attention weights (and everything else that is not an expert)
+on the device, every layer's experts in host memory once (the ``pinned_host`` memory
+kind where the platform has it). A window of W layers of experts
+(:class:`~moejax.offload.ExpertWindow`, scoring's policy over the expert slots) is on
+the device at any time: the copy of layer l+W is issued as soon as layer l has finished, so it
 runs while layers l+1 … l+W-1 compute (JAX dispatch is asynchronous; copies from
 pinned host memory go over their own DMA engine on a GPU). The window is cyclic:
 while a step computes its last layers, the first layers of the next step are
@@ -57,163 +59,36 @@ as on a fresh backend.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax import model as model_lib
 from moejax import moe
 from moejax.attention_kinds import PackedCausal, PrefixContext, PrefixPooled
 from moejax.backends import xla_flags
-from moejax.backends.async_ep import AXIS, pad_experts
+from moejax.backends.async_ep import AXIS
 from moejax.backends.base import (BackendError, MemoryReport, MeshBackend,
-                                  StepOutput, dense_bytes, expert_bytes_per_layer,
-                                  require_devices, stack_batches, unstack_outputs, validated)
+                                  StepOutput, require_devices, stack_batches, unstack_outputs)
 from moejax.config import ModelConfig
 from moejax.kv import KVPool
 from moejax.dispatch import (ExpertWeights, GatheredAhead, GivenExperts, gather_layer,
                              local_dispatcher)
 from moejax.distributed import place_local_ranks
 from moejax.model import ForwardOptions, PackedBatch
-from moejax.param_layout import Params, split_experts
+from moejax.offload.host import LayerArrays
+from moejax.offload.placement import OffloadPlacement
+from moejax.offload.slots import free
+from moejax.offload.window import ExpertWindow
+from moejax.param_layout import Params
 
 DEFAULT_WINDOW = 2
 # Layer programs the host dispatches ahead of the one it waits for (see the docstring).
 DEFAULT_SYNC_LAG = 1
-HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
-
-LayerArrays = dict[str, jax.Array]
-
-
-def host_memory_kind(device: jax.Device) -> str | None:
-    """The best host memory kind ``device`` can address, or None (host NumPy then)."""
-    kinds = {m.kind for m in device.addressable_memories()}
-    return next((k for k in HOST_MEMORY_KINDS if k in kinds), None)
-
-
-def free(arrays: LayerArrays) -> None:
-    """Delete device buffers now rather than when Python drops them."""
-    for array in arrays.values():
-        if not array.is_deleted():
-            array.delete()
-
-
-def wait_quietly(arrays: Iterable[jax.Array]) -> None:
-    """Wait until nothing is computing into ``arrays`` (their own errors are the failed
-    step's, already raised)."""
-    for array in arrays:
-        try:
-            if not array.is_deleted():
-                array.block_until_ready()
-        except Exception:    # noqa: BLE001  (a failed producer: nothing left running)
-            pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Dispatched:
-    """A program the host has dispatched and not yet seen finish: ``done`` (one of its
-    outputs) is ready when it has, and it is the last reader of ``release`` (window
-    arrays) and ``drop`` (gathered layers), freed then."""
-
-    done: jax.Array
-    release: tuple[LayerArrays, ...] = ()
-    drop: tuple[LayerArrays, ...] = ()
-
-
-# ------------------------------------------------------------ the window
-class ExpertWindow:
-    """The cyclic window of W layers of experts (or expert shards) on the device(s).
-
-    Copies are issued in layer order (0, 1, …, L-1, 0, …) and taken in that order;
-    releasing a taken layer frees it and issues the next copy. The window also keeps
-    track of the arrays a step holds (taken layers, and the layers gathered from
-    them, ``adopt``) and of the programs reading them (:meth:`dispatched`, freed by
-    :meth:`settle`), so that :meth:`reset` can free them after a failed step."""
-
-    def __init__(self, host_layers: Sequence[Any], sharding: NamedSharding, size: int):
-        self._host_layers = host_layers
-        self._sharding = sharding
-        self.size = size
-        self._incoming: collections.deque[tuple[int, LayerArrays]] = collections.deque()
-        self._taken: list[LayerArrays] = []
-        self._adopted: list[LayerArrays] = []
-        self._dispatched: collections.deque[Dispatched] = collections.deque()
-        self._next_layer = 0
-        self.fill()
-
-    def fill(self) -> None:
-        """Issue copies until W layers are on their way or taken (after a reset: layers
-        0 … W-1)."""
-        while len(self._incoming) + len(self._taken) < self.size:
-            layer = self._next_layer % len(self._host_layers)
-            self._next_layer += 1
-            arrays = jax.device_put(self._host_layers[layer], self._sharding)
-            self._incoming.append((layer, arrays))
-
-    def take(self, layer: int) -> LayerArrays:
-        """Layer ``layer``'s experts (their copy may still be in flight)."""
-        if not self._incoming:
-            raise RuntimeError(f"expert window empty: wanted layer {layer}")
-        held, arrays = self._incoming[0]
-        if held != layer:
-            raise RuntimeError(f"expert window out of order: wanted layer {layer}, holds {held}")
-        self._incoming.popleft()
-        self._taken.append(arrays)
-        return arrays
-
-    def release(self, arrays: LayerArrays) -> None:
-        """Free a finished layer's experts now and copy in the next layer."""
-        self._taken = [a for a in self._taken if a is not arrays]
-        free(arrays)
-        self.fill()
-
-    def adopt(self, arrays: LayerArrays) -> LayerArrays:
-        """Hold arrays made from taken ones (a gathered layer) until :meth:`drop`."""
-        self._adopted.append(arrays)
-        return arrays
-
-    def drop(self, arrays: LayerArrays) -> None:
-        self._adopted = [a for a in self._adopted if a is not arrays]
-        free(arrays)
-
-    def dispatched(self, done: jax.Array, release: Sequence[LayerArrays] = (),
-                   drop: Sequence[LayerArrays] = ()) -> None:
-        """Note a program just dispatched: once :meth:`settle` has seen ``done`` ready,
-        ``release`` goes back to the window and ``drop`` is freed."""
-        self._dispatched.append(Dispatched(done, tuple(release), tuple(drop)))
-
-    def settle(self, lag: int) -> None:
-        """Wait for the oldest dispatched programs, oldest first, until at most ``lag``
-        are left that the host has not seen finish; free what each read (which issues
-        the next copies). ``lag=0``: wait for all of them."""
-        while len(self._dispatched) > lag:
-            program = self._dispatched[0]
-            jax.block_until_ready(program.done)
-            self._dispatched.popleft()
-            for arrays in program.drop:        # gathered layers first: the freed bytes
-                self.drop(arrays)              # are never beside the next copy's
-            for arrays in program.release:
-                self.release(arrays)
-
-    def reset(self) -> None:
-        """Forget a failed step: wait out the copies and programs still writing or
-        reading the window's arrays, free them all, and start again at layer 0 (the
-        copies are issued by the next :meth:`fill`)."""
-        held = [arrays for _, arrays in self._incoming] + self._taken + self._adopted
-        running = [program.done for program in self._dispatched]
-        wait_quietly(itertools.chain(running, (a for arrays in held for a in arrays.values())))
-        for arrays in held:
-            free(arrays)
-        self._incoming.clear()
-        self._dispatched.clear()
-        self._taken, self._adopted = [], []
-        self._next_layer = 0
 
 
 # ------------------------------------------------------------ per-layer programs
@@ -302,9 +177,12 @@ class StreamedBackend(MeshBackend):
     # programs pass the family's activation: GPT-OSS streams like any family.
     serves_expert_bias = True
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
-                 devices: int = 1, window: int = DEFAULT_WINDOW,
-                 sync_lag: int = DEFAULT_SYNC_LAG, track_memory: bool = False):
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *,
+                 dtype: Any = jnp.float32, devices: int = 1, window: int = DEFAULT_WINDOW,
+                 sync_lag: int = DEFAULT_SYNC_LAG, track_memory: bool = False,
+                 placement: OffloadPlacement | None = None):
+        if placement is not None:
+            dtype = placement.dtype
         super().__init__(cfg, dtype=dtype)
         self._devices = require_devices(self.name, devices)
         # With several devices a layer's shards and the next layer's are held together.
@@ -320,40 +198,29 @@ class StreamedBackend(MeshBackend):
         self.sync_lag = self._usable_lag(sync_lag)
         if len(self._devices) > 1:
             xla_flags.warn_if_overlap_flags_missing(self.name)
-        self.mesh = Mesh(np.array(self._devices), (AXIS,))
+        self.placement = OffloadPlacement.resolve(self.name, cfg, params, self.dtype,
+                                                  self._devices, placement)
+        self.mesh = self.placement.mesh
         self.gather = len(self._devices) > 1
         self.track_memory = track_memory
         self.peak_window_bytes = 0
-
-        host = validated(params, cfg, self.dtype)
-        dense_layers, experts = split_experts(host["layers"])
-        if self.gather:
-            experts = pad_experts(experts, len(self._devices))
-        self._replicated = NamedSharding(self.mesh, P())
-        self.params = jax.device_put({**{k: v for k, v in host.items() if k != "layers"},
-                                      "layers": dense_layers}, self._replicated)
-        layer_spec = P(AXIS) if self.gather else P()
-        self.host_kind = host_memory_kind(self._devices[0])
-        self._device_layer = NamedSharding(self.mesh, layer_spec, memory_kind="device")
-        host_layer = (NamedSharding(self.mesh, layer_spec, memory_kind=self.host_kind)
-                      if self.host_kind else None)
-        # One host copy per layer (pinned where possible), copied in as a unit.
-        self.host_experts = [
-            {k: (jax.device_put(v[layer], host_layer) if host_layer
-                 else np.ascontiguousarray(v[layer]))
-             for k, v in experts.items()}
-            for layer in range(cfg.num_layers)]
+        self._replicated = self.placement.replicated
+        self.params = self.placement.params
+        self.host_experts = self.placement.host
+        self.host_kind = self.host_experts.memory_kind
+        self._device_layer = self.host_experts.device_sharding
         self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
         self._programs: dict[Any, Any] = {}
         # Placed once: an index made per layer would be a host->device copy per layer.
         self._layer_index = [jax.device_put(np.int32(layer), self._replicated)
                              for layer in range(cfg.num_layers)]
 
-        self._memory = self._memory_report(host, experts)
-        self._expert_shapes = {tuple(v.shape[1:]) for v in experts.values()} | {
-            tuple(v.shape[1:]) for v in split_experts(host["layers"])[1].values()}
+        self._memory = self._memory_report()
+        stored = self.host_experts.expert_shapes
+        self._expert_shapes = {(n, *shape) for shape in stored.values()
+                               for n in (self.host_experts.num_experts, cfg.num_experts)}
         self._foreign = {id(a) for a in self._live_expert_arrays()}  # not ours: never counted
-        self._window = ExpertWindow(self.host_experts, self._device_layer, self.window)
+        self._window = ExpertWindow(self.host_experts, self.window)
 
     def _usable_lag(self, requested: int) -> int:
         """The lag the layer loop runs with: at most W-1 (the layers dispatched ahead
@@ -362,15 +229,15 @@ class StreamedBackend(MeshBackend):
             return 0
         return min(requested, self.window - 1)
 
-    def _memory_report(self, host: Params, experts: dict[str, np.ndarray]) -> MemoryReport:
-        cfg, window = self.cfg, self.window
-        per_layer = expert_bytes_per_layer(host)
-        padded_layer = per_layer * experts["w_gate"].shape[1] // cfg.num_experts
+    def _memory_report(self) -> MemoryReport:
+        cfg, window, placement = self.cfg, self.window, self.placement
+        per_layer = placement.expert_bytes_per_layer
+        padded_layer = per_layer * placement.host.num_experts // cfg.num_experts
         window_layer = padded_layer // len(self._devices)
         # hybrid: the layer a program runs, the one it gathers, and one per lagged program.
         gathered = (2 + self.sync_lag) * per_layer if self.gather else 0
         return MemoryReport(
-            dense_weight_bytes=dense_bytes(host),
+            dense_weight_bytes=placement.dense_weight_bytes,
             expert_weight_bytes=window * window_layer + gathered,
             expert_bytes_all_layers=per_layer * cfg.num_layers,
             host_weight_bytes=per_layer * cfg.num_layers,
@@ -455,7 +322,7 @@ class StreamedBackend(MeshBackend):
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """The layer program (one for every layer but the last) and the last layer's."""
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
-        host_layer = self.host_experts[0]
+        host_layer = self.host_experts.layers[0]
         held = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=self._device_layer)
                 for k, v in host_layer.items()}
         whole = {k: jax.ShapeDtypeStruct((self.cfg.num_experts,) + tuple(np.shape(v)[1:]),
@@ -543,14 +410,14 @@ class StreamedBackend(MeshBackend):
         and with several devices also their all-gather: the slower of the two."""
         from moejax.calibrate import median_seconds
 
-        layer = self.host_experts[min(1, self.cfg.num_layers - 1)]
+        layer = min(1, self.cfg.num_layers - 1)
 
         def copy_in():
-            free(jax.block_until_ready(jax.device_put(layer, self._device_layer)))
+            free(jax.block_until_ready(self.host_experts.layer_to_device(layer)))
 
         timings = {"host_to_device": median_seconds(copy_in, repeats)}
         if self.gather:
-            shards = jax.device_put(layer, self._device_layer)
+            shards = self.host_experts.layer_to_device(layer)
             timings["all_gather"] = median_seconds(
                 lambda: free(jax.block_until_ready(self._gather_first(shards))), repeats)
             free(shards)
@@ -569,7 +436,8 @@ class OffloadBackend(StreamedBackend):
     name = "offload"
     holds_prefix_pool = True
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, devices: int = 1, **options: Any):
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, devices: int = 1,
+                 **options: Any):
         if devices != 1:
             raise BackendError(f"backend 'offload' runs on one device, got devices={devices}; "
                                f"use 'hybrid' to stream expert shards to several")

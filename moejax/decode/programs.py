@@ -34,7 +34,7 @@ from moejax import model, moe, sampling
 from moejax.config import ModelConfig
 from moejax.decode.paged import PagedRows
 from moejax.kv import KVPool
-from moejax.dispatch import StackedExperts, local_dispatcher
+from moejax.dispatch import GivenExperts, StackedExperts, local_dispatcher
 from moejax.moe import ExpertImpl
 from moejax.param_layout import ALL_EXPERT_KEYS, Params
 
@@ -183,16 +183,21 @@ def attention_program(params: Params, layer: Int[Array, ""], x: Float[Array, "BC
     return x, attn.carry(), moe_in, layers_lib.route_layer(p, moe_in, cfg, layer)
 
 
-def moe_program(experts: dict[str, jax.Array], layer: Int[Array, ""], x: Float[Array, "BC d"],
-                moe_in: Float[Array, "BC d"], routing: moe.Routing, valid: Bool[Array, "BC"],
-                *, opts: StepOptions, activation: moe.ClampedSwiGLU | None = None
-                ) -> jax.Array:
+def moe_program(experts: dict[str, jax.Array], layer: Int[Array, ""] | None,
+                x: Float[Array, "BC d"], moe_in: Float[Array, "BC d"], routing: moe.Routing,
+                valid: Bool[Array, "BC"], *, opts: StepOptions,
+                activation: moe.ClampedSwiGLU | None = None) -> jax.Array:
     """x + the MoE output under ``routing``, with ``experts`` stacked [L', E', ...] (the
-    resident stack, or a slot buffer with its own expert numbering) at ``layer``
-    (``activation``: the family's expert activation, ``moe.expert_activation_of``)."""
+    resident stack) at ``layer``, or, with ``layer`` None, one layer's [E', ...] (an
+    offload slot buffer, with its own expert numbering) (``activation``: the family's
+    expert activation, ``moe.expert_activation_of``)."""
     _COMPILES["layerwise_moe"] += 1
-    dispatcher = local_dispatcher(StackedExperts(experts), experts["w_gate"].shape[1],
-                                  opts.expert_impl, opts.tile_rows, activation=activation)
+    if layer is None:
+        source, num_experts = GivenExperts(experts), experts["w_gate"].shape[0]
+    else:
+        source, num_experts = StackedExperts(experts), experts["w_gate"].shape[1]
+    dispatcher = local_dispatcher(source, num_experts, opts.expert_impl, opts.tile_rows,
+                                  activation=activation)
     y, _ = dispatcher.apply(layer, moe_in, routing, valid, dispatcher.init_carry())
     return x + y
 

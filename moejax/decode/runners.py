@@ -5,12 +5,13 @@ over the paged pool (:meth:`DecodeRunner.run`): the step, then the write of its 
 keys/values into the pool (donated: in place). Runners by backend name:
 
 * ``resident`` — every weight on one device; ``fused`` or ``layerwise`` steps.
-* ``offload`` — experts in host memory (pinned where the platform has it), one buffer
-  per (layer, expert): a layerwise step looks at each layer's routing and copies only
-  the experts its rows chose into a device slot buffer (:class:`ExpertSlots`: an
-  expert-id → slot map; two buffers alternate by layer parity, so the copy of layer
-  l+1 may overlap layer l's compute), then runs the MoE on the slots with the routing
-  renumbered. Only layerwise steps (a fused program cannot ask the host what to copy).
+* ``offload`` — the offload placement (``moejax.offload``: dense weights on the device,
+  experts in host memory once, the same placement the ``offload`` scoring backend runs
+  on): a layerwise step looks at each layer's routing and copies only the experts its
+  rows chose into a device slot buffer (``moejax.offload.AlternatingSlots``: two
+  buffers alternate by layer parity, so the copy of layer l+1 may overlap layer l's
+  compute), then runs the MoE on the slots with the routing renumbered. Only layerwise
+  steps (a fused program cannot ask the host what to copy).
 * ``sync_ep`` — ``moejax.decode.sync_ep`` (data-parallel attention, expert-parallel MoE).
 
 :func:`moejax.decode.factory.make_runner` builds the runner of a backend name.
@@ -33,14 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import moe, sampling
-from moejax.backends.base import BackendError, check_expert_bias, one_device, validated
+from moejax.backends.base import BackendError, check_expert_bias, one_device
 from moejax.backends.resident import ResidentPlacement
-from moejax.backends.streamed import host_memory_kind
 from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.kv import WRITE_ROWS, KVPool, block_bytes, empty_pool
 from moejax.decode.programs import LayerwiseStep, PagedBatch, StepOptions, StepResult
-from moejax.param_layout import Params, expert_names, split_experts
+from moejax.offload.alternating import AlternatingSlots
+from moejax.offload.placement import OffloadPlacement
+from moejax.offload.slots import RENUMBER_EXPERTS
+from moejax.param_layout import Params, expert_names
 
 STEP_MODES = ("fused", "layerwise")
 LayerHook = Callable[[int, moe.Routing], "moe.Routing | None"]
@@ -110,9 +113,10 @@ class DecodeRunner(abc.ABC):
 
     @abc.abstractmethod
     def layer_experts(self, layer: int, routing: moe.Routing, valid: jax.Array
-                      ) -> tuple[dict[str, jax.Array], int, moe.Routing]:
-        """The experts layer ``layer`` runs with under ``routing``: (a stack [L', E', ...],
-        the index into it, the routing renumbered for that stack)."""
+                      ) -> tuple[dict[str, jax.Array], int | None, moe.Routing]:
+        """The experts layer ``layer`` runs with under ``routing``: (a stack [L', E', ...]
+        and the index into it, or one layer's experts [E', ...] and None; the routing
+        renumbered for them)."""
 
     def attend(self, layer: int, state: LayerwiseStep, kv: KVPool
                ) -> tuple[jax.Array, jax.Array, moe.Routing]:
@@ -138,8 +142,9 @@ class DecodeRunner(abc.ABC):
         for layer in range(cfg.num_layers):
             x, moe_in, routing = self.attend(layer, state, kv)
             stack, at, routing = self.layer_experts(layer, routing, batch.valid)
-            state.x = programs.MOE(stack, np.int32(at), x, moe_in, routing, batch.valid,
-                                   opts=opts, activation=moe.expert_activation_of(cfg))
+            state.x = programs.MOE(stack, None if at is None else np.int32(at), x, moe_in,
+                                   routing, batch.valid, opts=opts,
+                                   activation=moe.expert_activation_of(cfg))
         tokens = programs.HEAD(dense, state.x, batch, samp, cfg=cfg)
         return state.result(tokens, opts.router_inputs)
 
@@ -186,118 +191,49 @@ class ResidentRunner(DecodeRunner):
 
 
 # ----------------------------------------------------------------------------- offload
-def _set_slot(buffer: jax.Array, slot: jax.Array, weights: jax.Array) -> jax.Array:
-    return buffer.at[0, slot].set(weights)
-
-
-_SET_SLOT = jax.jit(_set_slot, donate_argnums=0)
-# An expert-id -> slot map applied to a routing's expert ids (offload and prefetch runners).
-RENUMBER_EXPERTS = jax.jit(lambda slot_of, experts: slot_of[experts])
-
-
-@dataclasses.dataclass
-class ExpertSlots:
-    """A device buffer of ``num_slots`` expert slots ([1, S, ...] per weight name) and
-    which (layer, expert) each slot holds."""
-
-    buffers: dict[str, jax.Array]
-    held: list[tuple[int, int] | None]
-
-    @classmethod
-    def empty(cls, shapes: dict[str, tuple[int, ...]], num_slots: int, dtype: Any,
-              device: Any) -> "ExpertSlots":
-        buffers = {k: jnp.zeros((1, num_slots, *shape), dtype, device=device)
-                   for k, shape in shapes.items()}
-        return cls(buffers=buffers, held=[None] * num_slots)
-
-    def load(self, layer: int, wanted: np.ndarray, host: list[list[dict[str, Any]]],
-             device: Any, num_experts: int) -> tuple[np.ndarray, int]:
-        """Make every expert of ``wanted`` (layer ``layer``) resident -> (the slot of
-        each expert id [E] (-1: absent), how many were copied)."""
-        slot_of = np.full(num_experts, -1, np.int32)
-        for slot, held in enumerate(self.held):
-            if held is not None and held[0] == layer:
-                slot_of[held[1]] = slot
-        missing = [int(e) for e in wanted if slot_of[e] < 0]
-        keep = {int(slot_of[e]) for e in wanted if slot_of[e] >= 0}
-        spare = (s for s in range(len(self.held)) if s not in keep)
-        for expert in missing:
-            slot = next(spare)
-            if self.held[slot] is not None and self.held[slot][0] == layer:
-                slot_of[self.held[slot][1]] = -1
-            for name, array in host[layer][expert].items():
-                on_device = jax.device_put(array, device)
-                self.buffers[name] = _SET_SLOT(self.buffers[name], np.int32(slot), on_device)
-            self.held[slot] = (layer, expert)
-            slot_of[expert] = slot
-        return slot_of, len(missing)
-
-
 class OffloadRunner(DecodeRunner):
-    """Dense weights on the device; each (layer, expert) in host memory, copied on demand
-    into alternating slot buffers (module docstring)."""
+    """Dense weights on the device; the experts in host memory
+    (:class:`~moejax.offload.OffloadPlacement`, built here from ``params`` or handed in:
+    the one an offload scoring backend on the device runs on), copied on demand into
+    alternating slot buffers (:class:`~moejax.offload.AlternatingSlots`; module
+    docstring)."""
 
     name = "offload"
     steps = ("layerwise",)
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any, opts: StepOptions,
-                 devices: int = 1, expert_slots: int | None = None, device: Any = None):
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, dtype: Any,
+                 opts: StepOptions, devices: int = 1, expert_slots: int | None = None,
+                 device: Any = None, placement: OffloadPlacement | None = None):
+        if placement is not None:
+            dtype = placement.dtype
         super().__init__(cfg, dtype=dtype, opts=opts)
         if devices != 1:
             raise BackendError(f"backend 'offload' decodes on one device, got "
                                f"devices={devices}")
+        if placement is not None and device is None:
+            device = placement.devices[0]
         self._device = one_device(self.name, device)
-        self._on_device = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device")
-        host = validated(params, cfg, self.dtype)
-        dense_layers, experts = split_experts(host["layers"])
-        self.dense_params = jax.device_put({**host, "layers": dense_layers}, self._device)
-        self.host_kind = host_memory_kind(self._device)
-        place = (jax.sharding.SingleDeviceSharding(self._device, memory_kind=self.host_kind)
-                 if self.host_kind else None)
-        # One host buffer per (layer, expert): a step copies just the experts it needs.
-        self.host_experts = [
-            [{k: (jax.device_put(np.ascontiguousarray(v[layer, e]), place) if place
-                  else np.ascontiguousarray(v[layer, e])) for k, v in experts.items()}
-             for e in range(cfg.num_experts)]
-            for layer in range(cfg.num_layers)]
-        slots = cfg.num_experts if expert_slots is None else expert_slots
-        if not isinstance(slots, int) or not 1 <= slots <= cfg.num_experts:
-            raise BackendError(f"backend 'offload': expert_slots must be an integer in "
-                               f"[1, {cfg.num_experts}], got {expert_slots!r}")
-        shapes = {k: tuple(v.shape[2:]) for k, v in experts.items()}
-        self.slot_buffers = [ExpertSlots.empty(shapes, slots, self.dtype, self._device)
-                             for _ in range(2)]
-        self.experts_copied = 0
+        self.placement = OffloadPlacement.resolve(self.name, cfg, params, self.dtype,
+                                                  (self._device,), placement)
+        self.dense_params = self.placement.params
+        self.slots = AlternatingSlots(self.placement.host, expert_slots)
 
     @property
     def device(self) -> Any:
         return self._device
 
-    def precompile(self) -> None:
-        """Compile the slot copy (padding rows copy no expert) by loading one expert into
-        each buffer; the buffers then count as empty again."""
-        for slots in self.slot_buffers:
-            slots.load(0, np.zeros(1, np.int64), self.host_experts, self._on_device,
-                       self.cfg.num_experts)
-            slots.held = [None] * len(slots.held)
+    @property
+    def experts_copied(self) -> int:
+        """Experts copied host -> device so far, by every step."""
+        return self.slots.experts_copied
 
-    def load_layer(self, layer: int, wanted: np.ndarray) -> tuple[np.ndarray, int]:
-        """Make layer ``layer``'s experts ``wanted`` resident in its slot buffer -> (the
-        slot of each expert id [E] (-1: absent), how many were copied)."""
-        slots = self.slot_buffers[layer % 2]
-        if len(wanted) > len(slots.held):
-            raise BackendError(f"backend 'offload': layer {layer} needs {len(wanted)} experts "
-                               f"at once, more than expert_slots={len(slots.held)}")
-        slot_of, copied = slots.load(layer, wanted, self.host_experts, self._on_device,
-                                     self.cfg.num_experts)
-        self.experts_copied += copied
-        return slot_of, copied
+    def precompile(self) -> None:
+        self.slots.precompile()
 
     def layer_experts(self, layer: int, routing: moe.Routing, valid: jax.Array
-                      ) -> tuple[dict[str, jax.Array], int, moe.Routing]:
+                      ) -> tuple[dict[str, jax.Array], None, moe.Routing]:
         ids = np.asarray(routing.experts)[np.asarray(valid)]
-        slots = self.slot_buffers[layer % 2]
-        slot_of, _ = self.load_layer(layer, np.unique(ids))
+        slot_of, _ = self.slots.load(layer, np.unique(ids))
         # Experts no valid row chose map to slot 0: their rows are kept out of the MoE.
         renumbered = RENUMBER_EXPERTS(np.maximum(slot_of, 0), routing.experts)
-        return slots.buffers, 0, dataclasses.replace(routing, experts=renumbered)
+        return self.slots.buffers(layer), None, dataclasses.replace(routing, experts=renumbered)

@@ -1,8 +1,9 @@
 """The offload decode runner with expert prefetch (the seed's Algorithm 1).
 
 Each (layer, expert) lives in host memory (``OffloadRunner``); a decode step copies the
-experts a layer needs into one of two device slot buffers (:class:`ExpertSlots`, the
-expert-id -> slot map), alternating by layer parity. With a predictor, layer l's
+experts a layer needs into one of two device slot buffers
+(``moejax.offload.AlternatingSlots``: the expert-id -> slot map), alternating by layer
+parity. With a predictor, layer l's
 attention output also predicts layer l+1's top-k (``moejax.prefetch.predictors``);
 the host enqueues layer l's experts first, then reads the predicted ids and copies
 those experts into the other buffer, so on a GPU the copy runs while layer l computes.
@@ -36,7 +37,9 @@ from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.kv import KVPool
 from moejax.decode.programs import LayerwiseStep, PagedBatch, StepOptions, StepResult
-from moejax.decode.runners import RENUMBER_EXPERTS, ExpertSlots, OffloadRunner
+from moejax.decode.runners import OffloadRunner
+from moejax.offload.placement import OffloadPlacement
+from moejax.offload.slots import RENUMBER_EXPERTS
 from moejax.param_layout import Params
 from moejax.prefetch import files as files_lib
 from moejax.prefetch import predictors
@@ -104,15 +107,17 @@ class PrefetchRunner(OffloadRunner):
     """``OffloadRunner`` whose decode steps prefetch the next layer's predicted experts
     (module docstring). ``prefetch="none"`` copies on demand, with the same statistics."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any, opts: StepOptions,
-                 devices: int = 1, expert_slots: int | None = None, device: Any = None,
+    def __init__(self, cfg: ModelConfig, params: Params | None = None, *, dtype: Any,
+                 opts: StepOptions, devices: int = 1, expert_slots: int | None = None,
+                 device: Any = None, placement: OffloadPlacement | None = None,
                  prefetch: str = "none", prefetch_mode: str = "exact",
                  prefetch_files: Any = (), track_memory: bool = False):
         check_choice(prefetch, prefetch_mode)
         super().__init__(cfg, params, dtype=dtype, opts=opts, devices=devices,
-                         expert_slots=expert_slots, device=device)
+                         expert_slots=expert_slots, device=device, placement=placement)
         self.prefetch, self.mode = prefetch, prefetch_mode
-        loaded = files_lib.load_files(prefetch_files, cfg, params)
+        # The files check the router they were fit to (the placement's dense weights).
+        loaded = files_lib.load_files(prefetch_files, cfg, self.dense_params)
         files_lib.check_needs(prefetch, loaded)
         estimator = loaded.estimator
         self.tables = predictors.make_tables(
@@ -120,10 +125,8 @@ class PrefetchRunner(OffloadRunner):
             None if estimator is None else estimator.params,
             () if estimator is None else estimator.hybrid_layers, self._device)
         self.track_memory = bool(track_memory)
-        self.expert_bytes = sum(int(np.prod(b.shape[2:])) * b.dtype.itemsize
-                                for b in self.slot_buffers[0].buffers.values())
-        self._slot_shapes = {tuple(b.shape) for b in self.slot_buffers[0].buffers.values()}
-        self._slot_shapes |= {tuple(b.shape[2:]) for b in self.slot_buffers[0].buffers.values()}
+        self.expert_bytes = self.placement.host.expert_bytes
+        self._slot_shapes = self.slots.shapes()
         self.stats = PrefetchStats(cfg.num_layers)
         self._copied_by_layer = np.zeros(cfg.num_layers, np.int64)
 
@@ -140,7 +143,7 @@ class PrefetchRunner(OffloadRunner):
 
     # ---------------------------------------------------------------- copies
     def _load(self, layer: int, wanted: np.ndarray) -> tuple[np.ndarray, int]:
-        slot_of, copied = self.load_layer(layer, wanted)
+        slot_of, copied = self.slots.load(layer, wanted)
         if self.track_memory:
             self.stats.peak_expert_bytes = max(self.stats.peak_expert_bytes,
                                                self.live_expert_bytes())
@@ -159,7 +162,7 @@ class PrefetchRunner(OffloadRunner):
             routing = moe.Routing(weights=predicted[0], experts=predicted[1])
             ids = np.asarray(predicted[1])[valid]
             wanted, counts = np.unique(ids, return_counts=True)
-            room = len(self.slot_buffers[layer % 2].held)
+            room = self.slots.num_slots
             if len(wanted) > room:
                 if self.mode == "speculative":
                     raise BackendError(f"backend 'offload': speculative prefetch of layer "
@@ -228,7 +231,7 @@ class PrefetchRunner(OffloadRunner):
                                                routing.experts, routing.weights,
                                                kind=self.prefetch, cfg=cfg)
             renumbered = RENUMBER_EXPERTS(np.maximum(slot_of, 0), used.experts)
-            state.x = programs.MOE(self.slot_buffers[layer % 2].buffers, np.int32(0), x, moe_in,
+            state.x = programs.MOE(self.slots.buffers(layer), None, x, moe_in,
                                    dataclasses.replace(used, experts=renumbered), batch.valid,
                                    opts=opts)
             # Layer l's experts are enqueued: copy layer l+1's while they compute.
@@ -273,13 +276,5 @@ def check_choice(prefetch: Any, mode: Any) -> None:
                            f"{predictors.LEARNED} or 'oracle')")
 
 
-def slot_map_is_injective(slots: ExpertSlots, layer: int, slot_of: np.ndarray) -> bool:
-    """Whether ``slot_of`` maps distinct experts to distinct slots, each holding it."""
-    present = np.flatnonzero(slot_of >= 0)
-    targets = slot_of[present]
-    return (len(set(targets.tolist())) == len(targets)
-            and all(slots.held[s] == (layer, int(e)) for e, s in zip(present, targets)))
-
-
 __all__: Sequence[str] = ("PrefetchRunner", "PrefetchStats", "MODES", "CHOICES",
-                          "check_choice", "slot_map_is_injective")
+                          "check_choice")
