@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ import numpy as np
 
 from moejax import checkpoint, distributed
 from moejax.backends import backend_class, make_backend
-from moejax.backends.base import require_devices
+from moejax.backends.base import PREFIX_POOL_BACKENDS, require_devices
 from moejax.calibrate import (DEFAULT_REFERENCE_SEQUENCE, DEFAULT_REFERENCE_TOKENS, Calibration,
                               calibrate, fallback_theta, uncalibrated)
 from moejax.core.engine_pool import EnginePool, OpTiming
@@ -133,6 +134,7 @@ class Scorer:
         del params  # the backends hold the placed copies
         self.engine = self.engines[0]
         self.calibration = self._calibrate(self.engine.backend, policy.max_batch_tokens)
+        self._route_ranks()
         self.pool = None
         if len(self.engines) > 1:
             theta = self.calibration.theta or fallback_theta(self.config, policy.max_batch_tokens)
@@ -140,6 +142,16 @@ class Scorer:
                                  theta=theta, seed=self.options.routing_seed)
             self.pool = EnginePool(self.engines, router)
             self.pool.router_theta = theta
+
+    def _route_ranks(self) -> None:
+        """An engine of several data-parallel ranks with a prefix pool routes a call's
+        ops over its ranks by the Scorer's ``routing``, each rank a target with a Θ of its
+        own: the Scorer's Θ (calibrated on the backend, whose step runs one batch per
+        rank; else one full batch of work)."""
+        theta = self.calibration.theta or math.inf
+        for engine in self.engines:
+            if engine.rank_router is not None:
+                engine.route_ranks(self.options.routing, theta, seed=self.options.routing_seed)
 
     def _engine(self, params, dtype, policy: BucketPolicy, index: int) -> Engine:
         """Engine ``index``: with several engines, a resident backend on device ``index``."""
@@ -164,7 +176,8 @@ class Scorer:
         holds = backend_class(backend).holds_prefix_pool
         if opts.share_prompts is True and not holds:
             raise ValueError(f"share_prompts=true needs a backend that holds a prefix pool "
-                             f"(resident, offload); backend {backend!r} does not (use "
+                             f"({', '.join(PREFIX_POOL_BACKENDS)}); backend {backend!r} "
+                             f"does not (use "
                              f"share_prompts='auto' or false)")
         if opts.share_prompts is False and (opts.kv_cache_free or opts.prefix_cache_blocks):
             raise ValueError("share_prompts=false contradicts kv_cache_free / "

@@ -206,12 +206,34 @@ def test_offload_scores_equal_resident_with_and_without_the_cache(setup):
     assert cached.stats.prefix_tokens_shared > 0
 
 
-@pytest.mark.parametrize("name", ["async_ep", "hybrid", "tp"])
+@pytest.mark.parametrize("name", ["sync_ep", "tp"])
 def test_backends_without_a_pool_refuse_the_cache_by_name(setup, name):
     params, _, policy = setup
     backend = make_backend(name, CFG, params, devices=2)
-    with pytest.raises(BackendError, match=f"backend '{name}' cannot hold a prefix KV pool"):
+    with pytest.raises(BackendError, match=f"backend '{name}' cannot hold a prefix KV pool: "
+                                           f"its .* \\(the prefix cache runs on resident, "
+                                           f"offload, async_ep, hybrid\\)"):
         Engine(CFG, backend, policy=policy, prefix_cache_blocks=8)
+
+
+@pytest.mark.parametrize("name", ["async_ep", "hybrid"])
+def test_data_parallel_ranks_each_hold_a_pool_and_equal_one_engine(setup, name):
+    """async_ep / hybrid on 2 ranks: each rank plans on its own allocator and reads and
+    writes its own blocks; cached, KV-cache-free and plain runs equal a plain engine."""
+    params, resident, policy = setup
+    backend = make_backend(name, CFG, params, devices=2)
+    plain = Engine(CFG, resident, policy=policy)
+    cached = Engine(CFG, backend, policy=policy, prefix_cache_blocks=16)
+    free = Engine(CFG, backend, policy=policy, prefix_cache_blocks=16, kv_cache_free=True)
+    assert cached.backend.make_kv_pool(16).keys.shape[1] == 2 * 16 * 16   # 16 blocks per rank
+    for seed in (1, 1):                          # the second run reads the cached blocks
+        seqs = sequences(seed)
+        want = plain.run(seqs)
+        assert_equal(cached.run(seqs), want)
+        assert_equal(free.run(seqs), want)
+    assert cached.stats.prefix_tokens_cached > 0 and cached.stats.prefix_tokens_shared > 0
+    assert {a.engine for a in cached.last_rank_report.assignments} == {0, 1}
+    assert all(a.hits > 0 for a in cached.kv_store.allocators)
 
 
 def test_executed_flops_follow_the_cost_formula_and_credit_the_cache(setup):

@@ -65,8 +65,8 @@ def test_offload_with_the_prefix_cache_equals_resident(resident_results):
 
 
 def test_a_backend_without_a_prefix_pool_is_refused_by_name():
-    with pytest.raises(BackendError, match="backend 'async_ep' cannot hold a prefix KV pool"):
-        Scorer("demo", backend="async_ep", devices=2, prefix_cache_blocks=8, calibrate=False)
+    with pytest.raises(BackendError, match="backend 'tp' cannot hold a prefix KV pool: its"):
+        Scorer("demo", backend="tp", devices=2, prefix_cache_blocks=8, calibrate=False)
 
 
 def test_every_deployment_file_is_valid():

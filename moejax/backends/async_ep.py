@@ -13,12 +13,19 @@ device: no all-to-all, no per-layer activation exchange; only weights move.
 Experts not divisible by G are padded with zero experts that the router can
 never pick (its E columns are unchanged); the gathered layer is cut back to E.
 
+Each rank holds its own prefix KV pool (``prefix_steps``): the pool's token-slot axis is
+split over the mesh, so a rank's attention reads and writes its own blocks only, and the
+blocks of a rank are numbered from 0 by that rank's block allocator (the engine plans
+each rank's sequences on its own allocator, ``moejax.core.scoring_engine``).
+
 A step keeps no state between calls (the placed weights and the compiled programs
-only), so one that raises leaves the backend as it was.
+only), so one that raises leaves the backend as it was; a step on the pool consumes the
+pool (donated), as on every backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -29,12 +36,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from moejax import model as model_lib
 from moejax import moe
 from moejax.backends import xla_flags
+from moejax.attention_kinds import PrefixContext, PrefixPooled
 from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
                                   unstack_outputs, validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import GatheredAhead, gather_layer, local_dispatcher
 from moejax.distributed import place_local_ranks
+from moejax.kv import KVPool
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params, split_experts
 
@@ -51,20 +60,46 @@ def pad_experts(experts: Mapping[str, np.ndarray], multiple: int) -> dict[str, n
             for k, v in experts.items()}
 
 
+def _local(tree: Any) -> Any:
+    """This rank's part of a per-rank tree ([1, ...] leaves inside the shard_map)."""
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _gathered_ahead(shards: Mapping[str, jax.Array], first_experts: Mapping[str, jax.Array],
+                    cfg: ModelConfig, opts: ForwardOptions):
+    source = GatheredAhead(shards=shards, first=first_experts, axis=AXIS,
+                           num_experts=cfg.num_experts, num_layers=cfg.num_layers)
+    return local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
+                            activation=moe.expert_activation_of(cfg))
+
+
 def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
                      first_experts: Mapping[str, jax.Array], batch: PackedBatch,
                      cfg: ModelConfig, opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
     """Per-device body (inside shard_map). params: replicated, ``layers`` without experts;
     shards: local [L, E/G, ...]; first_experts: layer 0's [E, ...]; batch: this rank's
     (leading axis 1). Returns [1, P, C] logits and [1, P] log-sum-exp (or None)."""
-    batch = jax.tree.map(lambda a: a[0], batch)
-    source = GatheredAhead(shards=shards, first=first_experts, axis=AXIS,
-                           num_experts=cfg.num_experts, num_layers=cfg.num_layers)
-    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
-                                  activation=moe.expert_activation_of(cfg))
-    out = model_lib.decoder(cfg, params, with_experts=False).score(batch, opts,
+    dispatcher = _gathered_ahead(shards, first_experts, cfg, opts)
+    out = model_lib.decoder(cfg, params, with_experts=False).score(_local(batch), opts,
                                                                   dispatcher=dispatcher)
     return out.logits[None], None if out.lse is None else out.lse[None]
+
+
+def async_ep_pooled(params: Params, shards: Mapping[str, jax.Array],
+                    first_experts: Mapping[str, jax.Array], batch: PackedBatch,
+                    context: PrefixContext, pool: KVPool, cfg: ModelConfig,
+                    opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None, KVPool]:
+    """:func:`async_ep_forward` on this rank's part of the prefix pool (``pool``: the
+    rank's blocks [L, S/G, ...]; ``context``: this rank's, in its own slots) -> (logits,
+    lse, the rank's pool)."""
+    batch, context = _local(batch), _local(context)
+    attn = PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
+                           pool.keys, pool.values, defer_writes=True)
+    out = model_lib.decoder(cfg, params, with_experts=False).score(
+        batch, opts, attn=attn, dispatcher=_gathered_ahead(shards, first_experts, cfg, opts))
+    keys, values = out.attn.written()
+    return (out.logits[None], None if out.lse is None else out.lse[None],
+            dataclasses.replace(pool, keys=keys, values=values))
 
 
 class AsyncEPBackend(MeshBackend):
@@ -72,6 +107,7 @@ class AsyncEPBackend(MeshBackend):
 
     name = "async_ep"
     serves_expert_bias = True     # biases in the expert shards; activation passed
+    holds_prefix_pool = True      # one pool per rank (the module docstring)
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1):
@@ -90,7 +126,7 @@ class AsyncEPBackend(MeshBackend):
         self.shards = jax.device_put(sharded, on_experts)
         self.first_experts = jax.device_put({k: v[0] for k, v in experts.items()}, replicated)
         self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
-        self._compiled: dict[ForwardOptions, Any] = {}
+        self._compiled: dict[Any, Any] = {}
 
         per_layer = expert_bytes_per_layer(host)
         padded_layer = per_layer * sharded["w_gate"].shape[1] // cfg.num_experts
@@ -115,6 +151,34 @@ class AsyncEPBackend(MeshBackend):
                 out_specs=out_specs, check_vma=False)
             self._compiled[key] = jax.jit(body)
         return self._compiled[key]
+
+    def pooled_fn(self, opts: ForwardOptions, full_vocab: bool):
+        """The jitted shard_map'd forward on the prefix pool (donated), built once."""
+        key = ("pooled", opts, full_vocab)
+        if key not in self._compiled:
+            out_specs = (P(AXIS), P(AXIS) if full_vocab else None, P(None, AXIS))
+            body = jax.shard_map(
+                lambda params, shards, first, batch, context, pool: async_ep_pooled(
+                    params, shards, first, batch, context, pool, self.cfg, opts),
+                mesh=self.mesh,
+                in_specs=(P(), P(None, AXIS), P(), P(AXIS), P(AXIS), P(None, AXIS)),
+                out_specs=out_specs, check_vma=False)
+            self._compiled[key] = jax.jit(body, donate_argnums=(5,))
+        return self._compiled[key]
+
+    @property
+    def kv_placement(self) -> Any:
+        """The pool's token slots split over the ranks: each rank holds its own blocks."""
+        return NamedSharding(self.mesh, P(None, AXIS))
+
+    def prefix_steps(self, batches: Sequence[PackedBatch], contexts: Sequence[PrefixContext],
+                     pool: KVPool, opts: ForwardOptions) -> tuple[list[StepOutput], KVPool]:
+        self._check_step(batches)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
+        context = place_local_ranks(stack_batches(contexts), self._batch_sharding)
+        logits, lse, pool = self.pooled_fn(opts, opts.full_vocab)(
+            self.params, self.shards, self.first_experts, batch, context, pool)
+        return unstack_outputs(logits, lse, self.num_ranks), pool
 
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)

@@ -25,6 +25,9 @@ from moejax.kv import KVPool, empty_pool
 from moejax.model import ForwardOptions, PackedBatch, check_params
 from moejax.param_layout import EXPERT_KEYS, Params
 
+# The backends that hold a prefix KV pool (``Backend.holds_prefix_pool``), named in errors.
+PREFIX_POOL_BACKENDS = ("resident", "offload", "async_ep", "hybrid")
+
 StepOutput = tuple[jax.Array, "jax.Array | None"]   # ([P, C] logits f32, [P] log-sum-exp)
 
 
@@ -82,6 +85,8 @@ class Backend(abc.ABC):
     # Whether kv_placement / prefix_step work here (the prefix cache and in-call
     # prompt sharing need them).
     holds_prefix_pool: bool = False
+    # Why not, for a backend that does not (said in the refusal).
+    no_prefix_pool_reason: str = ""
 
     # Whether this backend passes the routed experts' biases and the family's expert
     # activation to the expert compute (GPT-OSS needs both).
@@ -130,23 +135,43 @@ class Backend(abc.ABC):
     @property
     def kv_placement(self) -> Any:
         """Where this backend's KV pool lives (a device or a sharding), for
-        :meth:`prefix_step`; backends that cannot hold a pool raise BackendError. Scoring and
-        generation on one device share the pool (:class:`moejax.kv.KVStore`)."""
-        raise BackendError(f"backend {self.name!r} cannot hold a prefix KV pool (the prefix "
-                           f"cache runs on 'resident' and 'offload'); set "
+        :meth:`prefix_steps`; backends that cannot hold a pool raise BackendError. Scoring
+        and generation on one device share the pool (:class:`moejax.kv.KVStore`). With
+        several data-parallel ranks each rank holds its own blocks: the pool's token-slot
+        axis is split over the ranks, and a rank's blocks are numbered from 0."""
+        why = f": {self.no_prefix_pool_reason}" if self.no_prefix_pool_reason else ""
+        raise BackendError(f"backend {self.name!r} cannot hold a prefix KV pool{why} (the "
+                           f"prefix cache runs on {', '.join(PREFIX_POOL_BACKENDS)}); set "
                            f"prefix_cache_blocks=0 for it")
 
     def make_kv_pool(self, num_blocks: int) -> KVPool:
-        """A zeroed KV pool of ``num_blocks`` blocks placed for :meth:`prefix_step`."""
+        """A zeroed KV pool of ``num_blocks`` blocks per rank placed for
+        :meth:`prefix_steps`."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise BackendError(f"a KV pool needs num_blocks >= 1, got {num_blocks!r}")
-        return empty_pool(self.cfg, num_blocks, self.dtype, self.kv_placement)
+        return empty_pool(self.cfg, num_blocks * self.num_ranks, self.dtype, self.kv_placement)
 
     def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: KVPool,
                     opts: ForwardOptions) -> tuple[StepOutput, KVPool]:
         """One batch whose sequences continue (``context``) and store prefix keys/values in
-        ``pool`` (consumed: use the returned pool) -> (its output, the updated pool)."""
+        ``pool`` (consumed: use the returned pool) -> (its output, the updated pool). One
+        rank; :meth:`prefix_steps` is the general form."""
         raise BackendError(f"backend {self.name!r} cannot run the prefix cache")
+
+    def prefix_steps(self, batches: Sequence[PackedBatch], contexts: Sequence[PrefixContext],
+                     pool: KVPool, opts: ForwardOptions) -> tuple[list[StepOutput], KVPool]:
+        """One batch per rank, each continuing from and storing into its own rank's blocks
+        of ``pool`` (``contexts`` in rank-local slots; consumed: use the returned pool) ->
+        (the outputs in rank order, the updated pool). An idle rank gets an empty batch
+        and :func:`empty_context_like`. One rank: :meth:`prefix_step`."""
+        if self.num_ranks != 1:
+            raise BackendError(f"backend {self.name!r} cannot run the prefix cache on "
+                               f"{self.num_ranks} ranks")
+        if len(batches) != 1 or len(contexts) != 1:
+            raise ValueError(f"backend {self.name!r} takes 1 batch per step, got "
+                             f"{len(batches)}")
+        output, pool = self.prefix_step(batches[0], contexts[0], pool, opts)
+        return [output], pool
 
     def time_expert_transfer(self, repeats: int) -> tuple[str, float] | None:
         """(channel, median seconds) of moving one layer's experts over this backend's
@@ -211,6 +236,18 @@ def empty_batch_like(batch: PackedBatch) -> PackedBatch:
                        segment_ids=np.full_like(batch.segment_ids, -1),
                        score_positions=np.zeros_like(batch.score_positions),
                        score_token_ids=np.zeros_like(batch.score_token_ids))
+
+
+def empty_context_like(context: PrefixContext, rank_slots: int) -> PrefixContext:
+    """A context of ``context``'s shape that reads and stores nothing (an idle rank of a
+    step on the pool): every entry unused (lo > hi), every row's slot ``rank_slots`` (past
+    the rank's pool: dropped)."""
+    return PrefixContext(
+        ctx_slot=np.zeros_like(context.ctx_slot), ctx_lo=np.ones_like(context.ctx_lo),
+        ctx_hi=np.zeros_like(context.ctx_hi), store_row=np.zeros_like(context.store_row),
+        store_slot=np.full_like(context.store_slot, rank_slots),
+        ctx_positions=(None if context.ctx_positions is None
+                       else np.zeros_like(context.ctx_positions)))
 
 
 def stack_batches(batches: Sequence[PackedBatch]) -> PackedBatch:

@@ -18,15 +18,18 @@ are ``MoEDecoder.finish``, the end of ``MoEDecoder.score``. Only the expert sour
 differs from the fused forward:
 
 * ``offload`` (one device): the window holds whole layers, handed to each layer's
-  program as ``GivenExperts``. It also runs the prefix cache: the pool stays on the
-  device and is threaded (donated) through the layer programs as the
-  ``PrefixPooled`` attention kind.
+  program as ``GivenExperts``.
 * ``hybrid`` (G devices, data-parallel attention as in ``async_ep``): the window
   holds each device's E/G shard of a layer; the program of layer l gets layer l's
   experts (gathered by the program before it) and layer l+1's shards, whose
   all-gather it issues when it fetches layer l's experts (``GatheredAhead`` over the
   one layer the window hands in), so a device holds W shard-layers plus two
   gathered layers (one more per lagged layer, below).
+
+Both run the prefix cache: the pool stays on the device(s) and is threaded (donated)
+through the layer programs as the ``PrefixPooled`` attention kind; with several devices
+its token slots are split over the ranks, each rank reading and writing its own blocks
+(as ``async_ep``'s).
 
 Synchronization (``sync_lag``, default :data:`DEFAULT_SYNC_LAG` = 1). The host must see
 a layer finish before it frees that layer's experts and issues the next copy. Waiting
@@ -139,8 +142,10 @@ def layer_program(params: Params, layer: jax.Array, current: ExpertWeights,
     """Per device (inside shard_map): layer ``layer`` on this rank's x [1, T, d] with the
     experts ``current`` [E, ...]. ``incoming`` (hybrid): the next layer's local shards,
     all-gathered here and returned as its experts; ``pool`` (offload's prefix cache):
-    read and written, returned. -> (x [1, T, d], next experts | None, pool | None)."""
+    read and written, returned (``context``: this rank's [1, ...]; ``pool``: this rank's
+    blocks). -> (x [1, T, d], next experts | None, pool | None)."""
     batch = _local(batch)
+    context = None if context is None else _local(context)
     source = _source(current, incoming, cfg)
     dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
                                   activation=moe.expert_activation_of(cfg))
@@ -156,6 +161,7 @@ def last_layer_program(params: Params, current: ExpertWeights, x: jax.Array,
     """Per device: the last layer and the LM head (``MoEDecoder.finish``) -> ([1, P, C]
     logits, [1, P] log-sum-exp | None, pool | None)."""
     batch = _local(batch)
+    context = None if context is None else _local(context)
     dispatcher = local_dispatcher(GivenExperts(current), cfg.num_experts, opts.expert_impl,
                                   opts.tile_rows, activation=moe.expert_activation_of(cfg))
     module = model_lib.decoder(cfg, params, with_experts=False)
@@ -176,6 +182,9 @@ class StreamedBackend(MeshBackend):
     # The expert biases travel in each layer's expert dict (split_experts), and the
     # programs pass the family's activation: GPT-OSS streams like any family.
     serves_expert_bias = True
+    # The prefix pool is threaded (donated) through the layer programs; with several
+    # devices each rank holds its own blocks.
+    holds_prefix_pool = True
 
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *,
                  dtype: Any = jnp.float32, devices: int = 1, window: int = DEFAULT_WINDOW,
@@ -292,8 +301,8 @@ class StreamedBackend(MeshBackend):
             shards = P(AXIS) if self.gather else P()
             body = jax.shard_map(
                 streamed_layer, mesh=self.mesh,
-                in_specs=(P(), P(), P(), shards, P(AXIS), P(AXIS), P(), P()),
-                out_specs=(P(AXIS), P(), P()), check_vma=False)
+                in_specs=(P(), P(), P(), shards, P(AXIS), P(AXIS), P(AXIS), self._pool_spec),
+                out_specs=(P(AXIS), P(), self._pool_spec), check_vma=False)
             return jax.jit(body, donate_argnums=(7,))
 
         def streamed_last(*args):
@@ -301,9 +310,28 @@ class StreamedBackend(MeshBackend):
 
         body = jax.shard_map(
             streamed_last, mesh=self.mesh,
-            in_specs=(P(), P(), P(AXIS), P(AXIS), P(), P()),
-            out_specs=(P(AXIS), P(AXIS) if opts.full_vocab else None, P()), check_vma=False)
+            in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS), self._pool_spec),
+            out_specs=(P(AXIS), P(AXIS) if opts.full_vocab else None, self._pool_spec),
+            check_vma=False)
         return jax.jit(body, donate_argnums=(5,))
+
+    @property
+    def _pool_spec(self) -> P:
+        """The prefix pool's split: its token slots over the ranks (each rank its own
+        blocks); whole on one device."""
+        return P(None, AXIS) if self.gather else P()
+
+    @property
+    def kv_placement(self) -> Any:
+        return NamedSharding(self.mesh, self._pool_spec)
+
+    def prefix_steps(self, batches: Sequence[PackedBatch], contexts: Sequence[PrefixContext],
+                     pool: KVPool, opts: ForwardOptions) -> tuple[list[StepOutput], KVPool]:
+        self._check_step(batches)
+        batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
+        context = place_local_ranks(stack_batches(contexts), self._batch_sharding)
+        logits, lse, pool = self._recovering(self._forward, batch, opts, context, pool)
+        return unstack_outputs(logits, lse, self.num_ranks), pool
 
     def _gather_first(self, shards: LayerArrays) -> LayerArrays:
         """Layer 0's shards gathered by a program of their own (no compute to hide under)."""
@@ -434,7 +462,6 @@ class OffloadBackend(StreamedBackend):
     the prefix cache too (the pool on the device)."""
 
     name = "offload"
-    holds_prefix_pool = True
 
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *, devices: int = 1,
                  **options: Any):
@@ -442,17 +469,6 @@ class OffloadBackend(StreamedBackend):
             raise BackendError(f"backend 'offload' runs on one device, got devices={devices}; "
                                f"use 'hybrid' to stream expert shards to several")
         super().__init__(cfg, params, devices=1, **options)
-
-    @property
-    def kv_placement(self) -> Any:
-        return self._replicated
-
-    def prefix_step(self, batch: PackedBatch, context: PrefixContext, pool: KVPool,
-                    opts: ForwardOptions) -> tuple[StepOutput, KVPool]:
-        batch = place_local_ranks(stack_batches([batch]), self._batch_sharding)
-        context = jax.device_put(context, self._replicated)
-        logits, lse, pool = self._recovering(self._forward, batch, opts, context, pool)
-        return (logits[0], None if lse is None else lse[0]), pool
 
 
 class HybridBackend(StreamedBackend):

@@ -539,6 +539,9 @@ class SyncEPBackend(MeshBackend):
     """
 
     name = "sync_ep"
+    no_prefix_pool_reason = ("its layer loop, with two all-to-alls per MoE layer, has no "
+                             "pooled attention kind yet (async_ep and hybrid hold one pool "
+                             "per data-parallel rank)")
 
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *,
                  dtype: Any = jnp.float32, devices: int = 1,

@@ -190,6 +190,9 @@ class TPBackend(Backend):
     all-reduces per layer; one jitted forward per batch shape."""
 
     name = "tp"
+    no_prefix_pool_reason = ("its attention heads are split over the devices and its "
+                             "forward has no pooled attention kind (one pool per head "
+                             "shard is not built)")
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1):

@@ -18,7 +18,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Hashable, Sequence
 
-from moejax.core.router import BlocksEvicted, BlocksStored, FlopsExecuted, Router, RoutingReport
+from moejax.core.router import Router, RoutingReport, report_run
 from moejax.core.scoring_engine import Engine
 from moejax.core.scoring_steps import SequenceOutcome
 from moejax.ops import PrefillOp
@@ -80,23 +80,10 @@ class EnginePool:
 
     def _report(self, g: int, costs: list[int], ops: list[PrefillOp]) -> None:
         """Events of engine g after its run, in order: blocks stored / evicted, FLOPs."""
-        channel = self.router.channel
-        cache = self.engines[g].prefix_cache
-        if cache is not None:
-            stored, evicted = self.engines[g].last_cache_events
-            if evicted:
-                channel.put(BlocksEvicted(engine=g, hashes=evicted))
-            if stored:
-                channel.put(BlocksStored(engine=g, hashes=stored))
-        if cache is None or self.engines[g].kv_cache_free:
-            # Nothing was kept: the prefix blocks the router expects from these ops never
-            # arrive (the ops' memoized digests: the router hashed them already).
-            size = self.router.block_size
-            promised = [h for op in ops for h in op.block_hashes(size)[:op.prefix_len // size]]
-            if promised:
-                channel.put(BlocksEvicted(engine=g, hashes=promised))
-        tokens = sum(len(op.token_ids) for op in ops)
-        channel.put(FlopsExecuted(engine=g, flops=sum(costs), tokens=tokens))
+        engine = self.engines[g]
+        stored, evicted = engine.last_cache_events
+        report_run(self.router, g, ops, costs, stored, evicted,
+                   kept=engine.prefix_cache is not None and not engine.kv_cache_free)
 
     def describe(self) -> dict[str, Any]:
         return {"engines": len(self.engines), "routing": type(self.router).__name__}

@@ -115,6 +115,27 @@ class FlopsExecuted:
 Event = BlocksStored | BlocksEvicted | FlopsExecuted
 
 
+def report_run(router: "Router", engine: int, ops: Sequence[PrefillOp], costs: Sequence[int],
+               stored: Sequence[bytes], evicted: Sequence[bytes], kept: bool) -> None:
+    """The events of one routing target after it ran ``ops`` (charged ``costs``), put on
+    ``router``'s channel in order: the blocks its cache stored and evicted, then the
+    FLOPs. ``kept``: whether its cache keeps blocks across runs; if not (no cache, or
+    KV-cache-free), the prefix blocks the router expects from these ops never arrive
+    and are reported evicted (the ops' memoized digests: the router hashed them)."""
+    channel = router.channel
+    if evicted:
+        channel.put(BlocksEvicted(engine=engine, hashes=list(evicted)))
+    if stored:
+        channel.put(BlocksStored(engine=engine, hashes=list(stored)))
+    if not kept:
+        size = router.block_size
+        promised = [h for op in ops for h in op.block_hashes(size)[:op.prefix_len // size]]
+        if promised:
+            channel.put(BlocksEvicted(engine=engine, hashes=promised))
+    tokens = sum(len(op.token_ids) for op in ops)
+    channel.put(FlopsExecuted(engine=engine, flops=sum(costs), tokens=tokens))
+
+
 # ---------------------------------------------------------------------------- reports
 class Assignment(NamedTuple):
     """Where one request went and what it was charged.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Callable, Hashable, Sequence
 
@@ -25,7 +26,9 @@ from moejax.backends.base import Backend
 from moejax.config import ModelConfig
 from moejax.core.engine_core import EngineCore
 from moejax.core.prefix_plan import plan_run
-from moejax.core.scoring_steps import ScoringRunner, ScoringSchedule, SequenceOutcome
+from moejax.core.router import Router, make_router, report_run
+from moejax.core.scoring_steps import (ScoringRunner, ScoringSchedule, SequenceOutcome,
+                                       plain_steps, ranked_steps)
 from moejax.kv import BlockAllocator, KVStore
 from moejax.ops import PrefillOp
 from moejax.packing import BucketPolicy, HostBatch, pack
@@ -62,7 +65,8 @@ class Engine:
     def __init__(self, cfg: ModelConfig, backend: Backend, *,
                  policy: BucketPolicy | None = None, expert_impl: str = "auto",
                  tile_rows: int | None = None, prefix_cache_blocks: int = 0,
-                 kv_cache_free: bool = False):
+                 kv_cache_free: bool = False, rank_routing: str = "prefix",
+                 rank_theta: float = math.inf):
         self.cfg = cfg
         self.backend = backend
         self.dtype = backend.dtype
@@ -72,20 +76,39 @@ class Engine:
         self.stats = EngineStats()
         self.kv_cache_free = kv_cache_free
         self.last_cache_events: tuple[list[bytes], list[bytes]] = ([], [])
+        self.last_rank_report = None      # the rank router's report of the last run
         # The device's KV memory (moejax.kv.store): its pool and block allocator, shared
         # with a generation scheduler on the same device when a server builds one there.
         self.kv_store: KVStore | None = None
+        self.rank_router: Router | None = None
         if prefix_cache_blocks:
-            # The backend places the pool (BackendError where it cannot hold one).
-            self.kv_store = KVStore.single(
+            # The backend places the pool (BackendError where it cannot hold one), with
+            # prefix_cache_blocks blocks per data-parallel rank.
+            self.kv_store = KVStore(
                 functools.partial(backend.make_kv_pool, prefix_cache_blocks),
-                prefix_cache_blocks, record_events=True)
+                [BlockAllocator(prefix_cache_blocks, record_events=True)
+                 for _ in range(backend.num_ranks)])
+            if backend.num_ranks > 1:
+                self.route_ranks(rank_routing, rank_theta)
         self.runner = ScoringRunner(backend, self.kv_store, self.stats)
 
     @property
     def prefix_cache(self) -> BlockAllocator | None:
-        """The block allocator of this engine's prefix cache (None without one)."""
+        """The block allocator of this engine's prefix cache (None without one; with
+        several ranks rank 0's: ``kv_store.allocators`` holds one per rank)."""
         return None if self.kv_store is None else self.kv_store.allocators[0]
+
+    def route_ranks(self, routing: str = "prefix", theta: float = math.inf,
+                    seed: int = 0) -> None:
+        """(Re)build the router that puts each op of a run on a data-parallel rank (a
+        backend of several ranks holding a prefix pool): each rank is a routing target
+        with its own blocks and its own Θ (``theta``, FLOPs per rank per round;
+        ``moejax.core.router``), and learns afresh what the ranks hold."""
+        if self.kv_store is None or self.backend.num_ranks == 1:
+            raise ValueError("route_ranks: this engine has one rank or no prefix pool")
+        self.rank_router = make_router(routing, self.cfg, self.backend.num_ranks,
+                                       theta=theta, seed=seed)
+        self._rank_routing = (routing, theta, seed)
 
     @property
     def device(self) -> jax.Device:
@@ -98,6 +121,8 @@ class Engine:
             with self.kv_store.lock:
                 for allocator in self.kv_store.allocators:
                     allocator.forget_names()
+                if self.rank_router is not None:
+                    self.route_ranks(*self._rank_routing)
 
     def run(self, ops: Sequence[PrefillOp],
             on_batch_done: Callable[[int], None] | None = None) -> dict[Hashable, SequenceOutcome]:
@@ -119,45 +144,91 @@ class Engine:
                                on_batch_done: Callable[[int], None] | None
                                ) -> dict[Hashable, SequenceOutcome]:
         """Run the levels of the prefix plan (moejax/core/prefix_plan.py): each op continues
-        the cached blocks and the shared tokens earlier levels stored."""
+        the cached blocks and the shared tokens earlier levels stored. With several
+        data-parallel ranks the rank router first puts each op on a rank, whose own
+        blocks its plan reads and writes."""
         with self.kv_store.lock:
             return self._run_levels(ops, on_batch_done)
 
     def _run_levels(self, ops: Sequence[PrefillOp],
                     on_batch_done: Callable[[int], None] | None
                     ) -> dict[Hashable, SequenceOutcome]:
-        cache, epoch = self.prefix_cache, self.kv_store.epoch
-        plan = plan_run(ops, cache, self.kv_cache_free)
-        slots = cache.num_slots
+        store, epoch = self.kv_store, self.kv_store.epoch
+        per_rank, costs = self._assign_ranks(ops)
+        plans = [plan_run(rank_ops, allocator, self.kv_cache_free)
+                 for rank_ops, allocator in zip(per_rank, store.allocators)]
+        slots = store.allocators[0].num_slots      # a rank's own slots
         try:
             outputs: dict[Hashable, SequenceOutcome] = {}
-            for level in plan.levels:                # each reads what earlier ones stored
-                outputs.update(self._run_batches(pack(level, self.policy, self.options, slots),
-                                                 None))
-            for block, digest in plan.to_commit:     # written: later runs may find them
-                cache.name(block, digest)
+            # Level k of every rank runs after level k-1 of every rank: each reads only
+            # what earlier levels of its own rank stored.
+            for level in range(max(len(plan.levels) for plan in plans)):
+                batches = [pack(plan.levels[level], self.policy, self.options, slots)
+                           if level < len(plan.levels) else [] for plan in plans]
+                outputs.update(self._run_steps(ranked_steps(batches), None))
+            for plan, allocator in zip(plans, store.allocators):
+                for block, digest in plan.to_commit:   # written: later runs may find them
+                    allocator.name(block, digest)
         finally:
-            if self.kv_store.epoch == epoch:         # else a failed step reset every block
-                cache.release(plan.pinned)
-        # The cache's stored/evicted hashes of this run only (a router reads them; without
+            if store.epoch == epoch:         # else a failed step reset every block
+                for plan, allocator in zip(plans, store.allocators):
+                    allocator.release(plan.pinned)
+        # The caches' stored/evicted hashes of this run only (a router reads them; without
         # one they must not pile up over a long job).
-        self.last_cache_events = cache.drain_events()
-        self.stats.prefix_tokens_cached += plan.cached_tokens
-        self.stats.prefix_tokens_shared += plan.shared_tokens
+        events = [allocator.drain_events() for allocator in store.allocators]
+        self.last_cache_events = self._group_events(events)
+        if self.rank_router is not None:
+            for rank, (stored, evicted) in enumerate(events):
+                report_run(self.rank_router, rank, per_rank[rank], costs[rank], stored,
+                           evicted, kept=not self.kv_cache_free)
+        self.stats.prefix_tokens_cached += sum(plan.cached_tokens for plan in plans)
+        self.stats.prefix_tokens_shared += sum(plan.shared_tokens for plan in plans)
         if on_batch_done is not None:
             on_batch_done(len(ops))
         return outputs
 
+    def _assign_ranks(self, ops: Sequence[PrefillOp]
+                      ) -> tuple[list[list[PrefillOp]], list[list[int]]]:
+        """Each op's rank (by the rank router: prefix affinity against that rank's own
+        blocks, load in FLOPs, admission up to Θ) -> (ops per rank, their charged FLOPs).
+        One rank: every op, uncharged."""
+        if self.rank_router is None:
+            return [list(ops)], [[]]
+        report = self.rank_router.assign(ops)
+        per_rank: list[list[PrefillOp]] = [[] for _ in self.kv_store.allocators]
+        costs: list[list[int]] = [[] for _ in self.kv_store.allocators]
+        for op, assignment in zip(ops, report.assignments):
+            per_rank[assignment.engine].append(op)
+            costs[assignment.engine].append(assignment.cost)
+        self.last_rank_report = report
+        return per_rank, costs
+
+    def _group_events(self, events: list[tuple[list[bytes], list[bytes]]]
+                      ) -> tuple[list[bytes], list[bytes]]:
+        """The blocks the engine as a whole stored and evicted this run (what a router
+        over several engines reads): any rank's stored ones, and evicted ones no rank
+        still holds."""
+        stored = [h for rank_stored, _ in events for h in rank_stored]
+        evicted = [h for _, rank_evicted in events for h in rank_evicted
+                   if not any(a.lookup([h]) for a in self.kv_store.allocators)]
+        return stored, evicted
+
     def _run_batches(self, batches: Sequence[HostBatch],
                      on_batch_done: Callable[[int], None] | None
                      ) -> dict[Hashable, SequenceOutcome]:
-        """Run ``batches`` on the engine core, a step at a time with one step of lookahead
+        """Run ``batches`` (no prefix pool: any batch on any rank) on the engine core."""
+        return self._run_steps(plain_steps(batches, self.backend.num_ranks), on_batch_done)
+
+    def _run_steps(self, steps: Sequence[list[HostBatch | None]],
+                   on_batch_done: Callable[[int], None] | None
+                   ) -> dict[Hashable, SequenceOutcome]:
+        """Run ``steps`` on the engine core, a step at a time with one step of lookahead
         (:mod:`moejax.core.scoring_steps`) -> outcomes by key. A step on the prefix pool
         that fails fails the run: the pool went into it (donated), so its contents — what
         this run's later levels and the cache's blocks read — are lost, and the store
         starts afresh (a generation scheduler sharing it recomputes what it held)."""
-        schedule = ScoringSchedule(batches, self.backend.num_ranks, self.cfg, self.stats,
-                                   on_batch_done, backend_name=self.backend.name)
+        schedule = ScoringSchedule(steps, self.cfg, self.stats, on_batch_done,
+                                   backend_name=self.backend.name)
         try:
             return dict(EngineCore(schedule, self.runner).run())
         except Exception:

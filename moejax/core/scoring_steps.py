@@ -1,14 +1,18 @@
 """Scoring on the engine core (:mod:`moejax.core.engine_core`): the host-only schedule of
 one run's packed batches, and the runner that executes them on a backend.
 
-* :class:`ScoringSchedule` groups a run's packed batches (``moejax.packing``) into steps
-  of the backend's data-parallel rank count, one shape per step, in first-seen order of
-  the shapes; :meth:`~ScoringSchedule.update` unpacks a step's logits into
-  ``(key, outcome)`` events and counts them in the engine's stats.
+* :class:`ScoringSchedule` steps through a run's packed batches (``moejax.packing``)
+  grouped into steps of the backend's data-parallel rank count, one shape per step:
+  any batch on any rank (:func:`plain_steps`), or, on the prefix pool, each batch on
+  the rank whose blocks it reads and writes (:func:`ranked_steps`).
+  :meth:`~ScoringSchedule.update` unpacks a step's logits into ``(key, outcome)``
+  events and counts them in the engine's stats.
 * :class:`ScoringRunner` owns the device side: the backend (its weight placement and
-  programs) and the device's KV store (the prefix pool). It pads a short step with empty
-  batches, runs a plain step or a step on the pool (which consumes the pool and puts the
-  new one back in the store), and logs each new program shape it compiles.
+  programs) and the device's KV store (the prefix pool, one part per rank). It pads a
+  short step with empty batches (and idle ranks of a step on the pool with contexts
+  that read and store nothing), runs a plain step or a step on the pool (which consumes
+  the pool and puts the new one back in the store), and logs each new program shape it
+  compiles.
 
 A plain step that raises gives each of its sequences the exception as its outcome (the
 backend has recovered; the other steps run as usual). A step on the pool raises instead:
@@ -26,7 +30,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from moejax.backends.base import Backend, padded_step, plan_steps
+from moejax.backends.base import (Backend, empty_batch_like, empty_context_like, padded_step,
+                                  plan_steps)
 from moejax.config import ModelConfig
 from moejax.kv import KVStore
 from moejax.packing import HostBatch, unpack
@@ -53,17 +58,47 @@ def describe_shape_key(key: Sequence[Any]) -> str:
     return " ".join(f"{name}={value}" for name, value in zip(names, key))
 
 
-class ScoringSchedule:
-    """The steps of one run over ``batches`` (module docstring). ``stats``: the engine's
-    counters (:class:`moejax.core.scoring_engine.EngineStats`); ``on_batch_done(n)`` is
-    called with the op count of each finished batch."""
+def plain_steps(batches: Sequence[HostBatch], num_ranks: int) -> list[list[HostBatch]]:
+    """A run's batches in steps of up to ``num_ranks`` batches of one shape, in first-seen
+    order of the shapes (any batch on any rank: nothing is kept between steps)."""
+    return [[batches[i] for i in step]
+            for step in plan_steps([h.shape_key for h in batches], num_ranks)]
 
-    def __init__(self, batches: Sequence[HostBatch], num_ranks: int, cfg: ModelConfig,
+
+def ranked_steps(per_rank: Sequence[Sequence[HostBatch]]) -> list[list[HostBatch | None]]:
+    """Steps of batches that must run on their own rank (they read and write that rank's
+    pool blocks): each step one shape, at most one batch per rank (None: the rank is
+    idle), in first-seen order of the shapes. Batches that do not touch the pool go in
+    plain steps, on any rank."""
+    queues: dict[Any, list[collections.deque]] = {}
+    for rank, batches in enumerate(per_rank):
+        for host in batches:
+            queues.setdefault(host.shape_key, [collections.deque() for _ in per_rank])
+            queues[host.shape_key][rank].append(host)
+    steps: list[list[HostBatch | None]] = []
+    for by_rank in queues.values():
+        if by_rank[next(r for r, q in enumerate(by_rank) if q)][0].context is None:
+            # Reads and stores nothing (no op of it uses the pool): any rank may run it.
+            anywhere = [host for q in by_rank for host in q]
+            steps += [anywhere[i:i + len(per_rank)]
+                      for i in range(0, len(anywhere), len(per_rank))]
+            continue
+        while any(by_rank):
+            steps.append([q.popleft() if q else None for q in by_rank])
+    return steps
+
+
+class ScoringSchedule:
+    """The steps of one run (module docstring): ``steps``, each a list of batches of one
+    shape, one per rank (None: an idle rank, on the pool; a plain step is padded by the
+    runner). ``stats``: the engine's counters
+    (:class:`moejax.core.scoring_engine.EngineStats`); ``on_batch_done(n)`` is called with
+    the op count of each finished batch."""
+
+    def __init__(self, steps: Sequence[list[HostBatch | None]], cfg: ModelConfig,
                  stats: Any, on_batch_done: Callable[[int], None] | None = None,
                  backend_name: str = ""):
-        self._steps = collections.deque(
-            [batches[i] for i in step]
-            for step in plan_steps([h.shape_key for h in batches], num_ranks))
+        self._steps = collections.deque(steps)
         self.cfg = cfg
         self.stats = stats
         self.on_batch_done = on_batch_done
@@ -75,7 +110,7 @@ class ScoringSchedule:
     def schedule(self) -> list[HostBatch]:
         return self._steps.popleft()
 
-    def update(self, hosts: list[HostBatch], outputs: Any) -> list[ScoringEvent]:
+    def update(self, hosts: list[HostBatch | None], outputs: Any) -> list[ScoringEvent]:
         """A step's outcomes by key. A failed plain step (its outputs are the exception,
         or reading them raises: an asynchronous failure) gives each of its sequences the
         exception; a failed step on the prefix pool raises it."""
@@ -84,7 +119,7 @@ class ScoringSchedule:
                 raise outputs
             fetched = jax.device_get(outputs[:len(hosts)])
         except Exception as error:   # noqa: BLE001
-            if hosts[0].context is not None:
+            if on_pool(hosts):
                 raise
             log.error("a step of %d batch(es) failed on %s: %s: %s", len(hosts),
                       self.backend_name, type(error).__name__, error)
@@ -96,6 +131,8 @@ class ScoringSchedule:
         events = []
         stats = self.stats
         for host, (logits, lse) in zip(hosts, fetched):
+            if host is None:            # an idle rank of a step on the pool
+                continue
             events += [(key, (per_position, seq_lse))
                        for key, per_position, seq_lse in unpack(host, logits, lse)]
             stats.batches += 1
@@ -120,13 +157,14 @@ class ScoringRunner:
         self.store = store
         self.stats = stats
 
-    def execute(self, hosts: Sequence[HostBatch]) -> Any:
+    def execute(self, hosts: Sequence[HostBatch | None]) -> Any:
         """Start one step -> its outputs, or the exception it raised (a plain step). A step
         on the prefix pool raises."""
-        key = hosts[0].shape_key
+        first = next(h for h in hosts if h is not None)
+        key = first.shape_key
         start = time.perf_counter()
         try:
-            outs = self._run(hosts)
+            outs = self._run(hosts, first)
             if self.backend.serialize_steps:
                 jax.block_until_ready(outs)
             if key not in self.stats.shapes:   # first use of this shape: compiled just now
@@ -139,16 +177,25 @@ class ScoringRunner:
                          self.stats.compiles, describe_shape_key(key), self.backend.name,
                          elapsed)
         except Exception as error:   # noqa: BLE001  (the backend recovered; see update)
-            if hosts[0].context is not None:
+            if first.context is not None:
                 raise
             return error
         return outs
 
-    def _run(self, hosts: Sequence[HostBatch]) -> Any:
-        if hosts[0].context is not None:        # continues or stores prefix KV: the pool
-            host, store = hosts[0], self.store
-            output, store.pool = self.backend.prefix_step(host.batch, host.context,
-                                                          store.pool, host.options)
-            return [output]
+    def _run(self, hosts: Sequence[HostBatch | None], first: HostBatch) -> Any:
+        if first.context is not None:       # continues or stores prefix KV: the pool
+            store = self.store
+            rank_slots = store.allocators[0].num_slots
+            batches = [empty_batch_like(first.batch) if h is None else h.batch for h in hosts]
+            contexts = [empty_context_like(first.context, rank_slots) if h is None
+                        else h.context for h in hosts]
+            outputs, store.pool = self.backend.prefix_steps(batches, contexts, store.pool,
+                                                            first.options)
+            return outputs
         batches = padded_step([h.batch for h in hosts], self.backend.num_ranks)
-        return self.backend.step(batches, hosts[0].options)
+        return self.backend.step(batches, first.options)
+
+
+def on_pool(hosts: Sequence[HostBatch | None]) -> bool:
+    """Whether a step runs on the prefix pool (its batches continue or store prefix KV)."""
+    return next(h for h in hosts if h is not None).context is not None

@@ -1,0 +1,104 @@
+"""An AsyncEP group's data-parallel ranks as routing targets, each with its own prefix
+pool (MoE-Prefill's co-design, the seed's §5.3): the rank router puts each op on a rank by
+prefix affinity against that rank's own blocks and by load in FLOPs; a step carries each
+rank's batch; a rank's attention reads and writes its own blocks only. Results equal one
+resident engine's, in every mode of the pool (cache, KV-cache-free, none)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moejax.prefix_hash import block_hashes
+from serving import Scorer
+
+SYSTEMS = [f"System {s}: you answer questions about topic {s} with one careful word. " * 2
+           for s in range(3)]
+REQUESTS = [{"id": f"s{s}q{q}", "prompt": SYSTEMS[s] + f"Question {q}: is it good?",
+             "candidates": [" yes", " no", " maybe not"]}
+            for s in range(3) for q in range(3)] + [
+    {"id": "m", "kind": "multi", "prompt": SYSTEMS[1] + "Article: the team won.",
+     "candidates": ["sports", "music", "politics"]},
+    {"id": "lone", "prompt": "A short one:", "candidates": [" x"], "normalize": "vocab"},
+    {"id": "bad", "prompt": "", "candidates": [" a"]}]
+OPTIONS = dict(dtype="float32", max_batch_tokens=256, compilation_cache="off")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Scorer("demo", **OPTIONS).score(REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def group():
+    # Θ far above the call's work: no rank saturates, so prefix affinity alone decides
+    # (the spill past Θ is the router's own test).
+    return Scorer("demo", backend="async_ep", devices=4, prefix_cache_blocks=64, theta=1e15,
+                  **OPTIONS)
+
+
+def same(results, reference):
+    for got, want in zip(results, reference):
+        assert got.id == want.id and got.error == want.error
+        if want.error is None:
+            np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
+            assert got.label == want.label and got.selected == want.selected
+
+
+def test_each_rank_holds_the_prefixes_routed_to_it(group, reference):
+    engine = group.engine
+    assert engine.backend.num_ranks == 4 and len(engine.kv_store.allocators) == 4
+    assert engine.rank_router is not None
+    same(group.score(REQUESTS), reference)
+    report = engine.last_rank_report
+    used = {a.engine for a in report.assignments}
+    assert len(used) >= 3                  # three system prompts spread over the ranks
+    # Every system prompt's first block is named on the rank(s) its ops went to, and on
+    # no other: each rank's pool holds its own requests' blocks.
+    allocators = engine.kv_store.allocators
+    tokenizer = group.tokenizer
+    for system in SYSTEMS:
+        first = block_hashes(np.asarray(tokenizer.encode(system)[:16]))[:1]
+        holders = [r for r, a in enumerate(allocators) if a.lookup(first)]
+        assert len(holders) == 1, holders
+    # The router learned what each rank stored (the ranks' events): a second call is
+    # sent back to the ranks holding its prompts, reads them there and scores the same.
+    engine.rank_router.drain()
+    for r, allocator in enumerate(allocators):
+        assert allocator.num_named == len(engine.rank_router.committed_blocks(r))
+    cached = engine.stats.prefix_tokens_cached
+    same(group.score(REQUESTS), reference)
+    assert engine.stats.prefix_tokens_cached >= cached + 3 * 32
+
+
+def test_kv_cache_free_and_plain_groups_score_the_same(reference):
+    free = Scorer("demo", backend="async_ep", devices=4, kv_cache_free=True, **OPTIONS)
+    assert free.engine.kv_cache_free and free.engine.rank_router is not None
+    same(free.score(REQUESTS), reference)
+    assert free.engine.stats.prefix_tokens_shared > 0
+    assert all(a.num_named == 0 for a in free.engine.kv_store.allocators)
+    plain = Scorer("demo", backend="async_ep", devices=4, share_prompts=False, **OPTIONS)
+    assert plain.engine.kv_store is None and plain.engine.rank_router is None
+    same(plain.score(REQUESTS), reference)
+
+
+def test_reset_forgets_every_rank_and_the_rank_router(group, reference):
+    group.score(REQUESTS)
+    group.reset_prefix_cache()
+    assert all(a.num_named == 0 for a in group.engine.kv_store.allocators)
+    router = group.engine.rank_router
+    assert all(router.num_blocks(r) == 0 and router.load(r) == 0 for r in range(4))
+    same(group.score(REQUESTS), reference)
+
+
+def test_a_hybrid_group_holds_a_pool_per_rank_too(reference):
+    """hybrid (AsyncEP with the shards streamed from host memory): the pool threaded
+    through its layer programs, split over the ranks."""
+    hybrid = Scorer("demo", backend="hybrid", devices=2, prefix_cache_blocks=64, **OPTIONS)
+    engine = hybrid.engine
+    assert len(engine.kv_store.allocators) == 2 and engine.rank_router is not None
+    same(hybrid.score(REQUESTS), reference)
+    assert all(a.num_named > 0 for a in engine.kv_store.allocators)
+    cached = engine.stats.prefix_tokens_cached
+    same(hybrid.score(REQUESTS), reference)
+    assert engine.stats.prefix_tokens_cached > cached
