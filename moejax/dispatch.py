@@ -12,8 +12,10 @@ two parts, and a backend supplies only the part that differs:
 * a **token transport** — how the tokens reach the weights: locally
   (:class:`LocalTokens`: sort by expert, grouped GEMM, unsort and weigh; with
   ``psum_axis`` for tensor parallelism, where each device holds a slice of every
-  expert), or all-to-all over devices with a replica router
-  (``moejax.backends.sync_ep.AllToAllTokens``).
+  expert), every token on every device with each device running the experts it owns
+  (:class:`OwnedExpertTokens`: ``tp_ep``), every rank's tokens gathered to every device
+  holding a slice of every expert (:class:`GatheredTokens`: ``dp_tp``), or all-to-all
+  over devices with a replica router (``moejax.backends.sync_ep.AllToAllTokens``).
 
 Both parts may keep a *carry* through the layer loop (gathered weights, per-layer
 stats); :meth:`MoEDispatcher.init_carry` gives its start. The two seams are the Protocols
@@ -28,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from moejax import moe
@@ -75,16 +78,19 @@ class TokenTransport(Protocol):
 # --------------------------------------------------------------------- sources
 @dataclasses.dataclass(frozen=True)
 class StackedExperts:
-    """Every layer's experts on the device, stacked [L, E, ...]: layer l is indexed in place."""
+    """Every layer's experts on the device, stacked [L, E, ...]: layer l is indexed in place
+    (``first_layer``: the global index of the stack's first layer, for a pipeline stage
+    holding some layers only)."""
 
     stacked: ExpertWeights
+    first_layer: int = 0
     communicates: ClassVar[bool] = False
 
     def init_carry(self) -> Any:
         return ()
 
     def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
-        return layer_slice(self.stacked, layer), carry
+        return layer_slice(self.stacked, layer - self.first_layer), carry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +181,55 @@ class LocalTokens:
         if self.psum_axis is not None:
             out = jax.lax.psum(out, self.psum_axis)
         return out, carry
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnedExpertTokens(LocalTokens):
+    """Every device holds every token (tensor-parallel attention replicates them) and
+    owns ``num_experts`` experts of its own, the block [g·E_l, (g+1)·E_l) of the global
+    ids (g: its index on ``psum_axis``). A routed row whose expert another device owns
+    gets the sentinel id, sorts after every owned row and is computed by no group (its
+    output row is zero), so each device runs only its own experts' rows; the combined
+    outputs are partial sums, all-reduced over ``psum_axis``. The TP+EP baseline's MoE."""
+
+    def prepare(self, x: Float[Array, "n d"], routing: moe.Routing,
+                valid: Bool[Array, "n"] | None) -> moe.Permutation:
+        first = jax.lax.axis_index(self.psum_axis) * self.num_experts
+        local = routing.experts - first
+        owned = (local >= 0) & (local < self.num_experts)
+        mine = dataclasses.replace(routing, experts=jnp.where(owned, local, self.num_experts))
+        return moe.permute(x, mine, self.num_experts, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredTokens(LocalTokens):
+    """Data-parallel attention before tensor-parallel experts: each device holds its own
+    rank's tokens and an f/G slice of every expert. The rank's rows and routing are
+    all-gathered over ``psum_axis`` (every device then holds every rank's tokens), each
+    device runs its slice of every routed expert on all of them, and the combined
+    outputs, partial sums over f, are reduce-scattered back: each rank receives the sum
+    for its own rows. The DP+TP baseline's MoE."""
+
+    def prepare(self, x: Float[Array, "n d"], routing: moe.Routing,
+                valid: Bool[Array, "n"] | None) -> tuple[moe.Permutation, moe.Routing, Any]:
+        axis = self.psum_axis
+        gathered = moe.Routing(
+            weights=jax.lax.all_gather(routing.weights, axis, tiled=True),
+            experts=jax.lax.all_gather(routing.experts, axis, tiled=True))
+        every_valid = None if valid is None else jax.lax.all_gather(valid, axis, tiled=True)
+        every_x = jax.lax.all_gather(x, axis, tiled=True)
+        return moe.permute(every_x, gathered, self.num_experts, every_valid), gathered, \
+            every_valid
+
+    def experts(self, prepared: Any, weights: ExpertWeights) -> jax.Array:
+        return super().experts(prepared[0], weights)
+
+    def finalize(self, y: jax.Array, prepared: Any, routing: moe.Routing,
+                 valid: jax.Array | None, carry: Any) -> tuple[jax.Array, Any]:
+        perm, gathered, every_valid = prepared
+        out = moe.combine(y, perm, gathered, every_valid)          # [G·n, d], partial in f
+        return jax.lax.psum_scatter(out, self.psum_axis, scatter_dimension=0,
+                                    tiled=True), carry
 
 
 # --------------------------------------------------------------------- the dispatcher

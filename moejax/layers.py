@@ -285,20 +285,23 @@ def decoder_layer(p: LayerParams, layer, x: Float[Array, "n d"], attn, dispatche
 
 
 def layer(layer_params: LayerParams, index, x: Float[Array, "n d"], attn, dispatcher,
-          moe_carry: Any, cfg: ModelConfig, **kwargs: Any) -> LayerOutput:
+          moe_carry: Any, cfg: ModelConfig, *, stack_offset: int = 0,
+          **kwargs: Any) -> LayerOutput:
     """The single-layer entry: layer ``index`` of the stacked params (see
-    :func:`decoder_layer` for the keywords)."""
-    return decoder_layer(layer_slice(layer_params, index), index, x, attn, dispatcher,
-                         moe_carry, cfg, **kwargs)
+    :func:`decoder_layer` for the keywords). ``stack_offset``: the global index of the
+    stack's first layer (a pipeline stage holds layers [a, b) only: layer i is row i - a)."""
+    return decoder_layer(layer_slice(layer_params, index - stack_offset), index, x, attn,
+                         dispatcher, moe_carry, cfg, **kwargs)
 
 
 # --------------------------------------------------------------------- the driver
 def run_layers(layer_params: LayerParams, x: Float[Array, "n d"], attn, dispatcher,
                moe_carry: Any, cfg: ModelConfig, *, start: int = 0, stop: int | None = None,
-               observe: Observer | None = None, psum_axis: str | None = None
-               ) -> tuple[jax.Array, Any, Any, Any]:
+               observe: Observer | None = None, psum_axis: str | None = None,
+               stack_offset: int = 0) -> tuple[jax.Array, Any, Any, Any]:
     """Layers [start, stop) (default: all) on x [n, d], in one loop over the stacked
-    params (indexed in place: slicing the stack first would copy it).
+    params (indexed in place: slicing the stack first would copy it; ``stack_offset``:
+    the global index of the stack's first layer, for a stack of some layers only).
 
     Only the attention kind's *carry* (its pools or caches) travels through the loop;
     the rest of it (positions, masks) is a constant of the body. Returns (x, attention
@@ -314,7 +317,7 @@ def run_layers(layer_params: LayerParams, x: Float[Array, "n d"], attn, dispatch
     def body(i, carry):
         x, attn_carry, moe_carry, observed = carry
         out = layer(layer_params, i, x, attn.with_carry(attn_carry), dispatcher, moe_carry,
-                    cfg, psum_axis=psum_axis)
+                    cfg, psum_axis=psum_axis, stack_offset=stack_offset)
         if observe is not None:
             seen = observe(i, out.routing, out.attn.valid_rows(None), out.moe_in)
             observed = jax.tree.map(lambda acc, v: acc.at[i - start].set(v), observed, seen)

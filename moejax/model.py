@@ -232,14 +232,14 @@ class MoEDecoder(nnx.Module):
 
     def finish(self, batch: PackedBatch, opts: ForwardOptions, x: Float[Array, "T d"], attn,
                dispatcher: MoEDispatcher, moe_carry: Any = None, *,
-               psum_axis: str | None = None) -> ScoreOutput:
+               psum_axis: str | None = None, stack_offset: int = 0) -> ScoreOutput:
         """The end of :meth:`score` on x [T, d] after every layer but the last: the last
         layer (at the scoring rows alone when they are few), the final norm and the
         candidate logits. A host-side driver that ran the other layers itself (the
         offload backend) calls it too, so both end the forward the same way."""
         rows = batch.score_positions if last_layer_at_rows_only(batch) else None
         out = self.layer(self.cfg.num_layers - 1, x, attn, dispatcher, moe_carry, rows=rows,
-                         psum_axis=psum_axis)
+                         psum_axis=psum_axis, stack_offset=stack_offset)
         x_rows = out.x if rows is not None else jnp.take(out.x, batch.score_positions, axis=0)
         logits, lse = self.candidate_logits(self.final(x_rows), batch.score_token_ids,
                                             opts.full_vocab)

@@ -154,12 +154,21 @@ class Scorer:
                 engine.route_ranks(self.options.routing, theta, seed=self.options.routing_seed)
 
     def _engine(self, params, dtype, policy: BucketPolicy, index: int) -> Engine:
-        """Engine ``index``: with several engines, a resident backend on device ``index``."""
+        """Engine ``index``: with several engines, the backend on its own ``devices``
+        devices (engine g on devices g·D … g·D + D-1; resident: device g)."""
         opts = self.options
         if opts.engines > 1:
-            devices = require_devices("resident (engines)", opts.engines)
-            backend = make_backend("resident", self.config, params, dtype=dtype,
-                                   device=devices[index])
+            count = opts.devices
+            every = require_devices(f"{opts.backend} (engines={opts.engines})",
+                                    opts.engines * count)
+            mine = every[index * count:(index + 1) * count]
+            if opts.backend == "resident":
+                backend = make_backend("resident", self.config, params, dtype=dtype,
+                                       device=mine[0])
+            else:
+                backend = make_backend(opts.backend, self.config, params, devices=count,
+                                       dtype=dtype, device_pool=mine,
+                                       **dict(opts.backend_options))
         else:
             backend = make_backend(opts.backend, self.config, params, devices=opts.devices,
                                    dtype=dtype, **dict(opts.backend_options))
@@ -172,7 +181,7 @@ class Scorer:
         requests sharing it) in a call: option ``share_prompts`` ("auto": where the backend
         holds a prefix pool)."""
         opts = self.options
-        backend = "resident" if opts.engines > 1 else opts.backend
+        backend = opts.backend
         holds = backend_class(backend).holds_prefix_pool
         if opts.share_prompts is True and not holds:
             raise ValueError(f"share_prompts=true needs a backend that holds a prefix pool "

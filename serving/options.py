@@ -83,10 +83,10 @@ class ScorerOptions:
             raise ValueError(f"engines must be a positive integer, got {self.engines!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
-        if self.engines > 1 and (self.backend != "resident" or self.devices != 1):
-            raise ValueError(f"engines={self.engines} runs one resident engine per device; "
-                             f"got backend={self.backend!r}, devices={self.devices} (use "
-                             f"engines=1 with a multi-device backend instead)")
+        if self.engines > 1 and self.backend == "resident" and self.devices != 1:
+            raise ValueError(f"engines={self.engines} with backend 'resident' runs one engine "
+                             f"per device; got devices={self.devices} (devices is per "
+                             f"engine: each engine's backend runs on that many)")
         if not (self.compilation_cache is None or self.compilation_cache is False
                 or isinstance(self.compilation_cache, str)):
             raise ValueError(f"compilation_cache must be a directory, 'auto', 'off' or None, "

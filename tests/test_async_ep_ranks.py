@@ -102,3 +102,24 @@ def test_a_hybrid_group_holds_a_pool_per_rank_too(reference):
     cached = engine.stats.prefix_tokens_cached
     same(hybrid.score(REQUESTS), reference)
     assert engine.stats.prefix_tokens_cached > cached
+
+
+def test_engines_of_async_ep_groups_under_the_router(reference):
+    """Scorer(engines=2, backend="async_ep", devices=4): two AsyncEP groups of 4 ranks on
+    8 devices (engine g on devices 4g … 4g+3), the router over the groups and each group's
+    rank router over its ranks; results equal one resident engine's."""
+    import jax
+
+    scorer = Scorer("demo", engines=2, backend="async_ep", devices=4, prefix_cache_blocks=32,
+                    theta=1e15, **OPTIONS)
+    first, second = (engine.backend for engine in scorer.engines)
+    assert first.devices == tuple(jax.devices()[:4])
+    assert second.devices == tuple(jax.devices()[4:8])
+    assert all(engine.rank_router is not None for engine in scorer.engines)
+    for _ in range(2):                  # the second call reads the groups' cached prompts
+        results = scorer.score(REQUESTS)
+        same(results, reference)
+    assert {g for r in results if r.error is None for g in r.timings["engines"]} == {0, 1}
+    assert sum(e.stats.prefix_tokens_cached for e in scorer.engines) > 0
+    with pytest.raises(Exception, match="asks for 16 devices"):
+        Scorer("demo", engines=4, backend="async_ep", devices=4, **OPTIONS)

@@ -109,7 +109,8 @@ def test_bad_construction_is_refused(work):
         make_backend("resident", work.cfg, work.params, devices=4)
     with pytest.raises(ValueError, match="params do not match"):
         make_backend("async_ep", work.cfg, {**work.params, "extra": np.zeros(3)}, devices=2)
-    assert set(BACKENDS) == {"resident", "offload", "async_ep", "hybrid", "sync_ep", "tp"}
+    assert set(BACKENDS) == {"resident", "offload", "async_ep", "hybrid", "sync_ep", "tp",
+                             "tp_ep", "dp_tp", "pp"}
 
 
 def test_step_rejects_the_wrong_number_of_batches(work):
@@ -126,7 +127,8 @@ def test_plan_steps_groups_by_shape_in_order():
 MIXTRAL = dataclasses.replace(CFG, model_type="mixtral", qk_norm=False, tie_word_embeddings=True,
                               num_layers=2)
 ALL_BACKENDS = [("resident", 1), ("offload", 1), ("async_ep", 4), ("hybrid", 2),
-                ("sync_ep", 4), ("tp", 2)]
+                ("sync_ep", 4), ("tp", 2), ("tp_ep", 2),
+                ("dp_tp", 4), ("pp", 2)]
 
 
 @pytest.fixture(scope="module")

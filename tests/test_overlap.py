@@ -1,12 +1,20 @@
-"""Proof that async_ep's weight all-gather can overlap the layer's compute.
+"""Proof that async_ep's and hybrid's weight all-gather can overlap the layer's compute.
 
 CPU (collectives are synchronous there): in the program handed to XLA, the layer body
-issues one all-gather per expert weight of layer l+1, and they depend on nothing layer l
-computes (only the local shards and the layer index), so the scheduler is free to
-start them before any of the layer's matmuls.
-GPU: the compiled, scheduled HLO holds ``all-gather-start`` … a matmul …
-``all-gather-done`` in one computation (the latency-hiding scheduler placed the
-layer's compute inside the collective's window).
+(async_ep: the fused layer loop; hybrid: its per-layer program, whose next layer's shards
+came from host memory) issues one all-gather per expert weight of layer l+1, and they
+depend on nothing layer l computes (only the local shards and the layer index), so the
+scheduler is free to start them before any of the layer's matmuls.
+GPU (marked ``gpu``; needs 2 or more GPUs: the lent machines have one): the compiled,
+scheduled HLO holds ``all-gather-start`` … a matmul … ``all-gather-done`` in one
+computation (the latency-hiding scheduler placed the layer's compute inside the
+collective's window). Compiling the 8-GPU program on a machine without GPUs
+(deviceless, ahead of time) is not possible with the installed JAX 0.10.2:
+``jax.experimental.topologies.get_topology_desc(platform="cuda")`` raises "topology not
+implemented for cuda" without the CUDA plugin, and with ``jax-cuda12-pjrt`` 0.10.2
+installed the plugin refuses to start without the CUDA runtime libraries ("Unable to
+load CUDA"), and a CUDA topology needs a target description of a real GPU
+(``docs/PERF.md``, "Issue 39").
 """
 
 from __future__ import annotations
@@ -21,17 +29,18 @@ from moejax.backends import make_backend
 from moejax.backends.base import padded_step
 
 
-@pytest.fixture(scope="module")
-def lowered():
+@pytest.fixture(scope="module", params=["async_ep", "hybrid"])
+def lowered(request):
+    """async_ep's step, or hybrid's layer program (its first: the last gathers nothing)."""
     if jax.default_backend() != "cpu" and len(jax.devices()) < 2:
-        pytest.skip("async_ep's all-gather needs at least 2 devices of this backend")
+        pytest.skip(f"{request.param}'s all-gather needs at least 2 devices of this backend")
     work = small_workload(shapes=1)
     devices = min(2, len(jax.devices()))
-    backend = make_backend("async_ep", work.cfg, work.params, devices=devices)
+    backend = make_backend(request.param, work.cfg, work.params, devices=devices)
     host = work.hosts[0]
-    (lowered,) = backend.lowered_steps(padded_step([host.batch], backend.num_ranks),
-                                       host.options)
-    return lowered
+    programs = backend.lowered_steps(padded_step([host.batch], backend.num_ranks),
+                                     host.options)
+    return programs[0]
 
 
 def functions(stablehlo: str) -> list[str]:

@@ -266,3 +266,39 @@ def test_a_few_shared_tokens_are_not_worth_a_level():
     plan = plan_run(seqs, cache)
     assert len(plan.levels) == 1 and planned_tokens(plan) == 3 * 35 and plan.shared_tokens == 0
     cache.release(plan.pinned)
+
+
+def test_heterogeneous_engines_each_calibrated_under_one_router(setup):
+    """A resident engine on device 0 and an offload engine on device 1 behind one
+    router, each with the Θ its own calibration gives: results equal one plain engine's,
+    and each engine saturates at its own Θ."""
+    import jax
+
+    from moejax.calibrate import calibrate, fallback_theta
+    from moejax.core.engine_pool import EnginePool
+    from moejax.core.router import PrefixAwareRouter
+
+    params, resident, policy = setup
+    devices = jax.devices()
+    engines = [Engine(CFG, make_backend("resident", CFG, params, device=devices[0]),
+                      policy=policy, prefix_cache_blocks=32),
+               Engine(CFG, make_backend("offload", CFG, params, device_pool=devices[1:2]),
+                      policy=policy, prefix_cache_blocks=32)]
+    assert engines[1].backend.devices == (devices[1],)
+    calibrations = [calibrate(e.backend, max_batch_tokens=128, reference_tokens=64,
+                              reference_sequence=32, repeats=1) for e in engines]
+    # resident moves no weights (Θ = 0: the Scorer's rule makes that one full batch);
+    # offload measured its copy time and FLOP rate, and its Θ hides one behind the other.
+    assert calibrations[0].theta == 0 and calibrations[1].theta > 0
+    assert calibrations[1].rate > 0
+    thetas = [c.theta or fallback_theta(CFG, 128) for c in calibrations]
+    router = PrefixAwareRouter(CFG, 2, thetas)
+    assert router.theta == tuple(thetas) and router.thetas[0] != router.thetas[1]
+    pool = EnginePool(engines, router)
+    plain = Engine(CFG, resident, policy=policy)
+    for seed in (1, 2):
+        seqs = sequences(seed)
+        outputs, timings = pool.run(seqs)
+        assert_equal(outputs, plain.run(seqs))
+    assert {t.engine for t in timings.values()} <= {0, 1}
+    assert sum(e.stats.batches for e in engines) > 0

@@ -376,3 +376,39 @@ def test_at_least_one_engine_stays_available():
         router.set_unavailable([0, 1])
     with pytest.raises(ValueError, match="out of range"):
         router.set_unavailable([2])
+
+
+# ---------------------------------------------------------------------------- heterogeneous
+def test_heterogeneous_engines_get_their_own_theta_and_rate():
+    """A fast engine (rate 3) beside a slow one (rate 1): unshared requests of equal cost
+    go to whichever drains first, so the fast one takes three times the work; each engine
+    saturates at its own Θ."""
+    distinct = [route_op(i, [1 + i % 100, 2 + i % 50] + list(range(3, 40)), prefix_len=0)
+                for i in range(40)]
+    router = PrefixAwareRouter(CFG, num_engines=2, theta=math.inf, rates=[3.0, 1.0])
+    report = router.assign(distinct)
+    assert report.engines.count(0) == 30 and report.engines.count(1) == 10
+    assert router.drain_time(0) == pytest.approx(router.drain_time(1), rel=0.05)
+    # Θ per engine: the small-Θ engine saturates after one request a round.
+    cost = distinct[0].flops(CFG)
+    router = PrefixAwareRouter(CFG, num_engines=2, theta=[10 * cost, cost / 2])
+    assert router.theta == (10 * cost, cost / 2)
+    report = router.assign(distinct[:11])
+    assert report.num_rounds == 1 and report.engines.count(1) == 1
+    # Siblings still follow their prefix to the engine that holds it, whatever the rate.
+    router = PrefixAwareRouter(CFG, num_engines=2, theta=math.inf, rates=[1.0, 5.0])
+    router.assign([route_op("x", list(range(60, 99)), prefix_len=0)])      # engine 0 busy
+    assert router.assign([sibling(i) for i in range(6)]).engines == [1] * 6
+    with pytest.raises(ValueError, match="3 values for 2 engines"):
+        PrefixAwareRouter(CFG, num_engines=2, theta=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="rates must be finite numbers > 0"):
+        PrefixAwareRouter(CFG, num_engines=2, theta=1.0, rates=[1.0, 0.0])
+
+
+def test_from_calibrations_reads_each_engines_theta_and_rate():
+    fast = types.SimpleNamespace(theta=4e9, rate=2e12)
+    slow = types.SimpleNamespace(theta=1e9, rate=5e11)
+    router = PrefixAwareRouter.from_calibration(CFG, 2, [fast, slow])
+    assert router.thetas == [4e9, 1e9] and router.rates == [2e12, 5e11]
+    unmeasured = types.SimpleNamespace(theta=1e9, rate=None)
+    assert PrefixAwareRouter.from_calibration(CFG, 2, [fast, unmeasured]).rates == [1.0, 1.0]

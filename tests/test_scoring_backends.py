@@ -120,3 +120,13 @@ def test_configure_xla_asks_for_host_devices():
     env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
     assert configure_xla(host_devices=1, environ=env) == []   # so does an explicit false
     assert env == {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+
+
+@pytest.mark.parametrize("backend,devices", [("tp_ep", 2), ("dp_tp", 2), ("pp", 2)])
+def test_the_papers_other_baselines_score_like_resident(resident_results, backend, devices):
+    """TP+EP, DP+TP and PP+PP behind the Scorer: the same results as resident (the
+    prompt-sharing pool is not theirs: share_prompts 'auto' runs without it)."""
+    scorer = Scorer("demo", dtype="float32", max_batch_tokens=128, backend=backend,
+                    devices=devices, calibrate=False)
+    assert scorer.engine.backend.name == backend and scorer.engine.kv_store is None
+    _same(scorer.score(REQUESTS), resident_results)

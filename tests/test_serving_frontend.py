@@ -69,8 +69,8 @@ def test_prefix_routing_keeps_siblings_together():
 def test_option_errors():
     with pytest.raises(ValueError, match="routing must be one of"):
         Scorer("demo", routing="fastest")
-    with pytest.raises(ValueError, match="one resident engine per device"):
-        Scorer("demo", engines=2, backend="async_ep", devices=2)
+    with pytest.raises(ValueError, match="with backend 'resident' runs one engine per device"):
+        Scorer("demo", engines=2, backend="resident", devices=2)
     with pytest.raises(ValueError, match="prefix_cache_blocks must be"):
         Scorer("demo", prefix_cache_blocks=-3)
 

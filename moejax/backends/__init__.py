@@ -17,6 +17,9 @@ BACKENDS = {
     "hybrid": ("moejax.backends.streamed", "HybridBackend"),
     "sync_ep": ("moejax.backends.sync_ep", "SyncEPBackend"),
     "tp": ("moejax.backends.tp", "TPBackend"),
+    "tp_ep": ("moejax.backends.tp_ep", "TPEPBackend"),
+    "dp_tp": ("moejax.backends.dp_tp", "DPTPBackend"),
+    "pp": ("moejax.backends.pp", "PPBackend"),
 }
 
 

@@ -110,10 +110,11 @@ class AsyncEPBackend(MeshBackend):
     holds_prefix_pool = True      # one pool per rank (the module docstring)
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
-                 devices: int = 1):
+                 devices: int = 1, device_pool: Sequence[jax.Device] | None = None):
         super().__init__(cfg, dtype=dtype)
         xla_flags.warn_if_overlap_flags_missing(self.name)
-        self._devices = require_devices(self.name, devices)
+        # The first ``devices`` of ``device_pool`` (default: of the platform's devices).
+        self._devices = require_devices(self.name, devices, device_pool)
         self.mesh = Mesh(np.array(self._devices), (AXIS,))
         host = validated(params, cfg, self.dtype)
         dense_layers, experts = split_experts(host["layers"])

@@ -189,11 +189,14 @@ class StreamedBackend(MeshBackend):
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *,
                  dtype: Any = jnp.float32, devices: int = 1, window: int = DEFAULT_WINDOW,
                  sync_lag: int = DEFAULT_SYNC_LAG, track_memory: bool = False,
-                 placement: OffloadPlacement | None = None):
+                 placement: OffloadPlacement | None = None,
+                 device_pool: Sequence[jax.Device] | None = None):
         if placement is not None:
             dtype = placement.dtype
+            device_pool = placement.devices if device_pool is None else device_pool
         super().__init__(cfg, dtype=dtype)
-        self._devices = require_devices(self.name, devices)
+        # The first ``devices`` of ``device_pool`` (default: of the platform's devices).
+        self._devices = require_devices(self.name, devices, device_pool)
         # With several devices a layer's shards and the next layer's are held together.
         smallest = 2 if len(self._devices) > 1 else 1
         if not isinstance(window, int) or window < smallest:

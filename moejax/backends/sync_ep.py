@@ -504,15 +504,17 @@ class SyncEPPlacement:
     @classmethod
     def resolve(cls, name: str, cfg: ModelConfig, params: Params | None, dtype: Any,
                 devices: int, replicas: float | None, expert_load: Any,
-                placement: "SyncEPPlacement | None") -> "SyncEPPlacement":
+                placement: "SyncEPPlacement | None",
+                device_pool: Sequence[jax.Device] | None = None) -> "SyncEPPlacement":
         """What backend or runner ``name`` runs on: ``placement`` as it is (it must hold
         ``cfg``'s weights; its layout comes with it, so options that would build another
         are refused), or ``params`` placed now on the first ``devices`` devices by the
-        layout ``replicas`` and ``expert_load`` build."""
+        layout ``replicas`` and ``expert_load`` build (the first of ``device_pool``, when
+        given)."""
         if (placement is None) == (params is None):
             raise BackendError(f"backend {name!r} takes params or a placement, not both")
         if placement is None:
-            on = require_devices(name, devices)
+            on = require_devices(name, devices, device_pool)
             layout = build_layout(cfg.num_experts, len(on), replicas, expert_load)
             return cls.place(cfg, params, dtype, on, layout, replicated=replicas is not None)
         if placement.cfg != cfg:
@@ -547,7 +549,8 @@ class SyncEPBackend(MeshBackend):
                  dtype: Any = jnp.float32, devices: int = 1,
                  capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
                  replicas: float | None = None, router: str = "eplb_even",
-                 expert_load: Any = None, placement: SyncEPPlacement | None = None):
+                 expert_load: Any = None, placement: SyncEPPlacement | None = None,
+                 device_pool: Sequence[jax.Device] | None = None):
         if placement is not None:
             dtype = placement.dtype
         super().__init__(cfg, dtype=dtype)
@@ -557,7 +560,7 @@ class SyncEPBackend(MeshBackend):
                                f"got {capacity_factor!r}")
         check_router(self.name, router)
         placement = SyncEPPlacement.resolve(self.name, cfg, params, dtype, devices, replicas,
-                                            expert_load, placement)
+                                            expert_load, placement, device_pool)
         self._devices = placement.devices
         num_devices = len(self._devices)
         self.capacity_factor = float(capacity_factor)

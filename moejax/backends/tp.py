@@ -54,28 +54,29 @@ SHARDED_AXIS = {"wq": 2, "wk": 2, "wv": 2, "wo": 1, "w_gate": 3, "w_up": 3, "w_d
                 "bq": 1, "bk": 1, "bv": 1}
 
 
-def check_family(cfg: ModelConfig) -> None:
+def check_family(cfg: ModelConfig, name: str = "tp") -> None:
     """BackendError for the attention variants a head-sharded layer cannot compute
     locally. (Shared experts and dense layers' MLPs are replicated: each device runs them
     whole after the all-reduce.)"""
     if cfg.mla is not None:
-        raise BackendError(f"backend 'tp' does not serve {cfg.model_type}: multi-head latent "
-                           "attention shares one latent over every head, which 'tp' does not "
-                           "shard; use resident, offload, async_ep or sync_ep")
+        raise BackendError(f"backend {name!r} does not serve {cfg.model_type}: multi-head "
+                           f"latent attention shares one latent over every head, which "
+                           f"{name!r} does not shard; use resident, offload, async_ep or "
+                           f"sync_ep")
     if cfg.qk_norm and cfg.qk_norm_over_heads:
-        raise BackendError(f"backend 'tp' does not serve {cfg.model_type}: its q/k norm spans "
-                           "every head, so a device holding some heads cannot compute it; use "
-                           "resident, offload, async_ep or sync_ep")
+        raise BackendError(f"backend {name!r} does not serve {cfg.model_type}: its q/k norm "
+                           "spans every head, so a device holding some heads cannot compute "
+                           "it; use resident, offload, async_ep or sync_ep")
 
 
 # ------------------------------------------------------------------ layout
-def check_heads(cfg: ModelConfig, shards: int) -> None:
+def check_heads(cfg: ModelConfig, shards: int, name: str = "tp") -> None:
     """BackendError unless ``shards`` divides both head counts (heads are not split)."""
     if cfg.num_kv_heads % shards or cfg.num_heads % shards:
         usable = [g for g in range(1, cfg.num_kv_heads + 1)
                   if cfg.num_kv_heads % g == 0 and cfg.num_heads % g == 0]
         raise BackendError(
-            f"backend 'tp' shards attention by head: num_heads={cfg.num_heads} and "
+            f"backend {name!r} shards attention by head: num_heads={cfg.num_heads} and "
             f"num_kv_heads={cfg.num_kv_heads} must both be divisible by devices={shards}; "
             f"use fewer devices, a count dividing both (one of {usable})")
 
@@ -195,9 +196,9 @@ class TPBackend(Backend):
                              "shard is not built)")
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
-                 devices: int = 1):
+                 devices: int = 1, device_pool: Sequence[jax.Device] | None = None):
         super().__init__(cfg, dtype=dtype)
-        self._devices = require_devices(self.name, devices)
+        self._devices = require_devices(self.name, devices, device_pool)
         shards = len(self._devices)
         check_family(cfg)
         check_heads(cfg, shards)

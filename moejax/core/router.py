@@ -406,15 +406,21 @@ class PrefixAwareRouter(Router):
     """Seed Algorithm 1: saturation (F3) → longest prefix match (F1) → true-FLOP cost (F2).
 
     ``theta``: Θ in FLOPs (``moejax.calibrate.Calibration.theta``; ``math.inf`` = never
-    saturate). See the module docstring for rounds and the match cap.
+    saturate), one for every engine or one per engine. ``rates``: each engine's FLOP rate
+    (any unit, e.g. R of its calibration; default: all equal). Heterogeneous engines (a
+    resident device beside an offload one) each saturate at their own Θ, and load is
+    compared as time to drain, W_g / rate_g: the least-loaded engine and the tie-break
+    of equal matches are the one that finishes its queued work first. See the module
+    docstring for rounds and the match cap.
     """
 
     name = "prefix"
 
-    def __init__(self, cfg: ModelConfig, num_engines: int, theta: float,
-                 block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, cfg: ModelConfig, num_engines: int, theta: float | Sequence[float],
+                 block_size: int = BLOCK_SIZE, rates: Sequence[float] | None = None) -> None:
         super().__init__(cfg, num_engines, block_size)
-        self.theta = _check_theta(theta)
+        self.thetas = _per_engine_thetas(theta, num_engines)
+        self.rates = _check_rates(rates, num_engines)
         self._base: list[int | float] = [0] * num_engines     # W_g at the current round start
         self._open: list[int] = []                  # unsaturated engines, ascending
         self._open_tables: list[set[bytes]] = []    # their held tables, in the same order
@@ -423,13 +429,30 @@ class PrefixAwareRouter(Router):
     @classmethod
     def from_calibration(cls, cfg: ModelConfig, num_engines: int, calibration: Any,
                          block_size: int = BLOCK_SIZE) -> "PrefixAwareRouter":
-        """Θ from a ``moejax.calibrate.Calibration`` (anything with a ``theta``)."""
-        return cls(cfg, num_engines, calibration.theta, block_size)
+        """Θ from a ``moejax.calibrate.Calibration`` (anything with a ``theta``), or Θ and
+        the FLOP rate of each engine from one calibration per engine (rates where every
+        one measured R, else equal)."""
+        if not isinstance(calibration, (list, tuple)):
+            return cls(cfg, num_engines, calibration.theta, block_size)
+        if len(calibration) != num_engines:
+            raise ValueError(f"{len(calibration)} calibrations for {num_engines} engines")
+        rates = [c.rate for c in calibration]
+        return cls(cfg, num_engines, [c.theta for c in calibration], block_size,
+                   rates=None if any(r is None for r in rates) else rates)
 
-    def set_theta(self, theta: float) -> None:
+    @property
+    def theta(self) -> float | tuple[float, ...]:
+        """Θ: one number when every engine has the same, else one per engine."""
+        return self.thetas[0] if len(set(self.thetas)) == 1 else tuple(self.thetas)
+
+    def set_theta(self, theta: float | Sequence[float]) -> None:
         """Install a new Θ (e.g. delivered after the engines' calibration run)."""
-        self.theta = _check_theta(theta)
+        self.thetas = _per_engine_thetas(theta, self.num_engines)
         self._refresh_open()
+
+    def drain_time(self, engine: int) -> float:
+        """W_g / rate_g: how long engine ``engine``'s queued work takes, in the rates' unit."""
+        return self._work[self._check_engine(engine)] / self.rates[engine]
 
     def saturated(self, engine: int) -> bool:
         """Whether ``engine`` takes no more work in the current round."""
@@ -452,7 +475,8 @@ class PrefixAwareRouter(Router):
         # bytecode would cost more than the rest of the decision).
         holders = compress(candidates, map(operator.contains, self._open_tables,
                                            repeat(hashes[0])))
-        held, work = self._held, self._work
+        held, rates = self._held, self.rates
+        work = [w / r for w, r in zip(self._work, rates)]       # drain times
         best, best_len = -1, 0
         for g in holders:
             table = held[g]
@@ -464,12 +488,17 @@ class PrefixAwareRouter(Router):
                 if needed >= limit or hashes[needed] not in table:
                     continue
             length = self._match(g, hashes, limit)
-            # Ascending engine order: a later engine wins a tie only with strictly less W_g.
+            # Ascending engine order: a later engine wins a tie only with strictly less
+            # drain time.
             if length > best_len or (length == best_len and work[g] < work[best]):
                 best, best_len = g, length
         if best < 0:
             return self._least_loaded(candidates), 0
         return best, best_len
+
+    def _least_loaded(self, engines: Sequence[int]) -> int:
+        """The engine of ``engines`` that drains its queued work first (ties: lowest)."""
+        return min(engines, key=lambda g: self._work[g] / self.rates[g])
 
     def _on_assigned(self, engine: int, op: PrefillOp) -> None:
         if not self._is_open(engine):
@@ -484,7 +513,7 @@ class PrefixAwareRouter(Router):
     # ------------------------------------------------------------------ rounds
     def _is_open(self, engine: int) -> bool:
         round_work = self._work[engine] - self._base[engine]
-        return round_work < self.theta or round_work <= 0
+        return round_work < self.thetas[engine] or round_work <= 0
 
     def _refresh_open(self) -> None:
         self._set_open(g for g in range(self.num_engines) if self._is_open(g))
@@ -588,6 +617,30 @@ def make_router(name: str, cfg: ModelConfig, num_engines: int, theta: float = ma
     if name == "random":
         return RandomRouter(cfg, num_engines, seed, block_size)
     raise ValueError(f"unknown router {name!r}: choose one of {', '.join(ROUTER_NAMES)}")
+
+
+def _per_engine_thetas(theta: float | Sequence[float], num_engines: int) -> list[float]:
+    """Θ for each engine: one number for all, or a sequence of one per engine."""
+    if isinstance(theta, (list, tuple, np.ndarray)):
+        if len(theta) != num_engines:
+            raise ValueError(f"theta: {len(theta)} values for {num_engines} engines")
+        return [_check_theta(t) for t in theta]
+    return [_check_theta(theta)] * num_engines
+
+
+def _check_rates(rates: Sequence[float] | None, num_engines: int) -> list[float]:
+    """Each engine's FLOP rate (> 0, finite); all 1.0 when not given."""
+    if rates is None:
+        return [1.0] * num_engines
+    if len(rates) != num_engines:
+        raise ValueError(f"rates: {len(rates)} values for {num_engines} engines")
+    out = []
+    for rate in rates:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(rate) or rate <= 0:
+            raise ValueError(f"rates must be finite numbers > 0, got {rate!r}")
+        out.append(float(rate))
+    return out
 
 
 def _check_theta(theta: float) -> float:

@@ -76,7 +76,8 @@ def add_model_options(p: argparse.ArgumentParser, *, hidden: Collection[str] = (
     option("--theta", type=float, default=None,
            help="pin the saturation threshold Θ (FLOPs) instead of calibrating")
     option("--engines", type=positive_int, default=None,
-           help="data-parallel engines, one per device (resident backend)")
+           help="data-parallel engines behind the router, each the backend on its own "
+                "--devices devices (e.g. --engines 2 --backend async_ep --devices 4)")
     option("--routing", default=None,
            help="request routing over engines: prefix (default), round_robin, "
                 "least_tokens or random")
