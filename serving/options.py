@@ -14,7 +14,7 @@ from moejax.moe import EXPERT_IMPLS
 DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "configs" / "scoring.yaml"
 DTYPES = ("float32", "bfloat16")
 AUTO_BATCH_TOKENS = {"cpu": 4096, "gpu": 16384}
-ROUTINGS = ("prefix", "round_robin", "least_tokens", "random")
+ROUTINGS = ("prefix", "round_robin", "least_tokens", "random", "prefill_only")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -302,3 +302,27 @@ def test_heterogeneous_engines_each_calibrated_under_one_router(setup):
         assert_equal(outputs, plain.run(seqs))
     assert {t.engine for t in timings.values()} <= {0, 1}
     assert sum(e.stats.batches for e in engines) > 0
+
+
+def test_prefill_only_pool_runs_one_sequence_at_a_time_in_its_schedule(setup):
+    """PrefillOnly's setting (the paper's baseline): shortest prefill first over two
+    engines, max_num_seqs=1 (each engine runs its ops one by one, in the schedule's
+    order): the results equal one plain engine's."""
+    import jax
+
+    from moejax.core.engine_pool import EnginePool
+    from moejax.core.router import make_router
+
+    params, resident, policy = setup
+    engines = [Engine(CFG, make_backend("resident", CFG, params, device=d), policy=policy,
+                      prefix_cache_blocks=32) for d in jax.devices()[:2]]
+    pool = EnginePool(engines, make_router("prefill_only", CFG, 2), max_num_seqs=1)
+    seqs = sequences(3)
+    outputs, _ = pool.run(seqs)
+    assert_equal(outputs, Engine(CFG, resident, policy=policy).run(seqs))
+    assert sum(e.stats.batches for e in engines) >= len(seqs)     # one sequence a run
+    order = pool.last_report.schedule()
+    costs = [seqs[i].flops(CFG) for i in order]
+    assert costs[0] == min(costs)
+    with pytest.raises(ValueError, match="max_num_seqs must be None or a positive"):
+        EnginePool(engines, make_router("prefill_only", CFG, 2), max_num_seqs=0)

@@ -18,7 +18,8 @@ from moejax.ops import OpKey, PrefillOp
 from serving.prefix_hash import (BLOCK_SIZE, DIGEST_SIZE, HASH_PERSON, ROOT_HASH, block_hash,
                                  block_hashes, num_full_blocks)
 from moejax.core.router import (BlocksEvicted, BlocksStored, FlopsExecuted, LeastTokensRouter,
-                            PrefixAwareRouter, RandomRouter, RoundRobinRouter, make_router)
+                            PrefixAwareRouter, RandomRouter, RoundRobinRouter,
+                            ShortestPrefillFirstRouter, make_router)
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -412,3 +413,24 @@ def test_from_calibrations_reads_each_engines_theta_and_rate():
     assert router.thetas == [4e9, 1e9] and router.rates == [2e12, 5e11]
     unmeasured = types.SimpleNamespace(theta=1e9, rate=None)
     assert PrefixAwareRouter.from_calibration(CFG, 2, [fast, unmeasured]).rates == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------- PrefillOnly
+def test_prefill_only_schedules_shortest_first_with_continuous_estimates():
+    """Shortest prefill first: a long unique request waits behind short ones; once a
+    sibling is scheduled, its siblings' estimates drop to their suffixes (the prefix is
+    promised), so they go next, to the same engine."""
+    long_one = route_op("long", list(range(1, 200)), prefix_len=0)
+    short = [route_op(f"s{i}", [90 + i] + list(range(3, 12)), prefix_len=0) for i in range(2)]
+    siblings = [sibling(i) for i in range(3)]
+    router = make_router("prefill_only", CFG, 2)
+    assert isinstance(router, ShortestPrefillFirstRouter)
+    report = router.assign([long_one, *siblings, *short])
+    order = report.schedule()
+    assert order[:2] == [4, 5]                    # the two short ones first
+    assert order[-1] == 0                         # the long one last
+    assert order[2:5] == [1, 2, 3]                # one sibling, then its cheap siblings
+    assert {report.assignments[i].engine for i in (1, 2, 3)} == {report.assignments[1].engine}
+    assert [a.cached_tokens for a in report.assignments[1:4]] == [0, 64, 64]
+    assert report.assignments[0].key == "long"    # assignments stay in request order
+    assert make_router("prefix", CFG, 2).assign(siblings).schedule() == [0, 1, 2]

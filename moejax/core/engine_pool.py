@@ -37,12 +37,22 @@ class OpTiming:
 class EnginePool:
     """Routes ops over engines and runs them; results identical to one engine."""
 
-    def __init__(self, engines: Sequence[Engine], router: Router):
+    def __init__(self, engines: Sequence[Engine], router: Router,
+                 max_num_seqs: int | None = None):
         if len(engines) != router.num_engines:
             raise ValueError(f"{len(engines)} engines but the router expects "
                              f"{router.num_engines}")
+        if max_num_seqs is not None and (isinstance(max_num_seqs, bool)
+                                         or not isinstance(max_num_seqs, int)
+                                         or max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be None or a positive integer, got "
+                             f"{max_num_seqs!r}")
         self.engines = list(engines)
         self.router = router
+        # None: an engine runs all its ops of a call in one packed run (our batching);
+        # n: at most n sequences per run, in the router's schedule order (PrefillOnly's
+        # max-num-seqs, the paper's baseline setting).
+        self.max_num_seqs = max_num_seqs
         self.last_report: RoutingReport | None = None
         self.router_theta: float | None = None     # the Θ the router was built with
 
@@ -56,8 +66,8 @@ class EnginePool:
         report = self.route(ops)
         self.last_report = report
         work: list[list[int]] = [[] for _ in self.engines]
-        for i, assignment in enumerate(report.assignments):
-            work[assignment.engine].append(i)
+        for i in report.schedule():                 # each engine's ops in schedule order
+            work[report.assignments[i].engine].append(i)
         outputs: dict[Hashable, SequenceOutcome] = {}
         timings: dict[int, OpTiming] = {}
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
@@ -76,7 +86,14 @@ class EnginePool:
 
     def _run_engine(self, g: int, ops: Sequence[PrefillOp], indices: list[int],
                     on_batch_done) -> dict[Hashable, SequenceOutcome]:
-        return self.engines[g].run([ops[i] for i in indices], on_batch_done=on_batch_done)
+        engine = self.engines[g]
+        if self.max_num_seqs is None:
+            return engine.run([ops[i] for i in indices], on_batch_done=on_batch_done)
+        outputs: dict[Hashable, SequenceOutcome] = {}
+        for start in range(0, len(indices), self.max_num_seqs):
+            chunk = indices[start:start + self.max_num_seqs]
+            outputs.update(engine.run([ops[i] for i in chunk], on_batch_done=on_batch_done))
+        return outputs
 
     def _report(self, g: int, costs: list[int], ops: list[PrefillOp]) -> None:
         """Events of engine g after its run, in order: blocks stored / evicted, FLOPs."""

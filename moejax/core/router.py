@@ -53,8 +53,10 @@ credited and round; per engine the ΔW assigned — kept as :attr:`Router.last_r
 
 Baselines with the same interface (decisions only; they keep the same shadow tables so their
 reports show the prefix credit the engines' caches would give them): :class:`RoundRobinRouter`,
-:class:`LeastTokensRouter` (fewest outstanding prompt tokens, vLLM-style), :class:`RandomRouter`.
-Decisions are deterministic for a fixed input (RandomRouter: for a fixed seed).
+:class:`LeastTokensRouter` (fewest outstanding prompt tokens, vLLM-style), :class:`RandomRouter`,
+and PrefillOnly's shortest-prefill-first scheduler (:class:`ShortestPrefillFirstRouter`, whose
+report carries the schedule order). Decisions are deterministic for a fixed input
+(RandomRouter: for a fixed seed).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ from moejax.config import ModelConfig
 from moejax.ops import PrefillOp
 from moejax.prefix_hash import BLOCK_SIZE
 
-ROUTER_NAMES = ("prefix", "round_robin", "least_tokens", "random")
+ROUTER_NAMES = ("prefix", "round_robin", "least_tokens", "random", "prefill_only")
 
 
 # ---------------------------------------------------------------------------- events
@@ -158,6 +160,12 @@ class RoutingReport:
     assignments: tuple[Assignment, ...]
     engine_flops: tuple[int, ...]     # ΔW assigned to each engine by this call
     num_rounds: int
+    # The order the router scheduled the requests in (indices into the call); () = FIFO.
+    order: tuple[int, ...] = ()
+
+    def schedule(self) -> list[int]:
+        """Request indices in the order they were scheduled."""
+        return list(self.order) if self.order else list(range(len(self.assignments)))
 
     @property
     def engines(self) -> list[int]:
@@ -601,9 +609,62 @@ class RandomRouter(Router):
                 return engine, self._match(engine, hashes, limit)
 
 
+class ShortestPrefillFirstRouter(Router):
+    """PrefillOnly's scheduler as a router policy (the MoE-Prefill paper's baseline):
+    shortest prefill first, with continuous prefill-time estimation. Each call's requests
+    are scheduled one at a time: every request still waiting is estimated afresh against
+    what the engines hold now (its FLOPs after the longest prefix match on any engine,
+    pending blocks included, so a request whose prefix an earlier one just promised
+    becomes cheap), and the cheapest goes next (ties: arrival order), to the engine of its
+    match, else the least loaded. No Θ: PrefillOnly admits by order, not by saturation.
+    The report's ``order`` is the schedule, which a pool running ``max_num_seqs``
+    requests at a time follows (``moejax.core.engine_pool.EnginePool``)."""
+
+    name = "prefill_only"
+
+    def assign(self, requests: Sequence[PrefillOp]) -> RoutingReport:
+        self._validate(requests)
+        self.drain()
+        self._begin_call()
+        waiting = list(range(len(requests)))
+        assignments: list[Assignment | None] = [None] * len(requests)
+        order = []
+        while waiting:
+            estimates = [self._estimate(requests[i]) for i in waiting]
+            pick = waiting.pop(min(range(len(waiting)), key=estimates.__getitem__))
+            assignments[pick] = self._route_one(requests[pick])
+            order.append(pick)
+        engine_flops = [0] * self.num_engines
+        for a in assignments:
+            engine_flops[a.engine] += a.cost
+        report = RoutingReport(assignments=tuple(assignments), engine_flops=tuple(engine_flops),
+                               num_rounds=1 if assignments else 0, order=tuple(order))
+        self.last_report = report
+        return report
+
+    def _estimate(self, op: PrefillOp) -> int:
+        """The op's prefill FLOPs after its best prefix match on any engine now."""
+        hashes = op.block_hashes(self.block_size)
+        limit = min(op.prefix_len, len(op.token_ids) - 1) // self.block_size
+        best = max((self._match(g, hashes, limit) for g in self.available()), default=0)
+        return op.flops(self.cfg, best * self.block_size)
+
+    def _choose(self, op: PrefillOp, hashes: tuple[bytes, ...],
+                limit: int) -> tuple[int, int]:
+        engines = self.available()
+        best, best_len = min(engines, key=self._work.__getitem__), 0
+        for g in engines:
+            length = self._match(g, hashes, limit)
+            if length > best_len or (length == best_len and length
+                                     and self._work[g] < self._work[best]):
+                best, best_len = g, length
+        return best, best_len
+
+
 def make_router(name: str, cfg: ModelConfig, num_engines: int, theta: float = math.inf,
                 seed: int = 0, block_size: int = BLOCK_SIZE) -> Router:
-    """Router by name: "prefix" | "round_robin" | "least_tokens" | "random".
+    """Router by name: "prefix" | "round_robin" | "least_tokens" | "random" |
+    "prefill_only".
 
     ``theta`` is validated for every name but only "prefix" uses it; ``seed`` only "random".
     """
@@ -616,6 +677,8 @@ def make_router(name: str, cfg: ModelConfig, num_engines: int, theta: float = ma
         return LeastTokensRouter(cfg, num_engines, block_size)
     if name == "random":
         return RandomRouter(cfg, num_engines, seed, block_size)
+    if name == "prefill_only":
+        return ShortestPrefillFirstRouter(cfg, num_engines, block_size)
     raise ValueError(f"unknown router {name!r}: choose one of {', '.join(ROUTER_NAMES)}")
 
 
