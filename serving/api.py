@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import sys
 import time
@@ -134,7 +133,7 @@ class Scorer:
         del params  # the backends hold the placed copies
         self.engine = self.engines[0]
         self.calibration = self._calibrate(self.engine.backend, policy.max_batch_tokens)
-        self._route_ranks()
+        self._route_ranks(policy.max_batch_tokens)
         self.pool = None
         if len(self.engines) > 1:
             theta = self.calibration.theta or fallback_theta(self.config, policy.max_batch_tokens)
@@ -143,12 +142,15 @@ class Scorer:
             self.pool = EnginePool(self.engines, router)
             self.pool.router_theta = theta
 
-    def _route_ranks(self) -> None:
+    def _route_ranks(self, max_batch_tokens: int) -> None:
         """An engine of several data-parallel ranks with a prefix pool routes a call's
         ops over its ranks by the Scorer's ``routing``, each rank a target with a Θ of its
-        own: the Scorer's Θ (calibrated on the backend, whose step runs one batch per
-        rank; else one full batch of work)."""
-        theta = self.calibration.theta or math.inf
+        own: the Scorer's Θ (calibrated on the backend: the work that hides a layer's
+        weight transfer), but at least one full batch of work, since a step runs one
+        batch on every rank (a smaller Θ would spread a prefix's siblings over ranks
+        that each recompute it, without filling any step more)."""
+        theta = max(self.calibration.theta or 0.0,
+                    fallback_theta(self.config, max_batch_tokens))
         for engine in self.engines:
             if engine.rank_router is not None:
                 engine.route_ranks(self.options.routing, theta, seed=self.options.routing_seed)

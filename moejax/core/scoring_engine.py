@@ -49,6 +49,11 @@ class EngineStats:
     prefix_tokens_cached: int = 0     # prompt tokens read from blocks of earlier runs
     prefix_tokens_shared: int = 0     # prompt tokens read from sequences of the same run
     executed_flops: int = 0      # model FLOPs of the real tokens run (DESIGN.md formulas)
+    # Over the steps: the busiest rank's real tokens per step, summed, and every rank's,
+    # summed (the straggler factor = ranks · busiest / all: 1 when balanced).
+    rank_step_max_tokens: int = 0
+    rank_step_tokens: int = 0
+    rank_steps: int = 0
     shapes: set = dataclasses.field(default_factory=set)
 
 

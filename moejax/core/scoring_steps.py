@@ -130,6 +130,11 @@ class ScoringSchedule:
             return events
         events = []
         stats = self.stats
+        # The straggler count (EngineStats): a rank absent from a step ran no token.
+        tokens = [0 if host is None else host.real_tokens for host in hosts]
+        stats.rank_step_max_tokens += max(tokens)
+        stats.rank_step_tokens += sum(tokens)
+        stats.rank_steps += 1
         for host, (logits, lse) in zip(hosts, fetched):
             if host is None:            # an idle rank of a step on the pool
                 continue
