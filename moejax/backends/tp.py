@@ -81,6 +81,18 @@ def check_heads(cfg: ModelConfig, shards: int, name: str = "tp") -> None:
             f"use fewer devices, a count dividing both (one of {usable})")
 
 
+def head_split_mesh(name: str, cfg: ModelConfig, devices: int,
+                    device_pool: Sequence[jax.Device] | None) -> tuple[tuple[jax.Device, ...],
+                                                                       Mesh]:
+    """The devices and the ``("tp",)`` mesh of a backend that splits attention heads
+    over them (``tp``, ``tp_ep``): the first ``devices`` of ``device_pool``, the family
+    and the head counts checked for the split."""
+    chosen = require_devices(name, devices, device_pool)
+    check_family(cfg, name)
+    check_heads(cfg, len(chosen), name)
+    return chosen, Mesh(np.array(chosen), (AXIS,))
+
+
 def padded_intermediate(f: int, shards: int) -> int:
     """f rounded up to a multiple of ``shards``."""
     return -(-f // shards) * shards
@@ -198,11 +210,8 @@ class TPBackend(Backend):
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1, device_pool: Sequence[jax.Device] | None = None):
         super().__init__(cfg, dtype=dtype)
-        self._devices = require_devices(self.name, devices, device_pool)
+        self._devices, self.mesh = head_split_mesh(self.name, cfg, devices, device_pool)
         shards = len(self._devices)
-        check_family(cfg)
-        check_heads(cfg, shards)
-        self.mesh = Mesh(np.array(self._devices), (AXIS,))
         self.f_padded = padded_intermediate(cfg.moe_intermediate_size, shards)
         self.local_cfg = local_config(cfg, shards, self.f_padded)
 

@@ -30,13 +30,13 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax import model, moe
 from moejax.backends.async_ep import pad_experts
 from moejax.backends.base import (Backend, MemoryReport, StepOutput, expert_bytes_per_layer,
-                                  nbytes, require_devices, validated)
-from moejax.backends.tp import AXIS, check_family, check_heads, param_specs, shardings
+                                  nbytes, validated)
+from moejax.backends.tp import AXIS, head_split_mesh, param_specs, shardings
 from moejax.config import ModelConfig
 from moejax.dispatch import MoEDispatcher, OwnedExpertTokens, StackedExperts
 from moejax.model import ForwardOptions, PackedBatch
@@ -72,11 +72,8 @@ class TPEPBackend(Backend):
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1, device_pool: Sequence[jax.Device] | None = None):
         super().__init__(cfg, dtype=dtype)
-        self._devices = require_devices(self.name, devices, device_pool)
+        self._devices, self.mesh = head_split_mesh(self.name, cfg, devices, device_pool)
         shards = len(self._devices)
-        check_family(cfg, self.name)
-        check_heads(cfg, shards, self.name)
-        self.mesh = Mesh(np.array(self._devices), (AXIS,))
         self.local_cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // shards,
                                              num_kv_heads=cfg.num_kv_heads // shards)
         host = validated(params, cfg, self.dtype)
