@@ -274,6 +274,57 @@ def build_context(chosen: Sequence[PrefillOp], starts: Sequence[int], num_blocks
                          store_slot=slots, ctx_positions=ctx_positions)
 
 
+def _pad(array: np.ndarray, shape: Sequence[int], value: int = 0) -> np.ndarray:
+    """``array`` grown to ``shape`` (each axis at its end) with ``value``."""
+    array = np.asarray(array)
+    return np.pad(array, [(0, n - m) for m, n in zip(array.shape, shape)],
+                  constant_values=value)
+
+
+def pad_to_common_shape(hosts: Sequence[HostBatch], rank_slots: int) -> list[HostBatch]:
+    """Batches of one attention block, each on its own rank's pool (``rank_slots`` token
+    slots per rank), grown to one program shape (the largest of each dimension) so that
+    one step runs them together: padding tokens in no segment, padding score rows and
+    candidate columns that nobody reads, context entries that read nothing (lo > hi), and
+    stored rows dropped (slot ``rank_slots``, past the rank's pool). The full vocabulary
+    is scored for all when any asks for it (an extra log-sum-exp is harmless)."""
+    blocks = {host.options.attn_block for host in hosts}
+    if len(blocks) != 1:
+        raise ValueError(f"batches of attention blocks {sorted(blocks)} cannot share a step")
+    if len(hosts) < 2:
+        return list(hosts)
+    tokens = max(h.batch.tokens.shape[0] for h in hosts)
+    positions = max(h.batch.score_token_ids.shape[0] for h in hosts)
+    columns = max(h.batch.score_token_ids.shape[1] for h in hosts)
+    full_vocab = any(h.options.full_vocab for h in hosts)
+    pooled = [h.context for h in hosts if h.context is not None]
+    width = max((c.ctx_slot.shape[1] for c in pooled), default=0)
+    stored = max((c.store_row.shape[0] for c in pooled), default=0)
+    nb = tokens // blocks.pop()
+    out = []
+    for host in hosts:
+        b = host.batch
+        batch = PackedBatch(tokens=_pad(b.tokens, (tokens,)),
+                            positions=_pad(b.positions, (tokens,)),
+                            segment_ids=_pad(b.segment_ids, (tokens,), -1),
+                            score_positions=_pad(b.score_positions, (positions,)),
+                            score_token_ids=_pad(b.score_token_ids, (positions, columns)))
+        context = host.context
+        if context is not None:
+            context = PrefixContext(
+                ctx_slot=_pad(context.ctx_slot, (nb, width)),
+                ctx_lo=_pad(context.ctx_lo, (nb, width), 1),
+                ctx_hi=_pad(context.ctx_hi, (nb, width)),
+                store_row=_pad(context.store_row, (stored,)),
+                store_slot=_pad(context.store_slot, (stored,), rank_slots),
+                ctx_positions=(None if context.ctx_positions is None
+                               else _pad(context.ctx_positions, (nb, width))))
+        out.append(dataclasses.replace(
+            host, batch=batch, context=context,
+            options=dataclasses.replace(host.options, full_vocab=full_vocab)))
+    return out
+
+
 def unpack(host: HostBatch, logits: np.ndarray, logsumexp: np.ndarray | None
            ) -> list[tuple[Hashable, list[np.ndarray], np.ndarray | None]]:
     """Split a batch's [P, C] logits (and [P] log-sum-exp) back per sequence:

@@ -6,6 +6,8 @@ resident engine's, in every mode of the pool (cache, KV-cache-free, none)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -53,6 +55,10 @@ def test_each_rank_holds_the_prefixes_routed_to_it(group, reference):
     report = engine.last_rank_report
     used = {a.engine for a in report.assignments}
     assert len(used) >= 3                  # three system prompts spread over the ranks
+    # The ranks' batches of a level are grown to one shape and run together: the busiest
+    # rank does not carry the steps alone (straggler factor 4 would be one rank a step).
+    stats = engine.stats
+    assert stats.rank_step_max_tokens * 4 / stats.rank_step_tokens < 3
     # Every system prompt's first block is named on the rank(s) its ops went to, and on
     # no other: each rank's pool holds its own requests' blocks.
     allocators = engine.kv_store.allocators
@@ -123,3 +129,37 @@ def test_engines_of_async_ep_groups_under_the_router(reference):
     assert sum(e.stats.prefix_tokens_cached for e in scorer.engines) > 0
     with pytest.raises(Exception, match="asks for 16 devices"):
         Scorer("demo", engines=4, backend="async_ep", devices=4, **OPTIONS)
+
+
+def test_batches_of_several_ranks_are_grown_to_one_shape():
+    """packing.pad_to_common_shape: the largest of each dimension; padding rows in no
+    segment, context entries that read nothing, stored rows dropped past the rank's pool."""
+    from moejax.attention_kinds import PrefixContext
+    from moejax.model import ForwardOptions, PackedBatch
+    from moejax.packing import HostBatch, pad_to_common_shape
+
+    def host(tokens, positions, columns, width, stored, vocab):
+        batch = PackedBatch(tokens=np.ones(tokens, np.int32), positions=np.arange(tokens),
+                            segment_ids=np.zeros(tokens, np.int32),
+                            score_positions=np.zeros(positions, np.int32),
+                            score_token_ids=np.ones((positions, columns), np.int32))
+        nb = tokens // 32
+        context = PrefixContext(ctx_slot=np.full((nb, width), 5, np.int32),
+                                ctx_lo=np.zeros((nb, width), np.int32),
+                                ctx_hi=np.zeros((nb, width), np.int32),
+                                store_row=np.arange(stored, dtype=np.int32),
+                                store_slot=np.arange(stored, dtype=np.int32),
+                                ctx_positions=np.zeros((nb, width), np.int32))
+        return HostBatch(batch=batch, options=ForwardOptions(attn_block=32, full_vocab=vocab),
+                         sequences=(), rows=(), real_tokens=tokens, context=context)
+
+    a, b = pad_to_common_shape([host(64, 8, 2, 16, 16, False), host(128, 4, 4, 0, 32, True)],
+                               rank_slots=99)
+    assert a.shape_key == b.shape_key == (128, 32, 8, 4, True, 16, 32)
+    assert (a.batch.segment_ids[64:] == -1).all() and (a.batch.tokens[64:] == 0).all()
+    assert (a.context.ctx_lo[2:] > a.context.ctx_hi[2:]).all()        # new blocks: unused
+    assert (b.context.ctx_lo > b.context.ctx_hi).all()                 # width 0 -> 16 unused
+    assert (a.context.store_slot[16:] == 99).all()                     # dropped
+    with pytest.raises(ValueError, match="attention blocks"):
+        pad_to_common_shape([a, dataclasses.replace(
+            b, options=dataclasses.replace(b.options, attn_block=64))], rank_slots=99)

@@ -170,7 +170,7 @@ class Engine:
             for level in range(max(len(plan.levels) for plan in plans)):
                 batches = [pack(plan.levels[level], self.policy, self.options, slots)
                            if level < len(plan.levels) else [] for plan in plans]
-                outputs.update(self._run_steps(ranked_steps(batches), None))
+                outputs.update(self._run_steps(ranked_steps(batches, slots), None))
             for plan, allocator in zip(plans, store.allocators):
                 for block, digest in plan.to_commit:   # written: later runs may find them
                     allocator.name(block, digest)

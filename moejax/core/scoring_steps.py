@@ -34,7 +34,7 @@ from moejax.backends.base import (Backend, empty_batch_like, empty_context_like,
                                   plan_steps)
 from moejax.config import ModelConfig
 from moejax.kv import KVStore
-from moejax.packing import HostBatch, unpack
+from moejax.packing import HostBatch, pad_to_common_shape, unpack
 
 log = logging.getLogger("moejax.engine")
 
@@ -65,26 +65,31 @@ def plain_steps(batches: Sequence[HostBatch], num_ranks: int) -> list[list[HostB
             for step in plan_steps([h.shape_key for h in batches], num_ranks)]
 
 
-def ranked_steps(per_rank: Sequence[Sequence[HostBatch]]) -> list[list[HostBatch | None]]:
+def ranked_steps(per_rank: Sequence[Sequence[HostBatch]], rank_slots: int
+                 ) -> list[list[HostBatch | None]]:
     """Steps of batches that must run on their own rank (they read and write that rank's
-    pool blocks): each step one shape, at most one batch per rank (None: the rank is
-    idle), in first-seen order of the shapes. Batches that do not touch the pool go in
-    plain steps, on any rank."""
-    queues: dict[Any, list[collections.deque]] = {}
+    pool blocks): each step takes the next batch of every rank that has one of the same
+    attention block, grown to one program shape (``packing.pad_to_common_shape``; a rank
+    with none is idle: None), so the ranks compute together instead of in turn.
+    Batches that do not touch the pool go in plain steps, on any rank, by shape."""
+    plain: dict[Any, list[HostBatch]] = {}
+    pooled: dict[int, list[collections.deque]] = {}
     for rank, batches in enumerate(per_rank):
         for host in batches:
-            queues.setdefault(host.shape_key, [collections.deque() for _ in per_rank])
-            queues[host.shape_key][rank].append(host)
+            if host.context is None:
+                plain.setdefault(host.shape_key, []).append(host)
+                continue
+            queues = pooled.setdefault(host.options.attn_block,
+                                       [collections.deque() for _ in per_rank])
+            queues[rank].append(host)
     steps: list[list[HostBatch | None]] = []
-    for by_rank in queues.values():
-        if by_rank[next(r for r, q in enumerate(by_rank) if q)][0].context is None:
-            # Reads and stores nothing (no op of it uses the pool): any rank may run it.
-            anywhere = [host for q in by_rank for host in q]
-            steps += [anywhere[i:i + len(per_rank)]
-                      for i in range(0, len(anywhere), len(per_rank))]
-            continue
-        while any(by_rank):
-            steps.append([q.popleft() if q else None for q in by_rank])
+    for anywhere in plain.values():     # any rank may run them: no pool read or write
+        steps += [anywhere[i:i + len(per_rank)] for i in range(0, len(anywhere), len(per_rank))]
+    for queues in pooled.values():
+        while any(queues):
+            step = [q.popleft() if q else None for q in queues]
+            padded = iter(pad_to_common_shape([h for h in step if h is not None], rank_slots))
+            steps.append([None if h is None else next(padded) for h in step])
     return steps
 
 
