@@ -14,7 +14,8 @@ built-in demo model in float32:
 * ``PrefillOnly`` -- PrefillOnly's shortest-prefill-first scheduler as the router
   (``routing="prefill_only"``) over ``degree`` one-device engines with the prefix cache,
   at a batch matched to ours; ``PrefillOnly-1`` -- the same at ``max_num_seqs=1`` (each
-  engine runs one sequence at a time, the paper's other setting);
+  engine runs one sequence at a time, the paper's other setting; at degree 1 there is
+  one engine and no router, so both rows are the same one-engine run);
 * ``AsyncEP-plain`` -- DP+AsyncEP (``async_ep``) under a plain scheduler: no prefix pool,
   the packer feeds the ranks;
 * ``MoE-Prefill`` -- DP+AsyncEP whose ranks each hold a prefix pool under the
@@ -134,9 +135,10 @@ def table1(cfg: ModelConfig, degree: int, tokens: int, itemsize: int = 2
         # Two all-reduces of the group's G·tokens rows (attention out, MoE out).
         "TP+EP": LayerTraffic(2 * ring_all_reduce, 0.0, attention / g + e * expert / g),
         "TP+TP": LayerTraffic(2 * ring_all_reduce, 0.0, (attention + e * expert) / g),
-        # A stage boundary every L/G layers: the rows once per boundary.
-        "PP+PP": LayerTraffic((g - 1) * tokens * d * b / cfg.num_layers, 0.0,
-                              attention + e * expert),
+        # A device holds L/G whole layers and sends its micro-batch's rows on once per
+        # L/G layers.
+        "PP+PP": LayerTraffic(tokens * d * b * g / cfg.num_layers, 0.0,
+                              (attention + e * expert) / g),
         # The next layer's shards all-gathered under this layer's compute.
         "DP+AsyncEP": LayerTraffic(0.0, share * e * expert, attention + e * expert / g),
         # As AsyncEP, plus each device's shard copied in from host memory; it holds a
