@@ -32,6 +32,12 @@ Table-2 mix; ``no_sharing`` -- pairwise unshared prompts of several lengths (the
 regimes scaled to the demo's context); ``high_share`` -- QuALITY-shaped documents with
 many questions each.
 
+Every system packs batches of at most ``--batch-tokens`` tokens (default 4,096, the
+Scorer's). The rank router's Θ is at least one such batch, so the batch size sets
+MoE-Prefill's trade between keeping a prefix group on one rank (FLOPs over ideal) and
+spreading a small call over the ranks (the straggler factor): ``docs/PERF.md`` "Issue
+39" has both.
+
 Per cell (workload, system, degree), after one warm-up pass that compiles every shape,
 ``--repeats`` cold passes (prefix caches and routers reset first), the median kept:
 
@@ -94,6 +100,7 @@ QUICK = dict(degrees=(2,), workloads=("mix",), requests=32, scale=0.15,
              sweep_lengths=(64, 256), sweep_requests=2, repeats=1, prefix_blocks=128,
              systems=("DP+EP", "PrefillOnly", "AsyncEP-plain", "MoE-Prefill"))
 TABLE_TOKENS = 8192
+BATCH_TOKENS = 4096          # the Scorer's default
 
 # Qwen3-235B-A22B's shape (config.json of the release): the Table 1 model.
 QWEN3_235B = ModelConfig(
@@ -187,12 +194,13 @@ def system_options(system: str, degree: int, blocks: int) -> dict[str, Any] | st
     return table[system]
 
 
-def build_scorer(system: str, options: Mapping[str, Any], model: str):
+def build_scorer(system: str, options: Mapping[str, Any], model: str, batch_tokens: int):
     from serving import Scorer
 
     # The MoE-Prefill systems calibrate Θ (the transfer their ranks hide), as the paper's
     # frontend does; the others route by no Θ.
     scorer = Scorer(model, dtype="float32", compilation_cache="auto",
+                    max_batch_tokens=batch_tokens,
                     calibrate=system.startswith("MoE-Prefill"), **options)
     if system == "PrefillOnly-1" and scorer.pool is not None:
         scorer.pool.max_num_seqs = 1
@@ -326,6 +334,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                      "workloads (default 96; quick 24)")
     parser.add_argument("--table-tokens", type=int, default=TABLE_TOKENS,
                         help=f"tokens per rank for Table 1 (default {TABLE_TOKENS})")
+    parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS,
+                        help=f"max_batch_tokens of every system (default {BATCH_TOKENS})")
     parser.add_argument("--seed", type=int, default=0)
     args = cli.parse_args(parser, argv)
     shape = cli.run_shape(args, QUICK, FULL, ("repeats", "requests"))
@@ -352,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "workloads": list(shape["workloads"]), "systems": systems,
                                "requests": shape["requests"], "repeats": shape["repeats"],
                                "table_tokens": args.table_tokens, "skipped": {},
+                               "batch_tokens": args.batch_tokens,
                                "load_average_at_start": os.getloadavg()[0]}
     cells: dict[tuple[str, str, int], dict[str, Any] | None] = {}
     ideal_of: dict[str, tuple[float, int]] = {}
@@ -365,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     cells[(workload, system, degree)] = None
                     rows_by_workload[workload][system] = options
                 continue
-            scorer = build_scorer(system, options, args.model)
+            scorer = build_scorer(system, options, args.model, args.batch_tokens)
             for workload, requests in workloads.items():
                 if workload not in ideal_of:
                     ops = workload_ops(requests, scorer)
