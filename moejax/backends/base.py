@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -260,6 +260,22 @@ def unstack_outputs(logits: jax.Array, lse: jax.Array | None, count: int) -> lis
     the ranks of the others' devices are all-gathered first (every process gets all)."""
     logits, lse = fetch_global(logits), fetch_global(lse)
     return [(logits[g], None if lse is None else lse[g]) for g in range(count)]
+
+
+def resolve_placement(name: str, cfg: ModelConfig, params: Any, placement: Any,
+                      place: Callable[[], Any]) -> Any:
+    """What backend or runner ``name`` runs on: ``placement`` as it is (it must hold
+    ``cfg``'s weights), or ``place()`` (placing ``params`` now); exactly one of
+    ``params`` and ``placement`` is given. Each placement type's ``resolve`` adds its own
+    checks of a given placement."""
+    if (placement is None) == (params is None):
+        raise BackendError(f"backend {name!r} takes params or a placement, not both")
+    if placement is None:
+        return place()
+    if placement.cfg != cfg:
+        raise BackendError(f"backend {name!r}: the placement holds another model "
+                           f"configuration's weights")
+    return placement
 
 
 def one_device(name: str, device: Any) -> jax.Device:

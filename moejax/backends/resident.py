@@ -11,8 +11,9 @@ import jax.numpy as jnp
 
 from moejax import model as model_lib
 from moejax.attention_kinds import PrefixContext, PrefixPooled
-from moejax.backends.base import (Backend, BackendError, MemoryReport, StepOutput, dense_bytes,
-                                  expert_bytes_per_layer, one_device, validated)
+from moejax.backends.base import (Backend, MemoryReport, StepOutput, dense_bytes,
+                                  expert_bytes_per_layer, one_device, resolve_placement,
+                                  validated)
 from moejax.config import ModelConfig
 from moejax.kv import KVPool
 from moejax.model import ForwardOptions, PackedBatch
@@ -55,14 +56,9 @@ class ResidentPlacement:
                 ) -> "ResidentPlacement":
         """What backend or runner ``name`` runs on: ``placement`` as it is (it must hold
         ``cfg``'s weights), or ``params`` placed now on ``device`` (default: the first)."""
-        if (placement is None) == (params is None):
-            raise BackendError(f"backend {name!r} takes params or a placement, not both")
-        if placement is None:
-            return cls.place(cfg, params, dtype, one_device(name, device))
-        if placement.cfg != cfg:
-            raise BackendError(f"backend {name!r}: the placement holds another model "
-                               f"configuration's weights")
-        return placement
+        return resolve_placement(
+            name, cfg, params, placement,
+            lambda: cls.place(cfg, params, dtype, one_device(name, device)))
 
 
 class ResidentBackend(Backend):

@@ -95,8 +95,8 @@ from kernels_pallas import metro
 from moejax import moe
 from moejax import model as model_lib
 from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepOutput, dense_bytes,
-                                  expert_bytes_per_layer, require_devices, stack_batches,
-                                  unstack_outputs, validated)
+                                  expert_bytes_per_layer, require_devices, resolve_placement,
+                                  stack_batches, unstack_outputs, validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import ExpertWeights, MoEDispatcher, StackedExperts
 from moejax.distributed import fetch_global, place_local_ranks
@@ -511,19 +511,23 @@ class SyncEPPlacement:
         are refused), or ``params`` placed now on the first ``devices`` devices by the
         layout ``replicas`` and ``expert_load`` build (the first of ``device_pool``, when
         given)."""
-        if (placement is None) == (params is None):
-            raise BackendError(f"backend {name!r} takes params or a placement, not both")
-        if placement is None:
-            on = require_devices(name, devices, device_pool)
-            layout = build_layout(cfg.num_experts, len(on), replicas, expert_load)
-            return cls.place(cfg, params, dtype, on, layout, replicated=replicas is not None)
-        if placement.cfg != cfg:
-            raise BackendError(f"backend {name!r}: the placement holds another model "
-                               f"configuration's weights")
-        if replicas is not None or expert_load is not None:
+        resolved = resolve_placement(
+            name, cfg, params, placement,
+            lambda: cls.place_by_layout(cfg, params, dtype,
+                                        require_devices(name, devices, device_pool),
+                                        replicas, expert_load))
+        if placement is not None and (replicas is not None or expert_load is not None):
             raise BackendError(f"backend {name!r}: replicas and expert_load set the expert "
                                f"layout, which an existing placement already has")
-        return placement
+        return resolved
+
+    @classmethod
+    def place_by_layout(cls, cfg: ModelConfig, params: Params, dtype: Any,
+                        devices: Sequence[jax.Device], replicas: float | None,
+                        expert_load: Any) -> "SyncEPPlacement":
+        """:meth:`place` by the layout ``replicas`` and ``expert_load`` build."""
+        layout = build_layout(cfg.num_experts, len(devices), replicas, expert_load)
+        return cls.place(cfg, params, dtype, devices, layout, replicated=replicas is not None)
 
 
 class SyncEPBackend(MeshBackend):

@@ -22,7 +22,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.backends.async_ep import AXIS, pad_experts
-from moejax.backends.base import BackendError, dense_bytes, expert_bytes_per_layer, validated
+from moejax.backends.base import (BackendError, dense_bytes, expert_bytes_per_layer,
+                                  resolve_placement, validated)
 from moejax.config import ModelConfig
 from moejax.offload.host import HostExperts
 from moejax.param_layout import Params, split_experts
@@ -68,21 +69,16 @@ class OffloadPlacement:
                 ) -> "OffloadPlacement":
         """What backend or runner ``name`` runs on: ``placement`` as it is (it must hold
         ``cfg``'s weights on ``devices``), or ``params`` placed now."""
-        if (placement is None) == (params is None):
-            raise BackendError(f"backend {name!r} takes params or a placement, not both")
-        if placement is None:
-            return cls.place(cfg, params, dtype, devices)
-        if not isinstance(placement, OffloadPlacement):
+        if placement is not None and not isinstance(placement, OffloadPlacement):
             raise BackendError(f"backend {name!r} runs on an OffloadPlacement, got "
                                f"{type(placement).__name__}")
-        if placement.cfg != cfg:
-            raise BackendError(f"backend {name!r}: the placement holds another model "
-                               f"configuration's weights")
-        if placement.devices != tuple(devices):
+        resolved = resolve_placement(name, cfg, params, placement,
+                                     lambda: cls.place(cfg, params, dtype, devices))
+        if resolved.devices != tuple(devices):
             raise BackendError(f"backend {name!r}: the placement is on "
                                f"{len(placement.devices)} other device(s) than the "
                                f"{len(tuple(devices))} asked for")
-        return placement
+        return resolved
 
     @property
     def replicated(self) -> NamedSharding:
