@@ -60,8 +60,9 @@ def pad_experts(experts: Mapping[str, np.ndarray], multiple: int) -> dict[str, n
             for k, v in experts.items()}
 
 
-def _local(tree: Any) -> Any:
-    """This rank's part of a per-rank tree ([1, ...] leaves inside the shard_map)."""
+def local_rank(tree: Any) -> Any:
+    """This rank's part of a per-rank tree ([1, ...] leaves inside the shard_map; None
+    stays None)."""
     return jax.tree.map(lambda a: a[0], tree)
 
 
@@ -80,7 +81,7 @@ def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
     shards: local [L, E/G, ...]; first_experts: layer 0's [E, ...]; batch: this rank's
     (leading axis 1). Returns [1, P, C] logits and [1, P] log-sum-exp (or None)."""
     dispatcher = _gathered_ahead(shards, first_experts, cfg, opts)
-    out = model_lib.decoder(cfg, params, with_experts=False).score(_local(batch), opts,
+    out = model_lib.decoder(cfg, params, with_experts=False).score(local_rank(batch), opts,
                                                                   dispatcher=dispatcher)
     return out.logits[None], None if out.lse is None else out.lse[None]
 
@@ -92,7 +93,7 @@ def async_ep_pooled(params: Params, shards: Mapping[str, jax.Array],
     """:func:`async_ep_forward` on this rank's part of the prefix pool (``pool``: the
     rank's blocks [L, S/G, ...]; ``context``: this rank's, in its own slots) -> (logits,
     lse, the rank's pool)."""
-    batch, context = _local(batch), _local(context)
+    batch, context = local_rank(batch), local_rank(context)
     attn = PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
                            pool.keys, pool.values, defer_writes=True)
     out = model_lib.decoder(cfg, params, with_experts=False).score(

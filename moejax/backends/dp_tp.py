@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax import model, moe
 from moejax.backends import xla_flags
+from moejax.backends.async_ep import local_rank
 from moejax.backends.base import (MemoryReport, MeshBackend, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, stack_batches,
                                   unstack_outputs, validated)
@@ -51,7 +52,7 @@ def dp_tp_local_forward(dense: Params, experts: Mapping[str, jax.Array], batch: 
                         ) -> tuple[jax.Array, jax.Array | None]:
     """One rank (inside the shard_map): ``MoEDecoder.score`` on its own batch [1, ...],
     with the MoE over every rank's rows and this device's f/G slice of the experts."""
-    batch = jax.tree.map(lambda a: a[0], batch)
+    batch = local_rank(batch)
     dispatcher = MoEDispatcher(
         source=StackedExperts(experts),
         transport=GatheredTokens(cfg.num_experts, opts.expert_impl, opts.tile_rows,

@@ -74,7 +74,7 @@ from moejax import model as model_lib
 from moejax import moe
 from moejax.attention_kinds import PackedCausal, PrefixContext, PrefixPooled
 from moejax.backends import xla_flags
-from moejax.backends.async_ep import AXIS
+from moejax.backends.async_ep import AXIS, local_rank
 from moejax.backends.base import (BackendError, MemoryReport, MeshBackend,
                                   StepOutput, require_devices, stack_batches, unstack_outputs)
 from moejax.config import ModelConfig
@@ -104,11 +104,6 @@ class GatheredFromWindow(GatheredAhead):
 
     def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
         return carry, gather_layer(self.shards, 0, self.axis, self.num_experts)
-
-
-def _local(tree: Any) -> Any:
-    """This rank's part of a per-rank tree ([1, ...] leaves inside the shard_map)."""
-    return jax.tree.map(lambda a: a[0], tree)
 
 
 def _attention(batch: PackedBatch, opts: ForwardOptions, context: PrefixContext | None,
@@ -144,8 +139,7 @@ def layer_program(params: Params, layer: jax.Array, current: ExpertWeights,
     all-gathered here and returned as its experts; ``pool`` (offload's prefix cache):
     read and written, returned (``context``: this rank's [1, ...]; ``pool``: this rank's
     blocks). -> (x [1, T, d], next experts | None, pool | None)."""
-    batch = _local(batch)
-    context = None if context is None else _local(context)
+    batch, context = local_rank(batch), local_rank(context)
     source = _source(current, incoming, cfg)
     dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
                                   activation=moe.expert_activation_of(cfg))
@@ -160,8 +154,7 @@ def last_layer_program(params: Params, current: ExpertWeights, x: jax.Array,
                        pool: KVPool | None, *, cfg: ModelConfig, opts: ForwardOptions):
     """Per device: the last layer and the LM head (``MoEDecoder.finish``) -> ([1, P, C]
     logits, [1, P] log-sum-exp | None, pool | None)."""
-    batch = _local(batch)
-    context = None if context is None else _local(context)
+    batch, context = local_rank(batch), local_rank(context)
     dispatcher = local_dispatcher(GivenExperts(current), cfg.num_experts, opts.expert_impl,
                                   opts.tile_rows, activation=moe.expert_activation_of(cfg))
     module = model_lib.decoder(cfg, params, with_experts=False)

@@ -187,7 +187,7 @@ class ScoringRunner:
                          self.stats.compiles, describe_shape_key(key), self.backend.name,
                          elapsed)
         except Exception as error:   # noqa: BLE001  (the backend recovered; see update)
-            if first.context is not None:
+            if on_pool(hosts):
                 raise
             return error
         return outs
