@@ -18,6 +18,7 @@ UTF-8 byte count for text (there is no tokenizer).
     fake.requests                  # every ScoreRequest received, in arrival order
     fake.set_serving(False)        # health NOT_SERVING (calls are still answered)
     fake.fail_next(2)              # the next 2 calls end with UNAVAILABLE
+    fake.fail_health_next(1, grpc.StatusCode.CANCELLED)  # the next health check fails
     fake.hang_next(1)              # the next call waits until release() or cancellation
     fake.stop(); fake.start()      # down, then up again on the same port (a client's
                                    # channel may take ~1 s of gRPC backoff to reconnect)
@@ -198,6 +199,22 @@ class _TokenCheck(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+class _FailingHealth(health.HealthServicer):
+    """The official health servicer, except that the next queued codes end ``Check`` calls
+    (as a server shutting down cancels the checks in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures: collections.deque[grpc.StatusCode] = collections.deque()
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            code = self.failures.popleft()
+        except IndexError:
+            return super().Check(request, context)
+        context.abort(code, "fake upstream: injected health failure")
+
+
 # ---------------------------------------------------------------------------- the fake
 class FakeUpstream:
     """A fake ``moejax serve`` (see the module docstring). Thread-safe; ``start`` and
@@ -224,6 +241,7 @@ class FakeUpstream:
         self.metadata: list[dict[str, str]] = []           # each call's invocation metadata
         self._lock = threading.Lock()
         self._faults: list[_Fault] = []
+        self._health_failures: collections.deque[grpc.StatusCode] = collections.deque()
         self._release = threading.Event()
         self._serving = True
         self._server: grpc.Server | None = None
@@ -248,7 +266,8 @@ class FakeUpstream:
                 "Generate": grpc.unary_stream_rpc_method_handler(
                     self._generate, request_deserializer=pb.GenerateRequest.FromString,
                     response_serializer=pb.GenerateResponse.SerializeToString)}),))
-        self._health = health.HealthServicer()
+        self._health = _FailingHealth()
+        self._health.failures = self._health_failures
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         address = f"{self.host}:{self.port}"
         if self.tls_cert:
@@ -298,6 +317,11 @@ class FakeUpstream:
         with self._lock:
             self._faults.extend(_Fault("fail", code, details, after, retry_after_ms,
                                        drain=drain) for _ in range(n))
+
+    def fail_health_next(self, n: int = 1,
+                         code: grpc.StatusCode = grpc.StatusCode.CANCELLED) -> None:
+        """The next ``n`` health checks end with ``code`` (moejax calls are unaffected)."""
+        self._health_failures.extend([code] * n)
 
     def hang_next(self, n: int = 1, seconds: float | None = None) -> None:
         """The next ``n`` moejax calls wait (before answering anything) until

@@ -387,6 +387,30 @@ def test_health_follows_the_upstreams(model, fakes):
         assert len(fakes[0].requests) == 3
 
 
+def test_a_cancelled_health_check_counts_as_a_restart(model):
+    """A server shutting down cancels the health checks in flight (CANCELLED, not
+    UNAVAILABLE); a new process may answer the next one on the same port. The router must
+    presume that restart: check the ModelInfo again and forget the cache it believed there,
+    before the upstream serves again."""
+    upstream = FakeUpstream(info={"prefix_cache_blocks": 64})
+    request = {"id": "d", "prompt": doc(3) + "Topic?", "candidates": [" code", " data"]}
+    try:
+        upstream.start()
+        with router(model, [upstream.target]) as (server, target):
+            with Client(target) as client:
+                client.score([request], timeout=T)
+            assert server.core.router.committed_blocks(0)
+            infos = upstream.calls.count("ModelInfo")
+            upstream.info_delay = 1.0
+            upstream.fail_health_next(1, grpc.StatusCode.CANCELLED)
+            wait_until(lambda: upstream.calls.count("ModelInfo") > infos, "checked again")
+            assert not server.upstream_states()[0]["serving"]   # not before the check
+            wait_until(lambda: server.upstream_states()[0]["serving"], "back")
+            assert server.core.router.committed_blocks(0) == frozenset()
+    finally:
+        upstream.stop()
+
+
 # ---------------------------------------------------------------------------- 4. auth, TLS
 def _self_signed(tmp_path) -> tuple[str, str]:
     """A self-signed certificate for localhost / 127.0.0.1 (openssl)."""

@@ -22,10 +22,12 @@ as ``grpc.aio`` channels on the router's event loop.
 An upstream takes new work iff its last health check said SERVING, its ``ModelInfo``
 matched the router's model, and no call failed on it with a connection-level error since
 that check (:meth:`UpstreamPool.suspect`: it is out until the next check says SERVING
-again). A check that could not reach the server at all marks the upstream *lost*: when it
-comes back it may be a restarted process, with an empty prefix cache and possibly another
-model, so its ``ModelInfo`` is fetched and checked again and ``on_reset`` tells the router
-to forget what it believed was cached there.
+again). A check that got no answer (any gRPC error but UNIMPLEMENTED: unreachable, timed
+out, or cancelled by a server shutting down) marks the upstream *lost*: when it comes back
+it may be a restarted process, with an empty prefix cache and possibly another model, so
+its ``ModelInfo`` is fetched and checked again and ``on_reset`` tells the router to forget
+what it believed was cached there. Presuming a restart costs one ModelInfo and a colder
+shadow; presuming none when there was one routes by a cache that is gone.
 
 Periodic ``Check`` rather than ``Watch``: a Watch stream says nothing while the status stays
 the same, so it cannot re-admit an upstream that a failed call made suspect; one Check per
@@ -265,11 +267,14 @@ class UpstreamPool:
             response = await upstream.health.Check(
                 health_pb2.HealthCheckRequest(service=SCORING_SERVICE), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                upstream.lost = True   # down or unreachable: may come back as a new process
-            elif exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("%s does not serve grpc.health.v1: never used",
                             upstream.describe())
+            else:
+                # No answer: down, unreachable, or a check cancelled by a server that is
+                # shutting down (CANCELLED, not UNAVAILABLE). Any of them may come back
+                # as a new process with an empty cache, so its ModelInfo is checked again.
+                upstream.lost = True
             upstream.healthy = False
             return
         upstream.healthy = response.status == health_pb2.HealthCheckResponse.SERVING
