@@ -100,6 +100,7 @@ QUICK = dict(degrees=(2,), workloads=("mix",), requests=32, scale=0.15,
              sweep_lengths=(64, 256), sweep_requests=2, repeats=1, prefix_blocks=128,
              systems=("DP+EP", "PrefillOnly", "AsyncEP-plain", "MoE-Prefill"))
 TABLE_TOKENS = 8192
+COUNT_TOKENS = 512           # per rank, for the counted bytes (the demo)
 BATCH_TOKENS = 4096          # the Scorer's default
 
 # Qwen3-235B-A22B's shape (config.json of the release): the Table 1 model.
@@ -154,6 +155,34 @@ def table1(cfg: ModelConfig, degree: int, tokens: int, itemsize: int = 2
                                attention + (2 * e * expert / g + 2 * e * expert)
                                / cfg.num_layers),
     }
+
+
+# The Table 1 strategy each system runs (PrefillOnly's engines move nothing).
+STRATEGY = {"DP+EP": "DP+EP", "DP+TP": "DP+TP", "TP+EP": "TP+EP", "TP+TP": "TP+TP",
+            "PP+PP": "PP+PP", "AsyncEP-plain": "DP+AsyncEP", "MoE-Prefill": "DP+AsyncEP",
+            "MoE-Prefill-hybrid": "hybrid"}
+
+
+def counted_traffic(scorer, tokens: int):
+    """Bytes one device of ``scorer``'s first engine moves per layer in a step where every
+    data-parallel rank runs one sequence of ``tokens`` tokens (a group with one rank, as
+    TP's, runs the G ranks' tokens together), counted from the compiled programs
+    (``Backend.step_traffic``) -> ``moejax.program_traffic.Traffic``."""
+    import numpy as np
+
+    from moejax.ops import PrefillOp
+    from moejax.packing import BucketPolicy, pack
+
+    engine = scorer.engine
+    backend = engine.backend
+    devices = len(backend.devices)
+    length = tokens * (devices if backend.num_ranks == 1 else 1)
+    op = PrefillOp(key=0, token_ids=np.arange(2, length + 2, dtype=np.int32) % 97 + 2,
+                   score_positions=[length - 1], score_token_ids=[[1, 2]])
+    policy = BucketPolicy(max_batch_tokens=length, min_block=engine.policy.min_block)
+    (host,) = pack([op], policy, engine.options)
+    traffic = backend.step_traffic([host.batch] * backend.num_ranks, host.options)
+    return traffic.times(1 / scorer.config.num_layers)
 
 
 def table1_figures(cfg: ModelConfig, degree: int, tokens: int, prefix: str = ""
@@ -259,6 +288,22 @@ def bench_cell(scorer, requests, ideal: float, prompt_tokens: int, repeats: int,
             "peak_memory_per_device": memory_per_device(scorer)}
 
 
+def traffic_figures(scorer, system: str, degree: int, tokens: int, cfg: ModelConfig
+                    ) -> dict[str, float | None]:
+    """Counted bytes per device per layer (critical, background) at ``tokens`` tokens per
+    rank, and the counted critical+background over Table 1's formula for the same shape
+    (None where the formula is 0)."""
+    traffic = counted_traffic(scorer, tokens)
+    strategy = STRATEGY.get(system)
+    formula = 0.0
+    if strategy is not None:
+        t = table1(cfg, degree, tokens, itemsize=scorer.engine.backend.dtype.itemsize)[strategy]
+        formula = t.critical + t.background
+    return {"critical_bytes_per_layer": traffic.critical,
+            "background_bytes_per_layer": traffic.background,
+            "counted_over_formula": traffic.total / formula if formula else None}
+
+
 def build_workloads(shape: Mapping[str, Any], seed: int, cfg: ModelConfig
                     ) -> dict[str, list[dict[str, Any]]]:
     from benchmarks import workloads
@@ -312,14 +357,19 @@ def headline(cells: Mapping[tuple[str, str, int], Mapping[str, Any] | None],
 def print_cells(workload: str, degree: int, rows: Mapping[str, Any]) -> None:
     print(f"\n{workload}, degree {degree}:")
     print(f"  {'system':20} {'tokens/s':>10} {'FLOPs/ideal':>12} {'hit rate':>9} "
-          f"{'straggler':>10} {'MiB/device':>11}")
+          f"{'straggler':>10} {'MiB/device':>11} {'KiB/layer crit':>15} {'bg':>8} "
+          f"{'/formula':>9}")
     for system, cell in rows.items():
         if isinstance(cell, str):
             print(f"  {system:20} skipped: {cell}")
             continue
+        ratio = cell["counted_over_formula"]
         print(f"  {system:20} {cell['tokens_per_s']:10.0f} {cell['flops_over_ideal']:12.3f} "
               f"{cell['hit_rate']:9.3f} {cell['straggler']:10.3f} "
-              f"{cell['peak_memory_per_device'] / 2**20:11.2f}")
+              f"{cell['peak_memory_per_device'] / 2**20:11.2f} "
+              f"{cell['critical_bytes_per_layer'] / 1024:15.1f} "
+              f"{cell['background_bytes_per_layer'] / 1024:8.1f} "
+              f"{'-' if ratio is None else f'{ratio:.3f}':>9}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -334,6 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                      "workloads (default 96; quick 24)")
     parser.add_argument("--table-tokens", type=int, default=TABLE_TOKENS,
                         help=f"tokens per rank for Table 1 (default {TABLE_TOKENS})")
+    parser.add_argument("--count-tokens", type=int, default=COUNT_TOKENS,
+                        help="tokens per rank of the step whose programs are counted for "
+                             f"the bytes moved (default {COUNT_TOKENS})")
     parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS,
                         help=f"max_batch_tokens of every system (default {BATCH_TOKENS})")
     parser.add_argument("--seed", type=int, default=0)
@@ -363,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "requests": shape["requests"], "repeats": shape["repeats"],
                                "table_tokens": args.table_tokens, "skipped": {},
                                "batch_tokens": args.batch_tokens,
+                               "count_tokens": args.count_tokens,
                                "load_average_at_start": os.getloadavg()[0]}
     cells: dict[tuple[str, str, int], dict[str, Any] | None] = {}
     ideal_of: dict[str, tuple[float, int]] = {}
@@ -377,14 +431,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     rows_by_workload[workload][system] = options
                 continue
             scorer = build_scorer(system, options, args.model, args.batch_tokens)
+            moved = traffic_figures(scorer, system, degree, args.count_tokens, cfg)
             for workload, requests in workloads.items():
                 if workload not in ideal_of:
                     ops = workload_ops(requests, scorer)
                     ideal_of[workload] = (ideal_flops(cfg, ops)["flops"],
                                           sum(len(op.token_ids) for op in ops))
                 ideal, prompt_tokens = ideal_of[workload]
-                cell = bench_cell(scorer, requests, ideal, prompt_tokens, shape["repeats"],
-                                  f"{workload}_{system}_{degree}")
+                cell = {**bench_cell(scorer, requests, ideal, prompt_tokens, shape["repeats"],
+                                     f"{workload}_{system}_{degree}"), **moved}
                 cells[(workload, system, degree)] = cell
                 rows_by_workload[workload][system] = cell
                 for key, value in cell.items():

@@ -56,3 +56,11 @@ def test_quick_run_reports_the_issue_keys(tmp_path):
     for key in ("critical_path_bytes_per_layer_dp_ep", "background_bytes_per_layer_dp_asyncep",
                 "peak_memory_per_device_dp_asyncep"):
         assert figures[key] > 0
+    # Bytes counted from the compiled programs beside the formula: AsyncEP holds layer 0
+    # whole and gathers the other L-1 (of the demo's 4) in the background; DP+EP's
+    # all-to-alls move the rows on the critical path, padded to a capacity (more than k
+    # copies of the rows that leave the device).
+    assert figures["mix_AsyncEP-plain_2_critical_bytes_per_layer"] == 0
+    assert figures["mix_MoE-Prefill_2_counted_over_formula"] == pytest.approx(3 / 4)
+    assert figures["mix_DP+EP_2_background_bytes_per_layer"] == 0
+    assert figures["mix_DP+EP_2_counted_over_formula"] >= 1

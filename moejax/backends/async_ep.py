@@ -109,6 +109,7 @@ class AsyncEPBackend(MeshBackend):
     name = "async_ep"
     serves_expert_bias = True     # biases in the expert shards; activation passed
     holds_prefix_pool = True      # one pool per rank (the module docstring)
+    overlapped_collectives = ("all-gather",)   # layer l+1's shards, under layer l
 
     def __init__(self, cfg: ModelConfig, params: Params, *, dtype: Any = jnp.float32,
                  devices: int = 1, device_pool: Sequence[jax.Device] | None = None):

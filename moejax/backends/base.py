@@ -24,6 +24,7 @@ from moejax.distributed import fetch_global
 from moejax.kv import KVPool, empty_pool
 from moejax.model import ForwardOptions, PackedBatch, check_params
 from moejax.param_layout import EXPERT_KEYS, Params
+from moejax.program_traffic import Traffic, program_traffic
 
 # The backends that hold a prefix KV pool (``Backend.holds_prefix_pool``), named in errors.
 PREFIX_POOL_BACKENDS = ("resident", "offload", "async_ep", "hybrid")
@@ -88,6 +89,11 @@ class Backend(abc.ABC):
     # Why not, for a backend that does not (said in the refusal).
     no_prefix_pool_reason: str = ""
 
+    # The collective kinds this backend issues ahead of the computation that needs them
+    # (async_ep's next-layer all-gathers): bytes moved in the background, not on the
+    # critical path (step_traffic).
+    overlapped_collectives: tuple[str, ...] = ()
+
     # Whether this backend passes the routed experts' biases and the family's expert
     # activation to the expert compute (GPT-OSS needs both).
     serves_expert_bias: bool = False
@@ -115,6 +121,19 @@ class Backend(abc.ABC):
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """The lowered program(s) one step runs (``jax.stages.Lowered``), for inspecting the
         compiled HLO or its ``memory_analysis()``; nothing is executed."""
+
+    def step_traffic(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> Traffic:
+        """Bytes one device moves in one step over ``batches``, counted from the compiled
+        programs (:mod:`moejax.program_traffic`), each run once; a backend whose step runs
+        a program several times or moves data between programs adds that. Compiles the
+        step's programs; executes nothing."""
+        return sum((self.traffic_of(lowered)
+                    for lowered in self.lowered_steps(batches, opts)), Traffic())
+
+    def traffic_of(self, lowered: Any) -> Traffic:
+        """One run of one lowered program (``jax.stages.Lowered``), compiled and counted."""
+        return program_traffic(lowered.compile().as_text(), len(self.devices),
+                               self.overlapped_collectives)
 
     @abc.abstractmethod
     def memory_report(self) -> MemoryReport:

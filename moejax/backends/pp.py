@@ -33,6 +33,7 @@ from moejax.dispatch import StackedExperts, local_dispatcher
 from moejax.distributed import fetch_global
 from moejax.model import ForwardOptions, PackedBatch
 from moejax.param_layout import Params
+from moejax.program_traffic import Traffic
 
 
 def stage_bounds(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -139,6 +140,18 @@ class PPBackend(MeshBackend):
             x = jax.eval_shape(self._program(stage, opts, False), self.stage_params[stage], x,
                                batch)
         return lowered
+
+    def step_traffic(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> Traffic:
+        """Per micro-batch, each stage but the last hands its hidden states (its program's
+        output, counted from the lowered program) to the next stage's device: critical
+        (the next stage waits for them). Averaged over the G devices, for the step's G
+        micro-batches. The programs themselves hold no collective."""
+        lowered = self.lowered_steps(batches, opts)
+        inside = sum((self.traffic_of(p) for p in lowered), Traffic())
+        handed = sum(leaf.size * leaf.dtype.itemsize for p in lowered[:-1]
+                     for leaf in jax.tree.leaves(p.out_info))
+        per_micro_batch = inside + Traffic(critical=handed / len(self._devices))
+        return per_micro_batch.times(len(batches))
 
     def memory_report(self) -> MemoryReport:
         return self._memory

@@ -78,6 +78,7 @@ from moejax.backends.async_ep import AXIS, local_rank
 from moejax.backends.base import (BackendError, MemoryReport, MeshBackend,
                                   StepOutput, require_devices, stack_batches, unstack_outputs)
 from moejax.config import ModelConfig
+from moejax.program_traffic import Traffic
 from moejax.kv import KVPool
 from moejax.dispatch import (ExpertWeights, GatheredAhead, GivenExperts, gather_layer,
                              local_dispatcher)
@@ -175,6 +176,8 @@ class StreamedBackend(MeshBackend):
     # The expert biases travel in each layer's expert dict (split_experts), and the
     # programs pass the family's activation: GPT-OSS streams like any family.
     serves_expert_bias = True
+    # hybrid: layer l+1's shards are all-gathered under layer l's compute
+    overlapped_collectives = ("all-gather",)
     # The prefix pool is threaded (donated) through the layer programs; with several
     # devices each rank holds its own blocks.
     holds_prefix_pool = True
@@ -331,6 +334,9 @@ class StreamedBackend(MeshBackend):
 
     def _gather_first(self, shards: LayerArrays) -> LayerArrays:
         """Layer 0's shards gathered by a program of their own (no compute to hide under)."""
+        return self._gather_program()(shards)
+
+    def _gather_program(self):
         key = ("gather", None)
         if key not in self._programs:
             num_experts = self.cfg.num_experts
@@ -341,7 +347,7 @@ class StreamedBackend(MeshBackend):
             self._programs[key] = jax.jit(jax.shard_map(
                 streamed_gather, mesh=self.mesh, in_specs=(P(AXIS),), out_specs=P(),
                 check_vma=False))
-        return self._programs[key](shards)
+        return self._programs[key]
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """The layer program (one for every layer but the last) and the last layer's."""
@@ -358,6 +364,21 @@ class StreamedBackend(MeshBackend):
         return [self._program("layer", opts).lower(self.params, np.int32(0), current, incoming,
                                                    x, batch, None, None),
                 self._program("last", opts).lower(self.params, current, x, batch, None, None)]
+
+    def step_traffic(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> Traffic:
+        """Counted from the programs as a step runs them: the layer program L-1 times,
+        the last layer's once and (hybrid) layer 0's gather once; plus each layer's
+        experts (this device's shard) copied in from host memory under the compute
+        before it (background)."""
+        layer, last = (self.traffic_of(p) for p in self.lowered_steps(batches, opts))
+        traffic = layer.times(self.cfg.num_layers - 1) + last
+        if self.gather:
+            shards = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=self._device_layer)
+                      for k, v in self.host_experts.layers[0].items()}
+            traffic = traffic + self.traffic_of(self._gather_program().lower(shards))
+        copied = sum(np.dtype(v.dtype).itemsize * int(np.prod(np.shape(v)))
+                     for v in self.host_experts.layers[0].values()) / len(self._devices)
+        return traffic + Traffic(background=copied * self.cfg.num_layers)
 
     # ------------------------------------------------------------------ steps
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
