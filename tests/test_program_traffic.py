@@ -4,7 +4,6 @@ hand from the config and the batch (not from the counter)."""
 
 from __future__ import annotations
 
-import jax
 import pytest
 
 from backend_fixtures import small_workload
