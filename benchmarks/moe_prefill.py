@@ -14,8 +14,10 @@ built-in demo model in float32:
 * ``PrefillOnly`` -- PrefillOnly's shortest-prefill-first scheduler as the router
   (``routing="prefill_only"``) over ``degree`` one-device engines with the prefix cache,
   at a batch matched to ours; ``PrefillOnly-1`` -- the same at ``max_num_seqs=1`` (each
-  engine runs one sequence at a time, the paper's other setting; at degree 1 there is
-  one engine and no router, so both rows are the same one-engine run);
+  engine runs one sequence at a time, the paper's other setting);
+* ``{baseline}/PrefillOnly`` for each of the five parallel baselines -- that group as one
+  engine under PrefillOnly's scheduler (its ops shortest prefill first; the groups hold
+  no prefix pool, so the router prices every op at its full FLOPs), at our batch size;
 * ``AsyncEP-plain`` -- DP+AsyncEP (``async_ep``) under a plain scheduler: no prefix pool,
   the packer feeds the ranks;
 * ``MoE-Prefill`` -- DP+AsyncEP whose ranks each hold a prefix pool under the
@@ -49,15 +51,21 @@ Per cell (workload, system, degree), after one warm-up pass that compiles every 
   + experts held) plus the prefix pool's bytes per device;
 * ``straggler`` -- ranks x the busiest rank's tokens / all ranks' tokens, summed over
   steps (1 = balanced; ``EngineStats.rank_step_*``);
-* ``over_best_baseline`` -- throughput over the best of DP+EP, DP+TP, TP+EP, TP+TP, PP+PP
-  and PrefillOnly at that degree.
+* ``critical_bytes_per_layer`` / ``background_bytes_per_layer`` -- bytes one device moves
+  per layer in a step of ``--count-tokens`` tokens per rank, counted from the compiled
+  programs (``Backend.step_traffic``, ``moejax.program_traffic``), and
+  ``counted_over_formula``, their sum over Table 1's formula for the same shape;
+* ``over_best_baseline`` -- throughput over the best of the baselines (DP+EP, DP+TP,
+  TP+EP, TP+TP, PP+PP, each also under PrefillOnly's scheduler, and PrefillOnly) at that
+  degree.
 
 Table 1 in figures (``table1``): per device per layer, the bytes each strategy moves on
 the critical path and in the background (overlapped), and the weight bytes it holds,
 from the strategies' communication patterns (the paper's formulas) on a
 Qwen3-235B-A22B-shaped config and on the demo, for a batch of ``--table-tokens`` tokens
-per data-parallel rank (no weights needed). They are formulas, not counts taken from the
-compiled programs.
+per data-parallel rank (no weights needed). They are formulas; each cell's
+``counted_over_formula`` holds them to the demo's compiled programs (DP+AsyncEP: (L-1)/L,
+layer 0 being held whole; DP+EP above 1, its all-to-all buffers padded to a capacity).
 
 On CPU, collectives are synchronous and the host devices share the machine's cores:
 throughput ratios between strategies are not evidence of what a GPU cluster does. The
@@ -90,7 +98,9 @@ from benchmarks.prefill_serving import ideal_flops, release_programs
 from moejax.config import ModelConfig
 
 HOST_DEVICES = 8
-BASELINES = ("DP+EP", "DP+TP", "TP+EP", "TP+TP", "PP+PP", "PrefillOnly")
+PARALLEL = ("DP+EP", "DP+TP", "TP+EP", "TP+TP", "PP+PP")
+SCHEDULED = tuple(f"{b}/PrefillOnly" for b in PARALLEL)
+BASELINES = (*PARALLEL, *SCHEDULED, "PrefillOnly")
 SYSTEMS = (*BASELINES, "PrefillOnly-1", "AsyncEP-plain", "MoE-Prefill", "MoE-Prefill-hybrid")
 
 FULL = dict(degrees=(1, 2, 4, 8), workloads=("mix", "no_sharing", "high_share"),
@@ -158,8 +168,8 @@ def table1(cfg: ModelConfig, degree: int, tokens: int, itemsize: int = 2
 
 
 # The Table 1 strategy each system runs (PrefillOnly's engines move nothing).
-STRATEGY = {"DP+EP": "DP+EP", "DP+TP": "DP+TP", "TP+EP": "TP+EP", "TP+TP": "TP+TP",
-            "PP+PP": "PP+PP", "AsyncEP-plain": "DP+AsyncEP", "MoE-Prefill": "DP+AsyncEP",
+STRATEGY = {**{b: b for b in PARALLEL}, **{f"{b}/PrefillOnly": b for b in PARALLEL},
+            "AsyncEP-plain": "DP+AsyncEP", "MoE-Prefill": "DP+AsyncEP",
             "MoE-Prefill-hybrid": "hybrid"}
 
 
@@ -199,9 +209,10 @@ def table1_figures(cfg: ModelConfig, degree: int, tokens: int, prefix: str = ""
 # ----------------------------------------------------------------------------- systems
 def system_options(system: str, degree: int, blocks: int) -> dict[str, Any] | str:
     """The Scorer keywords of ``system`` at ``degree``, or why it cannot run there."""
-    if system in ("TP+EP", "TP+TP") and degree > 2:
+    base, _, scheduler = system.partition("/")
+    if base in ("TP+EP", "TP+TP") and degree > 2:
         return "heads: the demo's 2 kv heads split over at most 2 devices"
-    if system == "PP+PP" and degree > 4:
+    if base == "PP+PP" and degree > 4:
         return "layers: the demo's 4 layers make at most 4 stages"
     plain = dict(devices=degree, share_prompts=False)
     cached = dict(prefix_cache_blocks=blocks)
@@ -212,14 +223,15 @@ def system_options(system: str, degree: int, blocks: int) -> dict[str, Any] | st
         "TP+TP": dict(backend="tp", **plain),
         "PP+PP": dict(backend="pp", **plain),
         "PrefillOnly": dict(engines=degree, routing="prefill_only", **cached),
-        "PrefillOnly-1": dict(engines=degree, routing="prefill_only", **cached),
+        "PrefillOnly-1": dict(engines=degree, routing="prefill_only", max_num_seqs=1,
+                              **cached),
         "AsyncEP-plain": dict(backend="async_ep", **plain),
         "MoE-Prefill": dict(backend="async_ep", devices=degree, **cached),
         "MoE-Prefill-hybrid": dict(backend="hybrid" if degree > 1 else "offload",
                                    devices=degree, **cached),
     }
-    if system.startswith("PrefillOnly") and degree == 1:
-        return dict(cached)          # one engine: nothing to route
+    if scheduler:                    # the group as one engine, shortest prefill first
+        return {**table[base], "routing": "prefill_only"}
     return table[system]
 
 
@@ -228,12 +240,9 @@ def build_scorer(system: str, options: Mapping[str, Any], model: str, batch_toke
 
     # The MoE-Prefill systems calibrate Θ (the transfer their ranks hide), as the paper's
     # frontend does; the others route by no Θ.
-    scorer = Scorer(model, dtype="float32", compilation_cache="auto",
-                    max_batch_tokens=batch_tokens,
-                    calibrate=system.startswith("MoE-Prefill"), **options)
-    if system == "PrefillOnly-1" and scorer.pool is not None:
-        scorer.pool.max_num_seqs = 1
-    return scorer
+    return Scorer(model, dtype="float32", compilation_cache="auto",
+                  max_batch_tokens=batch_tokens, calibrate=system.startswith("MoE-Prefill"),
+                  **options)
 
 
 # ----------------------------------------------------------------------------- passes

@@ -135,12 +135,24 @@ class Scorer:
         self.calibration = self._calibrate(self.engine.backend, policy.max_batch_tokens)
         self._route_ranks(policy.max_batch_tokens)
         self.pool = None
-        if len(self.engines) > 1:
+        if self._schedules_engines():
             theta = self.calibration.theta or fallback_theta(self.config, policy.max_batch_tokens)
-            router = make_router(self.options.routing, self.config, len(self.engines),
-                                 theta=theta, seed=self.options.routing_seed)
-            self.pool = EnginePool(self.engines, router)
+            self.pool = EnginePool(self.engines, self._engine_router(theta),
+                                   max_num_seqs=self.options.max_num_seqs)
             self.pool.router_theta = theta
+
+    def _engine_router(self, theta: float):
+        """The router over the engines (fresh: no blocks known)."""
+        return make_router(self.options.routing, self.config, len(self.engines), theta=theta,
+                           seed=self.options.routing_seed, shares_prefixes=self.shares_prompts)
+
+    def _schedules_engines(self) -> bool:
+        """Whether a call's ops go through the router and the engine pool: with several
+        engines, and with one when it runs PrefillOnly's scheduler (``routing=
+        "prefill_only"``: shortest prefill first) or ``max_num_seqs`` sequences at a time."""
+        opts = self.options
+        return (len(self.engines) > 1 or opts.routing == "prefill_only"
+                or opts.max_num_seqs is not None)
 
     def _route_ranks(self, max_batch_tokens: int) -> None:
         """An engine of several data-parallel ranks with a prefix pool routes a call's
@@ -227,9 +239,7 @@ class Scorer:
         for engine in self.engines:
             engine.reset_prefix_cache()
         if self.pool is not None:
-            self.pool.router = make_router(self.options.routing, self.config, len(self.engines),
-                                           theta=self.pool.router_theta,
-                                           seed=self.options.routing_seed)
+            self.pool.router = self._engine_router(self.pool.router_theta)
 
     @property
     def info(self) -> dict[str, Any]:

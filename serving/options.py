@@ -44,6 +44,7 @@ class ScorerOptions:
     engines: int = 1
     routing: str = "prefix"
     routing_seed: int = 0
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -83,6 +84,11 @@ class ScorerOptions:
             raise ValueError(f"engines must be a positive integer, got {self.engines!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.max_num_seqs is not None and (not isinstance(self.max_num_seqs, int)
+                                              or isinstance(self.max_num_seqs, bool)
+                                              or self.max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be null (every op of a call in one packed "
+                             f"run) or a positive integer, got {self.max_num_seqs!r}")
         if self.engines > 1 and self.backend == "resident" and self.devices != 1:
             raise ValueError(f"engines={self.engines} with backend 'resident' runs one engine "
                              f"per device; got devices={self.devices} (devices is per "

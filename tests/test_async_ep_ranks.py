@@ -131,6 +131,25 @@ def test_engines_of_async_ep_groups_under_the_router(reference):
         Scorer("demo", engines=4, backend="async_ep", devices=4, **OPTIONS)
 
 
+def test_a_baseline_group_under_prefill_only_s_scheduler(reference):
+    """A DP+EP baseline (one sync_ep group) under PrefillOnly's scheduler, as the paper
+    runs its baselines: one engine, its ops shortest prefill first, ``max_num_seqs`` at a
+    time. Results equal one resident engine's."""
+    scorer = Scorer("demo", backend="sync_ep", devices=2, routing="prefill_only",
+                    max_num_seqs=2, **OPTIONS)
+    assert len(scorer.engines) == 1 and scorer.pool is not None
+    assert scorer.pool.max_num_seqs == 2
+    results = scorer.score(REQUESTS)
+    same(results, reference)
+    report = scorer.pool.last_report
+    ops = len(report.assignments)
+    costs = [report.assignments[i].cost for i in report.schedule()]
+    assert costs == sorted(costs)          # no pool to match: shortest first, plainly
+    assert scorer.engine.stats.batches >= -(-ops // 2)     # at most 2 sequences a run
+    with pytest.raises(ValueError, match="max_num_seqs must be null"):
+        Scorer("demo", max_num_seqs=0, **OPTIONS)
+
+
 def test_batches_of_several_ranks_are_grown_to_one_shape():
     """packing.pad_to_common_shape: the largest of each dimension; padding rows in no
     segment, context entries that read nothing, stored rows dropped past the rank's pool."""

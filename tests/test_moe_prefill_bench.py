@@ -39,18 +39,26 @@ def test_table1_formulas_on_a_small_shape():
 def test_cells_a_system_cannot_run_say_why():
     assert "kv heads" in mp.system_options("TP+EP", 4, 64)
     assert "layers" in mp.system_options("PP+PP", 8, 64)
+    assert "kv heads" in mp.system_options("TP+TP/PrefillOnly", 4, 64)
     assert mp.system_options("MoE-Prefill", 2, 64) == dict(backend="async_ep", devices=2,
                                                            prefix_cache_blocks=64)
+    assert mp.system_options("DP+EP/PrefillOnly", 4, 64) == dict(
+        backend="sync_ep", devices=4, share_prompts=False, routing="prefill_only")
+    assert mp.system_options("PrefillOnly-1", 1, 64)["max_num_seqs"] == 1
 
 
 @pytest.mark.slow
 def test_quick_run_reports_the_issue_keys(tmp_path):
     path = tmp_path / "moe_prefill.json"
-    mp.main(["--quick", "--systems", "DP+EP,AsyncEP-plain,MoE-Prefill", "--json", str(path)])
+    mp.main(["--quick", "--systems", "DP+EP,DP+EP/PrefillOnly,AsyncEP-plain,MoE-Prefill",
+             "--json", str(path)])
     figures = json.loads(path.read_text())
     assert figures["flops_over_ideal_mix_2"] <= 1.1           # the router keeps prefixes
     assert figures["prefix_hit_rate_mix_2"] > 0.3
     assert figures["mix_DP+EP_2_hit_rate"] == 0               # no pool, no reuse
+    # PrefillOnly's scheduler reorders a poolless group's ops; it computes the same FLOPs.
+    assert figures["mix_DP+EP/PrefillOnly_2_flops_over_ideal"] == pytest.approx(
+        figures["mix_DP+EP_2_flops_over_ideal"])
     assert figures["moe_prefill_over_best_baseline_mix_2"] > 0
     assert figures["frontend_gain_over_asyncep_plain_2"] > 0
     for key in ("critical_path_bytes_per_layer_dp_ep", "background_bytes_per_layer_dp_asyncep",

@@ -127,6 +127,19 @@ def test_siblings_land_on_one_engine_and_cost_one_prefix_plus_suffixes():
     assert sibling(0).flops(CFG) == prefix_cost + suffix_cost
 
 
+@pytest.mark.parametrize("name", ["prefix", "prefill_only", "least_tokens"])
+def test_engines_that_share_no_prefix_are_priced_at_full_flops(name):
+    """Engines without a pool or prompt sharing compute every op whole: no match is
+    credited and nothing promised, so the router's load is the FLOPs they really run."""
+    router = make_router(name, CFG, 2, theta=1e12, shares_prefixes=False)
+    ops = [sibling(i) for i in range(6)]
+    report = router.assign(ops)
+    assert [a.cached_tokens for a in report.assignments] == [0] * 6
+    assert report.total_flops == sum(op.flops(CFG) for op in ops)
+    assert not router.pending_blocks(0) and not router.pending_blocks(1)
+    assert make_router(name, CFG, 2, theta=1e12).assign(ops).total_flops < report.total_flops
+
+
 def test_popular_prefix_spills_to_next_best_match():
     one_suffix = CFG.request_flops(64, 8, 64)
     theta = 8 * one_suffix                 # engine 0 saturates after exactly 8 siblings

@@ -219,6 +219,9 @@ class Router(abc.ABC):
         self._runs: list[set[bytes]] = [set() for _ in range(num_engines)]
         self._round = 0
         self._unavailable: frozenset[int] = frozenset()
+        # False: the engines keep and share no prefix (no pool, no prompt sharing), so no
+        # match is credited and nothing promised: every op is priced at its full FLOPs.
+        self.shares_prefixes = True
 
     # ------------------------------------------------------------------ availability
     @property
@@ -350,7 +353,7 @@ class Router(abc.ABC):
 
     def _match(self, engine: int, hashes: tuple[bytes, ...], limit: int) -> int:
         """Contiguous blocks of ``hashes[:limit]`` that ``engine`` holds, from the start."""
-        if not limit:
+        if not limit or not self.shares_prefixes:
             return 0
         last, runs = hashes[limit - 1], self._runs[engine]
         if last in runs:
@@ -372,7 +375,7 @@ class Router(abc.ABC):
 
     def _promise(self, engine: int, hashes: tuple[bytes, ...], start: int, stop: int) -> None:
         """Add the request's uncached prefix blocks to ``engine``'s pending table."""
-        if start >= stop:
+        if start >= stop or not self.shares_prefixes:
             return
         fresh = set(hashes[start:stop])
         held = self._held[engine]
@@ -662,24 +665,30 @@ class ShortestPrefillFirstRouter(Router):
 
 
 def make_router(name: str, cfg: ModelConfig, num_engines: int, theta: float = math.inf,
-                seed: int = 0, block_size: int = BLOCK_SIZE) -> Router:
+                seed: int = 0, block_size: int = BLOCK_SIZE, *,
+                shares_prefixes: bool = True) -> Router:
     """Router by name: "prefix" | "round_robin" | "least_tokens" | "random" |
     "prefill_only".
 
     ``theta`` is validated for every name but only "prefix" uses it; ``seed`` only "random".
+    ``shares_prefixes``: whether the engines reuse a prefix at all (a pool or prompt
+    sharing); engines that do not are priced at every op's full FLOPs.
     """
     _check_theta(theta)
     if name == "prefix":
-        return PrefixAwareRouter(cfg, num_engines, theta, block_size)
-    if name == "round_robin":
-        return RoundRobinRouter(cfg, num_engines, block_size)
-    if name == "least_tokens":
-        return LeastTokensRouter(cfg, num_engines, block_size)
-    if name == "random":
-        return RandomRouter(cfg, num_engines, seed, block_size)
-    if name == "prefill_only":
-        return ShortestPrefillFirstRouter(cfg, num_engines, block_size)
-    raise ValueError(f"unknown router {name!r}: choose one of {', '.join(ROUTER_NAMES)}")
+        router: Router = PrefixAwareRouter(cfg, num_engines, theta, block_size)
+    elif name == "round_robin":
+        router = RoundRobinRouter(cfg, num_engines, block_size)
+    elif name == "least_tokens":
+        router = LeastTokensRouter(cfg, num_engines, block_size)
+    elif name == "random":
+        router = RandomRouter(cfg, num_engines, seed, block_size)
+    elif name == "prefill_only":
+        router = ShortestPrefillFirstRouter(cfg, num_engines, block_size)
+    else:
+        raise ValueError(f"unknown router {name!r}: choose one of {', '.join(ROUTER_NAMES)}")
+    router.shares_prefixes = shares_prefixes
+    return router
 
 
 def _per_engine_thetas(theta: float | Sequence[float], num_engines: int) -> list[float]:

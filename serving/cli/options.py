@@ -79,8 +79,12 @@ def add_model_options(p: argparse.ArgumentParser, *, hidden: Collection[str] = (
            help="data-parallel engines behind the router, each the backend on its own "
                 "--devices devices (e.g. --engines 2 --backend async_ep --devices 4)")
     option("--routing", default=None,
-           help="request routing over engines: prefix (default), round_robin, "
-                "least_tokens or random")
+           help="request routing over engines (and an engine's ranks): prefix (default), "
+                "round_robin, least_tokens, random or prefill_only (PrefillOnly's "
+                "shortest-prefill-first scheduler, also over one engine)")
+    option("--max-num-seqs", type=positive_int, default=None,
+           help="an engine runs at most this many sequences at a time, in the router's "
+                "order (PrefillOnly's max-num-seqs; default: all of a call's ops packed)")
     option("--prefix-cache-blocks", default=None, type=_cache_blocks,
            help="prefix KV cache size in 16-token blocks (0 = off, 'auto')")
     option("--kv-cache-free", action="store_true", default=None,
@@ -127,7 +131,8 @@ def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
                "compilation_cache": command_compilation_cache(args.deployment)}
     if args.window is not None:
         options["backend_options"] = {"window": args.window}
-    options.update(engines=args.engines, routing=args.routing, kv_cache_free=args.kv_cache_free,
+    options.update(engines=args.engines, routing=args.routing, max_num_seqs=args.max_num_seqs,
+                   kv_cache_free=args.kv_cache_free,
                    prefix_cache_blocks=args.prefix_cache_blocks,
                    share_prompts={"true": True, "false": False}.get(args.share_prompts,
                                                                     args.share_prompts),
