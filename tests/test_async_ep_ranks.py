@@ -150,30 +150,69 @@ def test_a_baseline_group_under_prefill_only_s_scheduler(reference):
         Scorer("demo", max_num_seqs=0, **OPTIONS)
 
 
+@pytest.mark.slow
+def test_the_table2_mix_on_one_group_and_on_two_groups():
+    """The issue's bar: the aggregated Table-2 mix (``benchmarks/workloads.py``, scaled
+    down) scored by one async_ep group of 4 ranks under the rank router and by two such
+    groups under the engine router (8 host devices), each with the prefix cache on:
+    results equal one resident engine's, and the FLOPs executed are within 10 % of the
+    ideal (every distinct prefix once)."""
+    from benchmarks import workloads
+    from benchmarks.prefill_serving import ideal_flops, no_reuse_flops
+    from serving.requests import normalize_requests
+
+    # The Scorer's batch size (4,096 tokens on CPU): Θ per rank is at least one batch, and
+    # a smaller one spills a document's questions over ranks that each recompute it
+    # (docs/PERF.md "Issue 39").
+    options = dict(OPTIONS, max_batch_tokens="auto", calibrate=False)
+    reference = Scorer("demo", **options)
+    cfg = reference.config
+    requests = workloads.aggregated(48, scale=0.15, vocab_size=cfg.vocab_size,
+                                    max_context=cfg.max_context, seed=5)
+    want = reference.score(requests)
+    assert all(r.error is None for r in want)
+    ops, errors, _ = normalize_requests(requests, reference.tokenizer,
+                                        vocab_size=cfg.vocab_size, max_context=cfg.max_context)
+    assert not errors
+    ideal = ideal_flops(cfg, ops)["flops"]
+    assert no_reuse_flops(cfg, ops) > 2 * ideal          # the mix shares: reuse matters
+    for layout in (dict(devices=4), dict(engines=2, devices=4)):
+        scorer = Scorer("demo", backend="async_ep", prefix_cache_blocks=256, **layout,
+                        **options)
+        same(scorer.score(requests), want)
+        executed = sum(engine.stats.executed_flops for engine in scorer.engines)
+        assert ideal <= executed <= 1.1 * ideal, (layout, executed / ideal)
+
+
+def pooled_host(tokens, positions=4, columns=2, width=0, stored=0, vocab=False, block=32,
+                tag=1):
+    """A batch on a rank's pool of ``tokens`` tokens (all equal to ``tag``)."""
+    from moejax.attention_kinds import PrefixContext
+    from moejax.model import ForwardOptions, PackedBatch
+    from moejax.packing import HostBatch
+
+    batch = PackedBatch(tokens=np.full(tokens, tag, np.int32), positions=np.arange(tokens),
+                        segment_ids=np.zeros(tokens, np.int32),
+                        score_positions=np.zeros(positions, np.int32),
+                        score_token_ids=np.ones((positions, columns), np.int32))
+    nb = tokens // block
+    context = PrefixContext(ctx_slot=np.full((nb, width), 5, np.int32),
+                            ctx_lo=np.zeros((nb, width), np.int32),
+                            ctx_hi=np.zeros((nb, width), np.int32),
+                            store_row=np.arange(stored, dtype=np.int32),
+                            store_slot=np.arange(stored, dtype=np.int32),
+                            ctx_positions=np.zeros((nb, width), np.int32))
+    return HostBatch(batch=batch, options=ForwardOptions(attn_block=block, full_vocab=vocab),
+                     sequences=(), rows=(), real_tokens=tokens, context=context)
+
+
 def test_batches_of_several_ranks_are_grown_to_one_shape():
     """packing.pad_to_common_shape: the largest of each dimension; padding rows in no
     segment, context entries that read nothing, stored rows dropped past the rank's pool."""
-    from moejax.attention_kinds import PrefixContext
-    from moejax.model import ForwardOptions, PackedBatch
-    from moejax.packing import HostBatch, pad_to_common_shape
+    from moejax.packing import pad_to_common_shape
 
-    def host(tokens, positions, columns, width, stored, vocab):
-        batch = PackedBatch(tokens=np.ones(tokens, np.int32), positions=np.arange(tokens),
-                            segment_ids=np.zeros(tokens, np.int32),
-                            score_positions=np.zeros(positions, np.int32),
-                            score_token_ids=np.ones((positions, columns), np.int32))
-        nb = tokens // 32
-        context = PrefixContext(ctx_slot=np.full((nb, width), 5, np.int32),
-                                ctx_lo=np.zeros((nb, width), np.int32),
-                                ctx_hi=np.zeros((nb, width), np.int32),
-                                store_row=np.arange(stored, dtype=np.int32),
-                                store_slot=np.arange(stored, dtype=np.int32),
-                                ctx_positions=np.zeros((nb, width), np.int32))
-        return HostBatch(batch=batch, options=ForwardOptions(attn_block=32, full_vocab=vocab),
-                         sequences=(), rows=(), real_tokens=tokens, context=context)
-
-    a, b = pad_to_common_shape([host(64, 8, 2, 16, 16, False), host(128, 4, 4, 0, 32, True)],
-                               rank_slots=99)
+    a, b = pad_to_common_shape([pooled_host(64, 8, 2, 16, 16, False),
+                                pooled_host(128, 4, 4, 0, 32, True)], rank_slots=99)
     assert a.shape_key == b.shape_key == (128, 32, 8, 4, True, 16, 32)
     assert (a.batch.segment_ids[64:] == -1).all() and (a.batch.tokens[64:] == 0).all()
     assert (a.context.ctx_lo[2:] > a.context.ctx_hi[2:]).all()        # new blocks: unused
@@ -182,3 +221,30 @@ def test_batches_of_several_ranks_are_grown_to_one_shape():
     with pytest.raises(ValueError, match="attention blocks"):
         pad_to_common_shape([a, dataclasses.replace(
             b, options=dataclasses.replace(b.options, attn_block=64))], rank_slots=99)
+
+
+def tags(steps):
+    return [[None if h is None else int(h.batch.tokens[0]) for h in step] for step in steps]
+
+
+def test_a_rank_waits_for_its_own_levels_only():
+    """moejax.core.scoring_steps.ranked_steps: a rank takes its next level as soon as its
+    own level is done (it reads only its own blocks), so ranks with levels of different
+    lengths still share steps; a rank's batches keep their level order; each step takes
+    the attention block the most ranks have ready."""
+    from moejax.core.scoring_steps import ranked_steps
+
+    a, b, c, d = (pooled_host(64, tag=t) for t in (1, 2, 3, 4))
+    # Rank 0: level 0 = [a], level 1 = [b]; rank 1: one level of two batches [c, d].
+    # Level by level across ranks this takes 3 steps (a|c, -|d, b|-); each rank on its
+    # own levels, 2.
+    assert tags(ranked_steps([[[a], [b]], [[c, d]]], rank_slots=99)) == [[1, 3], [2, 4]]
+    # Blocks differ: x (block 64) then w (32) on rank 0; y (32) then z (64) on rank 1.
+    x, w = pooled_host(128, block=64, tag=5), pooled_host(64, block=32, tag=6)
+    y, z = pooled_host(64, block=32, tag=7), pooled_host(128, block=64, tag=8)
+    steps = ranked_steps([[[x], [w]], [[y], [z]]], rank_slots=99)
+    assert tags(steps) == [[5, None], [6, 7], [None, 8]]
+    assert all(len({h.shape_key for h in step if h is not None}) == 1 for step in steps)
+    # Batches that touch no pool run on any rank, by shape, first.
+    free = dataclasses.replace(pooled_host(64, tag=9), context=None)
+    assert tags(ranked_steps([[[free], [a]], [[c]]], rank_slots=99)) == [[9], [1, 3]]

@@ -164,13 +164,11 @@ class Engine:
                  for rank_ops, allocator in zip(per_rank, store.allocators)]
         slots = store.allocators[0].num_slots      # a rank's own slots
         try:
-            outputs: dict[Hashable, SequenceOutcome] = {}
-            # Level k of every rank runs after level k-1 of every rank: each reads only
-            # what earlier levels of its own rank stored.
-            for level in range(max(len(plan.levels) for plan in plans)):
-                batches = [pack(plan.levels[level], self.policy, self.options, slots)
-                           if level < len(plan.levels) else [] for plan in plans]
-                outputs.update(self._run_steps(ranked_steps(batches, slots), None))
+            # Each rank's levels in order; a rank waits for its own earlier levels only
+            # (it reads only what they stored), not for the other ranks'.
+            levels = [[pack(level, self.policy, self.options, slots) for level in plan.levels]
+                      for plan in plans]
+            outputs = self._run_steps(ranked_steps(levels, slots), None)
             for plan, allocator in zip(plans, store.allocators):
                 for block, digest in plan.to_commit:   # written: later runs may find them
                     allocator.name(block, digest)

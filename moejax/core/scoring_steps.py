@@ -65,32 +65,60 @@ def plain_steps(batches: Sequence[HostBatch], num_ranks: int) -> list[list[HostB
             for step in plan_steps([h.shape_key for h in batches], num_ranks)]
 
 
-def ranked_steps(per_rank: Sequence[Sequence[HostBatch]], rank_slots: int
+def ranked_steps(per_rank: Sequence[Sequence[Sequence[HostBatch]]], rank_slots: int
                  ) -> list[list[HostBatch | None]]:
     """Steps of batches that must run on their own rank (they read and write that rank's
-    pool blocks): each step takes the next batch of every rank that has one of the same
-    attention block, grown to one program shape (``packing.pad_to_common_shape``; a rank
-    with none is idle: None), so the ranks compute together instead of in turn.
-    Batches that do not touch the pool go in plain steps, on any rank, by shape."""
+    pool blocks). ``per_rank[r]``: rank r's levels in order, each a list of batches (a
+    level reads what the rank's earlier levels stored; the batches of one level are
+    independent).
+
+    Each step runs one attention block: the next batch of that block from every rank whose
+    current level has one, grown to one program shape (``packing.pad_to_common_shape``;
+    a rank with none is idle: None). A rank moves on to its next level as soon as its own
+    current level is done: it reads only its own blocks, so it waits for no other rank's
+    level, and a rank with a long level does not leave the others idle. Each step takes
+    the block the most ranks have ready (ties: the larger block). Batches that do not
+    touch the pool go in plain steps, on any rank, by shape."""
     plain: dict[Any, list[HostBatch]] = {}
-    pooled: dict[int, list[collections.deque]] = {}
-    for rank, batches in enumerate(per_rank):
-        for host in batches:
-            if host.context is None:
-                plain.setdefault(host.shape_key, []).append(host)
-                continue
-            queues = pooled.setdefault(host.options.attn_block,
-                                       [collections.deque() for _ in per_rank])
-            queues[rank].append(host)
+    pending: list[collections.deque[dict[int, collections.deque]]] = []
+    for levels in per_rank:
+        queue: collections.deque[dict[int, collections.deque]] = collections.deque()
+        for level in levels:
+            by_block: dict[int, collections.deque] = {}
+            for host in level:
+                if host.context is None:
+                    plain.setdefault(host.shape_key, []).append(host)
+                else:
+                    by_block.setdefault(host.options.attn_block,
+                                        collections.deque()).append(host)
+            if by_block:
+                queue.append(by_block)
+        pending.append(queue)
+    ranks = len(per_rank)
     steps: list[list[HostBatch | None]] = []
     for anywhere in plain.values():     # any rank may run them: no pool read or write
-        steps += [anywhere[i:i + len(per_rank)] for i in range(0, len(anywhere), len(per_rank))]
-    for queues in pooled.values():
-        while any(queues):
-            step = [q.popleft() if q else None for q in queues]
-            padded = iter(pad_to_common_shape([h for h in step if h is not None], rank_slots))
-            steps.append([None if h is None else next(padded) for h in step])
+        steps += [anywhere[i:i + ranks] for i in range(0, len(anywhere), ranks)]
+    while any(pending):
+        ready = collections.Counter(block for queue in pending if queue for block in queue[0])
+        block = max(ready, key=lambda b: (ready[b], b))
+        step = [_next_of_block(queue, block) for queue in pending]
+        padded = iter(pad_to_common_shape([h for h in step if h is not None], rank_slots))
+        steps.append([None if h is None else next(padded) for h in step])
     return steps
+
+
+def _next_of_block(queue: collections.deque, block: int) -> HostBatch | None:
+    """The next batch of attention block ``block`` in a rank's current level (the level
+    is dropped once empty, making the next one current), or None."""
+    if not queue or block not in queue[0]:
+        return None
+    level = queue[0]
+    host = level[block].popleft()
+    if not level[block]:
+        del level[block]
+    if not level:
+        queue.popleft()
+    return host
 
 
 class ScoringSchedule:
