@@ -153,9 +153,9 @@ def table1(cfg: ModelConfig, degree: int, tokens: int, itemsize: int = 2
         # Two all-reduces of the group's G·tokens rows (attention out, MoE out).
         "TP+EP": LayerTraffic(2 * ring_all_reduce, 0.0, attention / g + e * expert / g),
         "TP+TP": LayerTraffic(2 * ring_all_reduce, 0.0, (attention + e * expert) / g),
-        # A device holds L/G whole layers and sends its micro-batch's rows on once per
-        # L/G layers.
-        "PP+PP": LayerTraffic(tokens * d * b * g / cfg.num_layers, 0.0,
+        # A device holds L/G whole layers; each of the G micro-batches' rows cross the
+        # G-1 stage boundaries once: (G-1)·tokens rows per device per step, over L layers.
+        "PP+PP": LayerTraffic((g - 1) * tokens * d * b / cfg.num_layers, 0.0,
                               (attention + e * expert) / g),
         # The next layer's shards all-gathered under this layer's compute.
         "DP+AsyncEP": LayerTraffic(0.0, share * e * expert, attention + e * expert / g),

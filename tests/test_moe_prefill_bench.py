@@ -30,7 +30,7 @@ def test_table1_formulas_on_a_small_shape():
     assert t["DP+EP"].weights == attention + 4 * expert / 2
     assert t["TP+TP"].weights == (attention + 4 * expert) / 2
     assert t["PP+PP"].weights == (attention + 4 * expert) / 2   # L/G whole layers
-    assert t["PP+PP"].critical == 10 * 4 * 2 * 2 / 3           # its rows once per L/G layers
+    assert t["PP+PP"].critical == (2 - 1) * 10 * 4 * 2 / 3     # G-1 boundaries over L layers
     figures = mp.table1_figures(SMALL, 2, 10)
     assert figures["critical_path_bytes_per_layer_dp_ep"] == t["DP+EP"].critical
     assert figures["peak_memory_per_device_tp_tp"] == t["TP+TP"].weights * 3
