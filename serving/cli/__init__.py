@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -60,6 +59,7 @@ from serving.exit_status import BROKEN_PIPE_STATUS, ERRORS_STATUS, FAILED_STATUS
 from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
 from serving.multi_process import CollectiveFailure, collective_failure, is_collective_failure
 from serving.score_progress import IncompleteRun
+from serving.logs import LOG_FORMATS, configure_logging
 
 DESCRIPTION = ("moejax: score and generate with Mixture-of-Experts models in JAX, from JSONL "
                "files, over gRPC, or over several processes. Run 'moejax COMMAND --help' "
@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = CommandParser(prog="moejax", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log compiles and batches")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="log lines on stderr: text (default; timestamped) or json (one "
+                             "object a line: time, level, logger, message, request_id)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     score = sub.add_parser("score", help="score a JSONL file of requests",
@@ -273,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _accept_verbose_after_the_command(sub: Any) -> None:
     """``moejax score -v ...`` as well as ``moejax -v score ...``: every (sub)command takes
-    ``-v``. Its default is SUPPRESS, so a command without it keeps the top-level value."""
+    ``-v`` and ``--log-format``. Their default is SUPPRESS, so a command without them keeps
+    the top-level value."""
     for command in sub.choices.values():
         nested = getattr(command, "subcommand_groups", ())
         if nested:
@@ -285,13 +289,17 @@ def _accept_verbose_after_the_command(sub: Any) -> None:
                                  default=argparse.SUPPRESS, help="log compiles and batches")
         except argparse.ArgumentError:   # a command with a -v of its own keeps it
             pass
+        try:
+            command.add_argument("--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS,
+                                 help="log lines: text (timestamped) or json")
+        except argparse.ArgumentError:
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``moejax`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose, args.log_format)
     multi_process = False
     try:
         # Before anything starts JAX's backends, which read XLA_FLAGS once; then join the
