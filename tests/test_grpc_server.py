@@ -359,6 +359,65 @@ def test_admission_control_refuses_with_a_retry_hint_and_streams_wait(scorer):
         assert wait_until(lambda: server.stats()["queued_tokens"] == 0)
 
 
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of a real GET /metrics, parsed by prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=T) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def moved(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_move_by_what_was_served(scorer):
+    """--metrics-port: Prometheus text over a real socket, scraped before and after a few
+    calls; the request counters (by endpoint, kind, status), the latency and model-call
+    histograms and the engines' counters move by exactly what was served."""
+    with running(scorer, metrics_port=0, max_queued_tokens=64) as (server, target):
+        port = server.metrics_port
+        before = scrape(port)
+        assert before[("moejax_max_queued_token_equivalents", ())] == 64
+        scoring = stub(target)
+        ok = [{"prompt": "Is it red?", "candidates": [" yes", " no"]},
+              {"kind": "choice", "prompt": "Which is a number?", "candidates": ["seven", "table"]}]
+        for request in ok:
+            scoring.Score(to_proto(request), timeout=T)
+        with pytest.raises(grpc.RpcError):
+            scoring.Score(to_proto({"prompt": "x", "candidates": [" a"], "kind": "sideways"}),
+                          timeout=T)
+        scoring.ScoreBatch(pb.ScoreBatchRequest(requests=[
+            to_proto(ok[0]), to_proto({"prompt": "", "candidates": [" a"]})]), timeout=T)
+        with pytest.raises(grpc.RpcError) as refused:          # more than the whole bound
+            scoring.Score(to_proto({"prompt": "z" * 300, "candidates": [" a"]}), timeout=T)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        after = scrape(port)
+    count = "moejax_requests_total"
+    assert moved(before, after, count, endpoint="Score", kind="classify", status="ok") == 1
+    assert moved(before, after, count, endpoint="Score", kind="choice", status="ok") == 1
+    assert moved(before, after, count, endpoint="Score", kind="unknown", status="invalid") == 1
+    assert moved(before, after, count, endpoint="ScoreBatch", kind="classify", status="ok") == 1
+    assert moved(before, after, count, endpoint="ScoreBatch", kind="classify",
+                 status="error") == 1
+    assert moved(before, after, count, endpoint="Score", kind="unknown", status="refused") == 1
+    # Three requests reached the model: their latency, queue wait and model calls.
+    assert moved(before, after, "moejax_request_duration_seconds_count", endpoint="Score") == 2
+    assert moved(before, after, "moejax_request_duration_seconds_count",
+                 endpoint="ScoreBatch") == 1
+    assert moved(before, after, "moejax_queue_wait_seconds_count") == 3
+    calls = moved(before, after, "moejax_model_call_requests_count")  # the batcher's calls
+    assert 1 <= calls <= moved(before, after, "moejax_engine_model_calls_total", engine="0")
+    assert moved(before, after, "moejax_model_call_requests_sum") == 3
+    assert moved(before, after, "moejax_engine_tokens_total", engine="0") > 0
+    assert after[("moejax_queued_token_equivalents", ())] == 0
+
+
 def test_a_request_whose_deadline_passes_in_the_queue_is_not_computed(scorer):
     with running(scorer) as (server, target):
         scoring = stub(target)

@@ -72,7 +72,8 @@ class WorkItem:
 
     ``prepared``: a :class:`serving.api.PreparedRequest` (its ``index`` names the request
     in messages); ``deadline`` is a ``time.monotonic()`` time or None; ``cancelled`` tells
-    whether the caller has gone; ``deliver(item, outcome)`` is called exactly once."""
+    whether the caller has gone; ``deliver(item, outcome)`` is called exactly once;
+    ``endpoint`` names the call it came in by (metrics)."""
 
     prepared: Any
     deliver: Callable[["WorkItem", Outcome], None]
@@ -88,6 +89,7 @@ class WorkItem:
     seq: int = 0         # arrival order in the queue (renewed when a split rest re-enters)
     queued: bool = False
     future: Any = None   # what the caller awaits, when it awaits one
+    endpoint: str = ""
 
     def __post_init__(self) -> None:
         self.pending = list(self.prepared.ops)
@@ -103,6 +105,13 @@ class WorkItem:
     @property
     def request(self) -> Any:
         return self.prepared.request
+
+
+def outcome_status(outcome: Outcome) -> str:
+    """The metrics status of an item's outcome (``serving.metrics``)."""
+    if isinstance(outcome, ScoreResult):
+        return "ok" if outcome.error is None else "error"
+    return {Expired: "expired", Cancelled: "cancelled", Failed: "failed"}[type(outcome)]
 
 
 class Admission:
@@ -191,8 +200,9 @@ class Batcher:
     """
 
     def __init__(self, scorer: Any, *, max_queued_tokens: int, batch_tokens: int,
-                 max_batch_requests: int = 4096):
+                 max_batch_requests: int = 4096, metrics: Any = None):
         self.scorer = scorer
+        self.metrics = metrics    # a serving.metrics.ServingMetrics, or None
         self.admission = Admission(max_queued_tokens)
         self.batch_tokens = max(1, int(batch_tokens))
         self.max_batch_requests = max(1, int(max_batch_requests))
@@ -355,6 +365,10 @@ class Batcher:
                     item.queued = False   # its queue entries are dead now
                     self._waiting -= 1
         self.admission.release(item.cost)
+        if self.metrics is not None:
+            self.metrics.request_done(item.endpoint or "unknown",
+                                      getattr(item.request, "kind", "unknown"),
+                                      outcome_status(outcome), time.monotonic() - item.enqueued)
         try:
             item.deliver(item, outcome)
         except Exception:
@@ -373,6 +387,8 @@ class Batcher:
             item = chunk.item
             if item.queue_seconds is None:
                 item.queue_seconds = now - item.enqueued
+                if self.metrics is not None:
+                    self.metrics.queue_wait(item.queue_seconds)
             if item.deadline is not None and item.deadline <= now:
                 self.stats["requests"] += 1
                 self.stats["dropped_expired"] += 1
@@ -403,6 +419,8 @@ class Batcher:
         tokens = sum(chunk.cost for chunk in live)
         rate = tokens / max(seconds, 1e-6)
         self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate
+        if self.metrics is not None:
+            self.metrics.model_call(len(live), tokens, seconds)
         finished, errors = 0, 0
         for chunk, chunk_keys in zip(live, keys):
             item = chunk.item

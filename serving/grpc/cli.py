@@ -2,6 +2,7 @@
 
     moejax serve --model DIR|demo [--host 127.0.0.1] [--port 50051] [model options of score]
                  [--max-queued-tokens N] [--grace-seconds S] [--token T] [--tls-cert F --tls-key F]
+                 [--metrics-port P]
                  [--no-generation | --generation-batch-size N --max-generation-streams N
                   --precompile]
     moejax client score IN.jsonl --target HOST:PORT [-o OUT.jsonl] [--token T] [--tls-ca F]
@@ -122,7 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             drain_seconds=args.drain_seconds, token=token_of(args), tls_cert=args.tls_cert,
             tls_key=args.tls_key, max_message_mib=args.max_message_mib, workers=args.workers,
             max_concurrent_rpcs=args.max_concurrent_rpcs, generation=generation,
-            max_generation_streams=args.max_generation_streams)
+            max_generation_streams=args.max_generation_streams,
+            metrics_port=args.metrics_port)
     except ValueError as exc:
         print(f"moejax serve: error: {exc}", file=sys.stderr)
         return 2
@@ -340,6 +342,9 @@ def add_commands(sub: Any) -> None:
                             "split (default 4 x --max-batch-tokens)")
     serve.add_argument("--grace-seconds", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, time for in-flight calls (default 30)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a "
+                            "free port, logged; default: not served)")
     serve.add_argument("--drain-seconds", type=float, default=0.0,
                        help="on SIGTERM/SIGINT, keep serving this long after health turns "
                             "NOT_SERVING, for load balancers to notice (default 0)")

@@ -51,6 +51,7 @@ from serving.grpc.auth import BearerTokenInterceptor
 from serving.grpc.batcher import Batcher
 from serving.grpc.generation import GENERATION_SERVICE_NAME, GenerationService
 from serving.grpc.service import SERVICE_NAME, OversizedBatch, ScoringService
+from serving.metrics import ServingMetrics
 
 log = logging.getLogger("moejax.grpc")
 
@@ -75,7 +76,9 @@ class ServerOptions:
     ``generation``: serve ``moejax.v1.Generation`` (with a Generator given to
     :meth:`ScoringServer.attach`); ``max_generation_streams``: generation streams at once
     (default 4 x the Generator's ``max_batch_size``; more: RESOURCE_EXHAUSTED with a retry
-    hint).
+    hint). ``metrics_port``: serve Prometheus metrics (``serving.metrics``) over HTTP on
+    ``host:metrics_port`` at ``/metrics`` (0 picks a free port; None: not served, though
+    :attr:`ScoringServer.metrics` still counts).
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +97,7 @@ class ServerOptions:
     max_preparing: int = 256
     generation: bool = True
     max_generation_streams: int | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -106,6 +110,9 @@ class ServerOptions:
             raise ValueError("max_generation_streams must be positive")
         if self.grace_seconds < 0 or self.drain_seconds < 0:
             raise ValueError("grace_seconds and drain_seconds must be >= 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port (0 picks a free one), got "
+                             f"{self.metrics_port}")
 
     @property
     def max_message_bytes(self) -> int:
@@ -280,6 +287,9 @@ class ScoringServer:
                                             max_streams=opts.max_generation_streams)
         self.health: Any = None
         self.batcher: Batcher | None = None
+        self.metrics = ServingMetrics()
+        self.service.metrics = self.metrics
+        self.metrics_port: int | None = None     # bound when options.metrics_port is set
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -303,15 +313,20 @@ class ScoringServer:
         opts = self.options
         # A bad key or certificate fails here, before binding.
         credentials = server_credentials(opts.tls_cert, opts.tls_key)
+        if opts.metrics_port is not None:      # (a taken port fails here, before gRPC binds)
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
         self._loop = server_loop()
         try:
             port = self._run(self._start(credentials))
         except BaseException:
             self._close_loop()
+            self.metrics.close()
             raise
         log.info("listening on %s:%d (%s, %s); health NOT_SERVING until the model is loaded",
                  opts.host, port, "TLS" if credentials else "plaintext",
                  "bearer-token auth" if opts.token else "no auth")
+        if self.metrics_port is not None:
+            log.info("metrics on http://%s:%d/metrics", opts.host, self.metrics_port)
         return port
 
     async def _start(self, credentials: grpc.ServerCredentials | None) -> int:
@@ -344,7 +359,9 @@ class ScoringServer:
         batch_tokens = opts.batch_tokens or int(scorer_info["max_batch_tokens"])
         self.batcher = Batcher(scorer, max_queued_tokens=opts.max_queued_tokens,
                                batch_tokens=batch_tokens,
-                               max_batch_requests=opts.max_batch_requests)
+                               max_batch_requests=opts.max_batch_requests,
+                               metrics=self.metrics)
+        self.metrics.watch(scorer, self.batcher)
         info = convert.info_to_proto(scorer_info, max_queued_tokens=opts.max_queued_tokens,
                                      max_message_bytes=opts.max_message_bytes)
         if generator is not None:
@@ -391,6 +408,7 @@ class ScoringServer:
             self.batcher.stop(timeout=max(grace, 1.0))
         self.service.close()
         self.generation.close()
+        self.metrics.close()
         self._close_loop()
         self._server = None
         log.info("stopped")

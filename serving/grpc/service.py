@@ -117,10 +117,10 @@ class _Outcomes:
         self.loop = asyncio.get_running_loop()
         self.gone = threading.Event()  # the caller went away: the worker drops its items
 
-    def item(self, prepared: Any, context: Any) -> WorkItem:
+    def item(self, prepared: Any, context: Any, endpoint: str) -> WorkItem:
         return WorkItem(prepared=prepared, deliver=self._deliver,
                         deadline=call_deadline(context), cancelled=self.gone.is_set,
-                        future=self.loop.create_future())
+                        future=self.loop.create_future(), endpoint=endpoint)
 
     def _deliver(self, item: WorkItem, outcome: Any) -> None:
         self.loop.call_soon_threadsafe(_resolve, item.future, outcome)
@@ -160,6 +160,7 @@ class ScoringService:
         self.max_preparing = max_preparing
         self.refused = 0    # calls refused for overload here (not counting admission)
         self.oversized = 0  # calls refused before tokenizing as more than any call may be
+        self.metrics: Any = None   # a serving.metrics.ServingMetrics, or None
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=prepare_threads, thread_name_prefix="moejax-grpc-prepare")
 
@@ -172,8 +173,15 @@ class ScoringService:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ helpers
+    def count(self, endpoint: str, status: str, kind: str = "unknown", requests: int = 1
+              ) -> None:
+        """Requests answered here, not by the batcher (refused, invalid), in the metrics."""
+        if self.metrics is not None:
+            for _ in range(requests):
+                self.metrics.request_done(endpoint, kind, status)
+
     @contextlib.asynccontextmanager
-    async def _call(self, context: Any) -> AsyncIterator[Batcher]:
+    async def _call(self, context: Any, endpoint: str) -> AsyncIterator[Batcher]:
         """A scoring call: the model is loaded, the server is not stopping, and there is
         room for one more call; counted in ``in_flight`` while it runs."""
         batcher = self.batcher
@@ -184,6 +192,7 @@ class ScoringService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if self.in_flight >= self.max_in_flight:
             self.refused += 1
+            self.count(endpoint, "refused")
             await refuse(context, Refused(f"the server has {self.in_flight} calls in "
                                             f"progress (its limit)", batcher.retry_after_ms(0)))
         self.in_flight += 1
@@ -286,13 +295,15 @@ class ScoringService:
 
     # ------------------------------------------------------------------ RPCs
     async def Score(self, message: Any, context: Any) -> pb.ScoreResult:
-        async with self._call(context) as batcher:
+        async with self._call(context, "Score") as batcher:
             if isinstance(message, decoding.Undecodable):
                 label = request_label(message.request_id(), 0)
+                self.count("Score", "invalid")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"{label}: {message.describe()}")
             error = self.check_limits(message, 0)
             if error is not None:
+                self.count("Score", "invalid")
                 # Set, not raised: an abort's traceback would keep the (huge) message alive
                 # in a reference cycle until the next garbage collection.
                 context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
@@ -302,12 +313,14 @@ class ScoringService:
                 self._refuse_early(batcher, [(0, message)])
                 prepared = (await self.prepare(batcher, [(0, message)]))[0]
                 if prepared.error is not None:
+                    self.count("Score", "invalid", _kind(prepared))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, prepared.error)
                 self._admit(batcher, prepared.cost)
             except Refused as refused:
+                self.count("Score", "refused")
                 await refuse(context, refused)
             outcomes = _Outcomes()
-            item = outcomes.item(prepared, context)
+            item = outcomes.item(prepared, context, "Score")
             batcher.submit([item])
             outcome = (await outcomes.wait([item]))[0]
             await _abort_for(outcome, context)
@@ -318,13 +331,15 @@ class ScoringService:
             return convert.result_to_proto(outcome, item.queue_seconds)
 
     async def ScoreBatch(self, items: Any, context: Any) -> pb.ScoreBatchResponse:
-        async with self._call(context) as batcher:
+        async with self._call(context, "ScoreBatch") as batcher:
             if isinstance(items, decoding.Undecodable):
+                self.count("ScoreBatch", "invalid")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items.describe())
+            count = items.count if isinstance(items, OversizedBatch) else len(items)
             try:
-                self._refuse_oversized_batch(
-                    items.count if isinstance(items, OversizedBatch) else len(items))
+                self._refuse_oversized_batch(count)
             except Refused as refused:
+                self.count("ScoreBatch", "refused", requests=count)
                 # Set, not raised: an abort's traceback would keep the (huge) batch alive in
                 # a reference cycle until the next garbage collection.
                 context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -337,10 +352,12 @@ class ScoringService:
                     request_id = message.request_id()
                     results[index] = convert.error_result(
                         request_id, f"{request_label(request_id, index)}: {message.describe()}")
+                    self.count("ScoreBatch", "error")
                     continue
                 error = self.check_limits(message, index)
                 if error is not None:
                     results[index] = convert.error_result(convert.get_id(message), error)
+                    self.count("ScoreBatch", "error")
                     continue
                 todo.append((index, message))
             outcomes = _Outcomes()
@@ -352,11 +369,13 @@ class ScoringService:
                     if prepared.error is not None:
                         results[prepared.index] = convert.error_result(
                             request_id_of(prepared.request), prepared.error)
+                        self.count("ScoreBatch", "error", _kind(prepared))
                     else:
-                        work.append(outcomes.item(prepared, context))
+                        work.append(outcomes.item(prepared, context, "ScoreBatch"))
                 if work:
                     self._admit(batcher, sum(item.cost for item in work))
             except Refused as refused:
+                self.count("ScoreBatch", "refused", requests=len(todo))
                 await refuse(context, refused)
             if work:
                 batcher.submit(work)
@@ -368,7 +387,7 @@ class ScoringService:
                 for r in results])
 
     async def ScoreStream(self, messages: Any, context: Any) -> AsyncIterator[pb.StreamResult]:
-        async with self._call(context) as batcher:
+        async with self._call(context, "ScoreStream") as batcher:
             stream = _Stream(self, batcher, context)
             reader = asyncio.ensure_future(stream.read(messages))
             try:
@@ -388,6 +407,11 @@ class ScoringService:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the model is still loading (health: NOT_SERVING); retry later")
         return self.info
+
+
+def _kind(prepared: Any) -> str:
+    """A prepared request's kind (classify, choice, multi), for the metrics."""
+    return getattr(prepared.request, "kind", None) or "unknown"
 
 
 _READER_DONE = object()
@@ -414,6 +438,7 @@ class _Stream:
         return self.gone.is_set() or self.service.stopping.is_set()
 
     def _error(self, index: int, request_id: Any, error: str) -> None:
+        self.service.count("ScoreStream", "error")
         self.out.put_nowait(pb.StreamResult(index=index, result=convert.result_to_proto(
             convert.error_result(request_id, error))))
 
@@ -450,7 +475,8 @@ class _Stream:
                 return False
             await asyncio.sleep(ADMISSION_POLL)
         item = WorkItem(prepared=prepared, deliver=self._deliver,
-                        deadline=call_deadline(self.context), cancelled=self.gone.is_set)
+                        deadline=call_deadline(self.context), cancelled=self.gone.is_set,
+                        endpoint="ScoreStream")
         self.submitted += 1
         self.batcher.submit([item])
         return True

@@ -1,0 +1,198 @@
+"""Prometheus metrics of a scoring server (``prometheus_client``).
+
+Two kinds, on one registry per server (so that servers in one process do not collide):
+
+* **Events**, observed as they happen: requests by endpoint, kind and status; their end-to-end
+  seconds and their seconds in the queue; each model call's request count,
+  token-equivalents and seconds.
+* **State**, read from the live objects at scrape time (:class:`StateCollector`, nothing is
+  counted twice and the hot path does no extra work): the queue (length, queued
+  token-equivalents against the admission bound, refusals), and per engine the compiles,
+  the FLOPs executed and Θ, the prefix tokens read from the cache, and the model calls.
+
+Names follow the Prometheus convention: ``moejax_..._total`` for counters, units in the
+name (``_seconds``, ``_flops``), ``token_equivalents`` for the admission's cost unit (FLOPs
+over one token's linear FLOPs). README "Metrics" lists them.
+
+A request's ``status``: ``ok``; ``error`` (answered with an error result: an invalid
+request in a batch or stream, or one the model could not score); ``invalid`` (a unary
+call refused as invalid); ``refused`` (overload: retry later); ``expired`` (its deadline
+passed in the queue); ``cancelled`` (its caller went away); ``failed`` (the model failed on
+its batch).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from serving.requests import KINDS
+
+STATUSES = ("ok", "error", "invalid", "refused", "expired", "cancelled", "failed")
+# Seconds: from a cached short request (~1 ms) to a long queue (minutes).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+COUNT_BUCKETS = tuple(float(2 ** i) for i in range(13))          # 1 … 4,096 requests
+TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(4, 21))       # 16 … 1M token-equivalents
+
+
+class ServingMetrics:
+    """The metrics of one server (module docstring); ``registry`` is what to expose."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("moejax_requests", "Scoring requests answered, by endpoint, "
+                                "request kind and status", ["endpoint", "kind", "status"],
+                                registry=r)
+        self.request_seconds = Histogram(
+            "moejax_request_duration_seconds", "Seconds from a request's admission to its "
+            "answer (queue and model), by endpoint", ["endpoint"], buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.queue_seconds = Histogram(
+            "moejax_queue_wait_seconds", "Seconds a request waited in the queue before its "
+            "first model call", buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_requests = Histogram(
+            "moejax_model_call_requests", "Requests (or parts of one) per model call",
+            buckets=COUNT_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "moejax_model_call_token_equivalents", "Token-equivalents computed per model call",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_seconds = Histogram(
+            "moejax_model_call_seconds", "Seconds per model call", buckets=LATENCY_BUCKETS,
+            registry=r)
+        self._state: StateCollector | None = None
+        self._http: Any = None
+
+    # ------------------------------------------------------------------ events
+    def request_done(self, endpoint: str, kind: str, status: str,
+                     seconds: float | None = None) -> None:
+        """One request answered (``seconds``: since its admission, when it was admitted).
+        A kind that is not one of the request kinds counts as ``unknown`` (a label value
+        never comes from what a client wrote: the series stay few)."""
+        if status not in STATUSES:
+            raise ValueError(f"unknown request status {status!r}; known: {STATUSES}")
+        self.requests.labels(endpoint, kind if kind in KINDS else "unknown", status).inc()
+        if seconds is not None:
+            self.request_seconds.labels(endpoint).observe(seconds)
+
+    def queue_wait(self, seconds: float) -> None:
+        self.queue_seconds.observe(seconds)
+
+    def model_call(self, requests: int, token_equivalents: int, seconds: float) -> None:
+        self.batch_requests.observe(requests)
+        self.batch_tokens.observe(token_equivalents)
+        self.batch_seconds.observe(seconds)
+
+    # ------------------------------------------------------------------ state
+    def watch(self, scorer: Any = None, batcher: Any = None) -> None:
+        """Report ``scorer``'s engines and ``batcher``'s queue at every scrape (once)."""
+        if self._state is None:
+            self._state = StateCollector()
+            self.registry.register(self._state)
+        self._state.scorer, self._state.batcher = scorer, batcher
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose the registry on ``http://host:port/metrics`` (its own thread); returns
+        the bound port (``port`` 0 picks a free one)."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (server, thread)
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        """Stop the metrics endpoint of :meth:`serve` (if any)."""
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+            self._http = None
+
+
+class StateCollector(Collector):
+    """What the server's objects hold now, read at scrape time (module docstring)."""
+
+    def __init__(self) -> None:
+        self.scorer: Any = None
+        self.batcher: Any = None
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            if self.batcher is not None:
+                yield from _queue_metrics(self.batcher.snapshot())
+            if self.scorer is not None:
+                yield from _engine_metrics(self.scorer)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _queue_metrics(snapshot: dict[str, int]) -> Iterator[Any]:
+    yield _gauge("moejax_queue_length", "Requests queued for the model now",
+                 snapshot["queue_length"])
+    yield _gauge("moejax_queued_token_equivalents", "Token-equivalents admitted and not yet "
+                 "answered", snapshot["queued_tokens"])
+    yield _gauge("moejax_max_queued_token_equivalents", "The admission bound on queued "
+                 "token-equivalents", snapshot["max_queued_tokens"])
+    yield _counter("moejax_admission_refused", "Requests the admission bound refused "
+                   "(overload)", snapshot["rejected"])
+
+
+def _engine_metrics(scorer: Any) -> Iterator[Any]:
+    families = {
+        "calls": CounterMetricFamily("moejax_engine_model_calls", "Packed batches run, per "
+                                     "engine", labels=["engine"]),
+        "compiles": CounterMetricFamily("moejax_engine_compiles", "Programs compiled, per "
+                                        "engine", labels=["engine"]),
+        "compile_seconds": CounterMetricFamily("moejax_engine_compile_seconds", "Seconds "
+                                               "spent compiling, per engine",
+                                               labels=["engine"]),
+        "tokens": CounterMetricFamily("moejax_engine_tokens", "Real (unpadded) tokens run, "
+                                      "per engine", labels=["engine"]),
+        "flops": CounterMetricFamily("moejax_engine_executed_flops", "Model FLOPs of the "
+                                     "tokens run, per engine", labels=["engine"]),
+        "cached": CounterMetricFamily("moejax_prefix_cache_hit_tokens", "Prompt tokens read "
+                                      "from the prefix cache (earlier calls' blocks) instead "
+                                      "of computed, per engine", labels=["engine"]),
+        "shared": CounterMetricFamily("moejax_prefix_shared_tokens", "Prompt tokens read from "
+                                      "another sequence of the same call, per engine",
+                                      labels=["engine"]),
+        "theta": GaugeMetricFamily("moejax_engine_theta_flops", "The saturation threshold Θ "
+                                   "the router admits to, per engine", labels=["engine"]),
+    }
+    theta = _router_theta(scorer)
+    for g, engine in enumerate(scorer.engines):
+        s, label = engine.stats, [str(g)]
+        families["calls"].add_metric(label, s.batches)
+        families["compiles"].add_metric(label, s.compiles)
+        families["compile_seconds"].add_metric(label, s.compile_seconds)
+        families["tokens"].add_metric(label, s.real_tokens)
+        families["flops"].add_metric(label, s.executed_flops)
+        families["cached"].add_metric(label, s.prefix_tokens_cached)
+        families["shared"].add_metric(label, s.prefix_tokens_shared)
+        if theta is not None:
+            families["theta"].add_metric(label, theta[g])
+    yield from families.values()
+
+
+def _router_theta(scorer: Any) -> list[float] | None:
+    """Θ per engine of the Scorer's engine router, or its calibrated Θ for one engine."""
+    pool = getattr(scorer, "pool", None)
+    thetas = getattr(getattr(pool, "router", None), "thetas", None)
+    if thetas is not None:
+        return [float(t) for t in thetas]
+    calibrated = getattr(getattr(scorer, "calibration", None), "theta", None)
+    return None if calibrated is None else [float(calibrated)] * len(scorer.engines)
+
+
+__all__ = ("STATUSES", "ServingMetrics", "StateCollector")
