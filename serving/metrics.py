@@ -73,7 +73,8 @@ class ServingMetrics:
                      seconds: float | None = None) -> None:
         """One request answered (``seconds``: since its admission, when it was admitted).
         A kind that is not one of the request kinds counts as ``unknown`` (a label value
-        never comes from what a client wrote: the series stay few)."""
+        never comes from what a client wrote: the series stay few;
+        ``serving.requests.request_kind``)."""
         if status not in STATUSES:
             raise ValueError(f"unknown request status {status!r}; known: {STATUSES}")
         self.requests.labels(endpoint, kind if kind in KINDS else "unknown", status).inc()

@@ -305,6 +305,19 @@ def renamed(message: str | None, index: int, label: str) -> str | None:
     return message
 
 
+def request_kind(obj: Any) -> str:
+    """The kind of a request (a dict or a dataclass with ``kind``): one of :data:`KINDS`
+    (absent: "classify"), or "unknown" for anything else (for metrics labels: never a
+    value a client wrote)."""
+    try:
+        kind = (obj.get("kind") if isinstance(obj, Mapping)
+                else getattr(obj, "kind", None) if dataclasses.is_dataclass(obj) else None)
+    except Exception:  # noqa: BLE001  (a broken mapping: its request fails on its own)
+        return "unknown"
+    kind = "classify" if kind in (None, "") else kind
+    return kind if kind in KINDS else "unknown"
+
+
 def request_id_of(obj: Any) -> str | int | None:
     """The usable id of a request (a dict or a dataclass with ``id``), else None; for the
     result of a request that failed validation, so it never raises."""

@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable, Hashable, Sequence
 
 from moejax.ops import OpKey, PrefillOp
-from serving.requests import ScoreResult
+from serving.requests import ScoreResult, request_kind
 
 log = logging.getLogger("moejax.grpc")
 
@@ -366,8 +366,7 @@ class Batcher:
                     self._waiting -= 1
         self.admission.release(item.cost)
         if self.metrics is not None:
-            self.metrics.request_done(item.endpoint or "unknown",
-                                      getattr(item.request, "kind", "unknown"),
+            self.metrics.request_done(item.endpoint or "unknown", request_kind(item.request),
                                       outcome_status(outcome), time.monotonic() - item.enqueued)
         try:
             item.deliver(item, outcome)

@@ -145,7 +145,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # the address is taken or cannot be bound
         print(f"moejax serve: error: {exc}", file=sys.stderr)
         return 2
+    http = None
+    if args.http_port is not None:
+        try:
+            http = _start_http(args, server)
+        except (OSError, ValueError, ImportError) as exc:
+            server.stop(0)
+            print(f"moejax serve: error: {exc}", file=sys.stderr)
+            return 2
     print(port, flush=True)
+    if http is not None:
+        print(http.port, flush=True)
     try:
         loading.set()
         scorer = None if stop.is_set() else Scorer(args.model, **scorer_options(args))
@@ -167,10 +177,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.attach(scorer, generator)
     while not stop.wait(1.0):
         pass
+    # The stop drains both doors: HTTP /ready says 503 and new HTTP calls are refused from
+    # its start; the HTTP server closes last, after the calls in flight were answered.
     server.stop(args.grace_seconds)
+    if http is not None:
+        http.stop(args.grace_seconds)
     if isinstance(scorer, LeaderScorer):
         scorer.stop()
     return 0
+
+
+def _start_http(args: argparse.Namespace, server: Any) -> Any:
+    """The HTTP door on ``server``'s engine (same host, token and TLS); started."""
+    try:
+        from serving.http import HttpOptions, HttpServer
+    except ImportError as exc:
+        raise ImportError(f"--http-port needs the http extra (pip install moejax[http]): "
+                          f"{exc}") from None
+    options = HttpOptions(host=args.host, port=args.http_port, token=token_of(args),
+                          tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          max_body_mib=args.max_message_mib, workers=args.workers)
+    http = HttpServer(server, options)
+    http.start()
+    return http
 
 
 def _follow(args: argparse.Namespace) -> int:
@@ -342,6 +371,12 @@ def add_commands(sub: Any) -> None:
                             "split (default 4 x --max-batch-tokens)")
     serve.add_argument("--grace-seconds", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, time for in-flight calls (default 30)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="also serve HTTP on this port (0 picks a free one; printed on "
+                            "stdout's second line): /v1/moejax/score, /v1/models, /health, "
+                            "/ready, /metrics, /docs, on the same engine and admission "
+                            "bound, with the same --host, --token and TLS (needs the http "
+                            "extra: pip install moejax[http])")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a "
                             "free port, logged; default: not served)")

@@ -290,6 +290,8 @@ class ScoringServer:
         self.metrics = ServingMetrics()
         self.service.metrics = self.metrics
         self.metrics_port: int | None = None     # bound when options.metrics_port is set
+        # Set when a stop begins (before health turns NOT_SERVING): HTTP /ready says 503.
+        self.draining = threading.Event()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -396,6 +398,7 @@ class ScoringServer:
         if self._server is None:
             return
         grace = self.options.grace_seconds if grace is None else grace
+        self.draining.set()
         self._run(self.health.enter_graceful_shutdown())
         if self.options.drain_seconds > 0:
             time.sleep(self.options.drain_seconds)

@@ -47,7 +47,7 @@ import grpc
 from serving.grpc import convert, decoding, scoring_pb2 as pb
 from serving.grpc.batcher import Batcher, Cancelled, Expired, Failed, WorkItem
 from serving.limits import least_cost
-from serving.requests import RequestError, request_id_of, request_label
+from serving.requests import RequestError, request_id_of, request_kind, request_label
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Scoring"].full_name
 NAN_ERROR = "the model produced NaN logits"
@@ -313,7 +313,7 @@ class ScoringService:
                 self._refuse_early(batcher, [(0, message)])
                 prepared = (await self.prepare(batcher, [(0, message)]))[0]
                 if prepared.error is not None:
-                    self.count("Score", "invalid", _kind(prepared))
+                    self.count("Score", "invalid", request_kind(prepared.request))
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, prepared.error)
                 self._admit(batcher, prepared.cost)
             except Refused as refused:
@@ -369,7 +369,7 @@ class ScoringService:
                     if prepared.error is not None:
                         results[prepared.index] = convert.error_result(
                             request_id_of(prepared.request), prepared.error)
-                        self.count("ScoreBatch", "error", _kind(prepared))
+                        self.count("ScoreBatch", "error", request_kind(prepared.request))
                     else:
                         work.append(outcomes.item(prepared, context, "ScoreBatch"))
                 if work:
@@ -407,11 +407,6 @@ class ScoringService:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the model is still loading (health: NOT_SERVING); retry later")
         return self.info
-
-
-def _kind(prepared: Any) -> str:
-    """A prepared request's kind (classify, choice, multi), for the metrics."""
-    return getattr(prepared.request, "kind", None) or "unknown"
 
 
 _READER_DONE = object()

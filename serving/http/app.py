@@ -1,0 +1,176 @@
+"""The HTTP routes (FastAPI): they parse, call :class:`serving.http.scoring.HttpScoring`,
+and render; nothing else.
+
+* ``GET /health``: liveness (200 while the process serves);
+* ``GET /ready``: readiness, 503 until the model is loaded and while draining;
+* ``GET /metrics``: the server's Prometheus metrics (``serving.metrics``);
+* ``GET /v1/models``: the model, in the OpenAI list shape;
+* ``POST /v1/moejax/score``: the JSONL request schema of ``moejax score``. A body that is
+  one request object gets one result object; ``{"requests": [...]}`` gets ``{"results":
+  [...]}``, one per request in order, an invalid one with its ``error`` set;
+* ``GET /docs``: the OpenAPI page.
+
+Errors are the OpenAI error JSON, ``{"error": {"message", "type", "param", "code"}}``:
+400 a bad body (naming what was wrong), 401 without the bearer token (``token``), 404, 413
+a body or batch over the limits, 429 overload with ``Retry-After`` (seconds), 503 not
+ready or draining.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.http.scoring import HttpScoring, Refused, Unavailable
+
+SCORE_ENDPOINT = "/v1/moejax/score"
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json",
+                        "/docs/oauth2-redirect", "/redoc"})
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, headers=self.headers, content={
+            "error": {"message": self.message, "type": self.kind, "param": self.param,
+                      "code": self.code}})
+
+
+def make_app(scoring: HttpScoring, *, token: str | None = None,
+             max_body_bytes: int = 16 << 20, max_batch_requests: int = 256) -> FastAPI:
+    """The app over ``scoring`` (see the module docstring)."""
+    app = FastAPI(title="moejax", description="Scoring and generation for Mixture-of-Experts "
+                  "models", version="1")
+    expected = None if token is None else f"Bearer {token}".encode()
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind=kind).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}",
+                        param=param).response()
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        """Bearer-token auth on everything but the open paths; the body size limit."""
+        if expected is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return ApiError(401, "invalid or missing bearer token (Authorization: Bearer "
+                                "<token>)", kind="authentication_error",
+                                code="invalid_api_key").response()
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            return ApiError(413, f"the body is {int(length)} bytes, more than the server "
+                            f"accepts ({max_body_bytes})", code="body_too_large").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if scoring.ready:
+            return JSONResponse({"status": "ready"})
+        return ApiError(503, "not ready: the model is loading or the server is draining",
+                        kind="service_unavailable", code="not_ready").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(scoring.server.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        name = scoring.model_name
+        if name is None:
+            raise ApiError(503, "the model is still loading", kind="service_unavailable",
+                           code="not_ready")
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "moejax"}]}
+
+    @app.post(SCORE_ENDPOINT)
+    async def score(request: Request) -> JSONResponse:
+        body = await _json_body(request, max_body_bytes)
+        batch = isinstance(body, dict) and "requests" in body
+        if batch:
+            extra = sorted(set(body) - {"requests"})
+            if extra:
+                raise ApiError(400, f"unknown field(s) {extra} beside 'requests'",
+                               param=extra[0])
+            requests = body["requests"]
+            if not isinstance(requests, list):
+                raise ApiError(400, "requests: must be a list of request objects",
+                               param="requests")
+            if len(requests) > max_batch_requests:
+                raise ApiError(413, f"the batch holds {len(requests)} requests, more than the "
+                               f"server takes in one call ({max_batch_requests}): split it",
+                               param="requests", code="batch_too_large")
+        elif not isinstance(body, dict):
+            raise ApiError(400, "the body must be a request object or {\"requests\": [...]}")
+        else:
+            requests = [body]
+        results = await _scored(scoring, requests, SCORE_ENDPOINT)
+        if batch:
+            return JSONResponse({"results": [r.to_dict() for r in results]})
+        (result,) = results
+        if result.error is not None:
+            raise ApiError(400, result.error)
+        return JSONResponse(result.to_dict())
+
+    return app
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    raw = await request.body()
+    if len(raw) > limit:
+        raise ApiError(413, f"the body is {len(raw)} bytes, more than the server accepts "
+                       f"({limit})", code="body_too_large")
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from None
+
+
+async def _scored(scoring: HttpScoring, requests: list[Any], endpoint: str) -> list[Any]:
+    try:
+        return await scoring.score(requests, endpoint)
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), kind="service_unavailable", code="not_ready") from None
+    except Refused as exc:
+        if exc.retry_ms is None:
+            raise ApiError(413, str(exc), code="request_too_large") from None
+        seconds = max(1, math.ceil(exc.retry_ms / 1000))
+        raise ApiError(429, f"{exc}; retry after {seconds} s", kind="rate_limit_error",
+                       code="overloaded", headers={"Retry-After": str(seconds),
+                                                   "retry-after-ms": str(exc.retry_ms)}
+                       ) from None
+
+
+__all__ = ("ApiError", "SCORE_ENDPOINT", "make_app")

@@ -1,0 +1,143 @@
+"""Scoring over HTTP on the gRPC server's engine: the same Scorer, the same batcher (one
+worker, one queue) and the same admission bound, so a burst on either door is refused with
+a retry hint, never queued without bound, and both share batches.
+
+A call's requests are prepared (validated, tokenized: ``Scorer.prepare``) on a thread pool
+of their own, admitted together against the bound (their summed cost; more than the whole
+bound: refused for good, the caller is to split; past what is free now: refused with a
+hint), queued as work items and awaited on the HTTP server's event loop. A request that
+cannot be prepared gets its error in its own result; the others are scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from typing import Any, Sequence
+
+from serving.grpc.batcher import Cancelled, Expired, Failed, WorkItem
+from serving.requests import ScoreResult, request_id_of, request_kind, request_label
+
+
+class Unavailable(Exception):
+    """The model is not loaded yet, or the server is draining."""
+
+
+@dataclasses.dataclass
+class Refused(Exception):
+    """Overload: ``retry_ms`` says when to retry (None: never as sent; split it)."""
+
+    message: str
+    retry_ms: int | None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class HttpScoring:
+    """Scores request dicts on a :class:`serving.grpc.server.ScoringServer`'s engine."""
+
+    def __init__(self, server: Any, *, prepare_threads: int = 2):
+        self.server = server
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=prepare_threads, thread_name_prefix="moejax-http-prepare")
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded and the server is not draining."""
+        return self.server.batcher is not None and not self.server.draining.is_set()
+
+    @property
+    def model_name(self) -> str | None:
+        """The served model's name (``Scorer.model_name``; never its path), or None while
+        it loads."""
+        scorer = self.server.service.scorer
+        return None if scorer is None else scorer.model_name
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def score(self, requests: Sequence[Any], endpoint: str) -> list[ScoreResult]:
+        """One result per request, in order (an invalid one: its error). Raises
+        :class:`Unavailable` or :class:`Refused` for the whole call."""
+        if self.server.batcher is None or self.server.service.stopping.is_set():
+            # (While draining, before the stop refuses calls, they are still answered.)
+            raise Unavailable("the model is still loading or the server is stopping; "
+                              "retry later")
+        server = self.server
+        batcher, scorer, metrics = server.batcher, server.service.scorer, server.metrics
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(
+            self._pool, lambda: [scorer.prepare(r, i) for i, r in enumerate(requests)])
+        results: list[ScoreResult | None] = [None] * len(requests)
+        for prep in prepared:
+            if prep.error is not None:
+                results[prep.index] = ScoreResult(id=request_id_of(prep.request), error=prep.error)
+                metrics.request_done(endpoint, request_kind(prep.request), "error")
+        todo = [prep for prep in prepared if prep.error is None]
+        cost = sum(prep.cost for prep in todo)
+        if todo:
+            self._admit(batcher, cost, endpoint, len(todo))
+        futures = []
+        items = []
+        for prep in todo:
+            future = loop.create_future()
+            futures.append(future)
+            items.append(WorkItem(prepared=prep, deliver=_deliverer(loop, future),
+                                  endpoint=endpoint))
+        if items:
+            batcher.submit(items)
+        try:
+            outcomes = await asyncio.gather(*futures)
+        except asyncio.CancelledError:      # the client went away: drop what is queued
+            for item in items:
+                item.cancelled = lambda: True
+            raise
+        for prep, outcome in zip(todo, outcomes):
+            results[prep.index] = _as_result(prep, outcome)
+        return results
+
+    @staticmethod
+    def _admit(batcher: Any, cost: int, endpoint: str, count: int) -> None:
+        admission = batcher.admission
+        if admission.try_acquire(cost, batcher.admission_share(cost)):
+            return
+        metrics = getattr(batcher, "metrics", None)
+        if metrics is not None:
+            for _ in range(count):
+                metrics.request_done(endpoint, "unknown", "refused")
+        if cost > admission.bound:
+            raise Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
+                          f"than the server's bound of {admission.bound} "
+                          f"(max_queued_tokens): split them", None)
+        raise Refused(f"the server's queue is full ({admission.queued} of {admission.bound} "
+                      f"token-equivalents queued)", batcher.retry_after_ms(cost))
+
+
+def _deliverer(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+    def deliver(item: WorkItem, outcome: Any) -> None:
+        loop.call_soon_threadsafe(_resolve, future, outcome)
+    return deliver
+
+
+def _resolve(future: asyncio.Future, outcome: Any) -> None:
+    if not future.done():
+        future.set_result(outcome)
+
+
+def _as_result(prep: Any, outcome: Any) -> ScoreResult:
+    """A work item's outcome as the request's result."""
+    if isinstance(outcome, ScoreResult):
+        return outcome
+    label = request_label(request_id_of(prep.request), prep.index)
+    reason = {Expired: "its deadline passed in the queue",
+              Cancelled: "the call was cancelled"}.get(type(outcome))
+    if isinstance(outcome, Failed):
+        reason = f"internal error while scoring: {outcome.error!r}"
+    return ScoreResult(id=request_id_of(prep.request), error=f"{label}: {reason}")
+
+
+
+
+__all__ = ("HttpScoring", "Refused", "Unavailable")
