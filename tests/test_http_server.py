@@ -138,6 +138,73 @@ def test_score_over_http_equals_the_scorer_and_the_grpc_door(scorer):
                                            atol=1e-6)
 
 
+def test_sglang_and_vllm_shapes_give_the_native_numbers(scorer):
+    """SGLang's /v1/score, vLLM's /score and /rerank, and /classify, each against the
+    native request it maps onto (serving/http/shapes.py), on one server."""
+    with doors(scorer) as (_, _, _, base):
+        def native(request):
+            status, _, body = call(base + "/v1/moejax/score", request)
+            assert status == 200, body
+            return np.exp(body["logprobs"])
+
+        def post(path, body):
+            status, _, answer = call(base + path, body)
+            assert status == 200, answer
+            return answer
+
+        # SGLang: query + item, label token probabilities (vocab, or softmax over labels).
+        got = post("/v1/score", {"query": [5, 6, 7], "items": [[8], [8, 9]],
+                                 "label_token_ids": [9, 10, 11], "model": "demo"})
+        for item, scores in zip([[8], [8, 9]], got["scores"]):
+            want = native({"prompt_token_ids": [5, 6, 7] + item, "normalize": "vocab",
+                           "candidate_token_ids": [[9], [10], [11]]})
+            np.testing.assert_allclose(scores, want, rtol=1e-5)
+        got = post("/v1/score", {"query": " blue?", "items": ["Is the sky", "Is grass"],
+                                 "label_token_ids": [9, 10], "apply_softmax": True,
+                                 "item_first": True})
+        want = native({"prompt": "Is grass blue?", "candidate_token_ids": [[9], [10]],
+                       "normalize": "candidates"})
+        np.testing.assert_allclose(got["scores"][1], want, rtol=1e-5)
+        assert abs(sum(got["scores"][0]) - 1) < 1e-6
+        # vLLM /score and /rerank: relevance = P(yes) of the "multi" kind.
+        docs = ["The team won the final.", "A new album came out.", "Rain is likely."]
+        want = native({"kind": "multi", "prompt": "Query: sports news", "candidates": docs})
+        got = post("/score", {"text_1": "Query: sports news", "text_2": docs})
+        np.testing.assert_allclose([d["score"] for d in got["data"]], want, rtol=1e-5)
+        assert [d["index"] for d in got["data"]] == [0, 1, 2]
+        got = post("/score", {"text_1": ["Query: sports news"] * 2 + ["Query: weather"],
+                              "text_2": docs})
+        np.testing.assert_allclose([d["score"] for d in got["data"]][:2], want[:2], rtol=1e-5)
+        got = post("/rerank", {"query": "Query: sports news", "top_n": 2,
+                               "documents": [docs[0], {"text": docs[1]}, docs[2]]})
+        order = list(np.argsort(-want, kind="stable")[:2])
+        assert [r["index"] for r in got["results"]] == order
+        np.testing.assert_allclose([r["relevance_score"] for r in got["results"]],
+                                   want[order], rtol=1e-5)
+        assert got["results"][0]["document"]["text"] == docs[order[0]]
+        # /classify: probabilities over the label candidates.
+        inputs = ["Article: the team won.", "Article: a new album."]
+        got = post("/classify", {"input": inputs, "labels": ["sports", "music", "weather"]})
+        for text, entry in zip(inputs, got["data"]):
+            want = native({"prompt": text, "candidates": ["sports", "music", "weather"],
+                           "normalize": "candidates"})
+            np.testing.assert_allclose(entry["probs"], want, rtol=1e-5)
+            assert entry["label"] == ["sports", "music", "weather"][int(np.argmax(want))]
+        # Bad bodies: 400 naming the field.
+        status, _, body = call(base + "/v1/score", {"query": "q", "items": [[1]],
+                                                    "label_token_ids": [1]})
+        assert status == 400 and "token ids" in body["error"]["message"]
+        status, _, body = call(base + "/classify", {"input": "x", "labels": ["one"]})
+        assert status == 400 and body["error"]["param"] == "labels"
+        status, _, body = call(base + "/rerank", {"query": "q", "documents": ["d"], "topn": 1})
+        assert status == 400 and body["error"]["param"] == "topn"
+        status, _, body = call(base + "/score", {"text_1": ["a", "b"], "text_2": ["c"]})
+        assert status == 400 and "equal lengths" in body["error"]["message"]
+        status, _, body = call(base + "/v1/score", {"query": [5], "items": [[6]],
+                                                    "label_token_ids": [10 ** 9]})
+        assert status == 400 and "candidate_token_ids" in body["error"]["message"]
+
+
 def test_errors_come_in_the_openai_shape_with_their_status(scorer):
     with doors(scorer) as (_, _, _, base):
         url = base + "/v1/moejax/score"

@@ -8,6 +8,10 @@ and render; nothing else.
 * ``POST /v1/moejax/score``: the JSONL request schema of ``moejax score``. A body that is
   one request object gets one result object; ``{"requests": [...]}`` gets ``{"results":
   [...]}``, one per request in order, an invalid one with its ``error`` set;
+* ``POST /v1/score`` (SGLang's shape), ``POST /score`` and ``POST /rerank`` (vLLM's, and
+  Cohere/Jina-style reranking; also ``/v1/rerank``), ``POST /classify`` (label candidates):
+  :mod:`serving.http.shapes` maps each onto the request kinds; these answer all or
+  nothing (a bad request fails the call with 400);
 * ``GET /docs``: the OpenAPI page.
 
 Errors are the OpenAI error JSON, ``{"error": {"message", "type", "param", "code"}}``:
@@ -29,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.http import shapes
 from serving.http.scoring import HttpScoring, Refused, Unavailable
 
 SCORE_ENDPOINT = "/v1/moejax/score"
@@ -143,6 +148,46 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
         if result.error is not None:
             raise ApiError(400, result.error)
         return JSONResponse(result.to_dict())
+
+    async def scored_all(requests: list[dict[str, Any]], endpoint: str) -> list[Any]:
+        """The results of a call whose shape answers all or nothing: the first error
+        fails it (400)."""
+        if len(requests) > max_batch_requests:
+            raise ApiError(413, f"the call makes {len(requests)} requests, more than the "
+                           f"server takes in one call ({max_batch_requests}): split it",
+                           code="batch_too_large")
+        results = await _scored(scoring, requests, endpoint)
+        failed = next((r.error for r in results if r.error is not None), None)
+        if failed is not None:
+            raise ApiError(400, failed)
+        return results
+
+    @app.post("/v1/score")
+    async def sglang_score(body: shapes.SGLangScore) -> dict[str, Any]:
+        """SGLang's scoring shape (``serving.http.shapes``)."""
+        results = await scored_all(shapes.sglang_requests(body), "/v1/score")
+        return shapes.sglang_response(results, scoring.model_name)
+
+    @app.post("/score")
+    async def vllm_score(body: shapes.VllmScore) -> dict[str, Any]:
+        """vLLM's ``text_1``/``text_2`` scores: relevance, P(yes) of the "multi" kind."""
+        requests, places = shapes.pair_requests(shapes.vllm_score_pairs(body))
+        results = await scored_all(requests, "/score")
+        return shapes.vllm_score_response(results, places, scoring.model_name)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank(body: shapes.Rerank) -> dict[str, Any]:
+        """Cohere/Jina-style reranking of ``documents`` against ``query``."""
+        (result,) = await scored_all(shapes.relevance_requests(
+            body.query, shapes.document_texts(body)), "/rerank")
+        return shapes.rerank_response(body, result, scoring.model_name)
+
+    @app.post("/classify")
+    async def classify(body: shapes.Classify) -> dict[str, Any]:
+        """Each input classified over the ``labels`` (probabilities over the labels)."""
+        results = await scored_all(shapes.classify_requests(body), "/classify")
+        return shapes.classify_response(body, results, scoring.model_name)
 
     return app
 
