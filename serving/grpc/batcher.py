@@ -234,6 +234,20 @@ class Batcher:
         for a small item (at most ``small_cost``), LARGE_SHARE for a large one."""
         return 1.0 if tokens <= self.small_cost else LARGE_SHARE
 
+    def admit(self, cost: int) -> tuple[str, int | None] | None:
+        """Acquire ``cost`` token-equivalents for a call's items (its share of the bound:
+        :meth:`admission_share`): None when admitted, else why not and when to retry (None:
+        never as sent, it costs more than the whole bound; the caller is to split it)."""
+        adm = self.admission
+        if adm.try_acquire(cost, self.admission_share(cost)):
+            return None
+        if cost > adm.bound:
+            return (f"the request(s) need ~{cost} token-equivalents of compute, more than "
+                    f"the server's bound of {adm.bound} (max_queued_tokens): split them",
+                    None)
+        return (f"the server's queue is full ({adm.queued} of {adm.bound} token-equivalents "
+                f"queued)", self.retry_after_ms(cost))
+
     def retry_after_ms(self, tokens: int) -> int:
         """A hint for a refused caller, 10 ms .. 10 s: the time until ``tokens`` would fit,
         plus a random share of the time the queue takes to drain, so that a crowd refused

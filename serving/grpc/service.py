@@ -240,15 +240,11 @@ class ScoringService:
     @staticmethod
     def _admit(batcher: Batcher, cost: int) -> None:
         """Acquire ``cost`` or raise Refused."""
-        adm = batcher.admission
-        if adm.try_acquire(cost, batcher.admission_share(cost)):
-            return
-        if cost > adm.bound:
-            raise Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
-                           f"than the server's bound of {adm.bound} (max_queued_tokens): "
-                           f"split them, or use ScoreStream", None)
-        raise Refused(f"the server's queue is full ({adm.queued} of {adm.bound} "
-                       f"token-equivalents queued)", batcher.retry_after_ms(cost))
+        refusal = batcher.admit(cost)
+        if refusal is not None:
+            message, retry_ms = refusal
+            raise Refused(message + (", or use ScoreStream" if retry_ms is None else ""),
+                          retry_ms)
 
     def _refuse_oversized_batch(self, count: int) -> None:
         """Per call, before anything is read from the items: a batch of more requests than

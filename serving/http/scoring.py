@@ -100,19 +100,13 @@ class HttpScoring:
 
     @staticmethod
     def _admit(batcher: Any, cost: int, endpoint: str, count: int) -> None:
-        admission = batcher.admission
-        if admission.try_acquire(cost, batcher.admission_share(cost)):
+        refusal = batcher.admit(cost)
+        if refusal is None:
             return
-        metrics = getattr(batcher, "metrics", None)
-        if metrics is not None:
+        if batcher.metrics is not None:
             for _ in range(count):
-                metrics.request_done(endpoint, "unknown", "refused")
-        if cost > admission.bound:
-            raise Refused(f"the request(s) need ~{cost} token-equivalents of compute, more "
-                          f"than the server's bound of {admission.bound} "
-                          f"(max_queued_tokens): split them", None)
-        raise Refused(f"the server's queue is full ({admission.queued} of {admission.bound} "
-                      f"token-equivalents queued)", batcher.retry_after_ms(cost))
+                batcher.metrics.request_done(endpoint, "unknown", "refused")
+        raise Refused(*refusal)
 
 
 def _deliverer(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
