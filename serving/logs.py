@@ -51,14 +51,20 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(verbose: bool = False, log_format: str = "text",
-                      stream: TextIO | None = None) -> logging.Handler:
+                      stream: TextIO | None = None, force: bool = False
+                      ) -> logging.Handler | None:
     """Send every record of INFO (``verbose``) or WARNING and above to ``stream`` (default
-    stderr) in ``log_format``, replacing the root logger's handlers; returns the handler."""
+    stderr) in ``log_format``; returns the handler. As ``logging.basicConfig``, nothing is
+    changed (None is returned) when the root logger already has handlers, i.e. when the
+    process that calls the ``moejax`` command in-process configured its own logging,
+    unless ``force`` (then they are replaced)."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
+    root = logging.getLogger()
+    if root.handlers and not force:
+        return None
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
-    root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)

@@ -56,12 +56,14 @@ def test_configure_logging_and_the_command_line_option():
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
     try:
-        configure_logging(verbose=True, log_format="json", stream=stream)
+        # As logging.basicConfig: a process that set up its own logging keeps it.
+        assert root.handlers and configure_logging(verbose=True, stream=stream) is None
+        configure_logging(verbose=True, log_format="json", stream=stream, force=True)
         logging.getLogger("moejax.engine").info("compiled %s", "T=64", extra={"request_id": "q"})
         logging.getLogger("moejax.engine").debug("not shown at -v")
         (line,) = stream.getvalue().splitlines()
         assert json.loads(line)["request_id"] == "q"
-        configure_logging(verbose=False, stream=stream)
+        configure_logging(verbose=False, stream=stream, force=True)
         assert root.level == logging.WARNING and len(root.handlers) == 1
     finally:
         root.handlers[:] = saved[0]
