@@ -1,0 +1,89 @@
+"""Chat templates (serving/chat.py) rendered against ``transformers``' own
+``apply_chat_template`` on the same templates and messages, read from a model directory as
+``transformers`` saves it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.chat import ChatTemplate, ChatTemplateError
+
+transformers = pytest.importorskip("transformers")
+DEMO_TOKENIZER = "moejax/demo/weights/tokenizer.json"
+
+CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+          "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+          "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+LLAMA2 = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+          "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+          "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+          "{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}{% elif message['role'] == "
+          "'assistant' %}{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endif %}"
+          "{% endfor %}")
+# Whitespace control, loop controls, tojson of non-ASCII text, a {% generation %} block.
+BLOCKS = """{%- for message in messages %}
+  {%- if message.role == 'system' %}{% continue %}{% endif %}
+  <{{ message.role }}>{{ message.content | tojson }}
+  {%- if message.role == 'assistant' %}
+    {% generation %}{{ message.content }}{% endgeneration %}
+  {%- endif %}
+{% endfor %}
+{%- if add_generation_prompt %}<assistant>{% endif %}"""
+
+CHATS = [
+    [{"role": "user", "content": "Hello there"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Café ☕?"},
+     {"role": "assistant", "content": " Yes, \"two\". "}, {"role": "user", "content": "And?"}],
+]
+
+
+def saved(tmp_path, template: str):
+    """A tokenizer directory as transformers writes it, and the tokenizer."""
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=DEMO_TOKENIZER, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(tmp_path)
+    return tokenizer
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA2, BLOCKS], ids=["chatml", "llama2",
+                                                                     "blocks"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_renders_as_transformers_does(tmp_path, template, generation_prompt):
+    tokenizer = saved(tmp_path, template)
+    ours = ChatTemplate.from_model_dir(tmp_path)
+    assert ours is not None and ours.special_tokens["bos_token"] == "<s>"
+    for chat in CHATS:
+        if template is LLAMA2 and chat[0]["role"] == "system":
+            continue      # (this template refuses a system message; tested below)
+        want = tokenizer.apply_chat_template(chat, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+        assert ours.render(chat, add_generation_prompt=generation_prompt) == want
+
+
+def test_the_template_s_own_refusal_and_bad_messages_are_errors(tmp_path):
+    saved(tmp_path, LLAMA2)
+    template = ChatTemplate.from_model_dir(tmp_path)
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        template.render([{"role": "assistant", "content": "first"}])
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.role"):
+        template.render([{"role": "user", "content": "a"}, {"content": "b"}])
+    with pytest.raises(ChatTemplateError, match="non-empty"):
+        template.render([])
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        ChatTemplate("{% for x in %}")
+
+
+def test_the_template_may_sit_in_tokenizer_config_or_be_absent(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>",
+        "chat_template": [{"name": "tool_use", "template": "tools"},
+                          {"name": "default", "template": LLAMA2}]}))
+    template = ChatTemplate.from_model_dir(tmp_path)
+    assert template.render([{"role": "user", "content": " hi "}]) == "<s>[INST] hi [/INST]"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert ChatTemplate.from_model_dir(tmp_path) is None
