@@ -35,6 +35,7 @@ from moejax.distributed import DistributedOptions, join as distributed_join
 from moejax.model_dirs import resolve_model_dir  # noqa: F401  (serving's import path for it)
 from moejax.ops import OpKey
 from moejax.packing import BucketPolicy
+from serving.chat import ChatTemplate
 from serving.compilation_cache import enable_compilation_cache
 from serving.limits import RequestLimits
 from serving.options import ScorerOptions, load_options
@@ -118,7 +119,7 @@ class Scorer:
             log.warning(demo_model(self.demo_name).notice)
         dtype = self.options.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
-        self.tokenizer = TokenizerAdapter(tokenizer)
+        self.tokenizer = TokenizerAdapter(tokenizer, ChatTemplate.from_model_dir(self.model_dir))
         self.normalize_options = normalize_options or NormalizeOptions()
         opts = self.options
         self.limits = RequestLimits.resolve(self.config.max_context,

@@ -76,6 +76,13 @@ class RequestLimits:
                                    f"{self.max_candidates} (max_candidates)",
                                    index=index, field=field)
         text = _text_bytes(get("prompt"), limit=self.max_text_bytes)
+        for message in _items(get("messages")):      # chat messages count as prompt text
+            content = message.get("content") if isinstance(message, Mapping) else None
+            for part in content if isinstance(content, list) else [content]:
+                text += _text_bytes(part.get("text") if isinstance(part, Mapping) else part,
+                                    limit=self.max_text_bytes)
+            if text > self.max_text_bytes:
+                break
         for value in _items(candidates):
             text += _text_bytes(value, limit=self.max_text_bytes)
             if text > self.max_text_bytes:

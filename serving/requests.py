@@ -130,6 +130,9 @@ class ScoreRequest:
     candidate_token_ids: list[list[int]] | None = None
     kind: str = "classify"
     normalize: str = "candidates"
+    # Chat messages instead of a prompt: rendered with the model's chat template
+    # (serving.chat), the assistant's turn opened, then scored as the prompt text.
+    messages: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], index: int | None = None) -> ScoreRequest:
@@ -220,8 +223,10 @@ class TokenizerAdapter:
     corrupt the sequence. Add it to ``prompt_token_ids`` yourself if the model needs it.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, chat_template: Any = None):
         self.tokenizer = tokenizer
+        # The model's serving.chat.ChatTemplate (None: it has none), for ``messages``.
+        self.chat_template = chat_template
 
     @classmethod
     def from_file(cls, path: str) -> TokenizerAdapter:
@@ -425,12 +430,26 @@ class FieldChecker:
 
 
 def _parse_prompt(check: FieldChecker, req: ScoreRequest) -> tuple[str | None, list[int] | None]:
-    """Exactly one non-empty prompt, as text or as token ids."""
+    """Exactly one non-empty prompt, as text, as token ids or as chat messages (checked
+    here, rendered with the model's template when the request is expanded)."""
     has_text, has_ids = req.prompt is not None, req.prompt_token_ids is not None
-    if has_text == has_ids:
+    if req.messages is not None and (has_text or has_ids):
+        other = "prompt" if has_text else "prompt_token_ids"
+        raise check.fail("messages", f"give only one of prompt, prompt_token_ids or messages "
+                                     f"(got messages and {other})")
+    if req.messages is None and has_text == has_ids:
         raise check.fail("prompt", "give exactly one of prompt or prompt_token_ids "
                                    f"(got {'both' if has_text else 'neither'})")
-    if has_ids:
+    if req.messages is not None:
+        from serving.chat import ChatTemplateError, check_messages
+
+        try:
+            check_messages(req.messages)
+        except ChatTemplateError as exc:
+            field, _, problem = str(exc).partition(": ")     # "messages[1].role: ..."
+            raise check.fail(field, problem) from None
+        return None, None
+    if req.prompt_token_ids is not None:
         return None, check.token_ids(req.prompt_token_ids, "prompt_token_ids")
     text = check.text(req.prompt, "prompt")
     if not text:
@@ -483,6 +502,8 @@ def _check_kind_inputs(check: FieldChecker, req: ScoreRequest) -> None:
         for i, option in enumerate(req.candidates or ()):
             if not option.strip():
                 raise check.fail(f"candidates[{i}]", "is blank")
+    if req.kind == "choice" and req.messages is not None:
+        raise check.fail("messages", "kind 'choice' renders its own prompt: give prompt")
     if req.kind == "multi" and req.prompt_token_ids is not None and req.candidates is not None:
         raise check.fail("candidates", "kind 'multi' with prompt_token_ids needs the candidates "
                                        "as candidate_token_ids too")
@@ -654,7 +675,24 @@ def _prompt_ids(req: ScoreRequest, enc: _Encoder) -> list[int]:
     if req.prompt_token_ids is not None:
         enc.in_vocab(req.prompt_token_ids, "prompt_token_ids")
         return req.prompt_token_ids
+    if req.messages is not None:
+        return enc.encode(_rendered_chat(req.messages, enc), "messages")
     return enc.encode(req.prompt, "prompt")
+
+
+def _rendered_chat(messages: list[dict[str, Any]], enc: _Encoder) -> str:
+    """The prompt text of chat ``messages`` by the tokenizer's chat template."""
+    from serving.chat import ChatTemplateError
+
+    template = getattr(enc.tokenizer, "chat_template", None)
+    if template is None:
+        raise enc.check.fail("messages", "the model has no chat template (chat_template.jinja "
+                                         "or tokenizer_config.json's chat_template): give "
+                                         "prompt instead")
+    try:
+        return template.render(messages, add_generation_prompt=True)
+    except ChatTemplateError as exc:
+        raise enc.check.fail("messages", str(exc)) from None
 
 
 def _check_prompt_len(check: FieldChecker, prompt_len: int, max_context: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from serving.chat import ChatTemplate, ChatTemplateError
@@ -87,3 +88,49 @@ def test_the_template_may_sit_in_tokenizer_config_or_be_absent(tmp_path):
     assert template.render([{"role": "user", "content": " hi "}]) == "<s>[INST] hi [/INST]"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     assert ChatTemplate.from_model_dir(tmp_path) is None
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """The demo model's files with a ChatML template beside them (tokenizer_config.json)."""
+    import shutil
+
+    directory = tmp_path_factory.mktemp("chat-demo")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(f"moejax/demo/weights/{name}", directory / name)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML,
+                                                                "eos_token": "</s>"}))
+    return directory
+
+
+def test_scoring_messages_equals_scoring_the_rendered_prompt(chat_model):
+    from serving import Scorer
+
+    scorer = Scorer(str(chat_model), calibrate=False, max_batch_tokens=256,
+                    max_text_bytes=400)
+    chat = [{"role": "user", "content": "Is 2 + 2 = 4?"}]
+    rendered = ChatTemplate.from_model_dir(chat_model).render(chat)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    by_messages, by_prompt, *bad = scorer.score([
+        {"id": "m", "messages": chat, "candidates": ["yes", "no"]},
+        {"id": "p", "prompt": rendered, "candidates": ["yes", "no"]},
+        {"id": "both", "messages": chat, "prompt": "x", "candidates": ["a"]},
+        {"id": "role", "messages": [{"content": "hi"}], "candidates": ["a"]},
+        {"id": "choice", "kind": "choice", "messages": chat, "candidates": ["a", "b"]},
+        {"id": "big", "messages": [{"role": "user", "content": "x" * 500}], "candidates": ["a"]}])
+    assert by_messages.error is None and by_messages.label == by_prompt.label
+    # (equal up to packing: the two sit at other places of the batch)
+    np.testing.assert_allclose(by_messages.logprobs, by_prompt.logprobs, rtol=1e-5)
+    assert by_messages.prompt_tokens == by_prompt.prompt_tokens
+    assert "messages: give only one of" in bad[0].error
+    assert "messages[0].role" in bad[1].error
+    assert "kind 'choice'" in bad[2].error
+    assert "max_text_bytes" in bad[3].error
+
+
+def test_messages_without_a_chat_template_are_refused_by_name():
+    from serving import Scorer
+
+    (result,) = Scorer("demo", calibrate=False, max_batch_tokens=64).score(
+        [{"messages": [{"role": "user", "content": "hi"}], "candidates": [" a"]}])
+    assert "messages: the model has no chat template" in result.error
