@@ -440,7 +440,7 @@ def test_stop_waits_for_a_finished_sequence_s_last_message(scorer, generator, me
     import asyncio
 
     request, result = medium
-    sending = generation._Generation.responses
+    sending = generation.GenerationStream.responses
 
     async def slow_last_message(self, context):
         async for response in sending(self, context):
@@ -448,7 +448,7 @@ def test_stop_waits_for_a_finished_sequence_s_last_message(scorer, generator, me
                 await asyncio.sleep(1.0)
             yield response
 
-    monkeypatch.setattr(generation._Generation, "responses", slow_last_message)
+    monkeypatch.setattr(generation.GenerationStream, "responses", slow_last_message)
     server = ScoringServer(ServerOptions(port=0, grace_seconds=T))
     target = f"127.0.0.1:{server.start()}"
     server.attach(scorer, generator)

@@ -83,7 +83,7 @@ class GenerationService:
         # scheduler (and its admission slot) before its last tokens reach the client, so
         # a stopping server waits on these, not on ``streams``.
         self.open_calls = 0
-        self.active: set[_Generation] = set()
+        self.active: set[GenerationStream] = set()
         self.refused = 0                      # calls refused for overload
         self.token_seconds: float | None = None  # moving average of the time per token
         # The threads that validate, tokenize and queue requests (GeneratorLoop.submit).
@@ -128,6 +128,15 @@ class GenerationService:
         else:
             self.token_seconds += TOKEN_SECONDS_WEIGHT * (seconds_per_token - self.token_seconds)
 
+    def open_stream(self) -> "GenerationStream":
+        """A new generation stream, counted against ``max_streams`` (both doors: gRPC and
+        HTTP); raises Refused with a retry hint at the limit."""
+        if self.streams >= self.max_streams:
+            self.refused += 1
+            raise Refused(f"the server runs {self.streams} generation streams (its limit)",
+                          self.retry_after_ms())
+        return GenerationStream(self)
+
     def _check_limits(self, message: pb.GenerateRequest) -> str | None:
         """The size-limit error of a request (lengths only: runs on the event loop)."""
         label = request_label(convert.get_id(message), 0)
@@ -159,12 +168,10 @@ class GenerationService:
         error = self._check_limits(message)
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        if self.streams >= self.max_streams:
-            self.refused += 1
-            await refuse(context, Refused(
-                f"the server runs {self.streams} generation streams (its limit)",
-                self.retry_after_ms()))
-        stream = _Generation(self)
+        try:
+            stream = self.open_stream()
+        except Refused as refused:
+            await refuse(context, refused)
         self.open_calls += 1
         try:
             try:
@@ -180,9 +187,10 @@ class GenerationService:
             stream.cancel()  # the client went away, the deadline passed, ...: free it
 
 
-class _Generation:
-    """One Generate call: its slot in the admission count, its sequence's events (queued
-    on the event loop) and its handle (to cancel it)."""
+class GenerationStream:
+    """One generation call (gRPC's Generate, HTTP's completions): its slot in the
+    admission count, its sequence's events (``events``, queued on the event loop) and its
+    handle (to cancel it)."""
 
     def __init__(self, service: GenerationService):
         self.service = service
@@ -253,6 +261,21 @@ class _Generation:
             pass
 
     # --------------------------------------------------------------- the stream
+    async def updates(self) -> AsyncIterator[tuple[list[int], Any]]:
+        """(new token ids, the result on the last update) as they arrive; a slow reader
+        gets the tokens of several steps together."""
+        while True:
+            event = await self.events.get()
+            tokens, result = list(event.token_ids), event.result
+            while result is None and not self.events.empty():
+                event = self.events.get_nowait()
+                tokens.extend(event.token_ids)
+                result = event.result
+            self.sent += len(tokens)
+            yield tokens, result
+            if result is not None:
+                return
+
     async def _next(self, deadline: float | None, context: Any) -> Any:
         if deadline is None:
             return await self.events.get()

@@ -12,6 +12,8 @@ and render; nothing else.
   Cohere/Jina-style reranking; also ``/v1/rerank``), ``POST /classify`` (label candidates):
   :mod:`serving.http.shapes` maps each onto the request kinds; these answer all or
   nothing (a bad request fails the call with 400);
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI-compatible
+  generation, streamed and not (:mod:`serving.http.openai_compat`);
 * ``GET /docs``: the OpenAPI page.
 
 Errors are the OpenAI error JSON, ``{"error": {"message", "type", "param", "code"}}``:
@@ -29,12 +31,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.http import shapes
-from serving.http.scoring import HttpScoring, Refused, Unavailable
+from serving.chat import ChatTemplateError
+from serving.grpc.service import Refused
+from serving.http import openai_compat, shapes
+from serving.http.scoring import HttpScoring, Unavailable
+from serving.requests import RequestError
 
 SCORE_ENDPOINT = "/v1/moejax/score"
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json",
@@ -189,7 +194,108 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
         results = await scored_all(shapes.classify_requests(body), "/classify")
         return shapes.classify_response(body, results, scoring.model_name)
 
+    @app.post("/v1/completions")
+    async def completions(body: openai_compat.CompletionRequest) -> Response:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: {len(prompt)} prompts; this server takes one "
+                               f"per call", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "prompt: is empty", param="prompt")
+        return await _completion(scoring, body, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: openai_compat.ChatCompletionRequest) -> Response:
+        generator = _generation_service(scoring).generator
+        template = generator.tokenizer.chat_template
+        if template is None:
+            raise ApiError(400, "messages: the model has no chat template (chat_template.jinja "
+                           "or tokenizer_config.json's chat_template): use /v1/completions",
+                           param="messages")
+        try:
+            prompt = template.render([m.model_dump(exclude_none=True) for m in body.messages])
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
+        return await _completion(scoring, body, prompt, chat=True)
+
     return app
+
+
+def _generation_service(scoring: HttpScoring) -> Any:
+    """The gRPC server's generation service, once it serves (else 404 or 503)."""
+    server = scoring.server
+    if not server.options.generation:
+        raise ApiError(404, "this server does not serve generation (moejax serve "
+                       "--no-generation, or a backend that cannot decode)",
+                       kind="not_found_error", code="no_generation")
+    service = server.generation
+    if service.loop is None or service.stopping:
+        raise ApiError(503, "the model is still loading or the server is stopping; retry "
+                       "later", kind="service_unavailable", code="not_ready")
+    return service
+
+
+async def _completion(scoring: HttpScoring, body: Any, prompt: str | list[int],
+                      chat: bool) -> Response:
+    """One completion on the generation service: a JSON body, or server-sent events."""
+    service = _generation_service(scoring)
+    problem = openai_compat.unsupported(body)
+    if problem is not None:
+        raise ApiError(400, f"{problem[0]}: {problem[1]}", param=problem[0],
+                       code="unsupported")
+    try:
+        stream = service.open_stream()
+    except Refused as exc:
+        raise _overloaded(exc) from None
+    service.open_calls += 1
+    try:
+        await stream.submit(openai_compat.generation_request(body, prompt))
+    except BaseException as exc:
+        service.open_calls -= 1
+        stream.cancel()
+        if isinstance(exc, RequestError):
+            raise ApiError(400, str(exc), param=exc.field) from None
+        if isinstance(exc, RuntimeError):     # the loop is closed (stopping) or failed
+            raise ApiError(503, str(exc), kind="service_unavailable") from None
+        raise
+    model = scoring.model_name or "moejax"
+    tokenizer = service.generator.tokenizer.tokenizer
+    if body.stream:
+        include = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_closing(stream, service, openai_compat.event_stream(
+            stream.updates(), tokenizer, model, chat, include)), media_type="text/event-stream")
+    try:
+        result = None
+        async for _, result in stream.updates():
+            pass
+    finally:
+        service.open_calls -= 1
+        stream.cancel()
+    if result.error is not None or result.finish_reason not in ("stop", "length"):
+        raise ApiError(500, result.error or f"generation ended: {result.finish_reason}",
+                       kind="server_error", code="generation_failed")
+    return JSONResponse(openai_compat.completion_body(result, model, chat))
+
+
+async def _closing(stream: Any, service: Any, chunks: Any) -> Any:
+    """``chunks``, then the stream's slot freed (also when the client goes away)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        service.open_calls -= 1
+        stream.cancel()
+
+
+def _overloaded(exc: Refused) -> ApiError:
+    if exc.retry_ms is None:
+        return ApiError(413, str(exc), code="request_too_large")
+    seconds = max(1, math.ceil(exc.retry_ms / 1000))
+    return ApiError(429, f"{exc}; retry after {seconds} s", kind="rate_limit_error",
+                    code="overloaded", headers={"Retry-After": str(seconds),
+                                                "retry-after-ms": str(exc.retry_ms)})
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -209,13 +315,7 @@ async def _scored(scoring: HttpScoring, requests: list[Any], endpoint: str) -> l
     except Unavailable as exc:
         raise ApiError(503, str(exc), kind="service_unavailable", code="not_ready") from None
     except Refused as exc:
-        if exc.retry_ms is None:
-            raise ApiError(413, str(exc), code="request_too_large") from None
-        seconds = max(1, math.ceil(exc.retry_ms / 1000))
-        raise ApiError(429, f"{exc}; retry after {seconds} s", kind="rate_limit_error",
-                       code="overloaded", headers={"Retry-After": str(seconds),
-                                                   "retry-after-ms": str(exc.retry_ms)}
-                       ) from None
+        raise _overloaded(exc) from None
 
 
 __all__ = ("ApiError", "SCORE_ENDPOINT", "make_app")

@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 from typing import Any, Sequence
 
 from serving.grpc.batcher import Cancelled, Expired, Failed, WorkItem
+from serving.grpc.service import Refused
 from serving.requests import ScoreResult, request_id_of, request_kind, request_label
 
 
 class Unavailable(Exception):
     """The model is not loaded yet, or the server is draining."""
-
-
-@dataclasses.dataclass
-class Refused(Exception):
-    """Overload: ``retry_ms`` says when to retry (None: never as sent; split it)."""
-
-    message: str
-    retry_ms: int | None
-
-    def __str__(self) -> str:
-        return self.message
 
 
 class HttpScoring:
