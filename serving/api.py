@@ -235,6 +235,33 @@ class Scorer:
                 expert_impl=opts.expert_impl))
         return uncalibrated(backend, max_batch_tokens, opts.calibration_eps)
 
+    def warm_up(self) -> tuple[int, float]:
+        """Compile the common scoring shapes before the first request -> (programs
+        compiled, seconds). For every token bucket up to the batch size (and the context),
+        one sequence of that many token ids with two single-token candidates, read over
+        the candidates and over the vocabulary, runs alone on every engine (each its own
+        batch, of that bucket's shape). Shapes with more score positions or candidates, or
+        on the prefix pool with cached context, still compile on first use. The prefix
+        caches are reset afterwards (the warm-up prompts are no real prefixes)."""
+        start = time.perf_counter()
+        before = sum(engine.stats.compiles for engine in self.engines)
+        cfg = self.config
+        top = min(self.engine.policy.max_batch_tokens, cfg.max_context)
+        for length in self.engine.policy.token_buckets(cfg.max_context):
+            if length > top:
+                break
+            prompt = [(7 * i + 3) % cfg.vocab_size for i in range(length)]
+            for normalize in ("candidates", "vocab"):
+                prepared = self.prepare({"prompt_token_ids": prompt, "normalize": normalize,
+                                         "candidate_token_ids": [[1], [2]]})
+                if prepared.error is not None:      # (a context shorter than the bucket)
+                    continue
+                for engine in self.engines:
+                    engine.run(list(prepared.ops))
+        self.reset_prefix_cache()
+        compiled = sum(engine.stats.compiles for engine in self.engines) - before
+        return compiled, time.perf_counter() - start
+
     def reset_prefix_cache(self) -> None:
         """Forget every engine's cached prefixes and the router's view of them."""
         for engine in self.engines:

@@ -85,6 +85,25 @@ def test_scoring_compiles_once_per_shape(options, compile_log):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
 
 
+def test_warm_up_compiles_the_bucket_shapes_before_the_first_request(compile_log):
+    """Scorer.warm_up (moejax serve --warmup): afterwards a request of any token bucket
+    up to the batch size, with single-token candidates, compiles nothing, and its result
+    equals a cold Scorer's."""
+    scorer = Scorer("demo", dtype="float32", max_batch_tokens=128, calibrate=False)
+    compiled, seconds = scorer.warm_up()
+    assert compiled == len(_model_programs(compile_log)) >= 3 and seconds > 0
+    after_warm_up = len(_model_programs(compile_log))
+    requests = [{"prompt_token_ids": list(range(5, 5 + n)), "candidate_token_ids": [[9], [11]],
+                 "normalize": normalize} for n in (20, 50, 100) for normalize in
+                ("candidates", "vocab")]
+    warm = [scorer.score([r])[0] for r in requests]      # each alone: its own batch
+    assert _model_programs(compile_log)[after_warm_up:] == []
+    assert scorer.engine.stats.prefix_tokens_cached == 0
+    cold = Scorer("demo", dtype="float32", max_batch_tokens=128, calibrate=False)
+    for a, b in zip(warm, (cold.score([r])[0] for r in requests)):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
+
+
 def test_generation_compiles_one_prefill_and_one_decode_step_per_bucket(compile_log):
     gen = Generator("demo", dtype="float32", max_batch_size=2)
     before = static_decode.compiled_program_counts()

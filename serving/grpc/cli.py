@@ -100,7 +100,7 @@ def _serves_generation(args: argparse.Namespace) -> bool:
 def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype, "expert_impl": args.expert_impl, "backend": args.backend,
             "devices": args.devices, "max_batch_size": args.generation_batch_size,
-            "precompile": args.precompile,
+            "precompile": args.precompile or getattr(args, "warmup", False),
             "compilation_cache": command_compilation_cache(args.deployment)}
 
 
@@ -159,6 +159,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         loading.set()
         scorer = None if stop.is_set() else Scorer(args.model, **scorer_options(args))
+        if scorer is not None and args.warmup and not stop.is_set():
+            compiled, seconds = scorer.warm_up()
+            logging.getLogger("moejax.grpc").info(
+                "warm-up: compiled %d scoring programs in %.1f s (health and /ready follow "
+                "now)", compiled, seconds)
         generator = None
         if generation and not stop.is_set():
             from serving.generate import Generator
@@ -371,6 +376,10 @@ def add_commands(sub: Any) -> None:
                             "split (default 4 x --max-batch-tokens)")
     serve.add_argument("--grace-seconds", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, time for in-flight calls (default 30)")
+    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                       help="compile the scoring shape buckets and the generation step "
+                            "programs before health says SERVING and /ready 200 (default on; "
+                            "--no-warmup: compile on first use)")
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve HTTP on this port (0 picks a free one; printed on "
                             "stdout's second line): /v1/moejax/score, /v1/models, /health, "
