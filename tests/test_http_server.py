@@ -324,3 +324,78 @@ def test_moejax_serve_http_port_serves_then_drains_on_sigterm():
         if process.poll() is None:
             process.kill()
         process.wait(10)
+
+
+@pytest.mark.slow
+def test_64_clients_a_burst_over_the_bound_each_request_answered_once(scorer):
+    """The HTTP twin of the gRPC bounded-load test: 64 clients at once (single requests
+    and batches, valid and not) against a small admission bound. Each request is answered
+    exactly once: its result (equal to the in-process Scorer's), its own error, or the
+    call's 429 with Retry-After; /health answers throughout; the bound holds."""
+    valid = [{"prompt": f"w{k} w{k % 7}", "candidates": [" yes", " no"]} for k in range(12)]
+    invalid = [{"prompt": "", "candidates": [" yes"]}, {"prompt": "x", "candidates": [" a", ""]}]
+    expected = {json.dumps(r, sort_keys=True): res
+                for r, res in zip(valid, scorer.scorer.score(valid))}
+    clients, calls, bound = 64, 6, 256
+    answers: dict[str, list] = {}
+    lock = threading.Lock()
+    health: list[int] = []
+    done = threading.Event()
+
+    def record(request, what, value):
+        with lock:
+            answers.setdefault(request["id"], []).append((what, request, value))
+
+    def client(c: int, url: str) -> None:
+        rng = np.random.default_rng(c)
+        for k in range(calls):
+            chunk = []
+            for j in range(1 if k % 2 else 3):
+                pool = valid if rng.random() < 0.85 else invalid
+                chunk.append({"id": f"{c}-{k}-{j}", **pool[int(rng.integers(len(pool)))]})
+            body = chunk[0] if len(chunk) == 1 else {"requests": chunk}
+            status, headers, answer = call(url, body)
+            if status == 429:
+                assert int(headers["Retry-After"]) >= 1
+                for request in chunk:
+                    record(request, "busy", None)
+            elif len(chunk) == 1:
+                record(chunk[0], "result" if status == 200 else "invalid",
+                       answer.get("logprobs") if status == 200 else status)
+            else:
+                assert status == 200, answer
+                for request, result in zip(chunk, answer["results"], strict=True):
+                    record(request, "result" if result["error"] is None else "error",
+                           result["logprobs"])
+
+    def watch(base: str) -> None:
+        while not done.is_set():
+            health.append(call(base + "/health")[0])
+            time.sleep(0.05)
+
+    with doors(scorer, max_queued_tokens=bound) as (grpc_server, _, _, base):
+        watcher = threading.Thread(target=watch, args=(base,))
+        watcher.start()
+        workers = [threading.Thread(target=client, args=(c, base + "/v1/moejax/score"))
+                   for c in range(clients)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(240)
+        done.set()
+        watcher.join(T)
+        assert not any(worker.is_alive() for worker in workers)
+        stats = grpc_server.stats()
+    sent = sum(3 if k % 2 == 0 else 1 for k in range(calls)) * clients
+    assert len(answers) == sent and all(len(v) == 1 for v in answers.values())
+    outcomes = {"result": 0, "error": 0, "invalid": 0, "busy": 0}
+    for [(what, request, value)] in answers.values():
+        outcomes[what] += 1
+        key = json.dumps({k: v for k, v in request.items() if k != "id"}, sort_keys=True)
+        if what == "result":
+            np.testing.assert_allclose(value, expected[key].logprobs, rtol=1e-5, atol=1e-6)
+        elif what in ("error", "invalid"):
+            assert key not in expected and (what == "error" or value == 400)
+    assert outcomes["result"] > 0 and outcomes["busy"] > 0, outcomes   # a real burst
+    assert health and set(health) == {200}
+    assert stats["peak_queued_tokens"] <= bound and stats["queued_tokens"] == 0
