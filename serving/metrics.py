@@ -65,6 +65,13 @@ class ServingMetrics:
         self.batch_seconds = Histogram(
             "moejax_model_call_seconds", "Seconds per model call", buckets=LATENCY_BUCKETS,
             registry=r)
+        self.ttft_seconds = Histogram(
+            "moejax_generation_time_to_first_token_seconds", "Seconds from a generation "
+            "call's admission to its first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot_seconds = Histogram(
+            "moejax_generation_time_per_output_token_seconds", "Seconds per output token "
+            "after the first", buckets=LATENCY_BUCKETS, registry=r)
+        self.generated = Counter("moejax_generation_tokens", "Tokens generated", registry=r)
         self._state: StateCollector | None = None
         self._http: Any = None
 
@@ -89,13 +96,26 @@ class ServingMetrics:
         self.batch_tokens.observe(token_equivalents)
         self.batch_seconds.observe(seconds)
 
+    def first_token(self, seconds: float, tokens: int) -> None:
+        """A generation's first token(s) arrived ``seconds`` after its admission."""
+        self.ttft_seconds.observe(seconds)
+        self.generated.inc(tokens)
+
+    def output_tokens(self, tokens: int, seconds_per_token: float) -> None:
+        """``tokens`` more tokens of a generation, ``seconds_per_token`` apart."""
+        for _ in range(tokens):
+            self.tpot_seconds.observe(seconds_per_token)
+        self.generated.inc(tokens)
+
     # ------------------------------------------------------------------ state
-    def watch(self, scorer: Any = None, batcher: Any = None) -> None:
-        """Report ``scorer``'s engines and ``batcher``'s queue at every scrape (once)."""
+    def watch(self, scorer: Any = None, batcher: Any = None, generation: Any = None) -> None:
+        """Report ``scorer``'s engines, ``batcher``'s queue and the ``generation``
+        service's streams and KV blocks at every scrape."""
         if self._state is None:
             self._state = StateCollector()
             self.registry.register(self._state)
-        self._state.scorer, self._state.batcher = scorer, batcher
+        state = self._state
+        state.scorer, state.batcher, state.generation = scorer, batcher, generation
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose the registry on ``http://host:port/metrics`` (its own thread); returns
@@ -120,6 +140,7 @@ class StateCollector(Collector):
     def __init__(self) -> None:
         self.scorer: Any = None
         self.batcher: Any = None
+        self.generation: Any = None
         self._lock = threading.Lock()
 
     def collect(self) -> Iterator[Any]:
@@ -128,6 +149,11 @@ class StateCollector(Collector):
                 yield from _queue_metrics(self.batcher.snapshot())
             if self.scorer is not None:
                 yield from _engine_metrics(self.scorer)
+            if self.generation is not None and self.generation.loop is not None:
+                yield _gauge("moejax_generation_streams", "Generation calls admitted and "
+                             "not yet out of the scheduler", self.generation.streams)
+                yield _gauge("moejax_kv_blocks_in_use", "KV blocks held by running "
+                             "sequences", self.generation.loop.occupancy())
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -103,3 +103,32 @@ def test_what_is_not_supported_is_refused_by_name(served):
         client.chat.completions.create(model="demo", messages=[{"role": "user"}],
                                        max_tokens=4)
     assert "content" in str(refused.value) or "messages" in str(refused.value)
+
+
+def test_generation_metrics_move_by_the_tokens_generated(served):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client, _ = served
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+
+    def samples():
+        with urllib.request.urlopen(base + "/metrics", timeout=60) as answer:
+            text = answer.read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if not s.labels}      # (the unlabelled samples)
+
+    before = samples()
+    got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=TOKENS,
+                                    temperature=0)
+    after = samples()
+
+    def moved(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    tokens = got.usage.completion_tokens
+    assert moved("moejax_generation_tokens_total") == tokens
+    assert moved("moejax_generation_time_to_first_token_seconds_count") == 1
+    assert 1 <= moved("moejax_generation_time_per_output_token_seconds_count") <= tokens - 1
+    assert after["moejax_kv_blocks_in_use"] == 0 and after["moejax_generation_streams"] == 0

@@ -86,6 +86,7 @@ class GenerationService:
         self.active: set[GenerationStream] = set()
         self.refused = 0                      # calls refused for overload
         self.token_seconds: float | None = None  # moving average of the time per token
+        self.metrics: Any = None              # a serving.metrics.ServingMetrics, or None
         # The threads that validate, tokenize and queue requests (GeneratorLoop.submit).
         self.submit_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="moejax-grpc-generate")
@@ -201,7 +202,7 @@ class GenerationStream:
         self.left: int | None = None  # tokens still to generate (None: not yet known)
         self.received = 0           # tokens that arrived from the generator loop
         self.sent = 0               # tokens sent to the client
-        self.last = time.monotonic()
+        self.last = self.started = time.monotonic()
         service.streams += 1
         service.active.add(self)
 
@@ -214,9 +215,15 @@ class GenerationStream:
 
     def _arrived(self, event: Any) -> None:
         now = time.monotonic()
+        metrics = self.service.metrics
         if event.token_ids:
+            per_token = (now - self.last) / len(event.token_ids)
             if self.received:  # (the first token's wait includes the queue and the prefill)
-                self.service.record_token_seconds((now - self.last) / len(event.token_ids))
+                self.service.record_token_seconds(per_token)
+                if metrics is not None:
+                    metrics.output_tokens(len(event.token_ids), per_token)
+            elif metrics is not None:
+                metrics.first_token(now - self.started, len(event.token_ids))
             self.received += len(event.token_ids)
             if self.left is not None:
                 self.left = max(0, self.left - len(event.token_ids))

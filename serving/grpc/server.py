@@ -288,7 +288,7 @@ class ScoringServer:
         self.health: Any = None
         self.batcher: Batcher | None = None
         self.metrics = ServingMetrics()
-        self.service.metrics = self.metrics
+        self.service.metrics = self.generation.metrics = self.metrics
         self.metrics_port: int | None = None     # bound when options.metrics_port is set
         # Set when a stop begins (before health turns NOT_SERVING): HTTP /ready says 503.
         self.draining = threading.Event()
@@ -363,7 +363,8 @@ class ScoringServer:
                                batch_tokens=batch_tokens,
                                max_batch_requests=opts.max_batch_requests,
                                metrics=self.metrics)
-        self.metrics.watch(scorer, self.batcher)
+        self.metrics.watch(scorer, self.batcher,
+                           self.generation if generator is not None else None)
         info = convert.info_to_proto(scorer_info, max_queued_tokens=opts.max_queued_tokens,
                                      max_message_bytes=opts.max_message_bytes)
         if generator is not None:
