@@ -42,6 +42,7 @@ import time
 
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.load import closed_loop
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import percentile, sample_seconds
 
@@ -71,35 +72,17 @@ def _client_process(target: str, payloads: list[bytes], concurrency: int, out) -
 
     channel = grpc.insecure_channel(target)
     call = channel.unary_unary("/moejax.v1.Scoring/Score")  # bytes in, bytes out
-    latencies: list[float] = []
-    failures: list[str] = []
-    lock = threading.Lock()
-    next_index = iter(range(len(payloads)))
 
-    def run() -> None:
-        while True:
-            with lock:
-                index = next(next_index, None)
-            if index is None:
-                return
-            start = time.perf_counter()
+    def make_sender():
+        def send(index: int) -> str | None:
             try:
                 call(payloads[index], timeout=120)
             except grpc.RpcError as exc:
-                with lock:
-                    failures.append(exc.code().name)
-                continue
-            elapsed = time.perf_counter() - start
-            with lock:
-                latencies.append(elapsed)
+                return exc.code().name
+            return None
+        return send
 
-    threads = [threading.Thread(target=run) for _ in range(concurrency)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    out.put({"wall": time.perf_counter() - start, "latencies": latencies, "failures": failures})
+    out.put(closed_loop(len(payloads), concurrency, make_sender))
 
 
 def drive(target: str, payloads: list[bytes], concurrency: int) -> dict:

@@ -37,6 +37,7 @@ import time
 from benchmarks.grpc_serving import inprocess_rate, warm_shapes, workload
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.load import closed_loop
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import percentile
 
@@ -51,38 +52,18 @@ def _client_process(port: int, bodies: list[bytes], concurrency: int, out) -> No
     each."""
     import http.client
 
-    latencies: list[float] = []
-    failures: list[str] = []
-    lock = threading.Lock()
-    next_index = iter(range(len(bodies)))
-
-    def run() -> None:
+    def make_sender():
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        while True:
-            with lock:
-                index = next(next_index, None)
-            if index is None:
-                connection.close()
-                return
-            start = time.perf_counter()
+
+        def send(index: int) -> str | None:
             connection.request("POST", "/v1/moejax/score", bodies[index],
                                {"Content-Type": "application/json"})
             response = connection.getresponse()
-            response_body = response.read()
-            elapsed = time.perf_counter() - start
-            with lock:
-                if response.status == 200:
-                    latencies.append(elapsed)
-                else:
-                    failures.append(f"{response.status}: {response_body[:200]!r}")
+            body = response.read()
+            return None if response.status == 200 else f"{response.status}: {body[:200]!r}"
+        return send
 
-    threads = [threading.Thread(target=run) for _ in range(concurrency)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    out.put({"wall": time.perf_counter() - start, "latencies": latencies, "failures": failures})
+    out.put(closed_loop(len(bodies), concurrency, make_sender))
 
 
 def drive(port: int, bodies: list[bytes], concurrency: int) -> dict:
