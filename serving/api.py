@@ -120,7 +120,8 @@ class Scorer:
         dtype = self.options.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
         self.tokenizer = TokenizerAdapter(tokenizer, ChatTemplate.from_model_dir(self.model_dir))
-        self.normalize_options = normalize_options or NormalizeOptions()
+        self.normalize_options = normalize_options or NormalizeOptions.from_mapping(
+            self.options.templates)
         opts = self.options
         self.limits = RequestLimits.resolve(self.config.max_context,
                                             max_text_bytes=opts.max_text_bytes,

@@ -45,6 +45,9 @@ class ScorerOptions:
     routing: str = "prefix"
     routing_seed: int = 0
     max_num_seqs: int | None = None
+    # The server's "choice"/"multi" prompt templates (serving.requests.NormalizeOptions
+    # fields); a request's own ``templates`` override them.
+    templates: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -89,6 +92,9 @@ class ScorerOptions:
                                               or self.max_num_seqs < 1):
             raise ValueError(f"max_num_seqs must be null (every op of a call in one packed "
                              f"run) or a positive integer, got {self.max_num_seqs!r}")
+        from serving.requests import NormalizeOptions
+
+        NormalizeOptions.from_mapping(self.templates)     # raises naming templates.KEY
         if self.engines > 1 and self.backend == "resident" and self.devices != 1:
             raise ValueError(f"engines={self.engines} with backend 'resident' runs one engine "
                              f"per device; got devices={self.devices} (devices is per "

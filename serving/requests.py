@@ -133,6 +133,8 @@ class ScoreRequest:
     # Chat messages instead of a prompt: rendered with the model's chat template
     # (serving.chat), the assistant's turn opened, then scored as the prompt text.
     messages: list[dict[str, Any]] | None = None
+    # This request's "choice"/"multi" templates over the server's (NormalizeOptions fields).
+    templates: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], index: int | None = None) -> ScoreRequest:
@@ -207,12 +209,50 @@ class NormalizeOptions:
     multi_answers: tuple[str, str] = (" yes", " no")
 
     def __post_init__(self) -> None:
-        if self.multi_template.count("{candidate}") != 1:
-            raise ValueError("multi_template must contain '{candidate}' exactly once")
+        for name, needed in _TEMPLATE_FIELDS.items():
+            for field in needed:
+                if getattr(self, name).count("{" + field + "}") != 1:
+                    raise ValueError(f"{name}: must contain '{{{field}}}' exactly once")
         if not self.choice_labels or len(set(self.choice_labels)) != len(self.choice_labels):
-            raise ValueError("choice_labels must be non-empty and distinct")
+            raise ValueError("choice_labels: must be non-empty and distinct")
         if len(self.multi_answers) != 2 or self.multi_answers[0] == self.multi_answers[1]:
-            raise ValueError("multi_answers must be two distinct strings (yes, no)")
+            raise ValueError("multi_answers: must be two distinct strings (yes, no)")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], base: "NormalizeOptions | None" = None,
+                     where: str = "templates") -> "NormalizeOptions":
+        """``base`` (default: the defaults) with the fields of ``values`` replaced (the
+        per-server ``templates`` option, a request's ``templates``). Unknown keys, values
+        of the wrong type and templates without their placeholders raise ValueError naming
+        ``where.KEY``."""
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{where}: must be an object of template fields, got "
+                             f"{type(values).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        changes: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ValueError(f"{where}: unknown field {show(key)} (accepted: "
+                                 f"{', '.join(known)})")
+            if key in ("choice_labels", "multi_answers"):
+                if not isinstance(value, (list, tuple)) or not all(isinstance(v, str)
+                                                                   for v in value):
+                    raise ValueError(f"{where}.{key}: must be a list of strings")
+                value = tuple(value)
+            elif not isinstance(value, str):
+                raise ValueError(f"{where}.{key}: must be a string, got {type(value).__name__}")
+            changes[key] = value
+        try:
+            return dataclasses.replace(base or cls(), **changes)
+        except ValueError as exc:
+            raise ValueError(f"{where}.{exc}") from None
+
+
+# The placeholders each template must hold exactly once.
+_TEMPLATE_FIELDS = {"choice_template": ("prompt", "options"),
+                    "choice_option_template": ("label", "option"),
+                    "choice_identifier_template": ("label",),
+                    "multi_template": ("candidate",)}
 
 
 class TokenizerAdapter:
@@ -526,6 +566,12 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
                               prompt_token_ids=prompt_ids, candidates=candidates,
                               candidate_token_ids=candidate_ids)
     _check_kind_inputs(check, req)
+    if req.templates is not None:
+        try:
+            NormalizeOptions.from_mapping(req.templates)
+        except ValueError as exc:
+            field, _, problem = str(exc).partition(": ")
+            raise check.fail(field, problem) from None
     return req
 
 
@@ -721,6 +767,8 @@ def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size
     """Ops and prompt length of one parsed request; raises RequestError."""
     check = FieldChecker(req.id, index)
     enc = _Encoder(tokenizer, check, vocab_size)
+    if req.templates is not None:     # (checked by parse_request)
+        options = NormalizeOptions.from_mapping(req.templates, options)
     need_vocab = req.normalize == "vocab"
     if req.kind == "choice":
         ops, prompt_len = _choice_ops(index, req, enc, options, need_vocab)
