@@ -40,11 +40,36 @@ COUNT_BUCKETS = tuple(float(2 ** i) for i in range(13))          # 1 … 4,096 r
 TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(4, 21))       # 16 … 1M token-equivalents
 
 
-class ServingMetrics:
-    """The metrics of one server (module docstring); ``registry`` is what to expose."""
+class MetricsEndpoint:
+    """A registry of one server's metrics, and its HTTP endpoint when served."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._http: Any = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose the registry on ``http://host:port/metrics`` (its own thread); returns
+        the bound port (``port`` 0 picks a free one)."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (server, thread)
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        """Stop the metrics endpoint of :meth:`serve` (if any)."""
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+            self._http = None
+
+
+class ServingMetrics(MetricsEndpoint):
+    """The metrics of one scoring server (module docstring); ``registry`` is what to
+    expose."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        super().__init__(registry)
         r = self.registry
         self.requests = Counter("moejax_requests", "Scoring requests answered, by endpoint, "
                                 "request kind and status", ["endpoint", "kind", "status"],
@@ -73,7 +98,6 @@ class ServingMetrics:
             "after the first", buckets=LATENCY_BUCKETS, registry=r)
         self.generated = Counter("moejax_generation_tokens", "Tokens generated", registry=r)
         self._state: StateCollector | None = None
-        self._http: Any = None
 
     # ------------------------------------------------------------------ events
     def request_done(self, endpoint: str, kind: str, status: str,
@@ -117,21 +141,47 @@ class ServingMetrics:
         state = self._state
         state.scorer, state.batcher, state.generation = scorer, batcher, generation
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose the registry on ``http://host:port/metrics`` (its own thread); returns
-        the bound port (``port`` 0 picks a free one)."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
-        self._http = (server, thread)
-        return int(server.server_address[1])
+class RouterMetrics(MetricsEndpoint):
+    """The metrics of ``moejax router`` (:class:`RouterCollector`, read at scrape time)."""
 
-    def close(self) -> None:
-        """Stop the metrics endpoint of :meth:`serve` (if any)."""
-        if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
-            server.server_close()
-            thread.join(5)
-            self._http = None
+    def __init__(self, server: Any, registry: CollectorRegistry | None = None):
+        super().__init__(registry)
+        self.registry.register(RouterCollector(server))
+
+
+class RouterCollector(Collector):
+    """Per upstream of a :class:`serving.grpc.upstream_router.RouterServer`: whether it
+    takes work, the requests routed to it, its queued load and Θ in FLOPs, and the blocks
+    the router believes it caches."""
+
+    def __init__(self, server: Any):
+        self.server = server
+
+    def collect(self) -> Iterator[Any]:
+        core, pool = self.server.core, self.server.pool
+        if core is None or pool is None:
+            return
+        labels = ["upstream"]
+        serving = GaugeMetricFamily("moejax_router_upstream_serving", "1 when the upstream "
+                                    "takes work (health SERVING, same model)", labels=labels)
+        routed = CounterMetricFamily("moejax_router_routed_requests", "Requests routed to the "
+                                     "upstream", labels=labels)
+        load = GaugeMetricFamily("moejax_router_upstream_load_flops", "FLOPs routed to the "
+                                 "upstream and not yet answered (W_g)", labels=labels)
+        cached = GaugeMetricFamily("moejax_router_cached_blocks", "Prefix blocks the router "
+                                   "believes the upstream caches", labels=labels)
+        theta = GaugeMetricFamily("moejax_router_theta_flops", "The saturation threshold Θ "
+                                  "of the upstream", labels=labels)
+        thetas = getattr(core.router, "thetas", None)
+        for upstream in pool.upstreams:
+            g, label = upstream.index, [upstream.target]
+            serving.add_metric(label, 1.0 if upstream.serving else 0.0)
+            routed.add_metric(label, core.routed[g])
+            load.add_metric(label, float(core.router.load(g)))
+            cached.add_metric(label, len(core.shadows[g]))
+            if thetas is not None:
+                theta.add_metric(label, float(thetas[g]))
+        yield from (serving, routed, load, cached, theta)
 
 
 class StateCollector(Collector):
@@ -222,4 +272,5 @@ def _router_theta(scorer: Any) -> list[float] | None:
     return None if calibrated is None else [float(calibrated)] * len(scorer.engines)
 
 
-__all__ = ("STATUSES", "ServingMetrics", "StateCollector")
+__all__ = ("STATUSES", "MetricsEndpoint", "RouterCollector", "RouterMetrics", "ServingMetrics",
+           "StateCollector")

@@ -411,6 +411,37 @@ def test_a_cancelled_health_check_counts_as_a_restart(model):
         upstream.stop()
 
 
+def test_router_metrics_count_routing_per_upstream(model, fakes):
+    """--metrics-port: per upstream, whether it serves, the requests routed to it (summing
+    to what was sent), its load and the blocks the router believes it caches; scraped over
+    a real socket and parsed by prometheus_client."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(port):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=T) as answer:
+            text = answer.read().decode()
+        return {(s.name, s.labels.get("upstream")): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    requests = [{"id": f"r{k}", "prompt": doc(k % 3) + "Topic?", "candidates": [" a", " b"]}
+                for k in range(9)]
+    with router(model, targets_of(fakes[:2]), metrics_port=0) as (server, target):
+        with Client(target) as client:
+            client.score(requests, timeout=T)
+        samples = scrape(server.metrics_port)
+        targets = targets_of(fakes[:2])
+        routed = [samples[("moejax_router_routed_requests_total", t)] for t in targets]
+        assert sum(routed) == len(requests)
+        assert routed == [server.core.routed[0], server.core.routed[1]]
+        assert all(samples[("moejax_router_upstream_serving", t)] == 1 for t in targets)
+        assert sum(samples[("moejax_router_cached_blocks", t)] for t in targets) > 0
+        fakes[1].stop()
+        wait_until(lambda: scrape(server.metrics_port)[
+            ("moejax_router_upstream_serving", targets[1])] == 0, "upstream 1 out")
+
+
 # ---------------------------------------------------------------------------- 4. auth, TLS
 def _self_signed(tmp_path) -> tuple[str, str]:
     """A self-signed certificate for localhost / 127.0.0.1 (openssl)."""

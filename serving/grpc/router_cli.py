@@ -90,6 +90,10 @@ def add_router_command(sub: Any) -> None:
                    help="largest request message accepted (default 16 MiB)")
     p.add_argument("--workers", type=int, default=2,
                    help="threads that tokenize requests for routing (default 2)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics: per upstream, "
+                        "serving, requests routed, load and Θ in FLOPs, cached blocks (0 "
+                        "picks a free port, logged; default: not served)")
     p.set_defaults(func=cmd_router)
 
 
@@ -125,7 +129,7 @@ def router_options(args: argparse.Namespace) -> Any:
         token=token_of(args), tls_cert=args.tls_cert,
         tls_key=args.tls_key, upstream=upstream, max_message_mib=args.max_message_mib,
         workers=args.workers, grace_seconds=args.grace_seconds,
-        startup_timeout=args.startup_timeout)
+        startup_timeout=args.startup_timeout, metrics_port=args.metrics_port)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

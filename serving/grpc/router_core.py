@@ -162,6 +162,7 @@ class RoutingCore:
         self.cfg, self.tokenizer, self.pool = cfg, tokenizer, pool
         self.router = make_router(routing, cfg, len(pool), theta=theta, seed=seed)
         self.shadows = [ShadowCache() for _ in range(len(pool))]
+        self.routed = [0] * len(pool)      # requests routed to each upstream (metrics)
         self.limits = RequestLimits.resolve(cfg.max_context)
 
     # ------------------------------------------------------------------ preparing
@@ -211,6 +212,7 @@ class RoutingCore:
             else:
                 a = next(assignments)
                 routed.append(Routed(a.engine, op, a))
+            self.routed[routed[-1].upstream] += 1
         return routed
 
     def finish(self, routed: Routed, *, stored: bool = True) -> None:

@@ -94,6 +94,7 @@ from serving.grpc.server import (add_health_and_reflection, generation_handlers,
 from serving.grpc.upstreams import (GENERATION_SERVICE, SCORING_SERVICE, UpstreamOptions,
                                     UpstreamPool)
 from serving.requests import TokenizerAdapter
+from serving.metrics import RouterMetrics
 
 log = logging.getLogger("moejax.grpc.router")
 
@@ -124,6 +125,7 @@ class RouterOptions:
     stream_window: int = 1024
     grace_seconds: float = 30.0
     startup_timeout: float = 60.0
+    metrics_port: int | None = None   # Prometheus metrics over HTTP (0: a free port)
 
     def __post_init__(self) -> None:
         from moejax.core.router import ROUTER_NAMES
@@ -163,6 +165,8 @@ class RouterServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._theta_set = options.theta is not None
         self._health_updates: set[asyncio.Future] = set()
+        self.metrics = RouterMetrics(self)
+        self.metrics_port: int | None = None
 
     def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
@@ -173,12 +177,20 @@ class RouterServer:
         opts = self.options
         credentials = server_credentials(opts.tls_cert, opts.tls_key)
         opts.upstream.credentials()     # an unreadable CA fails here, before binding
+        if opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
         self._loop = server_loop()
-        self.port = self._run(self._start(credentials))
+        try:
+            self.port = self._run(self._start(credentials))
+        except BaseException:
+            self.metrics.close()
+            raise
         log.info("router listening on %s:%d (%s, %s) over %d upstreams, %s routing",
                  opts.host, self.port, "TLS" if credentials else "plaintext",
                  "bearer-token auth" if opts.token else "no auth", len(opts.upstreams),
                  opts.routing)
+        if self.metrics_port is not None:
+            log.info("router metrics on http://%s:%d/metrics", opts.host, self.metrics_port)
         return self.port
 
     async def _start(self, credentials: grpc.ServerCredentials | None) -> int:
@@ -275,6 +287,7 @@ class RouterServer:
         self.service.stopping = True
         self._run(self._stop(grace))
         self.service.close()
+        self.metrics.close()
         self._server = None
         log.info("router stopped")
 
