@@ -246,6 +246,17 @@ def _engine_metrics(scorer: Any) -> Iterator[Any]:
                                       labels=["engine"]),
         "theta": GaugeMetricFamily("moejax_engine_theta_flops", "The saturation threshold Θ "
                                    "the router admits to, per engine", labels=["engine"]),
+        "lookups": CounterMetricFamily("moejax_prefix_cache_block_lookups", "Prompt blocks "
+                                       "looked up in the prefix cache, per engine",
+                                       labels=["engine"]),
+        "hits": CounterMetricFamily("moejax_prefix_cache_block_hits", "Prompt blocks found "
+                                    "in the prefix cache, per engine", labels=["engine"]),
+        "evictions": CounterMetricFamily("moejax_prefix_cache_block_evictions", "Cached "
+                                         "blocks evicted for room, per engine",
+                                         labels=["engine"]),
+        "blocks": GaugeMetricFamily("moejax_prefix_pool_blocks", "KV blocks of the engine's "
+                                    "pool, by state (in_use, cached, free)",
+                                    labels=["engine", "state"]),
     }
     theta = _router_theta(scorer)
     for g, engine in enumerate(scorer.engines):
@@ -259,6 +270,17 @@ def _engine_metrics(scorer: Any) -> Iterator[Any]:
         families["shared"].add_metric(label, s.prefix_tokens_shared)
         if theta is not None:
             families["theta"].add_metric(label, theta[g])
+        allocators = [] if engine.kv_store is None else engine.kv_store.allocators
+        if allocators:
+            families["lookups"].add_metric(label, sum(a.lookups for a in allocators))
+            families["hits"].add_metric(label, sum(a.hits for a in allocators))
+            families["evictions"].add_metric(label, sum(a.evictions for a in allocators))
+            in_use = sum(a.num_in_use for a in allocators)
+            cached = sum(a.num_cached for a in allocators)
+            total = sum(a.num_blocks for a in allocators)
+            for state, count in (("in_use", in_use), ("cached", cached),
+                                 ("free", total - in_use - cached)):
+                families["blocks"].add_metric([str(g), state], count)
     yield from families.values()
 
 
