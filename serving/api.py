@@ -41,7 +41,7 @@ from serving.limits import RequestLimits
 from serving.options import ScorerOptions, load_options
 from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest,
                               ScoreResult, TokenizerAdapter, boundary_warnings,
-                              normalize_requests, renamed, request_label)
+                              normalize_requests, renamed, request_id_of, request_label)
 from serving.results import combine_results
 
 log = logging.getLogger("moejax.scorer")
@@ -328,7 +328,7 @@ class Scorer:
             return tuple(boundary_warnings(request, index, self.tokenizer))
         except Exception as exc:  # noqa: BLE001
             log.warning("request #%d: the candidate boundary check failed (%s: %s)", index,
-                        type(exc).__name__, exc)
+                        type(exc).__name__, exc, extra={"request_id": request_id_of(request)})
             return ()
 
     def token_equivalents(self, flops: int) -> int:

@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable, Hashable, Sequence
 
 from moejax.ops import OpKey, PrefillOp
-from serving.requests import ScoreResult, request_kind
+from serving.requests import ScoreResult, request_id_of, request_kind
 
 log = logging.getLogger("moejax.grpc")
 
@@ -385,7 +385,8 @@ class Batcher:
         try:
             item.deliver(item, outcome)
         except Exception:
-            log.exception("delivering the result of request #%d failed", item.index)
+            log.exception("delivering the result of request #%d failed", item.index,
+                          extra={"request_id": request_id_of(item.request)})
 
     def _fail(self, item: WorkItem, error: BaseException) -> None:
         if not item.delivered:
@@ -462,7 +463,8 @@ class Batcher:
         try:
             result = self.scorer.combine([item.prepared], item.outputs, item.timings)[0]
         except Exception as exc:  # noqa: BLE001  (outputs that do not match: an engine bug)
-            log.exception("combining the result of request #%d failed", item.index)
+            log.exception("combining the result of request #%d failed", item.index,
+                          extra={"request_id": request_id_of(item.request)})
             self._fail(item, exc)
             return 1
         self.stats["scored"] += result.error is None
