@@ -159,7 +159,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         loading.set()
         scorer = None if stop.is_set() else Scorer(args.model, **scorer_options(args))
-        if scorer is not None and args.warmup and not stop.is_set():
+        # (Over several processes every run must run on all of them, as LeaderScorer's
+        # runs do; the warm-up's do not: those servers compile on first use.)
+        if scorer is not None and args.warmup and not stop.is_set() and process_count() == 1:
             compiled, seconds = scorer.warm_up()
             logging.getLogger("moejax.grpc").info(
                 "warm-up: compiled %d scoring programs in %.1f s (health and /ready follow "
