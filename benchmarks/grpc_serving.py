@@ -42,7 +42,7 @@ import time
 
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
-from benchmarks.lib.load import closed_loop
+from benchmarks.lib.load import closed_loop, in_child_process
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import percentile, sample_seconds
 
@@ -87,13 +87,7 @@ def _client_process(target: str, payloads: list[bytes], concurrency: int, out) -
 
 def drive(target: str, payloads: list[bytes], concurrency: int) -> dict:
     """Run the clients in a child process; their wall time, latencies and failures."""
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    child = context.Process(target=_client_process, args=(target, payloads, concurrency, out))
-    child.start()
-    result = out.get(timeout=900)
-    child.join(60)
-    return result
+    return in_child_process(_client_process, target, payloads, concurrency)
 
 
 # ----------------------------------------------------------------------------- overload

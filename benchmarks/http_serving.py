@@ -29,7 +29,6 @@ load), ``metrics_scrape_max_ms``, ``metrics_scrapes``, ``requests``, ``streams``
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import threading
 import time
@@ -37,7 +36,7 @@ import time
 from benchmarks.grpc_serving import inprocess_rate, warm_shapes, workload
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
-from benchmarks.lib.load import closed_loop
+from benchmarks.lib.load import closed_loop, in_child_process
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.timing import percentile
 
@@ -67,13 +66,8 @@ def _client_process(port: int, bodies: list[bytes], concurrency: int, out) -> No
 
 
 def drive(port: int, bodies: list[bytes], concurrency: int) -> dict:
-    context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    child = context.Process(target=_client_process, args=(port, bodies, concurrency, out))
-    child.start()
-    result = out.get(timeout=900)
-    child.join(60)
-    return result
+    """Run the clients in a child process; their wall time, latencies and failures."""
+    return in_child_process(_client_process, port, bodies, concurrency)
 
 
 def scrape_while(port: int, running: threading.Event, seconds: list[float]) -> None:
