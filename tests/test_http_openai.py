@@ -88,14 +88,40 @@ def test_chat_completions_render_the_template(served):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+def test_a_stop_string_ends_the_text_before_it(served):
+    """``stop``: the text ends before the first stop string (not returned), finish_reason
+    "stop", streamed and not; the sequence is cancelled there."""
+    client, (want, _) = served
+    # The first three non-blank characters after the start: inside the text, not at 0.
+    stop = next(want.text[i:i + 3] for i in range(2, len(want.text) - 2)
+                if not any(c.isspace() for c in want.text[i:i + 3]))
+    expected = want.text[:want.text.find(stop)]
+    for stops in ([stop], ["never seen", stop]):
+        got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=TOKENS,
+                                        temperature=0, stop=stops)
+        assert got.choices[0].text == expected and got.choices[0].finish_reason == "stop"
+        assert got.usage.completion_tokens <= len(want.token_ids)
+        chunks = list(client.completions.create(model="demo", prompt=PROMPT,
+                                                max_tokens=TOKENS, temperature=0,
+                                                stop=stops, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    # A stop string the text never holds changes nothing.
+    got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=TOKENS,
+                                    temperature=0, stop="never seen")
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+
+
 def test_what_is_not_supported_is_refused_by_name(served):
     client, _ = served
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, n=2)
     assert "only n=1" in str(refused.value)
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, stop=["\n"])
-    assert "stop_token_ids" in str(refused.value)
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=4,
+                                  stop=["a", "b", "c", "d", "e"])
+    assert "at most 4" in str(refused.value)
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=-1)
     assert "temperature" in str(refused.value)

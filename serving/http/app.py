@@ -262,21 +262,19 @@ async def _completion(scoring: HttpScoring, body: Any, prompt: str | list[int],
         raise
     model = scoring.model_name or "moejax"
     tokenizer = service.generator.tokenizer.tokenizer
+    stops = openai_compat.stop_strings(body)
     if body.stream:
         include = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(_closing(stream, service, openai_compat.event_stream(
-            stream.updates(), tokenizer, model, chat, include)), media_type="text/event-stream")
+            stream, tokenizer, stops, model, chat, include)), media_type="text/event-stream")
     try:
-        result = None
-        async for _, result in stream.updates():
-            pass
+        text, finish, counts = await openai_compat.collect(stream, tokenizer, stops)
+    except openai_compat.Failed as exc:
+        raise ApiError(500, str(exc), kind="server_error", code="generation_failed") from None
     finally:
         service.open_calls -= 1
-        stream.cancel()
-    if result.error is not None or result.finish_reason not in ("stop", "length"):
-        raise ApiError(500, result.error or f"generation ended: {result.finish_reason}",
-                       kind="server_error", code="generation_failed")
-    return JSONResponse(openai_compat.completion_body(result, model, chat))
+        stream.cancel()          # (a stop string ended it early: free the sequence now)
+    return JSONResponse(openai_compat.completion_body(text, finish, counts, model, chat))
 
 
 async def _closing(stream: Any, service: Any, chunks: Any) -> Any:

@@ -5,8 +5,10 @@ batch for both doors; a call counts against the same ``max_streams``).
 Mapping onto a generation request (``serving.generation_requests``): ``prompt`` (text or
 token ids; chat: ``messages`` rendered with the model's chat template, the assistant's
 turn opened), ``max_tokens`` → ``max_new_tokens`` (default 16), ``temperature``, ``top_p``,
-``seed``, and the extension ``stop_token_ids``. What is not supported is refused by name
-(400): ``n`` other than 1, ``stop`` strings, ``echo``, ``logprobs`` and ``best_of``.
+``seed``, ``stop`` (up to 4 strings: the text ends before the first one, which is not
+returned, and the sequence is cancelled there; ``finish_reason`` "stop"), and the extension
+``stop_token_ids``. What is not supported is refused by name (400): ``n`` other than 1,
+``echo``, ``logprobs`` and ``best_of``.
 
 A stream sends one chunk per scheduler step that completes text (a token that ends inside
 a multi-byte character waits for the next), then a chunk with ``finish_reason``, then
@@ -65,8 +67,9 @@ def unsupported(body: _Generation) -> tuple[str, str] | None:
         return "n", "only n=1 is supported"
     if body.best_of not in (None, 1):
         return "best_of", "only best_of=1 is supported"
-    if body.stop not in (None, [], ""):
-        return "stop", "stop strings are not supported: give stop_token_ids"
+    stops = stop_strings(body)
+    if len(stops) > MAX_STOPS or not all(stops):
+        return "stop", f"at most {MAX_STOPS} non-empty strings"
     if body.logprobs not in (None, False, 0):
         return "logprobs", "log-probabilities of generated tokens are not supported yet"
     if getattr(body, "echo", False):
@@ -90,6 +93,13 @@ def generation_request(body: _Generation, prompt: str | list[int]) -> dict[str, 
     return request
 
 
+MAX_STOPS = 4
+
+
+def stop_strings(body: _Generation) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
 class TextDeltas:
     """New text as tokens arrive: the decoding of all tokens so far, minus what was
     already sent; text ending in an incomplete character waits for the next token."""
@@ -107,34 +117,95 @@ class TextDeltas:
         delta, self.sent = text[len(self.sent):], text
         return delta
 
-    def rest(self, final_text: str) -> str:
-        """What the final text holds past what was sent (the result is authoritative)."""
-        return final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
+
+class StoppingText:
+    """One completion's text as its tokens arrive, cut before the first stop string:
+    :meth:`add` and :meth:`finish` return the text that may be sent now (text that could
+    still turn out to begin a stop string is held back). ``stopped``: a stop string ended
+    it (the caller cancels the sequence and reads no further)."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]):
+        self.deltas = TextDeltas(tokenizer)
+        self.stops = stops
+        self.hold = max((len(stop) for stop in stops), default=1) - 1
+        self.sent = 0                  # characters of the text sent so far
+        self.tokens = 0                # tokens received
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        self.tokens += len(token_ids)
+        self.deltas.add(token_ids)
+        return self._release(self.deltas.sent, final=False)
+
+    def finish(self, result: Any) -> str:
+        """The rest, from the result's own text (authoritative: it leaves out a stop
+        token)."""
+        text = result.text or ""
+        if not text.startswith(self.deltas.sent[:self.sent]):
+            text = self.deltas.sent
+        return self._release(text, final=True)
+
+    def _release(self, text: str, final: bool) -> str:
+        cut = min((i for i in (text.find(stop, max(0, self.sent - self.hold))
+                               for stop in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            end = cut
+        else:
+            end = len(text) if final else max(self.sent, len(text) - self.hold)
+        out, self.sent = text[self.sent:end], max(self.sent, end)
+        return out
 
 
-def usage(result: Any) -> dict[str, int]:
-    completion = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion}
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(result: Any, model: str, chat: bool) -> dict[str, Any]:
+def completion_body(text: str, finish_reason: str, counts: dict[str, int], model: str,
+                    chat: bool) -> dict[str, Any]:
     created = int(time.time())
     if chat:
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant",
-                                                     "content": result.text},
-                             "logprobs": None, "finish_reason": result.finish_reason}],
-                "usage": usage(result)}
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None, "finish_reason": finish_reason}],
+                "usage": counts}
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
-            "model": model, "choices": [{"index": 0, "text": result.text, "logprobs": None,
-                                         "finish_reason": result.finish_reason}],
-            "usage": usage(result)}
+            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                         "finish_reason": finish_reason}],
+            "usage": counts}
 
 
-async def event_stream(events: AsyncIterator[tuple[list[int], Any]], tokenizer: Any,
-                       model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+class Failed(Exception):
+    """The generation ended in an error (or was cancelled under the caller)."""
+
+
+async def collect(stream: Any, tokenizer: Any, stops: list[str]
+                  ) -> tuple[str, str, dict[str, int]]:
+    """(text, finish_reason, usage) of a non-streamed completion; raises Failed."""
+    text = StoppingText(tokenizer, stops)
+    pieces = []
+    async for tokens, result in stream.updates():
+        if result is None:
+            pieces.append(text.add(tokens))
+            if text.stopped:
+                return "".join(pieces), "stop", usage(prompt_length(stream), text.tokens)
+            continue
+        if result.error is not None or result.finish_reason not in ("stop", "length"):
+            raise Failed(result.error or f"generation ended: {result.finish_reason}")
+        pieces.append(text.finish(result))
+        finish = "stop" if text.stopped else result.finish_reason
+        return "".join(pieces), finish, usage(result.prompt_tokens, len(result.token_ids))
+    raise Failed("the generation ended without a result")
+
+
+def prompt_length(stream: Any) -> int:
+    return len(stream.handle.sequence.spec.prompt)
+
+
+async def event_stream(stream: Any, tokenizer: Any, stops: list[str], model: str, chat: bool,
+                       include_usage: bool) -> AsyncIterator[bytes]:
     """Server-sent events of one completion (module docstring)."""
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -155,28 +226,40 @@ async def event_stream(events: AsyncIterator[tuple[list[int], Any]], tokenizer: 
                 "choices": [choice], **extra}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
-    deltas = TextDeltas(tokenizer)
+    def usage_chunk(counts: dict[str, int]) -> bytes:
+        body = {"id": ident, "object": kind, "created": created, "model": model,
+                "choices": [], "usage": counts}
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    text = StoppingText(tokenizer, stops)
     if chat:
         yield chunk(None, None, first=True)
-    async for tokens, result in events:
+    async for tokens, result in stream.updates():
         if result is None:
-            text = deltas.add(tokens)
-            if text:
-                yield chunk(text, None)
+            piece = text.add(tokens)
+            if text.stopped:          # (the caller cancels the sequence)
+                yield chunk(piece, "stop")
+                if include_usage:
+                    yield usage_chunk(usage(prompt_length(stream), text.tokens))
+                break
+            if piece:
+                yield chunk(piece, None)
             continue
-        if result.error is not None:
-            error = {"error": {"message": result.error, "type": "server_error",
-                               "param": None, "code": "generation_failed"}}
+        if result.error is not None or result.finish_reason not in ("stop", "length"):
+            error = {"error": {"message": result.error or f"generation ended: "
+                                                          f"{result.finish_reason}",
+                               "type": "server_error", "param": None,
+                               "code": "generation_failed"}}
             yield f"data: {json.dumps(error)}\n\n".encode()
             break
-        # The result's text is authoritative (it leaves out a stop token): send its rest.
-        yield chunk(deltas.rest(result.text or ""), result.finish_reason)
+        piece = text.finish(result)
+        yield chunk(piece, "stop" if text.stopped else result.finish_reason)
         if include_usage:
-            body = {"id": ident, "object": kind, "created": created, "model": model,
-                    "choices": [], "usage": usage(result)}
-            yield f"data: {json.dumps(body)}\n\n".encode()
+            yield usage_chunk(usage(result.prompt_tokens, len(result.token_ids)))
+        break
     yield b"data: [DONE]\n\n"
 
 
-__all__ = ("ChatCompletionRequest", "CompletionRequest", "TextDeltas", "completion_body",
-           "event_stream", "generation_request", "unsupported")
+__all__ = ("ChatCompletionRequest", "CompletionRequest", "Failed", "StoppingText",
+           "TextDeltas", "collect", "completion_body", "event_stream", "generation_request",
+           "stop_strings", "unsupported")
