@@ -134,3 +134,35 @@ def test_messages_without_a_chat_template_are_refused_by_name():
     (result,) = Scorer("demo", calibrate=False, max_batch_tokens=64).score(
         [{"messages": [{"role": "user", "content": "hi"}], "candidates": [" a"]}])
     assert "messages: the model has no chat template" in result.error
+
+
+def test_messages_and_templates_travel_over_grpc(chat_model):
+    """ScoreRequest's messages and templates_json: a request sent by the gRPC client is
+    answered as the in-process Scorer answers it."""
+    from serving import Scorer
+    from serving.grpc import Client
+    from serving.grpc.server import ScoringServer, ServerOptions
+
+    scorer = Scorer(str(chat_model), calibrate=False, max_batch_tokens=256)
+    requests = [{"id": "m", "messages": [{"role": "user", "content": "Is 2 + 2 = 4?"}],
+                 "candidates": ["yes", "no"]},
+                {"id": "t", "kind": "choice", "prompt": "Which is a number?",
+                 "candidates": ["seven", "table"],
+                 "templates": {"choice_labels": ["1", "2"], "choice_template":
+                               "Q: {prompt}\n{options}\nA:"}},
+                {"id": "bad", "prompt": "x", "candidates": ["a"],
+                 "templates": {"no_such_field": "y"}}]
+    want = scorer.score(requests)
+    server = ScoringServer(ServerOptions(port=0, generation=False))
+    port = server.start()
+    server.attach(scorer)
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            got = client.score(requests, timeout=60)
+    finally:
+        server.stop(2)
+    for a, b in zip(got, want):
+        assert a.error == b.error and a.label == b.label
+        if b.error is None:
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5)
+    assert "templates: unknown field 'no_such_field'" in got[2].error

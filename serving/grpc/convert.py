@@ -83,7 +83,8 @@ def limit_view(message: pb.ScoreRequest) -> dict[str, Any]:
     return {"id": _get_id(message),
             "prompt": message.prompt if message.HasField("prompt") else None,
             "prompt_token_ids": message.prompt_token_ids, "candidates": message.candidates,
-            "candidate_token_ids": _CandidateIds(message.candidate_token_ids)}
+            "candidate_token_ids": _CandidateIds(message.candidate_token_ids),
+            "messages": [{"content": m.content} for m in message.messages]}
 
 
 def request_to_proto(request: ScoreRequest, index: int | None = None) -> pb.ScoreRequest:
@@ -103,6 +104,14 @@ def request_to_proto(request: ScoreRequest, index: int | None = None) -> pb.Scor
         for k, ids in enumerate(request.candidate_token_ids):
             message.candidate_token_ids.add().ids.extend(
                 _int64_ids(ids, f"candidate_token_ids[{k}]", request.id, index))
+    for chat in request.messages or ():
+        content = chat.get("content")
+        if not isinstance(content, (str, type(None))):
+            raise RequestError(f"{request_label(request.id, index)}: messages: only text "
+                               f"content travels over gRPC", index=index, field="messages")
+        message.messages.add(role=chat["role"], content=content or "")
+    if request.templates is not None:
+        message.templates_json = json.dumps(request.templates)
     return message
 
 
@@ -115,7 +124,20 @@ def request_from_proto(message: pb.ScoreRequest) -> ScoreRequest:
         candidates=list(message.candidates) or None,
         candidate_token_ids=[list(c.ids) for c in message.candidate_token_ids] or None,
         kind=message.kind or "classify",
-        normalize=message.normalize or "candidates")
+        normalize=message.normalize or "candidates",
+        messages=[{"role": m.role, "content": m.content} for m in message.messages] or None,
+        templates=_templates(message.templates_json))
+
+
+def _templates(text: str) -> Any:
+    """A request's templates from their JSON text (None when empty; what is not JSON is
+    passed on as the text itself, for the parser to refuse by name)."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def result_to_proto(result: ScoreResult, queue_seconds: float | None = None) -> pb.ScoreResult:

@@ -13,7 +13,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "candidates", "candidate_token_ids", "kind", "normalize")
+    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "candidates", "candidate_token_ids", "kind", "normalize", "messages", "templates_json")
     STRING_ID_FIELD_NUMBER: _ClassVar[int]
     INT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class ScoreRequest(_message.Message):
     CANDIDATE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATES_JSON_FIELD_NUMBER: _ClassVar[int]
     string_id: str
     int_id: int
     prompt: str
@@ -30,7 +32,17 @@ class ScoreRequest(_message.Message):
     candidate_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
     kind: str
     normalize: str
-    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., candidate_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., kind: _Optional[str] = ..., normalize: _Optional[str] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    templates_json: str
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., candidate_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., kind: _Optional[str] = ..., normalize: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., templates_json: _Optional[str] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class IndexList(_message.Message):
     __slots__ = ("indices",)
