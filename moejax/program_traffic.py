@@ -144,15 +144,15 @@ def _trip_count(line: str) -> int | None:
     return None if known is None else int(known["n"])
 
 
-def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-    """Every collective of an optimized HLO module (``compiled.as_text()``), with how often
-    one run executes it. ``num_devices``: the program's device count (a collective without
-    replica groups spans them all)."""
-    bodies, entry = _split_computations(hlo_text)
+def _run_counts(bodies: Mapping[str, list[str]], entry: str
+                ) -> tuple[dict[str, int], dict[str, str]]:
+    """How many times one run of the program runs each computation reachable from
+    ``entry``, and for those inside a loop of unknown trip count, that loop's line."""
     runs: dict[str, int] = {}
-    uncounted: dict[str, str] = {}     # computation -> the loop of unknown count it is in
-
-    def visit(name: str, times: int, loop: str | None) -> None:
+    uncounted: dict[str, str] = {}
+    stack: list[tuple[str, int, str | None]] = [(entry, 1, None)]
+    while stack:
+        name, times, loop = stack.pop()
         runs[name] = runs.get(name, 0) + times
         if loop is not None:
             uncounted.setdefault(name, loop)
@@ -164,32 +164,38 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
             for callee, role in called.items():
                 if role == "body":
                     inner = loop if trips is not None else (loop or line.strip()[:160])
-                    visit(callee, times * (trips or 1), inner)
+                    stack.append((callee, times * (trips or 1), inner))
                 elif role != "condition":
-                    visit(callee, times, loop)
+                    stack.append((callee, times, loop))
+    return runs, uncounted
 
-    visit(entry, 1, None)
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+    """Every collective of an optimized HLO module (``compiled.as_text()``), with how often
+    one run executes it. ``num_devices``: the program's device count (a collective without
+    replica groups spans them all)."""
+    bodies, entry = _split_computations(hlo_text)
+    runs, uncounted = _run_counts(bodies, entry)
     found = []
     for name, lines in bodies.items():
-        defined = {m.group(1): line for line in lines
-                   if (m := _INSTRUCTION.match(line)) is not None}
-        for line in lines:
-            match = _INSTRUCTION.match(line)
-            if match is None:
-                continue
+        if runs.get(name, 0) == 0:
+            continue
+        parsed = [(m, line) for line in lines if (m := _INSTRUCTION.match(line)) is not None]
+        defined = {m.group(1): line for m, line in parsed}
+        for match, line in parsed:
             _, shape, op, operand = match.groups()
             kind = op[:-len("-done")] if op.endswith("-done") else op
+            if kind not in KINDS:
+                continue
             if op.endswith("-done") and operand:
                 # The groups are written on the -start half, the received bytes on this one.
                 line = defined.get(operand.lstrip("%"), line)
-            if kind not in KINDS or runs.get(name, 0) == 0:
-                continue
             if name in uncounted:
                 raise UncountableProgram(
                     f"a {kind} in computation {name!r} runs inside a loop whose trip count "
                     f"XLA does not know: {uncounted[name]}")
-            group = _group_size(line, num_devices)
-            found.append(Collective(kind, array_bytes(shape), group, runs[name]))
+            found.append(Collective(kind, array_bytes(shape), _group_size(line, num_devices),
+                                    runs[name]))
     return found
 
 

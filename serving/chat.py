@@ -33,6 +33,15 @@ class ChatTemplateError(ValueError):
     error), or the model has no template."""
 
 
+class MessagesError(ChatTemplateError):
+    """``messages`` is malformed: ``field`` (``messages``, ``messages[1].role``, ...) and
+    what is wrong with it (``problem``)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, Mapping):
         value = value.get("content")
@@ -122,18 +131,17 @@ class ChatTemplate:
 
 def check_messages(messages: Any) -> None:
     """``messages`` is a non-empty list of objects with a string ``role`` and a string (or
-    list of parts) ``content``; raises ChatTemplateError naming the first problem."""
+    list of parts) ``content``; raises MessagesError naming the first problem."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise ChatTemplateError(f"messages: must be {ROLES_HINT}, non-empty")
+        raise MessagesError("messages", f"must be {ROLES_HINT}, non-empty")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ChatTemplateError(f"messages[{i}]: must be an object with role and content")
+            raise MessagesError(f"messages[{i}]", "must be an object with role and content")
         if not isinstance(message.get("role"), str) or not message["role"]:
-            raise ChatTemplateError(f"messages[{i}].role: must be a non-empty string")
+            raise MessagesError(f"messages[{i}].role", "must be a non-empty string")
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise ChatTemplateError(f"messages[{i}].content: must be a string or a list of "
-                                    f"parts")
+            raise MessagesError(f"messages[{i}].content", "must be a string or a list of parts")
 
 
-__all__ = ("ChatTemplate", "ChatTemplateError", "check_messages")
+__all__ = ("ChatTemplate", "ChatTemplateError", "MessagesError", "check_messages")

@@ -23,7 +23,6 @@ its batch).
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -101,14 +100,15 @@ class ServingMetrics(MetricsEndpoint):
 
     # ------------------------------------------------------------------ events
     def request_done(self, endpoint: str, kind: str, status: str,
-                     seconds: float | None = None) -> None:
-        """One request answered (``seconds``: since its admission, when it was admitted).
+                     seconds: float | None = None, count: int = 1) -> None:
+        """``count`` requests answered (``seconds``: one's since its admission, when it was
+        admitted).
         A kind that is not one of the request kinds counts as ``unknown`` (a label value
         never comes from what a client wrote: the series stay few;
         ``serving.requests.request_kind``)."""
         if status not in STATUSES:
             raise ValueError(f"unknown request status {status!r}; known: {STATUSES}")
-        self.requests.labels(endpoint, kind if kind in KINDS else "unknown", status).inc()
+        self.requests.labels(endpoint, kind if kind in KINDS else "unknown", status).inc(count)
         if seconds is not None:
             self.request_seconds.labels(endpoint).observe(seconds)
 
@@ -191,19 +191,17 @@ class StateCollector(Collector):
         self.scorer: Any = None
         self.batcher: Any = None
         self.generation: Any = None
-        self._lock = threading.Lock()
 
     def collect(self) -> Iterator[Any]:
-        with self._lock:
-            if self.batcher is not None:
-                yield from _queue_metrics(self.batcher.snapshot())
-            if self.scorer is not None:
-                yield from _engine_metrics(self.scorer)
-            if self.generation is not None and self.generation.loop is not None:
-                yield _gauge("moejax_generation_streams", "Generation calls admitted and "
-                             "not yet out of the scheduler", self.generation.streams)
-                yield _gauge("moejax_kv_blocks_in_use", "KV blocks held by running "
-                             "sequences", self.generation.loop.occupancy())
+        if self.batcher is not None:
+            yield from _queue_metrics(self.batcher.snapshot())
+        if self.scorer is not None:
+            yield from _engine_metrics(self.scorer)
+        if self.generation is not None and self.generation.loop is not None:
+            yield _gauge("moejax_generation_streams", "Generation calls admitted and not "
+                         "yet out of the scheduler", self.generation.streams)
+            yield _gauge("moejax_kv_blocks_in_use", "KV blocks held by running sequences",
+                         self.generation.loop.occupancy())
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -225,63 +223,58 @@ def _queue_metrics(snapshot: dict[str, int]) -> Iterator[Any]:
                    "(overload)", snapshot["rejected"])
 
 
+# Per engine: (metric, help, its value from the engine's EngineStats). Counters all.
+_ENGINE_COUNTERS = (
+    ("moejax_engine_model_calls", "Packed batches run", lambda s: s.batches),
+    ("moejax_engine_compiles", "Programs compiled", lambda s: s.compiles),
+    ("moejax_engine_compile_seconds", "Seconds spent compiling", lambda s: s.compile_seconds),
+    ("moejax_engine_tokens", "Real (unpadded) tokens run", lambda s: s.real_tokens),
+    ("moejax_engine_executed_flops", "Model FLOPs of the tokens run",
+     lambda s: s.executed_flops),
+    ("moejax_prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache (earlier "
+     "calls' blocks) instead of computed", lambda s: s.prefix_tokens_cached),
+    ("moejax_prefix_shared_tokens", "Prompt tokens read from another sequence of the same "
+     "call", lambda s: s.prefix_tokens_shared),
+)
+# Per engine with a prefix pool: (metric, help, the allocators' counter summed over ranks).
+_POOL_COUNTERS = (
+    ("moejax_prefix_cache_block_lookups", "Prompt blocks looked up in the prefix cache",
+     "lookups"),
+    ("moejax_prefix_cache_block_hits", "Prompt blocks found in the prefix cache", "hits"),
+    ("moejax_prefix_cache_block_evictions", "Cached blocks evicted for room", "evictions"),
+)
+
+
 def _engine_metrics(scorer: Any) -> Iterator[Any]:
-    families = {
-        "calls": CounterMetricFamily("moejax_engine_model_calls", "Packed batches run, per "
-                                     "engine", labels=["engine"]),
-        "compiles": CounterMetricFamily("moejax_engine_compiles", "Programs compiled, per "
-                                        "engine", labels=["engine"]),
-        "compile_seconds": CounterMetricFamily("moejax_engine_compile_seconds", "Seconds "
-                                               "spent compiling, per engine",
-                                               labels=["engine"]),
-        "tokens": CounterMetricFamily("moejax_engine_tokens", "Real (unpadded) tokens run, "
-                                      "per engine", labels=["engine"]),
-        "flops": CounterMetricFamily("moejax_engine_executed_flops", "Model FLOPs of the "
-                                     "tokens run, per engine", labels=["engine"]),
-        "cached": CounterMetricFamily("moejax_prefix_cache_hit_tokens", "Prompt tokens read "
-                                      "from the prefix cache (earlier calls' blocks) instead "
-                                      "of computed, per engine", labels=["engine"]),
-        "shared": CounterMetricFamily("moejax_prefix_shared_tokens", "Prompt tokens read from "
-                                      "another sequence of the same call, per engine",
-                                      labels=["engine"]),
-        "theta": GaugeMetricFamily("moejax_engine_theta_flops", "The saturation threshold Θ "
-                                   "the router admits to, per engine", labels=["engine"]),
-        "lookups": CounterMetricFamily("moejax_prefix_cache_block_lookups", "Prompt blocks "
-                                       "looked up in the prefix cache, per engine",
-                                       labels=["engine"]),
-        "hits": CounterMetricFamily("moejax_prefix_cache_block_hits", "Prompt blocks found "
-                                    "in the prefix cache, per engine", labels=["engine"]),
-        "evictions": CounterMetricFamily("moejax_prefix_cache_block_evictions", "Cached "
-                                         "blocks evicted for room, per engine",
-                                         labels=["engine"]),
-        "blocks": GaugeMetricFamily("moejax_prefix_pool_blocks", "KV blocks of the engine's "
-                                    "pool, by state (in_use, cached, free)",
-                                    labels=["engine", "state"]),
-    }
+    engines = [(str(g), engine) for g, engine in enumerate(scorer.engines)]
+    for name, doc, value in _ENGINE_COUNTERS:
+        family = CounterMetricFamily(name, f"{doc}, per engine", labels=["engine"])
+        for label, engine in engines:
+            family.add_metric([label], value(engine.stats))
+        yield family
     theta = _router_theta(scorer)
-    for g, engine in enumerate(scorer.engines):
-        s, label = engine.stats, [str(g)]
-        families["calls"].add_metric(label, s.batches)
-        families["compiles"].add_metric(label, s.compiles)
-        families["compile_seconds"].add_metric(label, s.compile_seconds)
-        families["tokens"].add_metric(label, s.real_tokens)
-        families["flops"].add_metric(label, s.executed_flops)
-        families["cached"].add_metric(label, s.prefix_tokens_cached)
-        families["shared"].add_metric(label, s.prefix_tokens_shared)
-        if theta is not None:
-            families["theta"].add_metric(label, theta[g])
-        allocators = [] if engine.kv_store is None else engine.kv_store.allocators
-        if allocators:
-            families["lookups"].add_metric(label, sum(a.lookups for a in allocators))
-            families["hits"].add_metric(label, sum(a.hits for a in allocators))
-            families["evictions"].add_metric(label, sum(a.evictions for a in allocators))
-            in_use = sum(a.num_in_use for a in allocators)
-            cached = sum(a.num_cached for a in allocators)
-            total = sum(a.num_blocks for a in allocators)
-            for state, count in (("in_use", in_use), ("cached", cached),
-                                 ("free", total - in_use - cached)):
-                families["blocks"].add_metric([str(g), state], count)
-    yield from families.values()
+    if theta is not None:
+        family = GaugeMetricFamily("moejax_engine_theta_flops", "The saturation threshold Θ "
+                                   "the router admits to, per engine", labels=["engine"])
+        for (label, _), value in zip(engines, theta):
+            family.add_metric([label], value)
+        yield family
+    pooled = [(label, engine.kv_store.allocators) for label, engine in engines
+              if engine.kv_store is not None]
+    for name, doc, field in _POOL_COUNTERS:
+        family = CounterMetricFamily(name, f"{doc}, per engine", labels=["engine"])
+        for label, allocators in pooled:
+            family.add_metric([label], sum(getattr(a, field) for a in allocators))
+        yield family
+    blocks = GaugeMetricFamily("moejax_prefix_pool_blocks", "KV blocks of the engine's pool, "
+                               "by state (in_use, cached, free)", labels=["engine", "state"])
+    for label, allocators in pooled:
+        in_use = sum(a.num_in_use for a in allocators)
+        cached = sum(a.num_cached for a in allocators)
+        free = sum(a.num_blocks for a in allocators) - in_use - cached
+        for state, count in (("in_use", in_use), ("cached", cached), ("free", free)):
+            blocks.add_metric([label, state], count)
+    yield blocks
 
 
 def _router_theta(scorer: Any) -> list[float] | None:

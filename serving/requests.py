@@ -196,6 +196,15 @@ class OpOutput:
     logsumexp: np.ndarray | None = None
 
 
+class TemplateError(ValueError):
+    """A bad prompt template option: ``field`` (``templates.multi_template``, ...) and what
+    is wrong with it (``problem``)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
 @dataclasses.dataclass(frozen=True)
 class NormalizeOptions:
     """Prompt templates for kinds "choice" and "multi"."""
@@ -212,40 +221,41 @@ class NormalizeOptions:
         for name, needed in _TEMPLATE_FIELDS.items():
             for field in needed:
                 if getattr(self, name).count("{" + field + "}") != 1:
-                    raise ValueError(f"{name}: must contain '{{{field}}}' exactly once")
+                    raise TemplateError(name, f"must contain '{{{field}}}' exactly once")
         if not self.choice_labels or len(set(self.choice_labels)) != len(self.choice_labels):
-            raise ValueError("choice_labels: must be non-empty and distinct")
+            raise TemplateError("choice_labels", "must be non-empty and distinct")
         if len(self.multi_answers) != 2 or self.multi_answers[0] == self.multi_answers[1]:
-            raise ValueError("multi_answers: must be two distinct strings (yes, no)")
+            raise TemplateError("multi_answers", "must be two distinct strings (yes, no)")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], base: "NormalizeOptions | None" = None,
                      where: str = "templates") -> "NormalizeOptions":
         """``base`` (default: the defaults) with the fields of ``values`` replaced (the
         per-server ``templates`` option, a request's ``templates``). Unknown keys, values
-        of the wrong type and templates without their placeholders raise ValueError naming
-        ``where.KEY``."""
+        of the wrong type and templates without their placeholders raise TemplateError
+        naming ``where.KEY``."""
         if not isinstance(values, Mapping):
-            raise ValueError(f"{where}: must be an object of template fields, got "
-                             f"{type(values).__name__}")
+            raise TemplateError(where, f"must be an object of template fields, got "
+                                       f"{type(values).__name__}")
         known = [f.name for f in dataclasses.fields(cls)]
         changes: dict[str, Any] = {}
         for key, value in values.items():
             if key not in known:
-                raise ValueError(f"{where}: unknown field {show(key)} (accepted: "
-                                 f"{', '.join(known)})")
+                raise TemplateError(where, f"unknown field {show(key)} (accepted: "
+                                           f"{', '.join(known)})")
             if key in ("choice_labels", "multi_answers"):
                 if not isinstance(value, (list, tuple)) or not all(isinstance(v, str)
                                                                    for v in value):
-                    raise ValueError(f"{where}.{key}: must be a list of strings")
+                    raise TemplateError(f"{where}.{key}", "must be a list of strings")
                 value = tuple(value)
             elif not isinstance(value, str):
-                raise ValueError(f"{where}.{key}: must be a string, got {type(value).__name__}")
+                raise TemplateError(f"{where}.{key}",
+                                    f"must be a string, got {type(value).__name__}")
             changes[key] = value
         try:
             return dataclasses.replace(base or cls(), **changes)
-        except ValueError as exc:
-            raise ValueError(f"{where}.{exc}") from None
+        except TemplateError as exc:
+            raise TemplateError(f"{where}.{exc.field}", exc.problem) from None
 
 
 # The placeholders each template must hold exactly once.
@@ -350,15 +360,21 @@ def renamed(message: str | None, index: int, label: str) -> str | None:
     return message
 
 
+def _field_of(obj: Any, name: str, broken: Any = None) -> Any:
+    """Field ``name`` of a request (a dict or a dataclass), else None; ``broken`` for a
+    mapping that raises (its request fails on its own)."""
+    try:
+        return (obj.get(name) if isinstance(obj, Mapping)
+                else getattr(obj, name, None) if dataclasses.is_dataclass(obj) else None)
+    except Exception:  # noqa: BLE001
+        return broken
+
+
 def request_kind(obj: Any) -> str:
     """The kind of a request (a dict or a dataclass with ``kind``): one of :data:`KINDS`
     (absent: "classify"), or "unknown" for anything else (for metrics labels: never a
     value a client wrote)."""
-    try:
-        kind = (obj.get("kind") if isinstance(obj, Mapping)
-                else getattr(obj, "kind", None) if dataclasses.is_dataclass(obj) else None)
-    except Exception:  # noqa: BLE001  (a broken mapping: its request fails on its own)
-        return "unknown"
+    kind = _field_of(obj, "kind", broken="unknown")
     kind = "classify" if kind in (None, "") else kind
     return kind if kind in KINDS else "unknown"
 
@@ -366,11 +382,7 @@ def request_kind(obj: Any) -> str:
 def request_id_of(obj: Any) -> str | int | None:
     """The usable id of a request (a dict or a dataclass with ``id``), else None; for the
     result of a request that failed validation, so it never raises."""
-    try:
-        request_id = (obj.get("id") if isinstance(obj, Mapping)
-                      else getattr(obj, "id", None) if dataclasses.is_dataclass(obj) else None)
-    except Exception:  # noqa: BLE001  (a broken mapping: its request fails on its own)
-        return None
+    request_id = _field_of(obj, "id")
     return request_id if request_id is not None and id_problem(request_id) is None else None
 
 
@@ -481,13 +493,12 @@ def _parse_prompt(check: FieldChecker, req: ScoreRequest) -> tuple[str | None, l
         raise check.fail("prompt", "give exactly one of prompt or prompt_token_ids "
                                    f"(got {'both' if has_text else 'neither'})")
     if req.messages is not None:
-        from serving.chat import ChatTemplateError, check_messages
+        from serving.chat import MessagesError, check_messages
 
         try:
             check_messages(req.messages)
-        except ChatTemplateError as exc:
-            field, _, problem = str(exc).partition(": ")     # "messages[1].role: ..."
-            raise check.fail(field, problem) from None
+        except MessagesError as exc:
+            raise check.fail(exc.field, exc.problem) from None
         return None, None
     if req.prompt_token_ids is not None:
         return None, check.token_ids(req.prompt_token_ids, "prompt_token_ids")
@@ -569,9 +580,8 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
     if req.templates is not None:
         try:
             NormalizeOptions.from_mapping(req.templates)
-        except ValueError as exc:
-            field, _, problem = str(exc).partition(": ")
-            raise check.fail(field, problem) from None
+        except TemplateError as exc:
+            raise check.fail(exc.field, exc.problem) from None
     return req
 
 

@@ -353,8 +353,7 @@ class StreamedBackend(MeshBackend):
         """The layer program (one for every layer but the last) and the last layer's."""
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         host_layer = self.host_experts.layers[0]
-        held = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=self._device_layer)
-                for k, v in host_layer.items()}
+        held = self._held_layer()
         whole = {k: jax.ShapeDtypeStruct((self.cfg.num_experts,) + tuple(np.shape(v)[1:]),
                                          v.dtype) for k, v in host_layer.items()}
         current = whole if self.gather else held
@@ -373,12 +372,15 @@ class StreamedBackend(MeshBackend):
         layer, last = (self.traffic_of(p) for p in self.lowered_steps(batches, opts))
         traffic = layer.times(self.cfg.num_layers - 1) + last
         if self.gather:
-            shards = {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=self._device_layer)
-                      for k, v in self.host_experts.layers[0].items()}
-            traffic = traffic + self.traffic_of(self._gather_program().lower(shards))
-        copied = sum(np.dtype(v.dtype).itemsize * int(np.prod(np.shape(v)))
-                     for v in self.host_experts.layers[0].values()) / len(self._devices)
+            traffic = traffic + self.traffic_of(self._gather_program().lower(self._held_layer()))
+        host = self.host_experts
+        copied = host.expert_bytes * host.num_experts / len(self._devices)   # a layer's shard
         return traffic + Traffic(background=copied * self.cfg.num_layers)
+
+    def _held_layer(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """One layer's experts as the window holds them on the device(s), abstract."""
+        return {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=self._device_layer)
+                for k, v in self.host_experts.layers[0].items()}
 
     # ------------------------------------------------------------------ steps
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -268,11 +268,14 @@ class GenerationStream:
             pass
 
     # --------------------------------------------------------------- the stream
-    async def updates(self) -> AsyncIterator[tuple[list[int], Any]]:
+    async def updates(self, next_event: Callable[[], Awaitable[Any]] | None = None
+                      ) -> AsyncIterator[tuple[list[int], Any]]:
         """(new token ids, the result on the last update) as they arrive; a slow reader
-        gets the tokens of several steps together."""
+        gets the tokens of several steps together. ``next_event``: how to wait for the
+        next event (default: as long as it takes)."""
+        wait = next_event or self.events.get
         while True:
-            event = await self.events.get()
+            event = await wait()
             tokens, result = list(event.token_ids), event.result
             while result is None and not self.events.empty():
                 event = self.events.get_nowait()
@@ -296,14 +299,7 @@ class GenerationStream:
 
     async def responses(self, context: Any) -> AsyncIterator[pb.GenerateResponse]:
         deadline = call_deadline(context)
-        while True:
-            event = await self._next(deadline, context)
-            tokens, result = list(event.token_ids), event.result
-            while result is None and not self.events.empty():  # a slow reader: group them
-                event = self.events.get_nowait()
-                tokens.extend(event.token_ids)
-                result = event.result
-            self.sent += len(tokens)
+        async for tokens, result in self.updates(lambda: self._next(deadline, context)):
             if result is None:
                 if tokens:
                     yield convert.generation_response(tokens)

@@ -110,17 +110,20 @@ async def _abort_for(outcome: Any, context: Any) -> None:
         await context.abort(grpc.StatusCode.INTERNAL, f"scoring failed: {outcome.error!r}")
 
 
-class _Outcomes:
-    """Futures of one call's work items, completed from the worker thread."""
+class Outcomes:
+    """Futures of one call's work items, completed from the worker thread (the gRPC and
+    the HTTP handlers' calls alike)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.gone = threading.Event()  # the caller went away: the worker drops its items
 
-    def item(self, prepared: Any, context: Any, endpoint: str) -> WorkItem:
-        return WorkItem(prepared=prepared, deliver=self._deliver,
-                        deadline=call_deadline(context), cancelled=self.gone.is_set,
-                        future=self.loop.create_future(), endpoint=endpoint)
+    def item(self, prepared: Any, endpoint: str, deadline: float | None = None) -> WorkItem:
+        """A work item of ``prepared`` whose outcome :meth:`wait` awaits (``deadline``: a
+        ``time.monotonic()`` time or None)."""
+        return WorkItem(prepared=prepared, deliver=self._deliver, deadline=deadline,
+                        cancelled=self.gone.is_set, future=self.loop.create_future(),
+                        endpoint=endpoint)
 
     def _deliver(self, item: WorkItem, outcome: Any) -> None:
         self.loop.call_soon_threadsafe(_resolve, item.future, outcome)
@@ -177,8 +180,7 @@ class ScoringService:
               ) -> None:
         """Requests answered here, not by the batcher (refused, invalid), in the metrics."""
         if self.metrics is not None:
-            for _ in range(requests):
-                self.metrics.request_done(endpoint, kind, status)
+            self.metrics.request_done(endpoint, kind, status, count=requests)
 
     @contextlib.asynccontextmanager
     async def _call(self, context: Any, endpoint: str) -> AsyncIterator[Batcher]:
@@ -315,8 +317,8 @@ class ScoringService:
             except Refused as refused:
                 self.count("Score", "refused")
                 await refuse(context, refused)
-            outcomes = _Outcomes()
-            item = outcomes.item(prepared, context, "Score")
+            outcomes = Outcomes()
+            item = outcomes.item(prepared, "Score", call_deadline(context))
             batcher.submit([item])
             outcome = (await outcomes.wait([item]))[0]
             await _abort_for(outcome, context)
@@ -356,7 +358,7 @@ class ScoringService:
                     self.count("ScoreBatch", "error")
                     continue
                 todo.append((index, message))
-            outcomes = _Outcomes()
+            outcomes = Outcomes()
             work = []
             try:
                 if todo:
@@ -367,7 +369,8 @@ class ScoringService:
                             request_id_of(prepared.request), prepared.error)
                         self.count("ScoreBatch", "error", request_kind(prepared.request))
                     else:
-                        work.append(outcomes.item(prepared, context, "ScoreBatch"))
+                        work.append(outcomes.item(prepared, "ScoreBatch",
+                                                  call_deadline(context)))
                 if work:
                     self._admit(batcher, sum(item.cost for item in work))
             except Refused as refused:
@@ -420,7 +423,7 @@ class _Stream:
         self.service, self.batcher, self.context = service, batcher, context
         self.out: asyncio.Queue = asyncio.Queue()
         self.window = asyncio.Semaphore(STREAM_WINDOW)
-        self.outcomes = _Outcomes()
+        self.outcomes = Outcomes()
         self.gone = self.outcomes.gone
         self.submitted = 0
         self.stopped_early = False

@@ -154,44 +154,33 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
             raise ApiError(400, result.error)
         return JSONResponse(result.to_dict())
 
-    async def scored_all(requests: list[dict[str, Any]], endpoint: str) -> list[Any]:
-        """The results of a call whose shape answers all or nothing: the first error
-        fails it (400)."""
-        if len(requests) > max_batch_requests:
-            raise ApiError(413, f"the call makes {len(requests)} requests, more than the "
-                           f"server takes in one call ({max_batch_requests}): split it",
-                           code="batch_too_large")
-        results = await _scored(scoring, requests, endpoint)
-        failed = next((r.error for r in results if r.error is not None), None)
-        if failed is not None:
-            raise ApiError(400, failed)
-        return results
-
     @app.post("/v1/score")
     async def sglang_score(body: shapes.SGLangScore) -> dict[str, Any]:
         """SGLang's scoring shape (``serving.http.shapes``)."""
-        results = await scored_all(shapes.sglang_requests(body), "/v1/score")
+        results = await _scored_all(scoring, shapes.sglang_requests(body), "/v1/score",
+                                    max_batch_requests)
         return shapes.sglang_response(results, scoring.model_name)
 
     @app.post("/score")
     async def vllm_score(body: shapes.VllmScore) -> dict[str, Any]:
         """vLLM's ``text_1``/``text_2`` scores: relevance, P(yes) of the "multi" kind."""
         requests, places = shapes.pair_requests(shapes.vllm_score_pairs(body))
-        results = await scored_all(requests, "/score")
+        results = await _scored_all(scoring, requests, "/score", max_batch_requests)
         return shapes.vllm_score_response(results, places, scoring.model_name)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     async def rerank(body: shapes.Rerank) -> dict[str, Any]:
         """Cohere/Jina-style reranking of ``documents`` against ``query``."""
-        (result,) = await scored_all(shapes.relevance_requests(
-            body.query, shapes.document_texts(body)), "/rerank")
+        (result,) = await _scored_all(scoring, shapes.relevance_requests(
+            body.query, shapes.document_texts(body)), "/rerank", max_batch_requests)
         return shapes.rerank_response(body, result, scoring.model_name)
 
     @app.post("/classify")
     async def classify(body: shapes.Classify) -> dict[str, Any]:
         """Each input classified over the ``labels`` (probabilities over the labels)."""
-        results = await scored_all(shapes.classify_requests(body), "/classify")
+        results = await _scored_all(scoring, shapes.classify_requests(body), "/classify",
+                                    max_batch_requests)
         return shapes.classify_response(body, results, scoring.model_name)
 
     @app.post("/v1/completions")
@@ -305,6 +294,21 @@ async def _json_body(request: Request, limit: int) -> Any:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the body is not JSON: {exc}") from None
+
+
+async def _scored_all(scoring: HttpScoring, requests: list[dict[str, Any]], endpoint: str,
+                      max_batch_requests: int) -> list[Any]:
+    """The results of a call whose shape answers all or nothing: the first error fails it
+    (400)."""
+    if len(requests) > max_batch_requests:
+        raise ApiError(413, f"the call makes {len(requests)} requests, more than the server "
+                       f"takes in one call ({max_batch_requests}): split it",
+                       code="batch_too_large")
+    results = await _scored(scoring, requests, endpoint)
+    failed = next((r.error for r in results if r.error is not None), None)
+    if failed is not None:
+        raise ApiError(400, failed)
+    return results
 
 
 async def _scored(scoring: HttpScoring, requests: list[Any], endpoint: str) -> list[Any]:

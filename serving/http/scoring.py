@@ -15,8 +15,8 @@ import asyncio
 import concurrent.futures
 from typing import Any, Sequence
 
-from serving.grpc.batcher import Cancelled, Expired, Failed, WorkItem
-from serving.grpc.service import Refused
+from serving.grpc.batcher import Cancelled, Expired, Failed
+from serving.grpc.service import Outcomes, Refused
 from serving.requests import ScoreResult, request_id_of, request_kind, request_label
 
 
@@ -68,22 +68,11 @@ class HttpScoring:
         cost = sum(prep.cost for prep in todo)
         if todo:
             self._admit(batcher, cost, endpoint, len(todo))
-        futures = []
-        items = []
-        for prep in todo:
-            future = loop.create_future()
-            futures.append(future)
-            items.append(WorkItem(prepared=prep, deliver=_deliverer(loop, future),
-                                  endpoint=endpoint))
+        outcomes = Outcomes()        # (a client that goes away: its queued items dropped)
+        items = [outcomes.item(prep, endpoint) for prep in todo]
         if items:
             batcher.submit(items)
-        try:
-            outcomes = await asyncio.gather(*futures)
-        except asyncio.CancelledError:      # the client went away: drop what is queued
-            for item in items:
-                item.cancelled = lambda: True
-            raise
-        for prep, outcome in zip(todo, outcomes):
+        for prep, outcome in zip(todo, await outcomes.wait(items)):
             results[prep.index] = _as_result(prep, outcome)
         return results
 
@@ -93,20 +82,8 @@ class HttpScoring:
         if refusal is None:
             return
         if batcher.metrics is not None:
-            for _ in range(count):
-                batcher.metrics.request_done(endpoint, "unknown", "refused")
+            batcher.metrics.request_done(endpoint, "unknown", "refused", count=count)
         raise Refused(*refusal)
-
-
-def _deliverer(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
-    def deliver(item: WorkItem, outcome: Any) -> None:
-        loop.call_soon_threadsafe(_resolve, future, outcome)
-    return deliver
-
-
-def _resolve(future: asyncio.Future, outcome: Any) -> None:
-    if not future.done():
-        future.set_result(outcome)
 
 
 def _as_result(prep: Any, outcome: Any) -> ScoreResult:
