@@ -70,18 +70,39 @@ class ForwardOptions:
     full_vocab: bool = True
     expert_impl: moe.ExpertImpl = "auto"
     tile_rows: int | tuple[int, int] | None = None   # None: grouped_gemm.TILE_ROWS
+    # The k most likely vocabulary ids at each scoring position, with their logits
+    # (prompt log-probabilities' alternatives); needs full_vocab.
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_k < 0 or (self.top_k and not self.full_vocab):
+            raise ValueError(f"top_k={self.top_k} needs full_vocab and must be >= 0")
+
+
+@typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VocabReadout:
+    """What a scoring forward reads at its P scoring positions: the logits of the asked
+    ids [P, C] f32; the log-sum-exp over the vocabulary [P] (``full_vocab``) or None; the
+    ``top_k`` most likely ids [P, K] int32 and their logits [P, K] f32 (best first) or
+    None. Every field's leading axis is P (a rank's outputs stack on a new one)."""
+
+    logits: jax.Array
+    lse: jax.Array | None = None
+    top_logits: jax.Array | None = None
+    top_ids: jax.Array | None = None
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ScoreOutput:
-    """The scoring forward's result: logits [P, C] f32 at the scoring positions, the
-    log-sum-exp over the vocabulary [P] (full_vocab) or None, and the attention kind and
-    dispatcher carry after the last layer (an updated prefix pool, per-layer stats)."""
+    """The scoring forward's result: what it read at the scoring positions, and the
+    attention kind and dispatcher carry after the last layer (an updated prefix pool,
+    per-layer stats)."""
 
-    logits: jax.Array
-    lse: jax.Array | None
+    readout: VocabReadout
     attn: Any
     moe_carry: Any
 
@@ -189,26 +210,32 @@ class MoEDecoder(nnx.Module):
                        preferred_element_type=jnp.float32)
 
     def candidate_logits(self, hidden: Float[Array, "P d"], token_ids: Int[Array, "P C"],
-                         full_vocab: bool) -> tuple[jax.Array, jax.Array | None]:
-        """Logits of ``token_ids`` [P, C] at final hidden states [P, d] -> ([P, C] f32,
-        log-sum-exp [P] | None). With ``full_vocab`` the whole [P, V] row is computed (the
-        log-softmax over the vocabulary needs it); otherwise only the C columns."""
+                         full_vocab: bool, top_k: int = 0) -> VocabReadout:
+        """Logits of ``token_ids`` [P, C] at final hidden states [P, d] (and with
+        ``full_vocab`` the log-sum-exp [P], with ``top_k`` the k best ids and logits). With
+        ``full_vocab`` the whole [P, V] row is computed (the log-softmax over the vocabulary
+        needs it); otherwise only the C columns."""
         with jax.named_scope("lm_head"):     # labels the ops for profile attribution
-            return self._candidate_logits(hidden, token_ids, full_vocab)
+            return self._candidate_logits(hidden, token_ids, full_vocab, top_k)
 
     def _candidate_logits(self, hidden: Float[Array, "P d"], token_ids: Int[Array, "P C"],
-                          full_vocab: bool) -> tuple[jax.Array, jax.Array | None]:
+                          full_vocab: bool, top_k: int) -> VocabReadout:
         """:meth:`candidate_logits`' body (outside its named scope)."""
         if full_vocab:
             logits = self.vocab_logits(hidden)
-            return jnp.take_along_axis(logits, token_ids, axis=1), jax.nn.logsumexp(logits, -1)
+            top_logits = top_ids = None
+            if top_k:
+                top_logits, top_ids = jax.lax.top_k(logits, top_k)
+            return VocabReadout(jnp.take_along_axis(logits, token_ids, axis=1),
+                                jax.nn.logsumexp(logits, -1), top_logits,
+                                top_ids.astype(jnp.int32) if top_k else None)
         if self.cfg.tie_word_embeddings:
             columns = jnp.take(self.embed[...], token_ids, axis=0)         # [P, C, d]
         else:
             columns = jnp.take(self.lm_head[...].T, token_ids, axis=0)     # [P, C, d]
         picked = jnp.einsum("pd,pcd->pc", hidden, columns.astype(hidden.dtype),
                             preferred_element_type=jnp.float32)
-        return picked, None
+        return VocabReadout(picked)
 
     # ------------------------------------------------------------ scoring
     def score(self, batch: PackedBatch, opts: ForwardOptions, *, attn=None,
@@ -241,9 +268,9 @@ class MoEDecoder(nnx.Module):
         out = self.layer(self.cfg.num_layers - 1, x, attn, dispatcher, moe_carry, rows=rows,
                          psum_axis=psum_axis, stack_offset=stack_offset)
         x_rows = out.x if rows is not None else jnp.take(out.x, batch.score_positions, axis=0)
-        logits, lse = self.candidate_logits(self.final(x_rows), batch.score_token_ids,
-                                            opts.full_vocab)
-        return ScoreOutput(logits=logits, lse=lse, attn=out.attn, moe_carry=out.moe_carry)
+        readout = self.candidate_logits(self.final(x_rows), batch.score_token_ids,
+                                        opts.full_vocab, opts.top_k)
+        return ScoreOutput(readout=readout, attn=out.attn, moe_carry=out.moe_carry)
 
     def hidden_states(self, batch: PackedBatch, opts: ForwardOptions) -> Float[Array, "T d"]:
         """Every decoder layer over the batch -> [T, d] (before the final norm)."""
@@ -281,8 +308,14 @@ def decoder(cfg: ModelConfig, params: Params, *, with_experts: bool | None = Non
 def forward(params: Params, batch: PackedBatch, cfg: ModelConfig,
             opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
     """``MoEDecoder.score`` on a params dict: ([P, C] logits f32, [P] logsumexp or None)."""
-    out = decoder(cfg, params).score(batch, opts)
-    return out.logits, out.lse
+    readout = decoder(cfg, params).score(batch, opts).readout
+    return readout.logits, readout.lse
+
+
+def score_readout(params: Params, batch: PackedBatch, cfg: ModelConfig,
+                  opts: ForwardOptions) -> VocabReadout:
+    """``MoEDecoder.score`` on a params dict: what it reads at the scoring positions."""
+    return decoder(cfg, params).score(batch, opts).readout
 
 
 def full_logits(params: Params, batch: PackedBatch, cfg: ModelConfig,

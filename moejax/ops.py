@@ -50,7 +50,9 @@ class PrefillOp:
     key: identity within one call (results come back keyed by it; the normalizer uses
     :class:`OpKey`). token_ids: [n] int32, read-only. score_positions: indices in [0, n)
     whose next-token logits are read; score_token_ids: per score position, the vocabulary
-    ids wanted; full_vocab: whether the log-sum-exp over the vocabulary is needed there too.
+    ids wanted; full_vocab: whether the log-sum-exp over the vocabulary is needed there too;
+    top_k: how many of the most likely ids (and their logits) to read there as well
+    (needs full_vocab).
     prefix_len: the first tokens, shared with sibling ops (the prompt of a request expanded
     per candidate); None = all n. Only the prefix's whole blocks are worth keeping.
 
@@ -68,6 +70,7 @@ class PrefillOp:
     score_token_ids: Sequence[Sequence[int | np.integer] | np.ndarray]
     full_vocab: bool | np.bool_ = False
     prefix_len: int | np.integer | None = None
+    top_k: int | np.integer = 0
     position_offset: int | np.integer = 0
     context_slots: np.ndarray | Sequence[int] | None = None
     store_slots: np.ndarray | Sequence[int] | None = None
@@ -96,6 +99,9 @@ class PrefillOp:
                              f"[0, {n}] (its token count)")
         if self.position_offset < 0:
             raise ValueError(f"sequence {self.key!r}: position_offset must be >= 0")
+        if self.top_k < 0 or (self.top_k and not self.full_vocab):
+            raise ValueError(f"sequence {self.key!r}: top_k ({self.top_k}) must be >= 0, "
+                             f"and needs full_vocab")
         # Frozen: normalise once here so that every reader sees plain ints and tuples.
         set_field = object.__setattr__
         set_field(self, "token_ids", tokens)
@@ -105,6 +111,7 @@ class PrefillOp:
         set_field(self, "full_vocab", bool(self.full_vocab))
         set_field(self, "prefix_len", prefix)
         set_field(self, "position_offset", int(self.position_offset))
+        set_field(self, "top_k", int(self.top_k))
 
     # ------------------------------------------------------------------ identity
     @property
@@ -200,6 +207,23 @@ class PrefillOp:
                                      scoring_positions=0)
             cost = costs[cached] = body + self.head_flops(cfg)
         return cost
+
+
+@dataclasses.dataclass
+class OpOutput:
+    """What the model returns for one op.
+
+    ``logits[i]``: logits of ``score_token_ids[i]`` at ``score_positions[i]``.
+    ``logsumexp[i]``: log-sum-exp of the full-vocabulary logits there (required
+    when ``full_vocab``; used whenever present).
+    ``top_ids[i]``, ``top_logits[i]``: the op's ``top_k`` most likely ids there and their
+    logits, best first ([n, top_k]; None when top_k is 0).
+    """
+
+    logits: list[np.ndarray]
+    logsumexp: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logits: np.ndarray | None = None
 
 
 def _as_token_array(token_ids: Sequence[int] | np.ndarray, key: Hashable) -> np.ndarray:

@@ -29,10 +29,10 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from moejax.ops import PrefillOp
+from moejax.ops import OpOutput, PrefillOp
 from moejax.sizes import next_power_of_two, prev_power_of_two
 from moejax.attention_kinds import PrefixContext
-from moejax.model import ForwardOptions, PackedBatch
+from moejax.model import ForwardOptions, PackedBatch, VocabReadout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,8 @@ class HostBatch:
     @property
     def shape_key(self) -> tuple:
         p, c = self.batch.score_token_ids.shape
-        key = (self.batch.tokens.shape[0], self.options.attn_block, p, c, self.options.full_vocab)
+        key = (self.batch.tokens.shape[0], self.options.attn_block, p, c, self.options.full_vocab,
+               self.options.top_k)
         if self.context is not None:
             key += (self.context.ctx_slot.shape[1], self.context.store_row.shape[0])
         return key
@@ -200,7 +201,8 @@ def _build(sequences: Sequence[PrefillOp], blocks: list[_Block], block: int,
         real += n
     base = options or ForwardOptions(attn_block=block)
     opts = dataclasses.replace(base, attn_block=block,
-                               full_vocab=any(s.full_vocab for s in chosen))
+                               full_vocab=any(s.full_vocab for s in chosen),
+                               top_k=top_k_bucket(max(s.top_k for s in chosen)))
     batch = PackedBatch(tokens=tokens, positions=positions, segment_ids=segment_ids,
                         score_positions=score_positions, score_token_ids=score_token_ids)
     context = None
@@ -297,6 +299,7 @@ def pad_to_common_shape(hosts: Sequence[HostBatch], rank_slots: int) -> list[Hos
     positions = max(h.batch.score_token_ids.shape[0] for h in hosts)
     columns = max(h.batch.score_token_ids.shape[1] for h in hosts)
     full_vocab = any(h.options.full_vocab for h in hosts)
+    top_k = max(h.options.top_k for h in hosts)
     pooled = [h.context for h in hosts if h.context is not None]
     width = max((c.ctx_slot.shape[1] for c in pooled), default=0)
     stored = max((c.store_row.shape[0] for c in pooled), default=0)
@@ -321,19 +324,28 @@ def pad_to_common_shape(hosts: Sequence[HostBatch], rank_slots: int) -> list[Hos
                                else _pad(context.ctx_positions, (nb, width))))
         out.append(dataclasses.replace(
             host, batch=batch, context=context,
-            options=dataclasses.replace(host.options, full_vocab=full_vocab)))
+            options=dataclasses.replace(host.options, full_vocab=full_vocab, top_k=top_k)))
     return out
 
 
-def unpack(host: HostBatch, logits: np.ndarray, logsumexp: np.ndarray | None
-           ) -> list[tuple[Hashable, list[np.ndarray], np.ndarray | None]]:
-    """Split a batch's [P, C] logits (and [P] log-sum-exp) back per sequence:
-    (key, [logits of each score position's ids], [log-sum-exp per position] or None)."""
+def top_k_bucket(k: int) -> int:
+    """The top-k a program computes for ops asking for up to ``k``: 0, or the next power
+    of two (few programs; an op reads its own first k)."""
+    return 0 if k <= 0 else next_power_of_two(k)
+
+
+def unpack(host: HostBatch, readout: VocabReadout) -> list[tuple[Hashable, OpOutput]]:
+    """Split a batch's readout (host arrays: [P, C] logits, [P] log-sum-exp, [P, K] top
+    ids and logits) back per sequence: (key, its output)."""
     out = []
     for seq, row in zip(host.sequences, host.rows):
-        count = len(seq.score_positions)
-        per_position = [np.asarray(logits[row + j, :len(ids)])
+        rows = slice(row, row + len(seq.score_positions))
+        per_position = [np.asarray(readout.logits[row + j, :len(ids)])
                         for j, ids in enumerate(seq.score_token_ids)]
-        lse = None if logsumexp is None else np.asarray(logsumexp[row:row + count])
-        out.append((seq.key, per_position, lse))
+        lse = None if readout.lse is None else np.asarray(readout.lse[rows])
+        top_ids = top_logits = None
+        if seq.top_k:
+            top_ids = np.asarray(readout.top_ids[rows, :seq.top_k])
+            top_logits = np.asarray(readout.top_logits[rows, :seq.top_k])
+        out.append((seq.key, OpOutput(per_position, lse, top_ids, top_logits)))
     return out

@@ -39,7 +39,7 @@ from serving.chat import ChatTemplate
 from serving.compilation_cache import enable_compilation_cache
 from serving.limits import RequestLimits
 from serving.options import ScorerOptions, load_options
-from serving.requests import (NormalizeOptions, OpOutput, PrefillOp, RequestError, ScoreRequest,
+from serving.requests import (NormalizeOptions, PrefillOp, RequestError, ScoreRequest,
                               ScoreResult, TokenizerAdapter, boundary_warnings,
                               normalize_requests, renamed, request_id_of, request_label)
 from serving.results import combine_results
@@ -337,8 +337,8 @@ class Scorer:
 
     def run_ops(self, ops: Sequence[PrefillOp], on_batch_done: Any = None
                 ) -> tuple[dict[Hashable, Any], dict[Hashable, OpTiming]]:
-        """Run prefill ops (keys distinct) -> (output by op key: (logits, log-sum-exp) or
-        the exception of the step that failed it; timing by op key). Not thread-safe: one
+        """Run prefill ops (keys distinct) -> (output by op key: its OpOutput or the
+        exception of the step that failed it; timing by op key). Not thread-safe: one
         thread runs the model."""
         start = time.perf_counter()
         timings: Mapping[Hashable, OpTiming] | None = None
@@ -376,8 +376,7 @@ class Scorer:
                 if prep.index != position:
                     op = dataclasses.replace(op, key=OpKey(position, op.candidate_index))
                 ops.append(op)
-                outputs.append(out if isinstance(out, Exception)
-                               else OpOutput(logits=out[0], logsumexp=out[1]))
+                outputs.append(out)
         results = combine_results(requests, ops, outputs, errors, prompt_tokens)
         for position, (result, prep) in enumerate(zip(results, prepared)):
             if position not in errors and position != prep.index:

@@ -71,6 +71,18 @@ By construction this equals ``logprobs[0]`` of a "classify" request whose
 be ``candidate_token_ids``; they are inserted where ``{candidate}`` sits in the
 template, the template text around them being encoded on its own.
 
+kind ``"prompt_logprobs"`` (the prompt's own log-probabilities, as lm-evaluation-harness's
+loglikelihood and perplexity tasks read them; no candidates): ONE op, token_ids = the
+prompt but its last token, score positions = every token, each scoring the token after
+it, ``full_vocab=True`` and ``top_k = top_logprobs``. ``logprobs[i]`` = log P(token
+i + 1 | tokens 0..i) over the vocabulary, for i < n - 1 (a prompt of n >= 2 tokens has
+n - 1; the first token has none); ``token_ids`` = the prompt's n tokens; with
+``top_logprobs`` = k (1..:data:`MAX_TOP_LOGPROBS`), ``top_token_ids[i]`` and
+``top_logprobs[i]`` = the k most likely tokens at position i + 1 and their
+log-probabilities, best first. ``label`` is null and ``normalize`` does not apply. The
+whole vocabulary row is read at every position: memory grows with the prompt's length
+times the vocabulary size, so long prompts should be few per batch.
+
 ``ScoreResult.prompt_tokens`` is the number of prompt tokens (after the choice
 formatting; without the multi suffix). Failed requests get ``error`` set,
 ``logprobs=None`` and ``prompt_tokens=0``.
@@ -97,9 +109,10 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from moejax.ops import OpKey, PrefillOp
+from moejax.ops import OpKey, OpOutput, PrefillOp
 
-KINDS = ("classify", "choice", "multi")
+KINDS = ("classify", "choice", "multi", "prompt_logprobs")
+MAX_TOP_LOGPROBS = 20          # the most alternatives a "prompt_logprobs" request reads
 NORMALIZATIONS = ("candidates", "vocab")
 
 
@@ -135,6 +148,8 @@ class ScoreRequest:
     messages: list[dict[str, Any]] | None = None
     # This request's "choice"/"multi" templates over the server's (NormalizeOptions fields).
     templates: dict[str, Any] | None = None
+    # kind "prompt_logprobs": the most likely tokens to report at each position.
+    top_logprobs: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], index: int | None = None) -> ScoreRequest:
@@ -157,7 +172,9 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ScoreRequest))
 
 @dataclasses.dataclass
 class ScoreResult:
-    """The answer to one request; ``selected`` is set for kind "multi" only."""
+    """The answer to one request; ``selected`` is set for kind "multi" only, and
+    ``token_ids`` (with ``top_token_ids`` and ``top_logprobs`` when asked) for kind
+    "prompt_logprobs" only."""
 
     id: str | int | None = None
     logprobs: list[float] | None = None
@@ -168,32 +185,26 @@ class ScoreResult:
     timings: dict[str, Any] | None = None
     # Problems that did not stop the scoring (candidate tokenization boundaries).
     warnings: list[str] | None = None
+    token_ids: list[int] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; ``selected`` (kind "multi"), ``timings`` and ``warnings``
-        appear only when set."""
+        """JSON-ready dict; ``selected`` (kind "multi"), the prompt's tokens and their
+        alternatives (kind "prompt_logprobs"), ``timings`` and ``warnings`` appear only when
+        set."""
         d: dict[str, Any] = {"id": self.id, "logprobs": self.logprobs, "label": self.label,
                              "prompt_tokens": self.prompt_tokens, "error": self.error}
         if self.selected is not None:
             d["selected"] = self.selected
+        for name in ("token_ids", "top_token_ids", "top_logprobs"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         if self.timings is not None:
             d["timings"] = self.timings
         if self.warnings:
             d["warnings"] = list(self.warnings)
         return d
-
-
-@dataclasses.dataclass
-class OpOutput:
-    """What the model returns for one op.
-
-    ``logits[i]``: logits of ``score_token_ids[i]`` at ``score_positions[i]``.
-    ``logsumexp[i]``: log-sum-exp of the full-vocabulary logits there (required
-    when ``full_vocab``; used whenever present).
-    """
-
-    logits: list[np.ndarray]
-    logsumexp: np.ndarray | None = None
 
 
 class TemplateError(ValueError):
@@ -530,6 +541,14 @@ def _parse_candidates(check: FieldChecker, req: ScoreRequest
     return (parsed, None) if has_text else (None, parsed)
 
 
+def _no_candidates(check: FieldChecker, req: ScoreRequest) -> None:
+    """Kind "prompt_logprobs" scores the prompt itself."""
+    for field in ("candidates", "candidate_token_ids"):
+        if getattr(req, field) is not None:
+            raise check.fail(field, "kind 'prompt_logprobs' scores the prompt's own tokens: "
+                                    "give no candidates")
+
+
 def _check_distinct(check: FieldChecker, field: str, values: Sequence[Any]) -> None:
     """Duplicates would split probability mass between identical answers."""
     first: dict[Any, int] = {}
@@ -542,6 +561,8 @@ def _check_distinct(check: FieldChecker, field: str, values: Sequence[Any]) -> N
 
 def _check_kind_inputs(check: FieldChecker, req: ScoreRequest) -> None:
     """Input forms that a kind cannot use."""
+    if req.top_logprobs is not None and req.kind != "prompt_logprobs":
+        raise check.fail("top_logprobs", "only kind 'prompt_logprobs' reads it")
     if req.kind == "choice":
         # The options are rendered into the prompt as text; ids cannot be rendered.
         if req.prompt_token_ids is not None:
@@ -572,7 +593,13 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
     kind = check.choice_of(req.kind, "kind", KINDS)
     normalize = check.choice_of(req.normalize, "normalize", NORMALIZATIONS)
     prompt, prompt_ids = _parse_prompt(check, req)
-    candidates, candidate_ids = _parse_candidates(check, req)
+    if kind == "prompt_logprobs":
+        candidates, candidate_ids = _no_candidates(check, req), None
+        if req.top_logprobs is not None:
+            req = dataclasses.replace(req, top_logprobs=check.integer(
+                req.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS + 1))
+    else:
+        candidates, candidate_ids = _parse_candidates(check, req)
     req = dataclasses.replace(req, kind=kind, normalize=normalize, prompt=prompt,
                               prompt_token_ids=prompt_ids, candidates=candidates,
                               candidate_token_ids=candidate_ids)
@@ -632,6 +659,14 @@ def _sequence_op(index: int, candidate_index: int, context: Sequence[int],
                      score_token_ids=tuple((t,) for t in continuation),
                      # log P(token) needs the full-vocabulary normaliser.
                      full_vocab=True)
+
+
+def _prompt_logprobs_op(index: int, prompt: list[int], top_k: int) -> PrefillOp:
+    """Each prompt token after the first, read at the position before it."""
+    return PrefillOp(key=OpKey(index, -1), token_ids=np.asarray(prompt[:-1], np.int32),
+                     score_positions=tuple(range(len(prompt) - 1)),
+                     score_token_ids=tuple((t,) for t in prompt[1:]), full_vocab=True,
+                     top_k=top_k)
 
 
 def _classify_ops(index: int, prompt: list[int], continuations: list[list[int]],
@@ -732,11 +767,14 @@ def _prompt_ids(req: ScoreRequest, enc: _Encoder) -> list[int]:
         enc.in_vocab(req.prompt_token_ids, "prompt_token_ids")
         return req.prompt_token_ids
     if req.messages is not None:
-        return enc.encode(_rendered_chat(req.messages, enc), "messages")
+        # A conversation scored as it stands gets no opened assistant turn after it.
+        opened = req.kind != "prompt_logprobs"
+        return enc.encode(_rendered_chat(req.messages, enc, opened), "messages")
     return enc.encode(req.prompt, "prompt")
 
 
-def _rendered_chat(messages: list[dict[str, Any]], enc: _Encoder) -> str:
+def _rendered_chat(messages: list[dict[str, Any]], enc: _Encoder,
+                   add_generation_prompt: bool = True) -> str:
     """The prompt text of chat ``messages`` by the tokenizer's chat template."""
     from serving.chat import ChatTemplateError
 
@@ -746,7 +784,7 @@ def _rendered_chat(messages: list[dict[str, Any]], enc: _Encoder) -> str:
                                          "or tokenizer_config.json's chat_template): give "
                                          "prompt instead")
     try:
-        return template.render(messages, add_generation_prompt=True)
+        return template.render(messages, add_generation_prompt=add_generation_prompt)
     except ChatTemplateError as exc:
         raise enc.check.fail("messages", str(exc)) from None
 
@@ -787,7 +825,12 @@ def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size
         prompt_len = len(prompt)
         # Before building ops: every multi op would copy an over-long prompt.
         _check_prompt_len(check, prompt_len, max_context)
-        if req.kind == "multi":
+        if req.kind == "prompt_logprobs":
+            if len(prompt) < 2:
+                raise check.fail("prompt", f"has {len(prompt)} token: prompt log-probabilities "
+                                           f"need at least 2 (the first token has none)")
+            ops = [_prompt_logprobs_op(index, prompt, req.top_logprobs or 0)]
+        elif req.kind == "multi":
             ops = _multi_ops(index, req, prompt, enc, options, need_vocab)
         else:
             ops = _classify_ops(index, prompt, _classify_candidates(req, enc), need_vocab)

@@ -32,6 +32,10 @@ def _check_output(op: PrefillOp, out: OpOutput) -> None:
     elif np.shape(out.logsumexp) != (len(op.score_positions),):
         raise ValueError(f"op of request #{op.request_index}: logsumexp has shape "
                          f"{np.shape(out.logsumexp)}, expected ({len(op.score_positions)},)")
+    top = (len(op.score_positions), op.top_k)
+    if op.top_k and (np.shape(out.top_ids) != top or np.shape(out.top_logits) != top):
+        raise ValueError(f"op of request #{op.request_index}: top ids/logits have shapes "
+                         f"{np.shape(out.top_ids)}/{np.shape(out.top_logits)}, expected {top}")
 
 
 def _joint_scores(out: OpOutput) -> np.ndarray:
@@ -105,6 +109,21 @@ def _multi_result(req: ScoreRequest, pairs: list[tuple[PrefillOp, OpOutput]],
                        selected=selected)
 
 
+def _prompt_logprobs_result(req: ScoreRequest, op: PrefillOp, out: OpOutput) -> ScoreResult:
+    """Each prompt token's log-probability after the ones before it, and the most likely
+    tokens at each position (kind "prompt_logprobs")."""
+    lse = np.asarray(out.logsumexp, np.float64)
+    logprobs = [float(np.float64(row[0]) - lse[i]) for i, row in enumerate(out.logits)]
+    result = ScoreResult(id=req.id, logprobs=logprobs,
+                         token_ids=[int(op.token_ids[0])] + [ids[0] for ids in
+                                                             op.score_token_ids])
+    if op.top_k:
+        result.top_token_ids = np.asarray(out.top_ids).astype(int).tolist()
+        result.top_logprobs = (np.asarray(out.top_logits, np.float64)
+                               - lse[:, None]).tolist()
+    return result
+
+
 def _has_nan(pairs: list[tuple[PrefillOp, OpOutput]]) -> bool:
     """NaN logits mean the forward pass broke; -inf (masked tokens) is legitimate."""
     for _, out in pairs:
@@ -123,6 +142,9 @@ def _request_result(req: ScoreRequest, index: int,
     if _has_nan(pairs):
         return ScoreResult(id=req.id, error=f"{request_label(req.id, index)}: the model produced "
                                             "NaN logits")
+    if req.kind == "prompt_logprobs":
+        ((op, out),) = pairs
+        return _prompt_logprobs_result(req, op, out)
     n = len(req.candidates if req.candidates is not None else req.candidate_token_ids)
     if req.kind == "multi":
         return _multi_result(req, pairs, n)

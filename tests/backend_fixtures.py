@@ -52,13 +52,14 @@ def make_host_batches(cfg: ModelConfig = CFG, seed: int = 1, max_batch_tokens: i
     return pack(make_sequences(cfg, seed), policy)
 
 
-def reference_outputs(cfg: ModelConfig, params: dict, hosts: list[HostBatch]) -> list[tuple]:
-    """model.forward on one device, per batch: (logits [P, C], lse [P] or None) as NumPy."""
-    forward = jax.jit(model.forward, static_argnames=("cfg", "opts"))
+def reference_outputs(cfg: ModelConfig, params: dict, hosts: list[HostBatch]
+                      ) -> list[model.VocabReadout]:
+    """The scoring forward on one device, per batch, as NumPy."""
+    forward = jax.jit(model.score_readout, static_argnames=("cfg", "opts"))
     return [jax.device_get(forward(params, h.batch, cfg=cfg, opts=h.options)) for h in hosts]
 
 
-def run_backend(backend: Backend, hosts: list[HostBatch]) -> list[tuple]:
+def run_backend(backend: Backend, hosts: list[HostBatch]) -> list[model.VocabReadout]:
     """Every batch through ``backend`` in steps of its rank count, outputs in batch order."""
     outputs: list = [None] * len(hosts)
     for step in plan_steps([h.shape_key for h in hosts], backend.num_ranks):
@@ -69,14 +70,19 @@ def run_backend(backend: Backend, hosts: list[HostBatch]) -> list[tuple]:
     return outputs
 
 
-def max_rel_err(got: list[tuple], want: list[tuple], hosts: list[HostBatch]) -> float:
-    """Max relative error over the real (non-padding) score rows of every batch."""
+def max_rel_err(got: list[model.VocabReadout], want: list[model.VocabReadout],
+                hosts: list[HostBatch]) -> float:
+    """Max relative error over the real (non-padding) score rows of every batch (logits,
+    log-sum-exp and top logits where computed; the top ids must be equal)."""
     worst = 0.0
-    for (g_logits, g_lse), (w_logits, w_lse), host in zip(got, want, hosts):
+    for g, w, host in zip(got, want, hosts):
         rows = sum(len(s.score_positions) for s in host.sequences)
-        pairs = [(g_logits[:rows], w_logits[:rows])]
-        if w_lse is not None:
-            pairs.append((g_lse[:rows], w_lse[:rows]))
+        pairs = [(g.logits[:rows], w.logits[:rows])]
+        if w.lse is not None:
+            pairs.append((g.lse[:rows], w.lse[:rows]))
+        if w.top_ids is not None:
+            np.testing.assert_array_equal(g.top_ids[:rows], w.top_ids[:rows])
+            pairs.append((g.top_logits[:rows], w.top_logits[:rows]))
         for a, b in pairs:
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             worst = max(worst, float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)))

@@ -66,10 +66,15 @@ def _packed_outputs(params, batch, cfg, attn_block):
 
     opts = mdl.ForwardOptions(attn_block=attn_block)
     return {"full_logits": mdl.full_logits(params, batch, cfg, opts),
-            "full_vocab": mdl.forward(params, batch, cfg,
-                                      dataclasses.replace(opts, full_vocab=True)),
-            "columns": mdl.forward(params, batch, cfg,
-                                   dataclasses.replace(opts, full_vocab=False))}
+            "full_vocab": mdl.score_readout(params, batch, cfg,
+                                            dataclasses.replace(opts, full_vocab=True)),
+            "top_k": mdl.score_readout(params, batch, cfg,
+                                       dataclasses.replace(opts, full_vocab=True, top_k=TOP_K)),
+            "columns": mdl.score_readout(params, batch, cfg,
+                                         dataclasses.replace(opts, full_vocab=False))}
+
+
+TOP_K = 4     # the most likely ids the top-k readout is checked for
 
 
 _PACKED_OUTPUTS = jax.jit(_packed_outputs, static_argnums=(2, 3))

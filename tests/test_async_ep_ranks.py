@@ -213,7 +213,7 @@ def test_batches_of_several_ranks_are_grown_to_one_shape():
 
     a, b = pad_to_common_shape([pooled_host(64, 8, 2, 16, 16, False),
                                 pooled_host(128, 4, 4, 0, 32, True)], rank_slots=99)
-    assert a.shape_key == b.shape_key == (128, 32, 8, 4, True, 16, 32)
+    assert a.shape_key == b.shape_key == (128, 32, 8, 4, True, 0, 16, 32)
     assert (a.batch.segment_ids[64:] == -1).all() and (a.batch.tokens[64:] == 0).all()
     assert (a.context.ctx_lo[2:] > a.context.ctx_hi[2:]).all()        # new blocks: unused
     assert (b.context.ctx_lo > b.context.ctx_hi).all()                 # width 0 -> 16 unused

@@ -43,8 +43,8 @@ def test_a_scoring_engine_runs_on_it_and_it_refuses_the_pool():
     outputs = Engine(CFG, backend, policy=policy).run(ops)
     want = Engine(CFG, make_backend("resident", CFG, work.params), policy=policy).run(ops)
     assert set(outputs) == set(want) == {op.key for op in ops}
-    for key, (logits, _) in want.items():
-        for got, expected in zip(outputs[key][0], logits):
+    for key, out in want.items():
+        for got, expected in zip(outputs[key].logits, out.logits):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(BackendError, match="'dp_tp' cannot hold a prefix KV pool: its MoE"):
         Engine(CFG, backend, prefix_cache_blocks=8)

@@ -40,7 +40,8 @@ transformers = pytest.importorskip(
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
 from backend_fixtures import max_rel_err, run_backend  # noqa: E402
-from hf_parity import packed_outputs, parity_sequences, rel_err, rows_of  # noqa: E402
+from hf_parity import (TOP_K, packed_outputs, parity_sequences, rel_err,  # noqa: E402
+                       rows_of)
 from benchmarks import prefill_cpu  # noqa: E402
 from hf_family_models import (FAMILY_SEEDS, V, build_family_model, moe_layers,  # noqa: E402
                               router_topk)
@@ -252,8 +253,9 @@ def test_full_logits_match_torch_at_every_position(family):
 def test_forward_scoring_positions_match_torch(family, full_vocab):
     fam = family
     host = fam.host
-    picked, lse = fam.outputs["full_vocab" if full_vocab else "columns"]
-    assert (lse is None) != full_vocab
+    readout = fam.outputs["top_k" if full_vocab else "columns"]
+    picked, lse = readout.logits, readout.lse
+    assert (lse is None) != full_vocab and (readout.top_ids is None) != full_vocab
     checked = 0
     for seq, row in zip(host.sequences, host.rows):
         ref = fam.ref_logits[seq.key]
@@ -266,6 +268,11 @@ def test_forward_scoring_positions_match_torch(family, full_vocab):
                 ref_lse = float(torch.logsumexp(torch.tensor(ref[pos]), dim=-1))
                 assert abs(lse[row + j] - ref_lse) <= F32_TOL * max(1.0, abs(ref_lse)), \
                     (fam.name, seq.key, pos, lse[row + j], ref_lse)
+                # The k most likely ids, best first, as torch.topk ranks them.
+                top = torch.topk(torch.tensor(ref[pos]), TOP_K)
+                np.testing.assert_array_equal(readout.top_ids[row + j], top.indices.numpy())
+                assert np.max(np.abs(readout.top_logits[row + j] - top.values.numpy())) \
+                    / scale <= F32_TOL, (fam.name, seq.key, pos)
             checked += 1
     assert checked == 6
 
@@ -306,10 +313,10 @@ def test_prefix_cache_scores_equal_cache_off_and_torch(family):
     assert cached.prefix_cache.hits > 0 and cached.stats.prefix_tokens_cached > 0
     for op in ops:
         ref = fam.torch_logits(op.token_ids)
-        w_logits, w_lse = want[op.key]
+        w_logits, w_lse = want[op.key].logits, want[op.key].logsumexp
         assert w_lse is not None
         for got in runs:
-            g_logits, g_lse = got[op.key]
+            g_logits, g_lse = got[op.key].logits, got[op.key].logsumexp
             assert g_lse is not None and len(g_logits) == len(w_logits)
             for a, b in zip(g_logits, w_logits):
                 np.testing.assert_allclose(a, b, rtol=BACKEND_TOL, atol=BACKEND_TOL)

@@ -202,7 +202,7 @@ def test_backends_serve_or_refuse_gpt_oss_by_name(tiny):
     opts = mdl.ForwardOptions(attn_block=16)
     want = make_backend("resident", cfg, params).step([batch], opts)
     got = make_backend("offload", cfg, params).step([batch], opts)
-    np.testing.assert_allclose(np.asarray(got[0][0]), np.asarray(want[0][0]), rtol=1e-5,
+    np.testing.assert_allclose(np.asarray(got[0].logits), np.asarray(want[0].logits), rtol=1e-5,
                                atol=1e-5)
 
 
@@ -355,7 +355,7 @@ def test_prefix_cache_scores_equal_without_it(tiny):
         for engine in (cached, free):
             got = engine.run(seqs)
             for key in want:
-                for a, b in zip(got[key][0], want[key][0]):
+                for a, b in zip(got[key].logits, want[key].logits):
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert cached.stats.prefix_tokens_cached > 0 and cached.prefix_cache.hits > 0
     assert free.stats.prefix_tokens_shared > 0

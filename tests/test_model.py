@@ -226,7 +226,7 @@ def test_nnx_module_matches_pure_forward(params):
     @nnx.jit(static_argnums=2)
     def call(m, batch, opts):
         out = m.score(batch, opts)
-        return out.logits, out.lse
+        return out.readout.logits, out.readout.lse
 
     got_logits, got_lse = call(module, host.batch, opts)
     want_logits, want_lse = _forward(params, host.batch, CFG, opts)
@@ -247,7 +247,7 @@ def test_split_merge_round_trip_runs_the_same_model(params):
     @jax.jit
     def call(state, batch):
         out = nnx.merge(graphdef, state).score(batch, host.options)
-        return out.logits
+        return out.readout.logits
 
     want, _ = _forward(params, host.batch, CFG, host.options)
     np.testing.assert_array_equal(np.asarray(call(state, host.batch)), np.asarray(want))
@@ -306,7 +306,7 @@ def test_module_without_experts_takes_them_from_its_dispatcher(params):
     module = model.decoder(CFG, {**params, "layers": dense})
     assert not module.with_experts
     dispatcher = local_dispatcher(StackedExperts(experts), CFG.num_experts)
-    got = jax.jit(lambda: module.score(host.batch, host.options, dispatcher=dispatcher).logits)()
+    got = jax.jit(lambda: module.score(host.batch, host.options, dispatcher=dispatcher).readout.logits)()
     want, _ = _forward(params, host.batch, CFG, host.options)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="expert weights in a module built without"):

@@ -220,5 +220,5 @@ def test_engines_behind_a_router_hash_each_op_once_and_score_as_one_engine(hash_
     plain = Engine(CFG, make_backend("resident", CFG, params, device=devices[0]), policy=policy)
     want = plain.run(ops)
     for op in ops:
-        np.testing.assert_allclose(outputs[op.key][0][0], want[op.key][0][0], rtol=1e-5,
+        np.testing.assert_allclose(outputs[op.key].logits[0], want[op.key].logits[0], rtol=1e-5,
                                    atol=1e-5)

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from moejax.ops import PrefillOp
+from moejax.model import VocabReadout
+from moejax.ops import OpOutput, PrefillOp
 from moejax.packing import BucketPolicy, pack, unpack
 from moejax.sizes import next_power_of_two, prev_power_of_two
 
@@ -92,7 +93,8 @@ def check_batches(sequences, hosts, policy):
                 assert np.all(ids[row, len(cands):] == 0)
                 row += 1
         assert host.options.full_vocab == any(s.full_vocab for s in host.sequences)
-        assert host.shape_key == (t, block, sp.shape[0], ids.shape[1], host.options.full_vocab)
+        assert host.shape_key == (t, block, sp.shape[0], ids.shape[1], host.options.full_vocab,
+                                  0)
         keys.append(host.shape_key)
     # Batches come largest B first; for each B, the block counts are full batches of
     # cap = prev_pow2(max_batch_tokens / B) blocks, then at most one smaller batch.
@@ -128,7 +130,7 @@ def test_handpacked_layout():
     assert len(hosts) == 1
     host = hosts[0]
     # 30 -> block 0 (2 free); 17 -> block 1; 9, 5 -> best fit: block 1 (17 + 9 + 5 = 31).
-    assert host.shape_key == (64, 32, 4, 4, False)
+    assert host.shape_key == (64, 32, 4, 4, False, 0)
     seg = np.asarray(host.batch.segment_ids)
     assert [s.key[1] for s in host.sequences] == [3, 1, 2, 0]
     np.testing.assert_array_equal(seg[:32], [0] * 30 + [-1] * 2)
@@ -156,7 +158,7 @@ def test_empty_and_no_score_positions():
                       score_token_ids=())]
     (host,) = pack(seqs, BucketPolicy(min_positions=8, min_candidates=2))
     assert host.batch.score_token_ids.shape == (8, 2)
-    assert unpack(host, np.zeros((8, 2)), None) == [("a", [], None)]
+    assert unpack(host, VocabReadout(np.zeros((8, 2)))) == [("a", OpOutput([], None))]
 
 
 def test_unpack_returns_each_sequences_rows():
@@ -170,10 +172,10 @@ def test_unpack_returns_each_sequences_rows():
         # logits[r, j] encodes (score row, column); lse[r] the score row.
         logits = np.arange(p)[:, None] * 100.0 + np.arange(c)[None, :]
         lse = -np.arange(p, dtype=np.float64)
-        for key, per_position, lse_rows in unpack(host, logits, lse):
-            results[key] = (host, per_position, lse_rows)
+        for key, out in unpack(host, VocabReadout(logits, lse)):
+            results[key] = (host, out.logits, out.logsumexp)
         assert all(r[1] == [] or r[2] is not None for r in results.values())
-        assert unpack(host, logits, None)[0][2] is None
+        assert unpack(host, VocabReadout(logits))[0][1].logsumexp is None
     assert sorted(results) == sorted(s.key for s in seqs)
     for seq in seqs:
         host, per_position, lse_rows = results[seq.key]

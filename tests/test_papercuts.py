@@ -34,7 +34,7 @@ def test_compile_log_names_every_shape_field(caplog, share_prompts):
     assert compiled, "no compile was logged"
     messages = [record.getMessage() for record in compiled]   # raised TypeError before
     for message in messages:
-        for name in SHAPE_KEY_FIELDS[:5]:
+        for name in SHAPE_KEY_FIELDS[:6]:
             assert f" {name}=" in message, message
     pool_steps = [m for m in messages if " context_slots=" in m and " stored_rows=" in m]
     assert bool(pool_steps) == share_prompts, messages

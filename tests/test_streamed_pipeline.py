@@ -71,12 +71,13 @@ def assert_same_array(got, want) -> None:
         np.testing.assert_allclose(got, want, rtol=F32_TOL, atol=F32_TOL)
 
 
-def assert_identical(got: list[tuple], want: list[tuple]) -> None:
-    for (g_logits, g_lse), (w_logits, w_lse) in zip(got, want):
-        assert_same_array(g_logits, w_logits)
-        assert (g_lse is None) == (w_lse is None)
-        if w_lse is not None:
-            assert_same_array(g_lse, w_lse)
+def assert_identical(got: list, want: list) -> None:
+    """Step readouts equal field by field."""
+    for g, w in zip(got, want):
+        assert_same_array(g.logits, w.logits)
+        assert (g.lse is None) == (w.lse is None)
+        if w.lse is not None:
+            assert_same_array(g.lse, w.lse)
 
 
 # ------------------------------------------------------------------ same logits, same bound
@@ -154,7 +155,7 @@ def test_offload_lagged_with_the_prefix_pool_equals_waiting():
     for lagged, waiting in zip(results[1], results[0]):
         assert lagged.keys() == waiting.keys()
         for key in waiting:
-            for got, want in zip(lagged[key][0], waiting[key][0]):
+            for got, want in zip(lagged[key].logits, waiting[key].logits):
                 assert_same_array(got, want)
 
 

@@ -38,13 +38,13 @@ from moejax import moe
 from moejax.backends import xla_flags
 from moejax.attention_kinds import PrefixContext, PrefixPooled
 from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_bytes,
-                                  expert_bytes_per_layer, require_devices, stack_batches,
-                                  unstack_outputs, validated)
+                                  expert_bytes_per_layer, rank_axis, require_devices,
+                                  stack_batches, unstack_outputs, validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import GatheredAhead, gather_layer, local_dispatcher
 from moejax.distributed import place_local_ranks
 from moejax.kv import KVPool
-from moejax.model import ForwardOptions, PackedBatch
+from moejax.model import ForwardOptions, PackedBatch, VocabReadout
 from moejax.param_layout import Params, split_experts
 
 AXIS = "dp"
@@ -76,31 +76,30 @@ def _gathered_ahead(shards: Mapping[str, jax.Array], first_experts: Mapping[str,
 
 def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
                      first_experts: Mapping[str, jax.Array], batch: PackedBatch,
-                     cfg: ModelConfig, opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
+                     cfg: ModelConfig, opts: ForwardOptions) -> VocabReadout:
     """Per-device body (inside shard_map). params: replicated, ``layers`` without experts;
     shards: local [L, E/G, ...]; first_experts: layer 0's [E, ...]; batch: this rank's
-    (leading axis 1). Returns [1, P, C] logits and [1, P] log-sum-exp (or None)."""
+    (leading axis 1). Returns the rank's readout (a leading axis of 1)."""
     dispatcher = _gathered_ahead(shards, first_experts, cfg, opts)
     out = model_lib.decoder(cfg, params, with_experts=False).score(local_rank(batch), opts,
                                                                   dispatcher=dispatcher)
-    return out.logits[None], None if out.lse is None else out.lse[None]
+    return rank_axis(out.readout)
 
 
 def async_ep_pooled(params: Params, shards: Mapping[str, jax.Array],
                     first_experts: Mapping[str, jax.Array], batch: PackedBatch,
                     context: PrefixContext, pool: KVPool, cfg: ModelConfig,
-                    opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None, KVPool]:
+                    opts: ForwardOptions) -> tuple[VocabReadout, KVPool]:
     """:func:`async_ep_forward` on this rank's part of the prefix pool (``pool``: the
-    rank's blocks [L, S/G, ...]; ``context``: this rank's, in its own slots) -> (logits,
-    lse, the rank's pool)."""
+    rank's blocks [L, S/G, ...]; ``context``: this rank's, in its own slots) -> (readout,
+    the rank's pool)."""
     batch, context = local_rank(batch), local_rank(context)
     attn = PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
                            pool.keys, pool.values, defer_writes=True)
     out = model_lib.decoder(cfg, params, with_experts=False).score(
         batch, opts, attn=attn, dispatcher=_gathered_ahead(shards, first_experts, cfg, opts))
     keys, values = out.attn.written()
-    return (out.logits[None], None if out.lse is None else out.lse[None],
-            dataclasses.replace(pool, keys=keys, values=values))
+    return rank_axis(out.readout), dataclasses.replace(pool, keys=keys, values=values)
 
 
 class AsyncEPBackend(MeshBackend):
@@ -141,31 +140,29 @@ class AsyncEPBackend(MeshBackend):
             detail={"shards": shard_bytes, "first_layer": per_layer,
                     "gathered_current": per_layer, "gathered_next": per_layer})
 
-    def forward_fn(self, opts: ForwardOptions, full_vocab: bool):
+    def forward_fn(self, opts: ForwardOptions):
         """The jitted shard_map'd forward for one set of static options."""
-        key = (opts, full_vocab)
+        key = opts
         if key not in self._compiled:
-            out_specs = (P(AXIS), P(AXIS) if full_vocab else None)
             body = jax.shard_map(
                 lambda params, shards, first, batch: async_ep_forward(
                     params, shards, first, batch, self.cfg, opts),
                 mesh=self.mesh,
                 in_specs=(P(), P(None, AXIS), P(), P(AXIS)),
-                out_specs=out_specs, check_vma=False)
+                out_specs=P(AXIS), check_vma=False)
             self._compiled[key] = jax.jit(body)
         return self._compiled[key]
 
-    def pooled_fn(self, opts: ForwardOptions, full_vocab: bool):
+    def pooled_fn(self, opts: ForwardOptions):
         """The jitted shard_map'd forward on the prefix pool (donated), built once."""
-        key = ("pooled", opts, full_vocab)
+        key = ("pooled", opts)
         if key not in self._compiled:
-            out_specs = (P(AXIS), P(AXIS) if full_vocab else None, P(None, AXIS))
             body = jax.shard_map(
                 lambda params, shards, first, batch, context, pool: async_ep_pooled(
                     params, shards, first, batch, context, pool, self.cfg, opts),
                 mesh=self.mesh,
                 in_specs=(P(), P(None, AXIS), P(), P(AXIS), P(AXIS), P(None, AXIS)),
-                out_specs=out_specs, check_vma=False)
+                out_specs=(P(AXIS), P(None, AXIS)), check_vma=False)
             self._compiled[key] = jax.jit(body, donate_argnums=(5,))
         return self._compiled[key]
 
@@ -179,21 +176,20 @@ class AsyncEPBackend(MeshBackend):
         self._check_step(batches)
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         context = place_local_ranks(stack_batches(contexts), self._batch_sharding)
-        logits, lse, pool = self.pooled_fn(opts, opts.full_vocab)(
+        readout, pool = self.pooled_fn(opts)(
             self.params, self.shards, self.first_experts, batch, context, pool)
-        return unstack_outputs(logits, lse, self.num_ranks), pool
+        return unstack_outputs(readout, self.num_ranks), pool
 
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
-        logits, lse = self.forward_fn(opts, opts.full_vocab)(
-            self.params, self.shards, self.first_experts, batch)
-        return unstack_outputs(logits, lse, self.num_ranks)
+        readout = self.forward_fn(opts)(self.params, self.shards, self.first_experts, batch)
+        return unstack_outputs(readout, self.num_ranks)
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """The lowered step (tests read its compiled HLO for the all-gather overlap)."""
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
-        return [self.forward_fn(opts, opts.full_vocab).lower(
+        return [self.forward_fn(opts).lower(
             self.params, self.shards, self.first_experts, batch)]
 
     def memory_report(self) -> MemoryReport:

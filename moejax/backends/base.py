@@ -22,14 +22,14 @@ from moejax.attention_kinds import PrefixContext
 from moejax.config import ModelConfig
 from moejax.distributed import fetch_global
 from moejax.kv import KVPool, empty_pool
-from moejax.model import ForwardOptions, PackedBatch, check_params
+from moejax.model import ForwardOptions, PackedBatch, VocabReadout, check_params
 from moejax.param_layout import EXPERT_KEYS, Params
 from moejax.program_traffic import Traffic, program_traffic
 
 # The backends that hold a prefix KV pool (``Backend.holds_prefix_pool``), named in errors.
 PREFIX_POOL_BACKENDS = ("resident", "offload", "async_ep", "hybrid")
 
-StepOutput = tuple[jax.Array, "jax.Array | None"]   # ([P, C] logits f32, [P] log-sum-exp)
+StepOutput = VocabReadout    # one batch's logits (and log-sum-exp, top ids) by position
 
 
 def check_expert_bias(name: str, cfg: ModelConfig, serves: bool) -> None:
@@ -274,11 +274,17 @@ def stack_batches(batches: Sequence[PackedBatch]) -> PackedBatch:
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
 
 
-def unstack_outputs(logits: jax.Array, lse: jax.Array | None, count: int) -> list[StepOutput]:
-    """[G, P, C] logits (and [G, P] lse) -> G per-rank outputs. Over several processes
-    the ranks of the others' devices are all-gathered first (every process gets all)."""
-    logits, lse = fetch_global(logits), fetch_global(lse)
-    return [(logits[g], None if lse is None else lse[g]) for g in range(count)]
+def unstack_outputs(readout: VocabReadout, count: int) -> list[StepOutput]:
+    """A readout of G ranks (a leading [G] axis on every field) -> G per-rank readouts.
+    Over several processes the ranks of the others' devices are all-gathered first (every
+    process gets all)."""
+    readout = jax.tree.map(fetch_global, readout)
+    return [jax.tree.map(lambda a, g=g: a[g], readout) for g in range(count)]
+
+
+def rank_axis(readout: VocabReadout) -> VocabReadout:
+    """A rank's readout with a leading rank axis of 1 (shard_map stacks the ranks on it)."""
+    return jax.tree.map(lambda a: a[None], readout)
 
 
 def resolve_placement(name: str, cfg: ModelConfig, params: Any, placement: Any,

@@ -32,13 +32,13 @@ from moejax import model, moe
 from moejax.backends import xla_flags
 from moejax.backends.async_ep import local_rank
 from moejax.backends.base import (MemoryReport, MeshBackend, StepOutput, dense_bytes,
-                                  expert_bytes_per_layer, require_devices, stack_batches,
-                                  unstack_outputs, validated)
+                                  expert_bytes_per_layer, rank_axis, require_devices,
+                                  stack_batches, unstack_outputs, validated)
 from moejax.backends.tp import pad_experts as pad_intermediate, padded_intermediate
 from moejax.config import ModelConfig
 from moejax.dispatch import GatheredTokens, MoEDispatcher, StackedExperts
 from moejax.distributed import place_local_ranks
-from moejax.model import ForwardOptions, PackedBatch
+from moejax.model import ForwardOptions, PackedBatch, VocabReadout
 from moejax.param_layout import Params, split_experts
 
 AXIS = "dp"
@@ -48,8 +48,7 @@ EXPERT_SPECS = {"w_gate": P(None, None, None, AXIS), "w_up": P(None, None, None,
 
 
 def dp_tp_local_forward(dense: Params, experts: Mapping[str, jax.Array], batch: PackedBatch,
-                        *, cfg: ModelConfig, opts: ForwardOptions
-                        ) -> tuple[jax.Array, jax.Array | None]:
+                        *, cfg: ModelConfig, opts: ForwardOptions) -> VocabReadout:
     """One rank (inside the shard_map): ``MoEDecoder.score`` on its own batch [1, ...],
     with the MoE over every rank's rows and this device's f/G slice of the experts."""
     batch = local_rank(batch)
@@ -59,7 +58,7 @@ def dp_tp_local_forward(dense: Params, experts: Mapping[str, jax.Array], batch: 
                                  psum_axis=AXIS, activation=moe.expert_activation_of(cfg)))
     out = model.decoder(cfg, dense, with_experts=False).score(batch, opts,
                                                               dispatcher=dispatcher)
-    return out.logits[None], None if out.lse is None else out.lse[None]
+    return rank_axis(out.readout)
 
 
 class DPTPBackend(MeshBackend):
@@ -98,18 +97,17 @@ class DPTPBackend(MeshBackend):
         self._forward = jax.jit(self._sharded, static_argnames=("opts",))
 
     def _sharded(self, dense: Params, experts: Mapping[str, jax.Array], batch: PackedBatch,
-                 opts: ForwardOptions) -> tuple[jax.Array, jax.Array | None]:
+                 opts: ForwardOptions) -> VocabReadout:
         body = functools.partial(dp_tp_local_forward, cfg=self.cfg, opts=opts)
         return jax.shard_map(body, mesh=self.mesh,
-                             in_specs=(P(), self.expert_specs, P(AXIS)),
-                             out_specs=(P(AXIS), P(AXIS) if opts.full_vocab else None),
+                             in_specs=(P(), self.expert_specs, P(AXIS)), out_specs=P(AXIS),
                              check_vma=False)(dense, experts, batch)
 
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
-        logits, lse = self._forward(self.params, self.experts, batch, opts=opts)
-        return unstack_outputs(logits, lse, self.num_ranks)
+        return unstack_outputs(self._forward(self.params, self.experts, batch, opts=opts),
+                               self.num_ranks)
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)

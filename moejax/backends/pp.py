@@ -55,7 +55,7 @@ def stage_program(params: Params, x: jax.Array | None, batch: PackedBatch, *,
                   last: bool) -> Any:
     """One stage on one micro-batch: (embed the tokens when ``x`` is None), layers
     [start, stop) of the stage's stack (which begins at layer ``start``), and on the last
-    stage the last layer and the head -> x [T, d], or (logits [P, C], lse [P] | None)."""
+    stage the last layer and the head -> x [T, d], or the readout."""
     module = model.decoder(cfg, params)
     dispatcher = local_dispatcher(StackedExperts(module.layers.experts(), first_layer=start),
                                   cfg.num_experts, opts.expert_impl, opts.tile_rows,
@@ -69,7 +69,7 @@ def stage_program(params: Params, x: jax.Array | None, batch: PackedBatch, *,
     if not last:
         return x
     out = module.finish(batch, opts, x, attn, dispatcher, carry, stack_offset=start)
-    return out.logits, out.lse
+    return out.readout
 
 
 class PPBackend(MeshBackend):
@@ -126,8 +126,7 @@ class PPBackend(MeshBackend):
                     x = self._program(stage, opts, False)(self.stage_params[stage],
                                                           jax.device_put(x, device), on_stage)
             outputs.append(x)
-        return [(fetch_global(logits), None if lse is None else fetch_global(lse))
-                for logits, lse in outputs]
+        return [jax.tree.map(fetch_global, readout) for readout in outputs]
 
     def lowered_steps(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[Any]:
         """Each stage's program, lowered for the first micro-batch."""

@@ -28,7 +28,7 @@ def pooled_score(params: Params, batch: PackedBatch, context: PrefixContext, poo
     out = model_lib.decoder(cfg, params).score(batch, opts, attn=attn)
     keys, values = out.attn.written()
     # The signature cache (if any) passes through: scoring keeps no expert counts.
-    return (out.logits, out.lse), dataclasses.replace(pool, keys=keys, values=values)
+    return out.readout, dataclasses.replace(pool, keys=keys, values=values)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -86,7 +86,7 @@ class ResidentBackend(Backend):
         self._memory = MemoryReport(dense_weight_bytes=dense_bytes(self.params),
                                     expert_weight_bytes=per_layer * cfg.num_layers,
                                     expert_bytes_all_layers=per_layer * cfg.num_layers)
-        self._forward = jax.jit(model_lib.forward, static_argnames=("cfg", "opts"))
+        self._forward = jax.jit(model_lib.score_readout, static_argnames=("cfg", "opts"))
         # The pool is donated: written in place, O(stored rows) per step.
         self._pooled = jax.jit(functools.partial(pooled_score, cfg=cfg),
                                static_argnames=("opts",), donate_argnames=("pool",))

@@ -76,7 +76,8 @@ from moejax.attention_kinds import PackedCausal, PrefixContext, PrefixPooled
 from moejax.backends import xla_flags
 from moejax.backends.async_ep import AXIS, local_rank
 from moejax.backends.base import (BackendError, MemoryReport, MeshBackend,
-                                  StepOutput, require_devices, stack_batches, unstack_outputs)
+                                  StepOutput, rank_axis, require_devices, stack_batches,
+                                  unstack_outputs)
 from moejax.config import ModelConfig
 from moejax.program_traffic import Traffic
 from moejax.kv import KVPool
@@ -153,15 +154,14 @@ def layer_program(params: Params, layer: jax.Array, current: ExpertWeights,
 def last_layer_program(params: Params, current: ExpertWeights, x: jax.Array,
                        batch: PackedBatch, context: PrefixContext | None,
                        pool: KVPool | None, *, cfg: ModelConfig, opts: ForwardOptions):
-    """Per device: the last layer and the LM head (``MoEDecoder.finish``) -> ([1, P, C]
-    logits, [1, P] log-sum-exp | None, pool | None)."""
+    """Per device: the last layer and the LM head (``MoEDecoder.finish``) -> (the readout
+    with a leading axis of 1, pool | None)."""
     batch, context = local_rank(batch), local_rank(context)
     dispatcher = local_dispatcher(GivenExperts(current), cfg.num_experts, opts.expert_impl,
                                   opts.tile_rows, activation=moe.expert_activation_of(cfg))
     module = model_lib.decoder(cfg, params, with_experts=False)
     out = module.finish(batch, opts, x[0], _attention(batch, opts, context, pool), dispatcher)
-    lse = None if out.lse is None else out.lse[None]
-    return out.logits[None], lse, _pool_after(out.attn, pool)
+    return rank_axis(out.readout), _pool_after(out.attn, pool)
 
 
 def embed_program(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
@@ -310,7 +310,7 @@ class StreamedBackend(MeshBackend):
         body = jax.shard_map(
             streamed_last, mesh=self.mesh,
             in_specs=(P(), P(), P(AXIS), P(AXIS), P(AXIS), self._pool_spec),
-            out_specs=(P(AXIS), P(AXIS) if opts.full_vocab else None, self._pool_spec),
+            out_specs=(P(AXIS), self._pool_spec),
             check_vma=False)
         return jax.jit(body, donate_argnums=(5,))
 
@@ -329,8 +329,8 @@ class StreamedBackend(MeshBackend):
         self._check_step(batches)
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
         context = place_local_ranks(stack_batches(contexts), self._batch_sharding)
-        logits, lse, pool = self._recovering(self._forward, batch, opts, context, pool)
-        return unstack_outputs(logits, lse, self.num_ranks), pool
+        readout, pool = self._recovering(self._forward, batch, opts, context, pool)
+        return unstack_outputs(readout, self.num_ranks), pool
 
     def _gather_first(self, shards: LayerArrays) -> LayerArrays:
         """Layer 0's shards gathered by a program of their own (no compute to hide under)."""
@@ -386,8 +386,8 @@ class StreamedBackend(MeshBackend):
     def step(self, batches: Sequence[PackedBatch], opts: ForwardOptions) -> list[StepOutput]:
         self._check_step(batches)
         batch = place_local_ranks(stack_batches(batches), self._batch_sharding)
-        logits, lse, _ = self._recovering(self._forward, batch, opts)
-        return unstack_outputs(logits, lse, self.num_ranks)
+        readout, _ = self._recovering(self._forward, batch, opts)
+        return unstack_outputs(readout, self.num_ranks)
 
     def _recovering(self, forward, *args: Any):
         """``forward(*args)``; if it raises, the window restarts at layer 0 first (a
@@ -423,8 +423,8 @@ class StreamedBackend(MeshBackend):
 
     def _forward(self, batch: PackedBatch, opts: ForwardOptions,
                  context: PrefixContext | None = None, pool: KVPool | None = None):
-        """Every layer of one step, each with its experts from the window -> (logits,
-        lse, pool). After dispatching a layer the host waits for the one ``sync_lag``
+        """Every layer of one step, each with its experts from the window -> (readout,
+        pool). After dispatching a layer the host waits for the one ``sync_lag``
         layers back, frees its experts and issues the next copy."""
         window = self._window
         window.fill()                          # refills from layer 0 after a failed step
@@ -442,12 +442,12 @@ class StreamedBackend(MeshBackend):
             self._dispatched_layer(x, current, incoming)
             window.settle(self.sync_lag)
             current = gathered if self.gather else window.take(layer + 1)
-        logits, lse, pool = self._program("last", opts)(self.params, current, x, batch, context,
-                                                        pool)
+        readout, pool = self._program("last", opts)(self.params, current, x, batch, context,
+                                                    pool)
         self._measure()
-        self._dispatched_layer(logits, current, None)
+        self._dispatched_layer(readout.logits, current, None)
         window.settle(0)                 # the step leaves no program of its own running
-        return logits, lse, pool
+        return readout, pool
 
     def memory_report(self) -> MemoryReport:
         return self._memory

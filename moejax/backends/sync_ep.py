@@ -96,11 +96,11 @@ from moejax import moe
 from moejax import model as model_lib
 from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, require_devices, resolve_placement,
-                                  stack_batches, unstack_outputs, validated)
+                                  rank_axis, stack_batches, unstack_outputs, validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import ExpertWeights, MoEDispatcher, StackedExperts
 from moejax.distributed import fetch_global, place_local_ranks
-from moejax.model import ForwardOptions, PackedBatch
+from moejax.model import ForwardOptions, PackedBatch, VocabReadout
 from moejax.param_layout import Params, split_experts
 
 log = logging.getLogger(__name__)
@@ -394,12 +394,12 @@ class AllToAllTokens:
 # --------------------------------------------------------------------------- per-device forward
 def sync_ep_forward(params: Params, slots: ExpertWeights, batch: PackedBatch, *,
                     cfg: ModelConfig, opts: ForwardOptions, ctx: DispatchContext,
-                    capacity: int) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+                    capacity: int) -> tuple[VocabReadout, jax.Array]:
     """Per-device body (inside shard_map): ``MoEDecoder.score`` with the local expert
     slots behind an all-to-all transport. params: replicated, ``layers`` without
     experts; slots: this device's [1, L, S, ...]; batch: this rank's (leading axis 1);
-    capacity: buffer rows per device pair. Returns [1, P, C] logits, [1, P] log-sum-exp
-    (or None) and [1, NUM_STATS] stats (max over the MoE layers)."""
+    capacity: buffer rows per device pair. Returns the readout (a leading axis of 1) and
+    [1, NUM_STATS] stats (max over the MoE layers)."""
     batch = jax.tree.map(lambda a: a[0], batch)
     slots = {name: w[0] for name, w in slots.items()}
     transport = AllToAllTokens(ctx, capacity, opts.expert_impl, opts.tile_rows)
@@ -407,7 +407,7 @@ def sync_ep_forward(params: Params, slots: ExpertWeights, batch: PackedBatch, *,
     out = model_lib.decoder(cfg, params, with_experts=False).score(batch, opts,
                                                                    dispatcher=dispatcher)
     _, stats = out.moe_carry                         # (source carry, transport carry)
-    return out.logits[None], None if out.lse is None else out.lse[None], stats[None]
+    return rank_axis(out.readout), stats[None]
 
 
 # --------------------------------------------------------------------------- the backend
@@ -601,9 +601,8 @@ class SyncEPBackend(MeshBackend):
         if key not in self._programs:
             body = functools.partial(sync_ep_forward, cfg=self.cfg, opts=opts, ctx=self._ctx,
                                      capacity=capacity)
-            out_specs = (P(AXIS), P(AXIS) if opts.full_vocab else None, P(AXIS))
             self._programs[key] = jax.jit(jax.shard_map(
-                body, mesh=self.mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=out_specs,
+                body, mesh=self.mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P(AXIS),
                 check_vma=False))
         return self._programs[key]
 
@@ -627,8 +626,8 @@ class SyncEPBackend(MeshBackend):
         rows = self.rows_per_device(batches[0])
         retried = False
         while True:
-            logits, lse, stats = self.program(opts, capacity)(self.params, self.expert_slots,
-                                                              batch)
+            readout, stats = self.program(opts, capacity)(self.params, self.expert_slots,
+                                                          batch)
             stats = np.asarray(fetch_global(stats))              # [G, NUM_STATS]; syncs
             if not stats[:, STAT_OVERFLOW].any():
                 break
@@ -644,7 +643,7 @@ class SyncEPBackend(MeshBackend):
                                       rows_per_device=rows)
         if retried:
             self._warn_overflow(self.last_stats.capacity_factor_needed)
-        return unstack_outputs(logits, lse, self.num_ranks)
+        return unstack_outputs(readout, self.num_ranks)
 
     def _warn_overflow(self, needed: float) -> None:
         if self._warned:

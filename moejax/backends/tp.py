@@ -182,7 +182,7 @@ def tp_local_forward(params: Params, batch: PackedBatch, *, cfg: ModelConfig,
     dispatcher = local_dispatcher(StackedExperts(module.layers.experts()), cfg.num_experts,
                                   opts.expert_impl, opts.tile_rows, psum_axis=AXIS)
     out = module.score(batch, opts, dispatcher=dispatcher, psum_axis=AXIS)
-    return out.logits, out.lse
+    return out.readout
 
 
 def tp_forward(params: Params, batch: PackedBatch, *, cfg: ModelConfig, mesh: Mesh,

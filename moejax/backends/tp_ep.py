@@ -58,7 +58,7 @@ def tp_ep_local_forward(dense: Params, experts: Mapping[str, jax.Array], batch: 
                                     psum_axis=AXIS, activation=moe.expert_activation_of(cfg)))
     module = model.decoder(cfg, dense, with_experts=False)
     out = module.score(batch, opts, dispatcher=dispatcher, psum_axis=AXIS)
-    return out.logits, out.lse
+    return out.readout
 
 
 class TPEPBackend(Backend):

@@ -28,25 +28,24 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from moejax.backends.base import (Backend, empty_batch_like, empty_context_like, padded_step,
                                   plan_steps)
 from moejax.config import ModelConfig
 from moejax.kv import KVStore
+from moejax.ops import OpOutput
 from moejax.packing import HostBatch, pad_to_common_shape, unpack
 
 log = logging.getLogger("moejax.engine")
 
 # The fields of a batch's shape key (moejax.packing.HostBatch.shape_key), in order: a
-# plain batch has the first five; a batch on the prefix pool adds the last two.
-SHAPE_KEY_FIELDS = ("T", "block", "positions", "columns", "full_vocab",
+# plain batch has the first six; a batch on the prefix pool adds the last two.
+SHAPE_KEY_FIELDS = ("T", "block", "positions", "columns", "full_vocab", "top_k",
                     "context_slots", "stored_rows")
 
-# One scored sequence: its logits at each score position, and their log-sum-exp (None
-# without full-vocabulary scoring); or the exception of the step that failed it.
-SequenceLogits = tuple[list[np.ndarray], np.ndarray | None]
-SequenceOutcome = SequenceLogits | Exception
+# One scored sequence: its output (logits at each score position, their log-sum-exp and
+# top ids where asked), or the exception of the step that failed it.
+SequenceOutcome = OpOutput | Exception
 ScoringEvent = tuple[Hashable, SequenceOutcome]
 
 
@@ -168,11 +167,10 @@ class ScoringSchedule:
         stats.rank_step_max_tokens += max(tokens)
         stats.rank_step_tokens += sum(tokens)
         stats.rank_steps += 1
-        for host, (logits, lse) in zip(hosts, fetched):
+        for host, readout in zip(hosts, fetched):
             if host is None:            # an idle rank of a step on the pool
                 continue
-            events += [(key, (per_position, seq_lse))
-                       for key, per_position, seq_lse in unpack(host, logits, lse)]
+            events += unpack(host, readout)
             stats.batches += 1
             stats.real_tokens += host.real_tokens
             # A continuation's cost counts only the tokens it runs (moejax.ops).

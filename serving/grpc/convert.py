@@ -112,6 +112,8 @@ def request_to_proto(request: ScoreRequest, index: int | None = None) -> pb.Scor
         message.messages.add(role=chat["role"], content=content or "")
     if request.templates is not None:
         message.templates_json = json.dumps(request.templates)
+    if request.top_logprobs is not None:
+        message.top_logprobs = request.top_logprobs
     return message
 
 
@@ -126,7 +128,8 @@ def request_from_proto(message: pb.ScoreRequest) -> ScoreRequest:
         kind=message.kind or "classify",
         normalize=message.normalize or "candidates",
         messages=[{"role": m.role, "content": m.content} for m in message.messages] or None,
-        templates=_templates(message.templates_json))
+        templates=_templates(message.templates_json),
+        top_logprobs=message.top_logprobs if message.HasField("top_logprobs") else None)
 
 
 def _templates(text: str) -> Any:
@@ -156,6 +159,10 @@ def result_to_proto(result: ScoreResult, queue_seconds: float | None = None) -> 
         message.selected.indices.extend(result.selected)
     if result.warnings:
         message.warnings.extend(result.warnings)
+    if result.token_ids is not None:
+        message.token_ids.extend(result.token_ids)
+    for ids, logprobs in zip(result.top_token_ids or (), result.top_logprobs or ()):
+        message.top.add(token_ids=ids, logprobs=logprobs)
     if result.timings is not None:
         timings = dict(result.timings)
         if queue_seconds is not None:
@@ -182,7 +189,10 @@ def result_from_proto(message: pb.ScoreResult) -> ScoreResult:
         prompt_tokens=message.prompt_tokens,
         error=message.error if message.HasField("error") else None,
         selected=list(message.selected.indices) if message.HasField("selected") else None,
-        timings=timings, warnings=list(message.warnings) or None)
+        timings=timings, warnings=list(message.warnings) or None,
+        token_ids=list(message.token_ids) or None,
+        top_token_ids=[list(t.token_ids) for t in message.top] or None,
+        top_logprobs=[list(t.logprobs) for t in message.top] or None)
 
 
 def error_result(request_id: Any, error: str) -> ScoreResult:

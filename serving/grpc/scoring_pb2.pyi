@@ -13,7 +13,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "candidates", "candidate_token_ids", "kind", "normalize", "messages", "templates_json")
+    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "candidates", "candidate_token_ids", "kind", "normalize", "messages", "templates_json", "top_logprobs")
     STRING_ID_FIELD_NUMBER: _ClassVar[int]
     INT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class ScoreRequest(_message.Message):
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TEMPLATES_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     string_id: str
     int_id: int
     prompt: str
@@ -34,7 +35,8 @@ class ScoreRequest(_message.Message):
     normalize: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     templates_json: str
-    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., candidate_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., kind: _Optional[str] = ..., normalize: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., templates_json: _Optional[str] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., candidate_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., kind: _Optional[str] = ..., normalize: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., templates_json: _Optional[str] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -63,7 +65,7 @@ class Timings(_message.Message):
     def __init__(self, engines: _Optional[_Iterable[int]] = ..., rounds: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("string_id", "int_id", "logprobs", "label", "prompt_tokens", "error", "selected", "timings", "warnings")
+    __slots__ = ("string_id", "int_id", "logprobs", "label", "prompt_tokens", "error", "selected", "timings", "warnings", "token_ids", "top")
     STRING_ID_FIELD_NUMBER: _ClassVar[int]
     INT_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +75,8 @@ class ScoreResult(_message.Message):
     SELECTED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     string_id: str
     int_id: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -82,7 +86,17 @@ class ScoreResult(_message.Message):
     selected: IndexList
     timings: Timings
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., label: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., selected: _Optional[_Union[IndexList, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., label: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., selected: _Optional[_Union[IndexList, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
     __slots__ = ("requests",)
