@@ -260,6 +260,12 @@ class GenerationStream:
         if self.handle is not None and not self.done:
             self.handle.cancel()
 
+    def discard(self) -> None:
+        """Give back the slot of a stream that was never submitted (a call whose other
+        streams were refused)."""
+        if self.handle is None:
+            self._release()
+
     # --------------------------------------------------------------- generator thread
     def _on_event(self, event: Any) -> None:
         try:

@@ -26,40 +26,22 @@ from __future__ import annotations
 
 import hmac
 import json
-import math
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.chat import ChatTemplateError
-from serving.grpc.service import Refused
-from serving.http import openai_compat, shapes
-from serving.http.scoring import HttpScoring, Unavailable
-from serving.requests import RequestError
+from serving.http import completions, openai_compat, shapes
+from serving.http.errors import ApiError, scored
+from serving.http.scoring import HttpScoring
 
 SCORE_ENDPOINT = "/v1/moejax/score"
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json",
                         "/docs/oauth2-redirect", "/redoc"})
-
-
-class ApiError(Exception):
-    """An error answered in the OpenAI error shape."""
-
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-        self.param, self.code, self.headers = param, code, headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, headers=self.headers, content={
-            "error": {"message": self.message, "type": self.kind, "param": self.param,
-                      "code": self.code}})
 
 
 def make_app(scoring: HttpScoring, *, token: str | None = None,
@@ -146,7 +128,7 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
             raise ApiError(400, "the body must be a request object or {\"requests\": [...]}")
         else:
             requests = [body]
-        results = await _scored(scoring, requests, SCORE_ENDPOINT)
+        results = await scored(scoring, requests, SCORE_ENDPOINT)
         if batch:
             return JSONResponse({"results": [r.to_dict() for r in results]})
         (result,) = results
@@ -184,20 +166,17 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
         return shapes.classify_response(body, results, scoring.model_name)
 
     @app.post("/v1/completions")
-    async def completions(body: openai_compat.CompletionRequest) -> Response:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt: {len(prompt)} prompts; this server takes one "
-                               f"per call", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise ApiError(400, "prompt: is empty", param="prompt")
-        return await _completion(scoring, body, prompt, chat=False)
+    async def text_completions(body: openai_compat.CompletionRequest) -> Response:
+        prompts = openai_compat.prompts_of(body)
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                raise ApiError(400, f"{where}: is empty", param="prompt")
+        return await completions.respond(scoring, body, prompts, False, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: openai_compat.ChatCompletionRequest) -> Response:
-        generator = _generation_service(scoring).generator
+        generator = completions.generation_service(scoring).generator
         template = generator.tokenizer.chat_template
         if template is None:
             raise ApiError(400, "messages: the model has no chat template (chat_template.jinja "
@@ -207,82 +186,10 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
             prompt = template.render([m.model_dump(exclude_none=True) for m in body.messages])
         except ChatTemplateError as exc:
             raise ApiError(400, f"messages: {exc}", param="messages") from None
-        return await _completion(scoring, body, prompt, chat=True)
+        return await completions.respond(scoring, body, [prompt], True,
+                                         "/v1/chat/completions")
 
     return app
-
-
-def _generation_service(scoring: HttpScoring) -> Any:
-    """The gRPC server's generation service, once it serves (else 404 or 503)."""
-    server = scoring.server
-    if not server.options.generation:
-        raise ApiError(404, "this server does not serve generation (moejax serve "
-                       "--no-generation, or a backend that cannot decode)",
-                       kind="not_found_error", code="no_generation")
-    service = server.generation
-    if service.loop is None or service.stopping:
-        raise ApiError(503, "the model is still loading or the server is stopping; retry "
-                       "later", kind="service_unavailable", code="not_ready")
-    return service
-
-
-async def _completion(scoring: HttpScoring, body: Any, prompt: str | list[int],
-                      chat: bool) -> Response:
-    """One completion on the generation service: a JSON body, or server-sent events."""
-    service = _generation_service(scoring)
-    problem = openai_compat.unsupported(body)
-    if problem is not None:
-        raise ApiError(400, f"{problem[0]}: {problem[1]}", param=problem[0],
-                       code="unsupported")
-    try:
-        stream = service.open_stream()
-    except Refused as exc:
-        raise _overloaded(exc) from None
-    service.open_calls += 1
-    try:
-        await stream.submit(openai_compat.generation_request(body, prompt))
-    except BaseException as exc:
-        service.open_calls -= 1
-        stream.cancel()
-        if isinstance(exc, RequestError):
-            raise ApiError(400, str(exc), param=exc.field) from None
-        if isinstance(exc, RuntimeError):     # the loop is closed (stopping) or failed
-            raise ApiError(503, str(exc), kind="service_unavailable") from None
-        raise
-    model = scoring.model_name or "moejax"
-    tokenizer = service.generator.tokenizer.tokenizer
-    stops = openai_compat.stop_strings(body)
-    if body.stream:
-        include = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_closing(stream, service, openai_compat.event_stream(
-            stream, tokenizer, stops, model, chat, include)), media_type="text/event-stream")
-    try:
-        text, finish, counts = await openai_compat.collect(stream, tokenizer, stops)
-    except openai_compat.Failed as exc:
-        raise ApiError(500, str(exc), kind="server_error", code="generation_failed") from None
-    finally:
-        service.open_calls -= 1
-        stream.cancel()          # (a stop string ended it early: free the sequence now)
-    return JSONResponse(openai_compat.completion_body(text, finish, counts, model, chat))
-
-
-async def _closing(stream: Any, service: Any, chunks: Any) -> Any:
-    """``chunks``, then the stream's slot freed (also when the client goes away)."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        service.open_calls -= 1
-        stream.cancel()
-
-
-def _overloaded(exc: Refused) -> ApiError:
-    if exc.retry_ms is None:
-        return ApiError(413, str(exc), code="request_too_large")
-    seconds = max(1, math.ceil(exc.retry_ms / 1000))
-    return ApiError(429, f"{exc}; retry after {seconds} s", kind="rate_limit_error",
-                    code="overloaded", headers={"Retry-After": str(seconds),
-                                                "retry-after-ms": str(exc.retry_ms)})
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -304,20 +211,11 @@ async def _scored_all(scoring: HttpScoring, requests: list[dict[str, Any]], endp
         raise ApiError(413, f"the call makes {len(requests)} requests, more than the server "
                        f"takes in one call ({max_batch_requests}): split it",
                        code="batch_too_large")
-    results = await _scored(scoring, requests, endpoint)
+    results = await scored(scoring, requests, endpoint)
     failed = next((r.error for r in results if r.error is not None), None)
     if failed is not None:
         raise ApiError(400, failed)
     return results
 
 
-async def _scored(scoring: HttpScoring, requests: list[Any], endpoint: str) -> list[Any]:
-    try:
-        return await scoring.score(requests, endpoint)
-    except Unavailable as exc:
-        raise ApiError(503, str(exc), kind="service_unavailable", code="not_ready") from None
-    except Refused as exc:
-        raise _overloaded(exc) from None
-
-
-__all__ = ("ApiError", "SCORE_ENDPOINT", "make_app")
+__all__ = ("SCORE_ENDPOINT", "make_app")
