@@ -86,12 +86,27 @@ class VocabReadout:
     """What a scoring forward reads at its P scoring positions: the logits of the asked
     ids [P, C] f32; the log-sum-exp over the vocabulary [P] (``full_vocab``) or None; the
     ``top_k`` most likely ids [P, K] int32 and their logits [P, K] f32 (best first) or
-    None. Every field's leading axis is P (a rank's outputs stack on a new one)."""
+    None. And beside them, the forward's load: the tokens each layer routed to each
+    expert [L, E] int32 (:func:`expert_token_counts`; None from a driver that runs the
+    layers itself). A rank's outputs stack on a new leading axis."""
 
     logits: jax.Array
     lse: jax.Array | None = None
     top_logits: jax.Array | None = None
     top_ids: jax.Array | None = None
+    expert_tokens: jax.Array | None = None
+
+
+def expert_token_counts(routing: moe.Routing, valid: jax.Array | None,
+                        num_experts: int) -> Int[Array, "E"]:
+    """The rows routed to each expert by one layer's ``routing`` ([n, k] choices): choices
+    of valid rows (``valid`` [n] bool, None: all) with a nonzero weight (a dense layer
+    routes with weight 0)."""
+    taken = routing.weights != 0
+    if valid is not None:
+        taken = taken & valid[:, None]
+    return jnp.zeros(num_experts, jnp.int32).at[routing.experts.reshape(-1)].add(
+        taken.reshape(-1).astype(jnp.int32))
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -253,23 +268,36 @@ class MoEDecoder(nnx.Module):
             attn = PackedCausal.of(batch.positions, batch.segment_ids, opts.attn_block)
         if dispatcher is None:
             dispatcher = self.local_dispatcher(opts.expert_impl, opts.tile_rows)
-        x, attn, carry, _ = self.run_layers(self.embed_tokens(batch.tokens), attn, dispatcher,
-                                            stop=self.cfg.num_layers - 1, psum_axis=psum_axis)
-        return self.finish(batch, opts, x, attn, dispatcher, carry, psum_axis=psum_axis)
+        num_experts = self.cfg.num_experts
+        x, attn, carry, counted = self.run_layers(
+            self.embed_tokens(batch.tokens), attn, dispatcher, stop=self.cfg.num_layers - 1,
+            psum_axis=psum_axis,
+            observe=lambda _, routing, valid, __: expert_token_counts(routing, valid,
+                                                                      num_experts))
+        return self.finish(batch, opts, x, attn, dispatcher, carry, psum_axis=psum_axis,
+                           expert_tokens=counted)
 
     def finish(self, batch: PackedBatch, opts: ForwardOptions, x: Float[Array, "T d"], attn,
                dispatcher: MoEDispatcher, moe_carry: Any = None, *,
-               psum_axis: str | None = None, stack_offset: int = 0) -> ScoreOutput:
+               psum_axis: str | None = None, stack_offset: int = 0,
+               expert_tokens: Int[Array, "Lm1 E"] | None = None) -> ScoreOutput:
         """The end of :meth:`score` on x [T, d] after every layer but the last: the last
         layer (at the scoring rows alone when they are few), the final norm and the
         candidate logits. A host-side driver that ran the other layers itself (the
-        offload backend) calls it too, so both end the forward the same way."""
+        offload backend) calls it too, so both end the forward the same way.
+        ``expert_tokens``: the other layers' routed tokens per expert; the readout's then
+        adds the last layer's (the rows it ran)."""
         rows = batch.score_positions if last_layer_at_rows_only(batch) else None
         out = self.layer(self.cfg.num_layers - 1, x, attn, dispatcher, moe_carry, rows=rows,
                          psum_axis=psum_axis, stack_offset=stack_offset)
         x_rows = out.x if rows is not None else jnp.take(out.x, batch.score_positions, axis=0)
         readout = self.candidate_logits(self.final(x_rows), batch.score_token_ids,
                                         opts.full_vocab, opts.top_k)
+        if expert_tokens is not None:
+            last = expert_token_counts(out.routing, out.attn.valid_rows(rows),
+                                       self.cfg.num_experts)
+            readout = dataclasses.replace(readout, expert_tokens=jnp.concatenate(
+                [expert_tokens, last[None]]))
         return ScoreOutput(readout=readout, attn=out.attn, moe_carry=out.moe_carry)
 
     def hidden_states(self, batch: PackedBatch, opts: ForwardOptions) -> Float[Array, "T d"]:

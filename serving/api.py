@@ -35,7 +35,6 @@ from moejax.distributed import DistributedOptions, join as distributed_join
 from moejax.model_dirs import resolve_model_dir  # noqa: F401  (serving's import path for it)
 from moejax.ops import OpKey
 from moejax.packing import BucketPolicy
-from serving.chat import ChatTemplate
 from serving.compilation_cache import enable_compilation_cache
 from serving.limits import RequestLimits
 from serving.options import ScorerOptions, load_options
@@ -119,7 +118,7 @@ class Scorer:
             log.warning(demo_model(self.demo_name).notice)
         dtype = self.options.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
-        self.tokenizer = TokenizerAdapter(tokenizer, ChatTemplate.from_model_dir(self.model_dir))
+        self.tokenizer = TokenizerAdapter.from_model_dir(self.model_dir, tokenizer)
         self.normalize_options = normalize_options or NormalizeOptions.from_mapping(
             self.options.templates)
         opts = self.options

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from serving.special_tokens import read_tokenizer_config, token_text
+
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 ROLES_HINT = "a list of {\"role\": ..., \"content\": ...} objects"
@@ -40,12 +42,6 @@ class MessagesError(ChatTemplateError):
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.field, self.problem = field, problem
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, Mapping):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 def _environment() -> Any:
@@ -100,10 +96,9 @@ class ChatTemplate:
     def from_model_dir(cls, model_dir: str | os.PathLike) -> "ChatTemplate | None":
         """The directory's template (module docstring), or None when it has none."""
         directory = Path(model_dir)
-        config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = read_tokenizer_config(directory)
         tokens = {name: text for name in SPECIAL_TOKENS
-                  if (text := _token_text(config.get(name))) is not None}
+                  if (text := token_text(config.get(name))) is not None}
         template_path = directory / TEMPLATE_FILE
         if template_path.is_file():
             return cls(template_path.read_text(), tokens)

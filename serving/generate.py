@@ -55,7 +55,6 @@ from moejax.core.continuous import SequenceTooLong
 from moejax.distributed import DistributedOptions, join as join_processes
 from moejax.sequences import SequenceOutput, SequenceSpec
 from serving.api import resolve_model_dir
-from serving.chat import ChatTemplate
 from serving.compilation_cache import enable_compilation_cache
 from serving.generation_loop import CallGuard, GeneratorLoop, SubmittedRequest
 from serving.generation_options import GeneratorOptions, check_decode_processes, make_options
@@ -113,7 +112,7 @@ class Generator:
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
         self.sharing = (plan_sharing(share_with, self.config, dtype, self.options)
                         if share_with is not None else None)
-        self.tokenizer = TokenizerAdapter(tokenizer, ChatTemplate.from_model_dir(self.model_dir))
+        self.tokenizer = TokenizerAdapter.from_model_dir(self.model_dir, tokenizer)
         self.eos_token_ids = model_eos_ids(self.model_dir, self.config.vocab_size)
         opts = self.options
         check_decode_processes(opts)

@@ -109,6 +109,11 @@ class GeneratorLoop:
         """KV blocks held by running sequences."""
         return self.generator.scheduler.occupancy()
 
+    def decode_expert_tokens(self) -> Any:
+        """The sampled decode load: tokens per expert per layer [L, E], or None before a
+        counted step (``moejax.core.continuous.Scheduler.decode_expert_tokens``)."""
+        return self.generator.scheduler.decode_expert_tokens
+
     def close(self) -> None:
         """Finish what was submitted, then stop the thread and hand the Generator back to
         ``generate``/``stream`` calls."""

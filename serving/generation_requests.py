@@ -35,6 +35,9 @@ class GenerationRequest:
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     domain: str | None = None
+    # A text prompt starts with the tokenizer's special prefix (a BOS) as its config says
+    # (None), never (False) or always (True).
+    add_special_tokens: bool | None = None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GenerationRequest))
@@ -111,8 +114,11 @@ def _prompt_ids(check: FieldChecker, req: GenerationRequest, tokenizer: Tokenize
         raise check.fail("prompt", f"must be a str, got {type(req.prompt).__name__}")
     if not req.prompt:
         raise check.fail("prompt", "is empty")
+    if req.add_special_tokens is not None and not isinstance(req.add_special_tokens, bool):
+        raise check.fail("add_special_tokens", f"must be true or false, got "
+                                               f"{type(req.add_special_tokens).__name__}")
     try:
-        ids = tokenizer.encode(req.prompt)
+        ids = tokenizer.encode_prompt(req.prompt, req.add_special_tokens)
     except Exception as exc:  # noqa: BLE001  (any tokenizer failure is this request's only)
         raise check.fail("prompt", str(exc)) from exc
     if not ids:

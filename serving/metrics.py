@@ -195,13 +195,37 @@ class StateCollector(Collector):
     def collect(self) -> Iterator[Any]:
         if self.batcher is not None:
             yield from _queue_metrics(self.batcher.snapshot())
+        loads: dict[str, Any] = {}
         if self.scorer is not None:
             yield from _engine_metrics(self.scorer)
+            counted = [e.stats.expert_tokens for e in self.scorer.engines
+                       if e.stats.expert_tokens is not None]
+            if counted:
+                loads["prefill"] = sum(counted[1:], counted[0])
         if self.generation is not None and self.generation.loop is not None:
             yield _gauge("moejax_generation_streams", "Generation calls admitted and not "
                          "yet out of the scheduler", self.generation.streams)
             yield _gauge("moejax_kv_blocks_in_use", "KV blocks held by running sequences",
                          self.generation.loop.occupancy())
+            decode = self.generation.loop.decode_expert_tokens()
+            if decode is not None:
+                loads["decode"] = decode
+        if loads:
+            yield _expert_load(loads)
+
+
+def _expert_load(loads: dict[str, Any]) -> CounterMetricFamily:
+    """Tokens routed to each expert at each layer, by phase: every scoring step's
+    ("prefill", what EPLB balances) and one decode step in
+    ``moejax.core.continuous.EXPERT_SAMPLE_EVERY`` ("decode", what METRO and ELDR act on).
+    One series per (phase, layer, expert) that has routed a token."""
+    family = CounterMetricFamily("moejax_expert_tokens", "Tokens routed to each expert at "
+                                 "each layer (decode: sampled steps)",
+                                 labels=["phase", "layer", "expert"])
+    for phase, counts in loads.items():
+        for layer, expert in zip(*counts.nonzero()):
+            family.add_metric([phase, str(layer), str(expert)], float(counts[layer, expert]))
+    return family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -18,7 +18,11 @@ candidate tokens. This module is the boundary between users and the engine:
 Semantics
 ---------
 Tokenization. Text is encoded WITHOUT special tokens (see
-:class:`TokenizerAdapter`). The prompt and every candidate are encoded
+:class:`TokenizerAdapter`), except that a text prompt starts with the special tokens the
+tokenizer config asks for (a BOS: ``tokenizer_config.json``'s ``add_bos_token``, else
+the tokenizer's post-processor; ``add_special_tokens: false`` leaves them out). A prompt
+of ids, or rendered from ``messages`` by the chat template (which writes its own BOS), is
+taken as it is. The prompt and every candidate are encoded
 *separately*, so all ops of a request share the prompt tokens exactly (that is
 what ``PrefillOp.prefix_len`` advertises to the prefix cache) and a candidate scores
 the same tokens whatever prompt precedes it. Consequently candidates must carry
@@ -109,7 +113,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from moejax.ops import OpKey, OpOutput, PrefillOp
+from moejax.ops import OpKey, OpOutput, PrefillOp  # (OpOutput: re-exported, the engine's answer)
 
 KINDS = ("classify", "choice", "multi", "prompt_logprobs")
 MAX_TOP_LOGPROBS = 20          # the most alternatives a "prompt_logprobs" request reads
@@ -150,6 +154,9 @@ class ScoreRequest:
     templates: dict[str, Any] | None = None
     # kind "prompt_logprobs": the most likely tokens to report at each position.
     top_logprobs: int | None = None
+    # A text prompt starts with the tokenizer's special prefix (a BOS, as its config says):
+    # None as the config says, False never, True always.
+    add_special_tokens: bool | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], index: int | None = None) -> ScoreRequest:
@@ -277,23 +284,47 @@ _TEMPLATE_FIELDS = {"choice_template": ("prompt", "options"),
 
 
 class TokenizerAdapter:
-    """Wraps a ``tokenizers.Tokenizer``: encodes without special tokens, checks the text.
+    """Wraps a ``tokenizers.Tokenizer``: encodes without special tokens, checks the text;
+    a text prompt starts with the special tokens the tokenizer config asks for
+    (:meth:`encode_prompt`).
 
-    Special tokens (BOS, ...) are left out because prompt and candidates are
-    encoded separately and concatenated; a BOS in front of each candidate would
-    corrupt the sequence. Add it to ``prompt_token_ids`` yourself if the model needs it.
+    Candidates and templates are encoded without special tokens because prompt and
+    candidates are encoded separately and concatenated: a BOS in front of each candidate
+    would corrupt the sequence. A prompt given as ids, or rendered by a chat template
+    (which writes its own BOS), is taken as it is.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: Any = None):
+    def __init__(self, tokenizer: Any, chat_template: Any = None,
+                 prompt_prefix: Sequence[int] = ()):
         self.tokenizer = tokenizer
         # The model's serving.chat.ChatTemplate (None: it has none), for ``messages``.
         self.chat_template = chat_template
+        # The special tokens a text prompt starts with (serving.special_tokens: a BOS).
+        self.prompt_prefix = tuple(int(t) for t in prompt_prefix)
 
     @classmethod
     def from_file(cls, path: str) -> TokenizerAdapter:
         """Load a ``tokenizer.json``."""
         from tokenizers import Tokenizer as HFTokenizer
         return cls(HFTokenizer.from_file(path))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Any, tokenizer: Any) -> TokenizerAdapter:
+        """``tokenizer`` with what the directory says about prompts: its chat template and
+        the special tokens a text prompt starts with (``tokenizer_config.json``)."""
+        from serving.chat import ChatTemplate
+        from serving.special_tokens import prompt_prefix, read_tokenizer_config
+
+        return cls(tokenizer, ChatTemplate.from_model_dir(model_dir),
+                   prompt_prefix(tokenizer, read_tokenizer_config(model_dir)))
+
+    def encode_prompt(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a text prompt: :attr:`prompt_prefix` first unless
+        ``add_special_tokens`` is False (None: as the tokenizer config says)."""
+        ids = self.encode(text)
+        if add_special_tokens is False:
+            return ids
+        return [*self.prompt_prefix, *ids]
 
     @property
     def vocab_size(self) -> int:
@@ -604,6 +635,9 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
                               prompt_token_ids=prompt_ids, candidates=candidates,
                               candidate_token_ids=candidate_ids)
     _check_kind_inputs(check, req)
+    if req.add_special_tokens is not None and not isinstance(req.add_special_tokens, bool):
+        raise check.fail("add_special_tokens", f"must be true or false, got "
+                                               f"{type(req.add_special_tokens).__name__}")
     if req.templates is not None:
         try:
             NormalizeOptions.from_mapping(req.templates)
@@ -619,10 +653,17 @@ class _Encoder:
     def __init__(self, tokenizer: Tokenizer, check: FieldChecker, vocab_size: int):
         self.tokenizer, self.check, self.vocab_size = tokenizer, check, vocab_size
 
-    def encode(self, text: str, field: str, *, allow_empty: bool = False) -> list[int]:
-        """Token ids of ``text`` (``field`` names it in errors)."""
+    def encode(self, text: str, field: str, *, allow_empty: bool = False,
+               prompt_of: ScoreRequest | None = None) -> list[int]:
+        """Token ids of ``text`` (``field`` names it in errors); ``prompt_of``: ``text`` is
+        that request's prompt, which starts with the tokenizer's prompt prefix (a BOS) as
+        its ``add_special_tokens`` says (a tokenizer without ``encode_prompt`` has none)."""
+        encode_prompt = getattr(self.tokenizer, "encode_prompt", None)
         try:
-            ids = [int(t) for t in self.tokenizer.encode(text)]
+            if prompt_of is not None and encode_prompt is not None:
+                ids = [int(t) for t in encode_prompt(text, prompt_of.add_special_tokens)]
+            else:
+                ids = [int(t) for t in self.tokenizer.encode(text)]
         except Exception as exc:  # any tokenizer failure is this request's problem only
             raise self.check.fail(field, f"could not be tokenized ({exc})") from exc
         if not ids and not allow_empty:
@@ -710,7 +751,7 @@ def _choice_ops(index: int, req: ScoreRequest, enc: _Encoder, options: Normalize
         raise enc.check.fail("candidates", f"kind 'choice' takes at most "
                                            f"{len(options.choice_labels)} options, "
                                            f"got {len(req.candidates)}")
-    prompt = enc.encode(_choice_prompt(req, options), "prompt")
+    prompt = enc.encode(_choice_prompt(req, options), "prompt", prompt_of=req)
     labels = options.choice_labels[:len(req.candidates)]
     identifiers = [enc.encode(options.choice_identifier_template.format(label=label),
                               f"choice identifier {label!r}") for label in labels]
@@ -770,7 +811,7 @@ def _prompt_ids(req: ScoreRequest, enc: _Encoder) -> list[int]:
         # A conversation scored as it stands gets no opened assistant turn after it.
         opened = req.kind != "prompt_logprobs"
         return enc.encode(_rendered_chat(req.messages, enc, opened), "messages")
-    return enc.encode(req.prompt, "prompt")
+    return enc.encode(req.prompt, "prompt", prompt_of=req)
 
 
 def _rendered_chat(messages: list[dict[str, Any]], enc: _Encoder,

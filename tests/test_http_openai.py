@@ -185,6 +185,16 @@ def test_generation_metrics_move_by_the_tokens_generated(served):
 
     tokens = got.usage.completion_tokens
     assert moved("moejax_generation_tokens_total") == tokens
+    # The decode load, per (layer, expert): k choices per decode row counted.
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as answer:
+        families = list(text_string_to_metric_families(answer.read().decode()))
+    decode = [s for f in families for s in f.samples
+              if s.name == "moejax_expert_tokens_total" and s.labels["phase"] == "decode"]
+    assert decode and {s.labels["layer"] for s in decode} == {"0", "1", "2", "3"}
+    per_layer = {}
+    for s in decode:
+        per_layer[s.labels["layer"]] = per_layer.get(s.labels["layer"], 0) + s.value
+    assert len(set(per_layer.values())) == 1 and list(per_layer.values())[0] % 2 == 0
     assert moved("moejax_generation_time_to_first_token_seconds_count") == 1
     assert 1 <= moved("moejax_generation_time_per_output_token_seconds_count") <= tokens - 1
     assert after["moejax_kv_blocks_in_use"] == 0 and after["moejax_generation_streams"] == 0

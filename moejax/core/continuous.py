@@ -80,6 +80,9 @@ MAX_RECORDS = 100_000   # step (and route) records kept, newest last: tens of MB
 log = logging.getLogger(__name__)
 
 
+EXPERT_SAMPLE_EVERY = 8     # decode steps per one whose routing is counted
+
+
 class SequenceTooLong(ValueError):
     """A sequence needs more KV blocks than the whole pool holds."""
 
@@ -158,6 +161,10 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
         self.stats = collections.Counter()
+        # The decode load (METRO and ELDR act on it): tokens routed to each expert at each
+        # layer [L, E], counted over one step with decode rows in EXPERT_SAMPLE_EVERY, the
+        # first included (the routing is fetched from the device then only).
+        self.decode_expert_tokens: np.ndarray | None = None
         self._handoffs: list[SequenceState] = []
         # The latest steps only: a serving decoder steps for as long as it runs.
         self.step_records: collections.deque[StepRecord] = collections.deque(
@@ -325,16 +332,33 @@ class Scheduler:
         """The step's tokens (and routing) into its sequences -> the step's events."""
         events = plan.events
         active = None
+        decodes = any(launch.width == 1 for launch in launches)
+        sampled = decodes and self.stats["decode_steps"] % EXPERT_SAMPLE_EVERY == 0
+        self.stats["decode_steps"] += decodes
         for launch in launches:
             self._collect(launch, events)
             if launch.width == 1 and self.options.record_steps:
                 active = _active_experts(launch, self.runner.cfg.num_experts)
+            if launch.width == 1 and sampled:
+                self._count_decode_experts(launch)
         self.running = [s for s in self.running if not (s.finished or s.handed_off)]
         self.stats["steps"] += 1
         if self.options.record_steps and launches:
             self.step_records.append(StepRecord(len(plan.prefill), len(plan.decode), active,
                                                 time.perf_counter() - plan.started))
         return events
+
+    def _count_decode_experts(self, launch: Launch) -> None:
+        """Add a decode launch's routed tokens per expert (choices with a nonzero weight:
+        a dense layer routes with weight 0)."""
+        rows = launch.last_rows
+        experts = np.asarray(launch.result.experts)[:, rows]                 # [L, n, k]
+        taken = np.asarray(launch.result.weights)[:, rows] != 0
+        num_experts = self.runner.cfg.num_experts
+        counts = np.stack([np.bincount(experts[layer][taken[layer]], minlength=num_experts)
+                           for layer in range(experts.shape[0])]).astype(np.int64)
+        self.decode_expert_tokens = (counts if self.decode_expert_tokens is None
+                                     else self.decode_expert_tokens + counts)
 
     def program_shapes(self) -> list[tuple[int, int]]:
         """(rows per rank, row width) of every step program this scheduler can run."""

@@ -104,6 +104,13 @@ class DecoderPool:
         """KV blocks held, over the prefill pool and every decoder's."""
         return self.prefill.occupancy() + sum(d.occupancy() for d in self.decoders)
 
+    @property
+    def decode_expert_tokens(self) -> np.ndarray | None:
+        """The decoders' sampled decode load [L, E] summed (``Scheduler``'s)."""
+        counted = [d.decode_expert_tokens for d in self.decoders
+                   if d.decode_expert_tokens is not None]
+        return sum(counted[1:], counted[0]) if counted else None
+
     # ----------------------------------------------------------------- a step
     def step(self) -> list[TokenEvent]:
         """Prefill, route the hand-offs, adopt, decode (module docstring)."""

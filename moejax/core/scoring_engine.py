@@ -20,6 +20,7 @@ import time
 from typing import Callable, Hashable, Sequence
 
 import jax
+import numpy as np
 
 from moejax import model as model_lib
 from moejax.backends.base import Backend
@@ -55,6 +56,9 @@ class EngineStats:
     rank_step_tokens: int = 0
     rank_steps: int = 0
     shapes: set = dataclasses.field(default_factory=set)
+    # The tokens each layer routed to each expert [L, E] (int64), over every step whose
+    # backend counts them (None until one does): the prefill load EPLB balances.
+    expert_tokens: np.ndarray | None = None
 
 
 class Engine:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from moejax.backends.base import (Backend, empty_batch_like, empty_context_like, padded_step,
                                   plan_steps)
@@ -171,6 +172,10 @@ class ScoringSchedule:
             if host is None:            # an idle rank of a step on the pool
                 continue
             events += unpack(host, readout)
+            if readout.expert_tokens is not None:
+                counted = np.asarray(readout.expert_tokens, np.int64)
+                stats.expert_tokens = (counted if stats.expert_tokens is None
+                                       else stats.expert_tokens + counted)
             stats.batches += 1
             stats.real_tokens += host.real_tokens
             # A continuation's cost counts only the tokens it runs (moejax.ops).

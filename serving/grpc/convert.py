@@ -114,6 +114,8 @@ def request_to_proto(request: ScoreRequest, index: int | None = None) -> pb.Scor
         message.templates_json = json.dumps(request.templates)
     if request.top_logprobs is not None:
         message.top_logprobs = request.top_logprobs
+    if request.add_special_tokens is not None:
+        message.add_special_tokens = request.add_special_tokens
     return message
 
 
@@ -129,7 +131,9 @@ def request_from_proto(message: pb.ScoreRequest) -> ScoreRequest:
         normalize=message.normalize or "candidates",
         messages=[{"role": m.role, "content": m.content} for m in message.messages] or None,
         templates=_templates(message.templates_json),
-        top_logprobs=message.top_logprobs if message.HasField("top_logprobs") else None)
+        top_logprobs=message.top_logprobs if message.HasField("top_logprobs") else None,
+        add_special_tokens=(message.add_special_tokens
+                            if message.HasField("add_special_tokens") else None))
 
 
 def _templates(text: str) -> Any:
@@ -249,7 +253,7 @@ def info_from_proto(message: pb.ModelInfoResponse) -> dict[str, Any]:
 # past its proto type's range); everything else is validated by the server's Generator,
 # whose messages are those of serving.Generator.generate.
 GENERATION_FIELDS = ("id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature",
-                     "top_p", "seed", "stop_token_ids")
+                     "top_p", "seed", "stop_token_ids", "add_special_tokens")
 UINT64_END = 1 << 64   # seeds lie in [0, 2**64) (moejax.sampling.MAX_SEED), a proto uint64
 
 
@@ -346,6 +350,12 @@ def generation_request_to_proto(obj: Any, index: int = 0) -> pb.GenerateRequest:
         except OverflowError:
             raise _fail(request_id, index, name, f"must fit in float32, got {show(value)}"
                         ) from None
+    special = fields.get("add_special_tokens")
+    if special is not None:
+        if not isinstance(special, bool):
+            raise _fail(request_id, index, "add_special_tokens",
+                        f"must be true or false, got {type(special).__name__}")
+        message.add_special_tokens = special
     return message
 
 
@@ -361,7 +371,7 @@ def generation_request_from_proto(message: pb.GenerateRequest) -> dict[str, Any]
     for name in ("prompt_token_ids", "stop_token_ids"):
         if message.HasField(name):
             request[name] = list(getattr(message, name).ids)
-    for name in ("max_new_tokens", "temperature", "top_p", "seed"):
+    for name in ("max_new_tokens", "temperature", "top_p", "seed", "add_special_tokens"):
         if message.HasField(name):
             request[name] = getattr(message, name)
     return request

@@ -70,7 +70,8 @@ def load_model(model: str) -> tuple[ModelConfig, TokenizerAdapter, str]:
 
     model_dir, is_demo = resolve_model_dir(model)
     name = os.fspath(model) if is_demo else os.path.basename(os.path.normpath(model_dir))
-    return (load_model_config(model_dir), TokenizerAdapter(load_tokenizer(model_dir)), name)
+    return (load_model_config(model_dir),
+            TokenizerAdapter.from_model_dir(model_dir, load_tokenizer(model_dir)), name)
 
 
 def model_mismatch(cfg: ModelConfig, info: pb.ModelInfoResponse) -> str | None:

@@ -13,7 +13,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "candidates", "candidate_token_ids", "kind", "normalize", "messages", "templates_json", "top_logprobs")
+    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "candidates", "candidate_token_ids", "kind", "normalize", "messages", "templates_json", "top_logprobs", "add_special_tokens")
     STRING_ID_FIELD_NUMBER: _ClassVar[int]
     INT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class ScoreRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TEMPLATES_JSON_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     string_id: str
     int_id: int
     prompt: str
@@ -36,7 +37,8 @@ class ScoreRequest(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     templates_json: str
     top_logprobs: int
-    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., candidate_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., kind: _Optional[str] = ..., normalize: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., templates_json: _Optional[str] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    add_special_tokens: bool
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., candidate_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., kind: _Optional[str] = ..., normalize: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., templates_json: _Optional[str] = ..., top_logprobs: _Optional[int] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -183,7 +185,7 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., dtype: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[int] = ..., device: _Optional[str] = ..., theta_flops: _Optional[float] = ..., theta_source: _Optional[str] = ..., max_batch_tokens: _Optional[int] = ..., engines: _Optional[int] = ..., demo: _Optional[bool] = ..., max_queued_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., info_json: _Optional[str] = ..., model_name: _Optional[str] = ..., max_text_bytes: _Optional[int] = ..., max_token_ids: _Optional[int] = ..., max_candidates: _Optional[int] = ..., generation: _Optional[bool] = ..., max_generation_streams: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+    __slots__ = ("string_id", "int_id", "prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "seed", "stop_token_ids", "add_special_tokens")
     STRING_ID_FIELD_NUMBER: _ClassVar[int]
     INT_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,7 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     string_id: str
     int_id: int
     prompt: str
@@ -202,7 +205,8 @@ class GenerateRequest(_message.Message):
     top_p: float
     seed: int
     stop_token_ids: TokenIds
-    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    add_special_tokens: bool
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "text", "prompt_tokens", "string_id", "int_id")

@@ -48,7 +48,8 @@ async def respond(scoring: HttpScoring, body: Any, prompts: list[str | list[int]
         raise ApiError(400, f"{problem[0]}: {problem[1]}", param=problem[0],
                        code="unsupported")
     if body.max_tokens == 0:             # echo of the prompts alone: nothing to generate
-        outcomes = [await _prompt_alone(scoring, prompt) for prompt in prompts
+        outcomes = [await _prompt_alone(scoring, prompt, body.add_special_tokens)
+                    for prompt in prompts
                     for _ in range(body.n)]
         return await _answer(scoring, body, prompts, outcomes, chat, endpoint)
     service = generation_service(scoring)
@@ -116,7 +117,8 @@ async def _closing(service: Any, streams: list[Any], chunks: Any) -> Any:
         _release(service, streams)
 
 
-async def _prompt_alone(scoring: HttpScoring, prompt: str | list[int]) -> oai.ChoiceOutcome:
+async def _prompt_alone(scoring: HttpScoring, prompt: str | list[int],
+                        add_special_tokens: bool | None) -> oai.ChoiceOutcome:
     """The outcome of ``max_tokens: 0``: the prompt's tokens (by the scoring tokenizer,
     which is the generator's) and no text of its own."""
     if isinstance(prompt, str):
@@ -125,7 +127,7 @@ async def _prompt_alone(scoring: HttpScoring, prompt: str | list[int]) -> oai.Ch
             raise ApiError(503, "the model is still loading", kind="service_unavailable",
                            code="not_ready")
         try:
-            ids = scorer.tokenizer.encode(prompt)
+            ids = scorer.tokenizer.encode_prompt(prompt, add_special_tokens)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, f"prompt: {exc}", param="prompt") from None
     else:

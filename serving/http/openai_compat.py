@@ -61,6 +61,8 @@ class _Generation(BaseModel):
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]] = Field()
     echo: bool = False
+    # A text prompt starts with the tokenizer config's special tokens (a BOS) unless false.
+    add_special_tokens: bool | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
@@ -72,6 +74,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
+    # The chat template writes the special tokens it wants (a BOS) itself.
+    add_special_tokens: bool = False
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -134,6 +138,8 @@ def generation_request(body: _Generation, prompt: str | list[int], choice: int =
             request[ours] = theirs
     if body.seed is not None or choice:
         request["seed"] = (body.seed or 0) + choice
+    if isinstance(prompt, str) and body.add_special_tokens is not None:
+        request["add_special_tokens"] = body.add_special_tokens
     return request
 
 
