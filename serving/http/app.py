@@ -44,6 +44,36 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json
                         "/docs/oauth2-redirect", "/redoc"})
 
 
+class Guard:
+    """Bearer-token auth on everything but the open paths, and the body size limit by
+    ``Content-Length``: a plain ASGI middleware (Starlette's ``BaseHTTPMiddleware`` runs
+    each call through a task and memory streams of its own, a large part of a small
+    request's cost)."""
+
+    def __init__(self, app: Any, expected: bytes | None, max_body_bytes: int):
+        self.app, self.expected, self.max_body_bytes = app, expected, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope: dict) -> ApiError | None:
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return ApiError(401, "invalid or missing bearer token (Authorization: Bearer "
+                                "<token>)", kind="authentication_error", code="invalid_api_key")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return ApiError(413, f"the body is {int(length)} bytes, more than the server "
+                            f"accepts ({self.max_body_bytes})", code="body_too_large")
+        return None
+
+
 def make_app(scoring: HttpScoring, *, token: str | None = None,
              max_body_bytes: int = 16 << 20, max_batch_requests: int = 256) -> FastAPI:
     """The app over ``scoring`` (see the module docstring)."""
@@ -67,20 +97,7 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
         return ApiError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}",
                         param=param).response()
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        """Bearer-token auth on everything but the open paths; the body size limit."""
-        if expected is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return ApiError(401, "invalid or missing bearer token (Authorization: Bearer "
-                                "<token>)", kind="authentication_error",
-                                code="invalid_api_key").response()
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            return ApiError(413, f"the body is {int(length)} bytes, more than the server "
-                            f"accepts ({max_body_bytes})", code="body_too_large").response()
-        return await call_next(request)
+    app.add_middleware(Guard, expected=expected, max_body_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
