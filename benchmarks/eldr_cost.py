@@ -38,8 +38,8 @@ How:
   configuration) over L. It includes one program launch per L layers.
 
 Shapes (``--shape``): ``qwen3-30b-a3b`` (d=2048, f=768, E=128, k=8, bf16; n ∈
-{8..128}, B ∈ {8..64}) and ``demo-e32`` (configs/demo-e32.yaml: d=128, f=64, E=32,
-k=4, f32; n ∈ {4..32}, B ∈ {1..16}). Points with B·k < n are skipped.
+{8..128}, B ∈ {8..64}) and ``demo-e32`` (moejax/demo/configs/demo-e32.yaml: d=128, f=64,
+E=32, k=4, f32; n ∈ {4..32}, B ∈ {1..16}). Points with B·k < n are skipped.
 
     python -m benchmarks.eldr_cost [--quick] [--shape qwen3-30b-a3b] [--expert-impl auto]
         [--source stacked] [--json PATH] [--cost-out PATH]
@@ -101,7 +101,7 @@ SHAPES = {
     # The seed paper's Fig. 2 model.
     "qwen3-30b-a3b": Shape(2048, 768, 128, 8, "bfloat16", (8, 16, 32, 64, 96, 128),
                            (8, 16, 32, 64)),
-    # configs/demo-e32.yaml
+    # moejax/demo/configs/demo-e32.yaml
     "demo-e32": Shape(128, 64, 32, 4, "float32", (4, 8, 16, 24, 32), (1, 2, 4, 8, 16)),
 }
 QUICK_POINTS = ((4, 16, 32), (4, 16))     # demo-e32 only

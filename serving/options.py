@@ -1,8 +1,16 @@
-"""Scorer options: defaults from ``configs/scoring.yaml``, validated into a dataclass."""
+"""Scorer options: defaults from ``serving/configs/scoring.yaml``, validated into a dataclass.
+
+The defaults and the deployment files (``serving/configs/deployments/*.yaml``) are package
+data (pyproject's ``[tool.setuptools.package-data]``), read through
+:mod:`importlib.resources`, so an installed wheel has them as the checkout does.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -11,7 +19,11 @@ import jax.numpy as jnp
 
 from moejax.moe import EXPERT_IMPLS
 
-DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "configs" / "scoring.yaml"
+CONFIGS_DIR: Traversable = resources.files("serving") / "configs"
+DEFAULTS_PATH: Traversable = CONFIGS_DIR / "scoring.yaml"
+# The shipped deployments, one per backend: ``deployment="offload"`` names
+# ``serving/configs/deployments/offload.yaml`` (a path to a file of one's own works too).
+DEPLOYMENTS_DIR: Traversable = CONFIGS_DIR / "deployments"
 DTYPES = ("float32", "bfloat16")
 AUTO_BATCH_TOKENS = {"cpu": 4096, "gpu": 16384}
 ROUTINGS = ("prefix", "round_robin", "least_tokens", "random", "prefill_only")
@@ -138,29 +150,57 @@ class ScorerOptions:
         return int(self.max_batch_tokens)
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def _as_file(path: str | os.PathLike | Traversable) -> Traversable:
+    """A path on disk as a :class:`pathlib.Path`; package data as it is."""
+    return Path(path) if isinstance(path, (str, os.PathLike)) else path
+
+
+def read_yaml(path: str | os.PathLike | Traversable) -> dict[str, Any]:
     import yaml
 
-    with open(path, encoding="utf-8") as fh:
+    with _as_file(path).open("r", encoding="utf-8") as fh:
         values = yaml.safe_load(fh) or {}
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of option names to values")
     return values
 
 
+def shipped_deployments() -> list[str]:
+    """Names of the deployment files that ship with serving (``offload``, ``tp``, ...)."""
+    return sorted(entry.name[:-len(".yaml")] for entry in DEPLOYMENTS_DIR.iterdir()
+                  if entry.name.endswith(".yaml") and entry.is_file())
+
+
+def deployment_file(deployment: str | os.PathLike | Traversable) -> Traversable:
+    """The deployment YAML ``deployment`` names: a file (path), else a shipped deployment by
+    name (``"offload"`` or ``"offload.yaml"``: ``serving/configs/deployments/offload.yaml``);
+    FileNotFoundError naming the shipped ones otherwise."""
+    path = _as_file(deployment)
+    if path.is_file():
+        return path
+    name = os.fspath(deployment) if isinstance(deployment, (str, os.PathLike)) else None
+    if name and "/" not in name and os.sep not in name:
+        shipped = DEPLOYMENTS_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
+        if shipped.is_file():
+            return shipped
+    raise FileNotFoundError(f"deployment config {str(deployment)!r} does not exist (a YAML "
+                            f"file, or a shipped deployment: {', '.join(shipped_deployments())})")
+
+
 def load_options(overrides: Mapping[str, Any] | None = None,
-                 path: str | Path = DEFAULTS_PATH,
-                 deployment: str | Path | None = None) -> ScorerOptions:
-    """Defaults from the YAML file, then a deployment YAML (``configs/deployments/``: the
-    same keys, typically backend, devices and backend_options), then ``overrides``
-    (None values are ignored)."""
+                 path: str | os.PathLike | Traversable = DEFAULTS_PATH,
+                 deployment: str | os.PathLike | Traversable | None = None) -> ScorerOptions:
+    """Defaults from the YAML file (``serving/configs/scoring.yaml``, package data), then a
+    deployment YAML (a file, or a shipped one by name: :func:`deployment_file`; the same
+    keys, typically backend, devices and backend_options), then ``overrides`` (None values
+    are ignored)."""
     values: dict[str, Any] = {}
-    if Path(path).is_file():
-        values.update(read_yaml(path))
+    defaults = _as_file(path)
+    if not defaults.is_file():    # the shipped one missing: an install without its package data
+        raise FileNotFoundError(f"Scorer defaults {str(path)!r} do not exist")
+    values.update(read_yaml(defaults))
     if deployment is not None:
-        if not Path(deployment).is_file():
-            raise FileNotFoundError(f"deployment config {str(deployment)!r} does not exist")
-        values.update(read_yaml(deployment))
+        values.update(read_yaml(deployment_file(deployment)))
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if "backend_options" in overrides and isinstance(values.get("backend_options"), Mapping):
         # merged, so that e.g. --window keeps the deployment's other backend keywords

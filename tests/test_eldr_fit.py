@@ -16,7 +16,7 @@ from moejax.eldr import fitfile, fitting, kmeans as km
 from moejax.eldr.fitfile import EldrFit, FitError
 from moejax.traces import RequestTrace, Trace
 
-# demo-e32's routing shape (configs/demo-e32.yaml)
+# demo-e32's routing shape (moejax/demo/configs/demo-e32.yaml)
 E32_LAYERS, E32_EXPERTS, E32_TOP_K = 6, 32, 4
 
 

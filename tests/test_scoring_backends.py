@@ -50,7 +50,7 @@ def test_async_ep_scorer_equals_resident(resident_results):
 
 def test_deployment_file_then_keywords(resident_results):
     scorer = Scorer("demo", dtype="float32", max_batch_tokens=128,
-                    deployment=ROOT / "configs/deployments/offload.yaml", calibrate=False)
+                    deployment=ROOT / "serving/configs/deployments/offload.yaml", calibrate=False)
     assert scorer.engine.backend.name == "offload" and scorer.engine.backend.window == 2
     assert scorer.calibration.source == "fallback"
     _same(scorer.score(REQUESTS), resident_results)
@@ -70,11 +70,12 @@ def test_a_backend_without_a_prefix_pool_is_refused_by_name():
 
 
 def test_every_deployment_file_is_valid():
-    files = sorted((ROOT / "configs/deployments").glob("*.yaml"))
+    files = sorted((ROOT / "serving/configs/deployments").glob("*.yaml"))
     assert {f.stem for f in files} >= {"offload", "async_ep", "hybrid", "sync_ep", "tp"}
     for path in files:
         options = load_options({}, deployment=path)
         assert options.backend == path.stem
+        assert load_options({}, deployment=path.stem) == options   # shipped: by name too
 
 
 def test_backend_options_are_validated():
@@ -87,7 +88,7 @@ def test_backend_options_are_validated():
     with pytest.raises(FileNotFoundError, match="deployment config"):
         load_options({}, deployment="no/such.yaml")
     merged = load_options({"backend_options": {"window": 3}},
-                          deployment=ROOT / "configs/deployments/sync_ep.yaml")
+                          deployment=ROOT / "serving/configs/deployments/sync_ep.yaml")
     assert merged.backend_options == {"capacity_factor": 2.0, "window": 3}
     with pytest.raises(ValueError, match="asks for 64 devices"):
         Scorer("demo", backend="async_ep", devices=64)

@@ -1,5 +1,5 @@
 """The prompt templates of kinds "choice" and "multi" (serving.requests.NormalizeOptions),
-per server (``Scorer(templates=...)``, configs/scoring.yaml's ``templates``) and per
+per server (``Scorer(templates=...)``, serving/configs/scoring.yaml's ``templates``) and per
 request (a request's ``templates``)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A built-in demo model, so a new user can run the engine without downloading anything.
 
-The demo is a tiny Qwen3-MoE (``configs/demo.yaml``) trained here by
+The demo is a tiny Qwen3-MoE (``moejax/demo/configs/demo.yaml``) trained here by
 :mod:`moejax.demo.train` on a four-domain corpus assembled from what ships with Python and
 Debian (standard-library source as code, its docstrings and the Debian licence texts as
 prose, generated arithmetic as math, generated JSON/CSV as data) plus labelled task text:
@@ -9,17 +9,20 @@ multi-selection (:mod:`moejax.demo.corpus`). Its tokenizer is a 1024-token byte-
 trained on the same corpus.
 
 The trained files ship in ``moejax/demo/weights/`` (Hugging Face layout: ``config.json``,
-``tokenizer.json``, ``model.safetensors`` in bfloat16, plus ``train_log.json``).
-:func:`ensure_demo_model` copies them into the moejax cache on first use and returns that
-directory, so ``Scorer("demo")`` goes through the ordinary loading path.
+``tokenizer.json``, ``model.safetensors`` in bfloat16, plus ``train_log.json``), package
+data read through :mod:`importlib.resources` (so a wheel carries them; see
+:mod:`moejax.demo.specs`). :func:`ensure_demo_model` copies them into the moejax cache on
+first use and returns that directory, so ``Scorer("demo")`` goes through the ordinary
+loading path.
 ``python -m moejax.demo.train --out DIR`` rebuilds them.
 
 It is a toy: it answers its own task formats on its own domains and nothing else.
 
-A second demo, ``demo-e32`` (``configs/demo-e32.yaml``: 6 layers, 32 experts at top-4),
+A second demo, ``demo-e32`` (``moejax/demo/configs/demo-e32.yaml``: 6 layers, 32 experts at top-4),
 is trained the same way on eight domains (:data:`moejax.demo.corpus.DOMAINS_E32`) so that
 expert routing has structure to study; its untrained twin ``demo-e32-init`` is the same
-seeded init exported the same way, generated on first use. :data:`MODELS` names them;
+seeded init exported the same way, generated on first use from demo-e32's shipped files
+(its seed from their ``train_log.json``). :data:`MODELS` names them;
 ``Scorer(name)``, ``Generator(name)`` and ``--model name`` load any of them.
 """
 
@@ -28,6 +31,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from importlib.resources.abc import Traversable
+from pathlib import Path
 
 from moejax.demo.specs import (
     DEMO_NOTICE, DEMO_NAME, DEMO_SEED, CONFIGS_DIR, DEMO_CONFIG_PATH, WEIGHTS_DIR, E32_NOTICE,
@@ -53,8 +58,24 @@ def default_cache_root() -> str:
                                                           "moejax")
 
 
-def _complete(path: str | os.PathLike) -> bool:
-    return all(os.path.isfile(os.path.join(path, name)) for name in _FILES)
+def _as_dir(path: str | os.PathLike | Traversable) -> Traversable:
+    """A model directory as a Traversable: a path on disk as a :class:`pathlib.Path`, a
+    package-data directory (:data:`WEIGHTS_DIR`, ``weights_dir``) as it is."""
+    return Path(path) if isinstance(path, (str, os.PathLike)) else path
+
+
+def _complete(path: str | os.PathLike | Traversable) -> bool:
+    directory = _as_dir(path)
+    return all((directory / name).is_file() for name in _FILES)
+
+
+def _copy(source: Traversable, dest: str) -> None:
+    """Copy one file (on disk or package data) to the path ``dest``."""
+    if isinstance(source, os.PathLike):
+        shutil.copyfile(source, dest)
+        return
+    with source.open("rb") as fin, open(dest, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
 
 
 def twin_of(name: str) -> DemoModel | None:
@@ -62,16 +83,15 @@ def twin_of(name: str) -> DemoModel | None:
     return next((m for m in MODELS.values() if m.init_of == name), None)
 
 
-def recorded_seed(model_dir: str | os.PathLike, default: int | None = None) -> int:
+def recorded_seed(model_dir: str | os.PathLike | Traversable, default: int | None = None) -> int:
     """The init seed a model directory's ``train_log.json`` records (``train_config.seed``);
     ``default`` when there is none (raises when no default is given)."""
     import json
 
-    log_path = os.path.join(model_dir, "train_log.json")
+    log_path = _as_dir(model_dir) / "train_log.json"
     seed = None
-    if os.path.isfile(log_path):
-        with open(log_path, encoding="utf-8") as fh:
-            seed = json.load(fh).get("train_config", {}).get("seed")
+    if log_path.is_file():
+        seed = json.loads(log_path.read_text(encoding="utf-8")).get("train_config", {}).get("seed")
     if seed is None and default is None:
         raise FileNotFoundError(f"{log_path} records no init seed (train_config.seed)")
     return int(default if seed is None else seed)
@@ -82,11 +102,12 @@ def init_seed(name: str) -> int:
     return recorded_seed(demo_model(name).weights_dir)
 
 
-def write_untrained_twin(model_dir: str | os.PathLike, out_dir: str, seed: int,
+def write_untrained_twin(model_dir: str | os.PathLike | Traversable, out_dir: str, seed: int,
                          notice: str = "") -> None:
-    """Write the untrained twin of the model in ``model_dir`` into ``out_dir``: its
-    config, tokenizer (and generation config), and the training script's seeded init
-    (:func:`moejax.demo.train.init_params`) in bfloat16, exported as trained weights are."""
+    """Write the untrained twin of the model in ``model_dir`` (a directory, or package
+    data) into ``out_dir``: its config, tokenizer (and generation config), and the training
+    script's seeded init (:func:`moejax.demo.train.init_params`) in bfloat16, exported as
+    trained weights are."""
     import ml_dtypes
     import numpy as np
 
@@ -94,10 +115,13 @@ def write_untrained_twin(model_dir: str | os.PathLike, out_dir: str, seed: int,
     from moejax.demo import train
     from moejax.safetensors_io import write_safetensors
 
+    source = _as_dir(model_dir)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source}: no config.json")
     for file in ("config.json", "tokenizer.json", "generation_config.json"):
-        if os.path.isfile(os.path.join(model_dir, file)):
-            shutil.copyfile(os.path.join(model_dir, file), os.path.join(out_dir, file))
-    cfg = load_config(os.fspath(model_dir))
+        if (source / file).is_file():
+            _copy(source / file, os.path.join(out_dir, file))
+    cfg = load_config(out_dir)       # the copy just made: the source may not be on disk
     params = train.init_params(cfg, seed)
     write_safetensors(os.path.join(out_dir, "model.safetensors"),
                       train.params_to_hf(params, cfg, np.dtype(ml_dtypes.bfloat16)),
@@ -125,7 +149,7 @@ def write_demo_model(out_dir: str, name: str = "demo") -> None:
             f"the trained {name} weights are missing from {spec.weights_dir}; rebuild them "
             f"with `python -m moejax.demo.train --model {name} --out {spec.weights_dir}`")
     for file in _FILES:
-        shutil.copyfile(spec.weights_dir / file, os.path.join(out_dir, file))
+        _copy(spec.weights_dir / file, os.path.join(out_dir, file))
 
 
 def ensure_demo_model(cache_dir: str | os.PathLike | None = None, name: str = "demo") -> str:

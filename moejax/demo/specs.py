@@ -9,7 +9,8 @@ turn, runs the training script's init for an untrained twin.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any, Iterator
 
 from moejax.config import ModelConfig, from_hf_dict
@@ -23,9 +24,15 @@ DEMO_NOTICE = ("moejax demo model: a tiny toy MoE (about 2M parameters) trained 
 
 DEMO_NAME = "demo-v5"  # bump when the shipped files change, so old caches are not reused
 DEMO_SEED = 0
-CONFIGS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
-DEMO_CONFIG_PATH = CONFIGS_DIR / "demo.yaml"
-WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+# Package data of moejax.demo (pyproject's [tool.setuptools.package-data]), found through
+# importlib.resources so that a wheel or an editable install finds them alike: the shapes in
+# configs/, the trained files in weights/ and weights_e32/. For a package on the file system
+# (every pip install) these are pathlib.Path objects; the code reading them uses only the
+# Traversable interface (``/``, ``is_file``, ``open``, ``read_text``).
+_DATA: Traversable = resources.files("moejax.demo")
+CONFIGS_DIR: Traversable = _DATA / "configs"
+DEMO_CONFIG_PATH: Traversable = CONFIGS_DIR / "demo.yaml"
+WEIGHTS_DIR: Traversable = _DATA / "weights"
 
 E32_NOTICE = ("moejax demo-e32: a small toy MoE (6 layers, 32 experts at top-4, about 5M "
               "parameters) trained here on a CPU on eight domains (Python, C headers, shell "
@@ -47,8 +54,8 @@ class DemoModel:
 
     name: str
     cache_name: str
-    config_path: Path
-    weights_dir: Path
+    config_path: Traversable
+    weights_dir: Traversable
     domains: tuple[str, ...]
     notice: str
     init_of: str | None = None
@@ -60,7 +67,7 @@ MODELS: dict[str, DemoModel] = {
     "demo": DemoModel("demo", DEMO_NAME, DEMO_CONFIG_PATH, WEIGHTS_DIR,
                       ("code", "prose", "math", "data"), DEMO_NOTICE),
     "demo-e32": DemoModel("demo-e32", "demo-e32-v1", CONFIGS_DIR / "demo-e32.yaml",
-                          Path(__file__).resolve().parent / "weights_e32",
+                          _DATA / "weights_e32",
                           ("python", "c", "shell", "prose", "config", "debian", "math", "data"),
                           E32_NOTICE),
 }
@@ -90,18 +97,19 @@ TOKENIZER_EXAMPLES = 20000
 
 # =========================================================================== config
 def demo_config_dict(name: str = "demo") -> dict[str, Any]:
-    """The built-in model's shape file (``configs/demo.yaml``, ...) as a dict (HF keys)."""
+    """The built-in model's shape file (``moejax/demo/configs/demo.yaml``, ...) as a dict
+    (HF keys)."""
     import yaml
 
     path = demo_model(name).config_path
     if not path.is_file():
         raise FileNotFoundError(f"demo model shape file {path} is missing")
-    with open(path, encoding="utf-8") as fh:
+    with path.open("r", encoding="utf-8") as fh:
         return yaml.safe_load(fh)
 
 
 def demo_config(name: str = "demo") -> ModelConfig:
-    """The built-in model's :class:`ModelConfig` (from its ``configs/*.yaml``)."""
+    """The built-in model's :class:`ModelConfig` (from its ``moejax/demo/configs/*.yaml``)."""
     return from_hf_dict(demo_config_dict(name))
 
 

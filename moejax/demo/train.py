@@ -1,6 +1,6 @@
 """Train the demo model: ``python -m moejax.demo.train --out DIR``.
 
-A small Qwen3-MoE (``configs/demo.yaml``) learns next-token prediction on the corpus of
+A small Qwen3-MoE (``moejax/demo/configs/demo.yaml``) learns next-token prediction on the corpus of
 :mod:`moejax.demo.corpus` with optax AdamW (linear warm-up, cosine decay, global-norm
 clipping), plus the Switch/Qwen load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: the
 fraction of routed slots that chose expert ``e``, ``P_e``: its mean router probability),
@@ -97,7 +97,7 @@ class TrainConfig:
     multi_drill_steps: int = 0
 
 
-# demo-e32 (configs/demo-e32.yaml): the small demo's curriculum with a larger stage-1
+# demo-e32 (moejax/demo/configs/demo-e32.yaml): the small demo's curriculum with a larger stage-1
 # text share (routing structure is learnt from plain text of eight domains), fewer steps in
 # the later stages, and the blocked expert path; about 70 minutes on the 2-core CPU.
 TRAIN_DEFAULTS: dict[str, TrainConfig] = {

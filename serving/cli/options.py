@@ -63,7 +63,7 @@ def add_model_options(p: argparse.ArgumentParser, *, hidden: Collection[str] = (
     option("--dtype", choices=["float32", "bfloat16", "auto"], default=None,
            help="compute dtype (default: bfloat16 on GPU, float32 on CPU)")
     option("--max-batch-tokens", type=positive_int, default=None,
-           help="tokens per packed batch (default: configs/scoring.yaml)")
+           help="tokens per packed batch (default: serving/configs/scoring.yaml)")
     option("--backend", default=None,
            help="execution backend: resident (default), offload, async_ep, hybrid, "
                 "sync_ep or tp")
@@ -72,7 +72,7 @@ def add_model_options(p: argparse.ArgumentParser, *, hidden: Collection[str] = (
     option("--window", type=positive_int, default=None,
            help="layers of experts kept on the device (offload, hybrid)")
     option("--deployment", default=None,
-           help="YAML deployment config (e.g. configs/deployments/async_ep.yaml)")
+           help="deployment: a shipped name (async_ep, hybrid, offload, sync_ep, tp) or a YAML file")
     option("--theta", type=float, default=None,
            help="pin the saturation threshold Θ (FLOPs) instead of calibrating")
     option("--engines", type=positive_int, default=None,
@@ -115,7 +115,7 @@ def add_traces_argument(p: argparse.ArgumentParser) -> None:
 
 
 def command_compilation_cache(deployment: str | None) -> str:
-    """The commands' ``compilation_cache``: configs/scoring.yaml's or the deployment's
+    """The commands' ``compilation_cache``: serving/configs/scoring.yaml's or the deployment's
     setting when they name one, else :data:`COMMAND_COMPILATION_CACHE`."""
     from serving.options import load_options   # on use: it imports JAX
 
