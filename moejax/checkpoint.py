@@ -14,9 +14,14 @@ or ``block_sparse_moe.experts.M.{w1,w3,w2}.weight`` (mixtral), and the fused for
 ``experts.down_proj [E, d, f]``, both ``[out, in]`` per expert; Mixtral's MoE block may be
 prefixed ``block_sparse_moe.`` or ``mlp.``.
 
+FP8 checkpoints (config.json ``quantization_config.quant_method == "fp8"``: DeepSeek-V3/R1,
+Kimi-K2, Qwen3 ``-FP8``): every tensor of the plan stored as ``F8_E4M3``/``F8_E5M2`` is paired
+with its ``<name>_scale_inv`` (or ``<name>_scale``) and dequantized on load, tensor by tensor,
+into the serving dtype (``moejax.fp8``); the other tensors load as they are.
+
 Strictness: a checkpoint tensor that no param consumes (say a ``shared_expert`` of a
-Qwen2-MoE or the scales of an FP8 checkpoint) means the checkpoint is not the architecture
-the config describes, and dropping it would give silently wrong outputs, so
+Qwen2-MoE, or the scale of a weight that is not stored as FP8) means the checkpoint is not
+the architecture the config describes, and dropping it would give silently wrong outputs, so
 :func:`load_hf_params` raises :class:`CheckpointError` for it (``strict=False`` turns that
 into a warning). Rotary ``inv_freq`` buffers, and ``lm_head.weight`` of a model with tied
 embeddings, are ignored.
@@ -35,14 +40,16 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from moejax.config import ModelConfig, load_config, regular_file_problem
+from moejax import fp8
+from moejax.config import MAX_CONFIG_BYTES, ModelConfig, load_config, regular_file_problem
 from moejax.mla_shape import HF_TENSOR_NAMES, mla_param_shapes
 from moejax.mxfp4 import dequantize_expert_tensor
 from moejax.param_layout import Params, param_shapes, shape_problems
 # Re-exported so that callers need one module for checkpoint I/O.
-from moejax.safetensors_io import (INDEX_FILE, SINGLE_FILE, WEIGHT_CODES,  # noqa: F401
-                                   CheckpointError, CheckpointReader, SafetensorsFile,
-                                   read_safetensors_header, resolve_dtype, write_safetensors)
+from moejax.safetensors_io import (INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE,  # noqa: F401
+                                   WEIGHT_CODES, CheckpointError, CheckpointReader,
+                                   SafetensorsFile, read_safetensors_header, resolve_dtype,
+                                   write_safetensors)
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "config.json"
@@ -84,6 +91,16 @@ class _Write:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Fp8Pair:
+    """The tensors beside an FP8 weight: its scale, and static-activation ``input_scale``
+    tensors that are read by nobody (moejax computes activations in the serving dtype,
+    as transformers does when it dequantizes)."""
+
+    scale: str
+    unused: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class _Slot:
     """One HF tensor: its expected on-disk shape and the param slices it fills."""
 
@@ -94,11 +111,18 @@ class _Slot:
     # scales tensor (kind, scales name, scales shape); dequantized on load
     # (``moejax.mxfp4.dequantize_expert_tensor``) before the writes see it.
     mxfp4: tuple[str, str, tuple[int, ...]] | None = None
+    # FP8: ``name`` is stored F8_E4M3/F8_E5M2, dequantized with this pair's scale
+    # (``moejax.fp8.dequantize_fp8``) before the writes see it (set by _pair_fp8_scales).
+    fp8: _Fp8Pair | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The checkpoint tensors this slot reads."""
-        return (self.name,) if self.mxfp4 is None else (self.name, self.mxfp4[1])
+        """The checkpoint tensors this slot reads (or, for input scales, accounts for)."""
+        if self.mxfp4 is not None:
+            return (self.name, self.mxfp4[1])
+        if self.fp8 is not None:
+            return (self.name, self.fp8.scale, *self.fp8.unused)
+        return (self.name,)
 
 
 def _moe_prefix(cfg: ModelConfig, layer: str, names: set[str]) -> str:
@@ -248,6 +272,9 @@ def _layer_slots(cfg: ModelConfig, i: int, names: set[str]) -> list[_Slot]:
     return slots + _expert_slots(cfg, i, moe, names)
 
 
+LM_HEAD, SCORE_HEAD = "lm_head.weight", "score.weight"
+
+
 def hf_tensor_plan(cfg: ModelConfig, names: set[str]) -> list[_Slot]:
     """Every HF tensor ``cfg`` needs, given the tensor ``names`` a checkpoint holds.
 
@@ -257,8 +284,10 @@ def hf_tensor_plan(cfg: ModelConfig, names: set[str]) -> list[_Slot]:
     V, d = cfg.vocab_size, cfg.hidden_size
     slots = [_Slot("model.embed_tokens.weight", (V, d), (_Write(("embed",), (), _same),)),
              _Slot("model.norm.weight", (d,), (_Write(("final_norm",), (), _same),))]
-    if not cfg.tie_word_embeddings:
-        slots.append(_Slot("lm_head.weight", (V, d), (_Write(("lm_head",), (), _swap),)))
+    if cfg.num_labels:     # a sequence classifier: its score head instead of the LM head
+        slots.append(_Slot(SCORE_HEAD, (cfg.num_labels, d), (_Write(("score",), (), _swap),)))
+    elif not cfg.tie_word_embeddings:
+        slots.append(_Slot(LM_HEAD, (V, d), (_Write(("lm_head",), (), _swap),)))
     for i in range(cfg.num_layers):
         slots.extend(_layer_slots(cfg, i, names))
     return slots
@@ -275,29 +304,94 @@ def _listing(items: list[str], limit: int = 8) -> str:
     return shown + (f"; ... and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _validate(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot], strict: bool) -> None:
+def _head_hint(reader: CheckpointReader, cfg: ModelConfig) -> str:
+    """What a checkpoint missing its output head holds instead (or that it holds neither)."""
+    wanted = SCORE_HEAD if cfg.num_labels else LM_HEAD
+    if wanted in reader.names or (cfg.tie_word_embeddings and not cfg.num_labels):
+        return ""
+    other = LM_HEAD if cfg.num_labels else SCORE_HEAD
+    if other in reader.names:
+        kind = ("a language model's head: config.json's architectures should not name a "
+                "*ForSequenceClassification" if cfg.num_labels else
+                "a sequence classifier's head: config.json's architectures should name its "
+                "*ForSequenceClassification class")
+        return f" (it holds {other}, {kind})"
+    return (f" (it has neither {LM_HEAD}, a language model's head, nor {SCORE_HEAD}, a "
+            f"sequence classifier's: no output head)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+    """A tensor the plan reads: its expected shape (None: an FP8 scale, whose accepted
+    shapes ``moejax.fp8.scale_layout`` decides), allowed dtype codes, and what it is for
+    (said when it is missing; default: its shape)."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    codes: tuple[str, ...]
+    role: str = ""
+
+
+def _wanted(plan: list[_Slot]) -> list[_Wanted]:
+    """Every tensor read: MXFP4 pairs are uint8 and FP8 weights F8_* with a float scale
+    (both dequantized on load), every other weight a float."""
+    out = []
+    for s in plan:
+        if s.mxfp4 is not None:
+            out += [_Wanted(s.name, s.shape, ("U8",)), _Wanted(s.mxfp4[1], s.mxfp4[2], ("U8",))]
+        elif s.fp8 is not None:
+            out += [_Wanted(s.name, s.shape, tuple(fp8.FP8_CODES)),
+                    _Wanted(s.fp8.scale, None, fp8.SCALE_CODES,
+                            f"the scale of FP8 weight {s.name}")]
+        else:
+            out.append(_Wanted(s.name, s.shape, WEIGHT_CODES))
+    return out
+
+
+def _fp8_scale_problems(reader: CheckpointReader, plan: list[_Slot],
+                        scheme: fp8.Fp8Scheme | None) -> list[str]:
+    """Each FP8 scale whose shape fits none of its weight's accepted forms, named."""
+    problems = []
+    for s in plan:
+        if s.fp8 is None or scheme is None:
+            continue
+        try:
+            fp8.scale_layout(reader.info(s.name).shape, reader.info(s.fp8.scale).shape,
+                             scheme.block, s.name, s.fp8.scale)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _validate(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot], strict: bool,
+              scheme: fp8.Fp8Scheme | None = None) -> None:
     """Check names, shapes and dtypes before any data is read, and report all problems at once."""
     where = reader.model_dir
-    # (name, expected shape, allowed dtype codes) of every tensor read: MXFP4 pairs are
-    # uint8 (dequantized on load), every other weight a float.
-    wanted = [(s.name, s.shape, WEIGHT_CODES if s.mxfp4 is None else ("U8",)) for s in plan]
-    wanted += [(s.mxfp4[1], s.mxfp4[2], ("U8",)) for s in plan if s.mxfp4 is not None]
-    missing = [f"{name} (expected shape {shape})" for name, shape, _ in wanted
-               if name not in reader.names]
+    wanted = _wanted(plan)
+    missing = [f"{w.name} ({w.role or f'expected shape {w.shape}'})" for w in wanted
+               if w.name not in reader.names]
     if missing:
         raise CheckpointError(f"{where}: checkpoint lacks {len(missing)} tensor(s) the config "
-                              f"needs: missing {_listing(missing)}")
-    wrong = [f"{name}: expected shape {shape}, found {reader.info(name).shape}"
-             for name, shape, _ in wanted if reader.info(name).shape != shape]
+                              f"needs: missing {_listing(missing)}{_head_hint(reader, cfg)}")
+    wrong = [f"{w.name}: expected shape {w.shape}, found {reader.info(w.name).shape}"
+             for w in wanted if w.shape is not None and reader.info(w.name).shape != w.shape]
+    wrong += _fp8_scale_problems(reader, plan, scheme)
     if wrong:
         raise CheckpointError(_listing(wrong) + f" (in {where})")
-    bad_dtype = [f"{name} ({reader.info(name).dtype})" + ("" if codes == WEIGHT_CODES
-                                                          else f", expected {'/'.join(codes)}")
-                 for name, _, codes in wanted if reader.info(name).dtype not in codes]
+    unscaled = [f"{w.name} ({reader.info(w.name).dtype})" for w in wanted
+                if w.codes == WEIGHT_CODES and reader.info(w.name).dtype in fp8.FP8_CODES]
+    if unscaled:
+        raise CheckpointError(f"{where}: {_listing(unscaled)} stored as FP8, but "
+                              f"{CONFIG_FILE} has no quantization_config with quant_method "
+                              "'fp8' to say how its scales apply")
+    bad_dtype = [f"{w.name} ({reader.info(w.name).dtype})"
+                 + ("" if w.codes == WEIGHT_CODES else f", expected {'/'.join(w.codes)}")
+                 for w in wanted if reader.info(w.name).dtype not in w.codes]
     if bad_dtype:
-        raise CheckpointError(f"{where}: moejax loads only F16/BF16/F32 weights (quantized "
-                              "checkpoints are not supported, except GPT-OSS's MXFP4 expert "
-                              f"pairs as uint8): {_listing(bad_dtype)}")
+        raise CheckpointError(f"{where}: moejax loads F16/BF16/F32 weights, FP8 weights with "
+                              "their scales (quant_method 'fp8') and GPT-OSS's MXFP4 expert "
+                              f"pairs as uint8; other quantized formats are not supported: "
+                              f"{_listing(bad_dtype)}")
     used = {name for s in plan for name in s.names}
     extra = sorted(n for n in reader.names - used if not _ignorable(n, cfg))
     if extra:
@@ -306,6 +400,55 @@ def _validate(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot], str
         if strict:
             raise CheckpointError(message)
         warnings.warn(message, stacklevel=3)
+
+
+# =========================================================================== FP8
+def read_fp8_scheme(model_dir: str | os.PathLike) -> fp8.Fp8Scheme | None:
+    """The FP8 ``quantization_config`` of ``model_dir/config.json`` (``moejax.fp8``), or
+    None: no config.json, no quantization_config, or another method. The file gets the
+    checks :func:`moejax.config.load_config` gives it (regular file, size bound)."""
+    path = os.path.join(os.fspath(model_dir), CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    problem = regular_file_problem(path)
+    if problem or os.path.getsize(path) > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path}: {problem or 'larger than a model config may be'}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        return None
+    return fp8.scheme_from_config(data.get("quantization_config"), path)
+
+
+def _pair_fp8_scales(reader: CheckpointReader, plan: list[_Slot],
+                     scheme: fp8.Fp8Scheme | None) -> list[_Slot]:
+    """``plan`` with every tensor stored as FP8 paired with its scale (as MXFP4 pairs
+    blocks with scales). Without an FP8 scheme nothing is paired (:func:`_validate` then
+    refuses the FP8 tensors by name). An FP8 weight in a module the scheme leaves
+    unconverted (``modules_to_not_convert``) is refused: the config and the tensors
+    disagree about what was quantized."""
+    if scheme is None:
+        return plan
+    out = []
+    for slot in plan:
+        if (slot.mxfp4 is not None or slot.name not in reader.names
+                or reader.info(slot.name).dtype not in fp8.FP8_CODES):
+            out.append(slot)
+            continue
+        pattern = fp8.not_converted_pattern(slot.name, scheme.not_converted)
+        if pattern is not None:
+            raise CheckpointError(f"{reader.model_dir}: {slot.name} is stored as "
+                                  f"{reader.info(slot.name).dtype}, but quantization_config."
+                                  f"{scheme.not_converted_field} lists its module "
+                                  f"({pattern!r})")
+        input_scale = f"{fp8.module_of(slot.name)}.input_scale"
+        unused = (input_scale,) if input_scale in reader.names else ()
+        out.append(dataclasses.replace(
+            slot, fp8=_Fp8Pair(fp8.scale_name_of(slot.name, reader.names), unused)))
+    return out
 
 
 # Layer and expert indices in checkpoint names: ``model.layers.I.``, per-expert
@@ -377,17 +520,20 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
     """Load a HF safetensors checkpoint into the moejax params layout (numpy, ``dtype``).
 
     Each stacked param is allocated once and filled from the memory-mapped tensors, so peak
-    host memory is one copy of the params (plus page cache). Raises :class:`CheckpointError`
-    naming the tensor for missing tensors, wrong shapes, non-float weights, and (with
+    host memory is one copy of the params (plus page cache); quantized tensors (FP8, MXFP4)
+    add one dequantized tensor at a time. Raises :class:`CheckpointError` naming the tensor
+    for missing tensors (an FP8 weight's scale too), wrong shapes (a scale's too), non-float
+    weights (FP8 ones without an FP8 quantization_config among them), and (with
     ``strict``, the default; otherwise a warning) tensors the config does not use; and,
     before any of that is planned, a layer or expert count that is not the checkpoint's
     (:func:`check_counts_against_checkpoint`).
     """
     target = resolve_dtype(dtype)
     reader = CheckpointReader(model_dir)
+    scheme = read_fp8_scheme(model_dir)
     check_counts_against_checkpoint(reader, cfg)
-    plan = hf_tensor_plan(cfg, reader.names)
-    _validate(reader, cfg, plan, strict)
+    plan = _pair_fp8_scales(reader, hf_tensor_plan(cfg, reader.names), scheme)
+    _validate(reader, cfg, plan, strict, scheme)
     params = _allocate(expected_param_shapes(cfg), target)
     for slot in plan:
         source = reader.get(slot.name)
@@ -396,6 +542,9 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
             source = dequantize_expert_tensor(kind, np.ascontiguousarray(source),
                                               np.ascontiguousarray(reader.get(scales)),
                                               dtype=target, name=slot.name)
+        elif slot.fp8 is not None:     # one tensor at a time, in the serving dtype
+            source = fp8.dequantize_fp8(source, reader.get(slot.fp8.scale), scheme.block,
+                                        target, name=slot.name, scale_name=slot.fp8.scale)
         for write in slot.writes:
             leaf = params
             for key in write.key:
@@ -537,6 +686,52 @@ def convert_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def stored_weights(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """What a model directory stores, for ``moejax info``: ``dtype`` (FP8 weights with their
+    scales' layout, "float8_e4m3fn, 128x128 block scales"; GPT-OSS's MXFP4 experts; else the
+    dtype holding the most bytes), ``bytes`` and ``bytes_by_dtype`` (largest first). Read
+    from the safetensors headers alone; a converted directory reports its params' dtype and
+    the bytes of its params files."""
+    path = os.fspath(model_dir)
+    if is_converted_dir(path):
+        with open(os.path.join(path, CONVERTED_MARKER), encoding="utf-8") as fh:
+            dtype = str(json.load(fh).get("dtype"))
+        params_dir = os.path.join(path, PARAMS_SUBDIR)
+        total = sum(os.path.getsize(os.path.join(root, f))
+                    for root, _, files in os.walk(params_dir) for f in files)
+        return {"dtype": f"{dtype} (converted)", "bytes": total, "bytes_by_dtype": {dtype: total}}
+    reader = CheckpointReader(path)
+    by_dtype: dict[str, int] = {}
+    for name in reader.names:
+        info = reader.info(name)
+        key = SAFETENSORS_DTYPES[info.dtype].name
+        by_dtype[key] = by_dtype.get(key, 0) + info.end - info.start
+    by_dtype = dict(sorted(by_dtype.items(), key=lambda item: -item[1]))
+    return {"dtype": _stored_dtype(reader, read_fp8_scheme(path), by_dtype),
+            "bytes": sum(by_dtype.values()), "bytes_by_dtype": by_dtype}
+
+
+def _stored_dtype(reader: CheckpointReader, scheme: fp8.Fp8Scheme | None,
+                  by_dtype: dict[str, int]) -> str:
+    """The words for what the weights are stored as (see :func:`stored_weights`)."""
+    quantized = sorted(n for n in reader.names if reader.info(n).dtype in fp8.FP8_CODES)
+    if quantized:
+        dtypes = sorted({SAFETENSORS_DTYPES[reader.info(n).dtype].name for n in quantized})
+        layouts = set()
+        for name in quantized:
+            scale = fp8.scale_name_of(name, reader.names)
+            if scale in reader.names:
+                layouts.add(fp8.scale_layout(reader.info(name).shape, reader.info(scale).shape,
+                                             scheme.block if scheme else None, name,
+                                             scale).describe())
+        return ", ".join(dtypes + sorted(layouts))
+    if any(n.endswith("_blocks") and reader.info(n).dtype == "U8" for n in reader.names):
+        floats = [d for d in by_dtype if d != "uint8"]
+        return "mxfp4 experts (uint8 blocks, E8M0 scales)" + (f", other weights {floats[0]}"
+                                                              if floats else "")
+    return next(iter(by_dtype), "none")
 
 
 def _check_shapes(params: Params, cfg: ModelConfig, where: str) -> None:

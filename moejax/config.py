@@ -1,5 +1,5 @@
 """Model configuration read from a Hugging Face ``config.json`` (or a YAML shape
-file in ``configs/models/``), plus the FLOP accounting of DESIGN.md.
+file such as ``moejax/demo/configs/demo.yaml``), plus the FLOP accounting of DESIGN.md.
 
 The FLOP model is what the scheduler charges requests with and what MFU is
 measured against, so it counts *useful* work only: the k routed experts of a
@@ -140,6 +140,12 @@ class ModelConfig:
     expert_bias: bool = False            # biases of the routed experts (b_gate/b_up/b_down)
     swiglu_limit: float | None = None    # clamped SwiGLU: (clip(up)+1)·g·sigmoid(alpha·g),
     swiglu_alpha: float = 1.702          # g = min(gate, limit) (None: plain silu SwiGLU)
+    # ---- a sequence classifier (``*ForSequenceClassification``): its ``score`` head of
+    # num_labels outputs replaces the LM head (0: a language model)
+    num_labels: int = 0
+    id2label: tuple[str, ...] = ()       # label names, by output index
+    problem_type: str = ""               # transformers' single_label_classification,
+                                         # multi_label_classification or regression
 
     def __post_init__(self) -> None:
         for name, high in SIZE_LIMITS.items():   # bounds: see MAX_LAYERS & co.
@@ -183,6 +189,12 @@ class ModelConfig:
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ConfigError(f"sliding layer indices {bad} lie outside [0, {self.num_layers})")
+        if self.problem_type not in ("", *PROBLEM_TYPES):
+            raise ConfigError(f"problem_type must be one of {PROBLEM_TYPES}, got "
+                              f"{self.problem_type!r}")
+        if self.num_labels and len(self.id2label) != self.num_labels:
+            raise ConfigError(f"id2label names {len(self.id2label)} labels, num_labels is "
+                              f"{self.num_labels}")
 
     # ----------------------------------------------------------------- layers
     @property
@@ -285,9 +297,15 @@ class ModelConfig:
         count = last - first + 1
         return self.num_layers * 2 * self._score_value_dims * (first + last) * count // 2
 
+    @property
+    def head_size(self) -> int:
+        """Outputs of the model's head: the vocabulary, or a classifier's labels."""
+        return self.num_labels or self.vocab_size
+
     def head_flops(self, num_candidates: int | None = None) -> int:
-        """F_head at one scoring position: full vocabulary, or only ``num_candidates`` columns."""
-        columns = self.vocab_size if num_candidates is None else num_candidates
+        """F_head at one scoring position: full head (vocabulary or labels), or only
+        ``num_candidates`` columns."""
+        columns = self.head_size if num_candidates is None else num_candidates
         return 2 * self.hidden_size * columns
 
     def request_flops(self, prefix: int, suffix: int = 0, cached: int = 0,
@@ -554,6 +572,7 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
         extra.update(dense_layers=dense,
                      dense_intermediate_size=_size(hf, "intermediate_size",
                                                    MAX_INTERMEDIATE_SIZE))
+    extra.update(_classifier(hf))
     head_dim = _size(hf, "head_dim", MAX_HEAD_DIM, default=hidden // heads)
     if "mla" in extra:   # head_dim of the rotary part; q/k/v dims come from the MLA shape
         head_dim = extra["mla"].qk_rope_head_dim
@@ -581,6 +600,34 @@ def from_hf_dict(hf: Mapping[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **extra,
     )
+
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+
+
+def _classifier(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``*ForSequenceClassification`` architecture's head: its label count, names and
+    problem type ({} for a language model). transformers' defaults: ``num_labels`` from
+    ``id2label`` (2 when neither is given), names ``LABEL_i``."""
+    architectures = hf.get("architectures") or ()
+    if not any(isinstance(a, str) and a.endswith(CLASSIFIER_SUFFIX) for a in architectures):
+        return {}
+    names = hf.get("id2label")
+    if names is not None:
+        if not isinstance(names, Mapping) or not all(
+                isinstance(k, (str, int)) and str(k).isdigit() for k in names):
+            raise ConfigError("id2label must map label indices (\"0\", \"1\", ...) to names")
+        names = {int(k): str(v) for k, v in names.items()}
+    count = _size({"num_labels": hf.get("num_labels", len(names) if names else 2)},
+                  "num_labels", MAX_VOCAB_SIZE)
+    names = names or {i: f"LABEL_{i}" for i in range(count)}
+    if sorted(names) != list(range(count)):
+        raise ConfigError(f"id2label must name the labels 0..{count - 1} (num_labels "
+                          f"{count}), got indices {sorted(names)}")
+    problem = hf.get("problem_type") or ""
+    return {"num_labels": count, "id2label": tuple(names[i] for i in range(count)),
+            "problem_type": problem}
 
 
 # A config.json is a few KB; one past this is not a config (and is not read into memory).

@@ -166,8 +166,11 @@ class MoEDecoder(nnx.Module):
         self.embed = nnx.Param(jnp.asarray(params["embed"], dtype))
         self.layers = DecoderLayers(params["layers"], dtype)
         self.final_norm = nnx.Param(jnp.asarray(params["final_norm"], dtype))
-        self.lm_head = (None if cfg.tie_word_embeddings
+        self.lm_head = (None if cfg.tie_word_embeddings or cfg.num_labels
                         else nnx.Param(jnp.asarray(params["lm_head"], dtype)))
+        # A sequence classifier's head (``*ForSequenceClassification``) instead.
+        self.score_head = (nnx.Param(jnp.asarray(params["score"], dtype)) if cfg.num_labels
+                           else None)
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> "MoEDecoder":
@@ -178,6 +181,8 @@ class MoEDecoder(nnx.Module):
                        "final_norm": self.final_norm[...]}
         if self.lm_head is not None:
             out["lm_head"] = self.lm_head[...]
+        if self.score_head is not None:
+            out["score"] = self.score_head[...]
         return out
 
     # ------------------------------------------------------------ the pieces
@@ -216,7 +221,11 @@ class MoEDecoder(nnx.Module):
         with jax.named_scope("norm"):
             return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
 
-    def head(self) -> Float[Array, "d V"]:
+    def head(self) -> Float[Array, "d H"]:
+        """The output head [d, H]: the LM head over the vocabulary (the embeddings when
+        tied), or a classifier's score head over its labels."""
+        if self.score_head is not None:
+            return self.score_head[...]
         return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
 
     def vocab_logits(self, normed: Float[Array, "n d"]) -> Float[Array, "n V"]:
@@ -244,10 +253,10 @@ class MoEDecoder(nnx.Module):
             return VocabReadout(jnp.take_along_axis(logits, token_ids, axis=1),
                                 jax.nn.logsumexp(logits, -1), top_logits,
                                 top_ids.astype(jnp.int32) if top_k else None)
-        if self.cfg.tie_word_embeddings:
+        if self.score_head is None and self.cfg.tie_word_embeddings:
             columns = jnp.take(self.embed[...], token_ids, axis=0)         # [P, C, d]
         else:
-            columns = jnp.take(self.lm_head[...].T, token_ids, axis=0)     # [P, C, d]
+            columns = jnp.take(self.head().T, token_ids, axis=0)           # [P, C, d]
         picked = jnp.einsum("pd,pcd->pc", hidden, columns.astype(hidden.dtype),
                             preferred_element_type=jnp.float32)
         return VocabReadout(picked)

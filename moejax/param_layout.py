@@ -9,6 +9,7 @@ matrices are stored [in, out]:
             w_gate / w_up [L, E, d, f], w_down [L, E, f, d]
     final_norm [d]
     lm_head [d, V] (absent when the embeddings are tied)
+    score [d, num_labels] (a sequence classifier's head, instead of lm_head)
 
 Family pieces (present only where the config has them): q_norm [L, n_q·h] / k_norm
 [L, n_kv·h] (norm over all heads, OLMoE); bq [L, n_q·h], bk / bv [L, n_kv·h] (Qwen2-MoE);
@@ -93,7 +94,9 @@ def param_shapes(cfg: ModelConfig) -> Params:
     if cfg.expert_bias:
         layers.update({"b_gate": (L, E, f), "b_up": (L, E, f), "b_down": (L, E, d)})
     shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
-    if not cfg.tie_word_embeddings:
+    if cfg.num_labels:
+        shapes["score"] = (d, cfg.num_labels)
+    elif not cfg.tie_word_embeddings:
         shapes["lm_head"] = (d, V)
     return shapes
 

@@ -32,13 +32,14 @@ from moejax.core.prefix_plan import blocks_for_budget, sharing_flops
 from moejax.core.router import make_router
 from moejax.core.scoring_engine import Engine
 from moejax.distributed import DistributedOptions, join as distributed_join
-from moejax.model_dirs import resolve_model_dir  # noqa: F401  (serving's import path for it)
+from moejax.model_dirs import (model_display_name,  # noqa: F401  (serving's import path)
+                               resolve_model_dir)
 from moejax.ops import OpKey
 from moejax.packing import BucketPolicy
 from serving.compilation_cache import enable_compilation_cache
 from serving.limits import RequestLimits
 from serving.options import ScorerOptions, load_options
-from serving.requests import (NormalizeOptions, PrefillOp, RequestError, ScoreRequest,
+from serving.requests import (ClassifierHead, NormalizeOptions, PrefillOp, RequestError, ScoreRequest,
                               ScoreResult, TokenizerAdapter, boundary_warnings,
                               normalize_requests, renamed, request_id_of, request_label)
 from serving.results import combine_results
@@ -86,7 +87,7 @@ def attach_timings(results: list[ScoreResult], prepared: Sequence[PreparedReques
 class Scorer:
     """Scores requests with one model on an execution backend.
 
-    Options (keyword arguments; defaults in ``configs/scoring.yaml``): ``dtype``
+    Options (keyword arguments; defaults in ``serving/configs/scoring.yaml``): ``dtype``
     ("float32" | "bfloat16" | "auto"), ``max_batch_tokens``, ``min_block``,
     ``expert_impl``, ``tile_rows``, ``progress_min_requests``, ``compilation_cache``
     (default None: JAX's process-wide compilation cache is left alone; ``"auto"`` or a
@@ -94,7 +95,7 @@ class Scorer:
     ``backend`` (resident | offload | async_ep | hybrid | sync_ep | tp), ``devices``,
     ``backend_options`` (the backend's own keywords), ``calibrate``, ``calibration_eps``,
     ``theta``; plus ``deployment`` (a YAML file of options, e.g.
-    ``configs/deployments/async_ep.yaml``, applied before the keyword arguments) and
+    ``serving/configs/deployments/async_ep.yaml`` or its name ``"async_ep"``, applied before the keyword arguments) and
     ``normalize_options`` (prompt templates of "choice" and "multi"); ``distributed``
     (:class:`moejax.distributed.DistributedOptions` or its dict: join the other processes
     of a multi-process run first; every process then builds the same Scorer and scores the
@@ -112,6 +113,7 @@ class Scorer:
         enable_compilation_cache(self.options.compilation_cache)
         self.model_dir, self.is_demo = resolve_model_dir(model)
         self.demo_name = os.fspath(model) if self.is_demo else None
+        self._model_name = model_display_name(model, self.model_dir, self.is_demo)
         if self.demo_name is not None:
             from moejax.demo import demo_model
 
@@ -119,6 +121,8 @@ class Scorer:
         dtype = self.options.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
         self.tokenizer = TokenizerAdapter.from_model_dir(self.model_dir, tokenizer)
+        # A sequence classifier's head (requests of kind "head"), None for a language model.
+        self.head = ClassifierHead.of(self.config)
         self.normalize_options = normalize_options or NormalizeOptions.from_mapping(
             self.options.templates)
         opts = self.options
@@ -289,13 +293,16 @@ class Scorer:
                 "prefix_cache_blocks": (self.engine.prefix_cache.num_blocks
                                         if self.engine.prefix_cache else 0),
                 "kv_cache_free": self.kv_cache_free, "share_prompts": self.shares_prompts,
-                "limits": self.limits.as_dict()}
+                "limits": self.limits.as_dict(),
+                "labels": list(cfg.id2label) if self.head else None,
+                "problem_type": (cfg.problem_type or None) if self.head else None}
 
     @property
     def model_name(self) -> str:
         """The model's name, safe to show a remote caller: a built-in model's name
-        ("demo", "demo-e32"), or the name of its directory (never the path)."""
-        return self.demo_name or os.path.basename(os.path.normpath(self.model_dir))
+        ("demo", "demo-e32"), a hub model's id ("Qwen/Qwen3-30B-A3B"), or the name of its
+        directory (never the path)."""
+        return self._model_name
 
     def prepare(self, request: RequestLike, index: int = 0) -> PreparedRequest:
         """Validate, tokenize and expand one request (``index``: its position in the
@@ -309,7 +316,8 @@ class Scorer:
             pass
         ops, errors, prompt_tokens = normalize_requests(
             [request], self.tokenizer, vocab_size=self.config.vocab_size,
-            max_context=self.config.max_context, options=self.normalize_options, start=index)
+            max_context=self.config.max_context, options=self.normalize_options, start=index,
+            head=self.head)
         if errors:
             return PreparedRequest(index=index, request=request, error=errors[index])
         flops = (sharing_flops(ops, self.config) if self.shares_prompts
@@ -376,7 +384,7 @@ class Scorer:
                     op = dataclasses.replace(op, key=OpKey(position, op.candidate_index))
                 ops.append(op)
                 outputs.append(out)
-        results = combine_results(requests, ops, outputs, errors, prompt_tokens)
+        results = combine_results(requests, ops, outputs, errors, prompt_tokens, self.head)
         for position, (result, prep) in enumerate(zip(results, prepared)):
             if position not in errors and position != prep.index:
                 # combine_results names an id-less request by its position here.

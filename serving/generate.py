@@ -110,6 +110,10 @@ class Generator:
         self.model_dir, self.is_demo = resolve_model_dir(model)
         dtype = shared.resolved_dtype()
         self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
+        if self.config.num_labels:
+            raise ValueError(f"model {self.model_dir}: a sequence classifier (a score head of "
+                             f"{self.config.num_labels} labels, no language-model head) "
+                             f"cannot generate; score it with kind 'head'")
         self.sharing = (plan_sharing(share_with, self.config, dtype, self.options)
                         if share_with is not None else None)
         self.tokenizer = TokenizerAdapter.from_model_dir(self.model_dir, tokenizer)

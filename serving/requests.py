@@ -115,7 +115,9 @@ import numpy as np
 
 from moejax.ops import OpKey, OpOutput, PrefillOp  # (OpOutput: re-exported, the engine's answer)
 
-KINDS = ("classify", "choice", "multi", "prompt_logprobs")
+KINDS = ("classify", "choice", "multi", "prompt_logprobs", "head")
+# The kinds that read the prompts' own tokens (no candidates).
+PROMPT_ONLY_KINDS = ("prompt_logprobs", "head")
 MAX_TOP_LOGPROBS = 20          # the most alternatives a "prompt_logprobs" request reads
 NORMALIZATIONS = ("candidates", "vocab")
 
@@ -179,9 +181,9 @@ _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(ScoreRequest))
 
 @dataclasses.dataclass
 class ScoreResult:
-    """The answer to one request; ``selected`` is set for kind "multi" only, and
-    ``token_ids`` (with ``top_token_ids`` and ``top_logprobs`` when asked) for kind
-    "prompt_logprobs" only."""
+    """The answer to one request; ``selected`` is set for kinds "multi" and multi-label
+    "head" only, ``token_ids`` (with ``top_token_ids`` and ``top_logprobs`` when asked) for
+    kind "prompt_logprobs" only, and ``scores`` for kind "head" only."""
 
     id: str | int | None = None
     logprobs: list[float] | None = None
@@ -195,6 +197,8 @@ class ScoreResult:
     token_ids: list[int] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Kind "head": the classifier head's raw outputs, one per label (a reward model's score).
+    scores: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; ``selected`` (kind "multi"), the prompt's tokens and their
@@ -204,7 +208,7 @@ class ScoreResult:
                              "prompt_tokens": self.prompt_tokens, "error": self.error}
         if self.selected is not None:
             d["selected"] = self.selected
-        for name in ("token_ids", "top_token_ids", "top_logprobs"):
+        for name in ("token_ids", "top_token_ids", "top_logprobs", "scores"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
         if self.timings is not None:
@@ -212,6 +216,30 @@ class ScoreResult:
         if self.warnings:
             d["warnings"] = list(self.warnings)
         return d
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifierHead:
+    """A sequence classifier's head (``*ForSequenceClassification``): its label names and
+    how its outputs read (:attr:`activation`)."""
+
+    labels: tuple[str, ...]
+    problem_type: str = ""
+
+    @classmethod
+    def of(cls, cfg: Any) -> "ClassifierHead | None":
+        """The head of a model config (``moejax.config.ModelConfig``), None for a language
+        model."""
+        return cls(cfg.id2label, cfg.problem_type) if cfg.num_labels else None
+
+    @property
+    def activation(self) -> str:
+        """"none" (one output: a reward model's score; or a regression), "sigmoid" (each
+        label on its own: multi-label), else "softmax" (one label of all), as transformers'
+        text-classification pipeline reads a head."""
+        if len(self.labels) == 1 or self.problem_type == "regression":
+            return "none"
+        return "sigmoid" if self.problem_type == "multi_label_classification" else "softmax"
 
 
 class TemplateError(ValueError):
@@ -417,7 +445,11 @@ def request_kind(obj: Any) -> str:
     (absent: "classify"), or "unknown" for anything else (for metrics labels: never a
     value a client wrote)."""
     kind = _field_of(obj, "kind", broken="unknown")
-    kind = "classify" if kind in (None, "") else kind
+    if kind is None:
+        return "classify"
+    if not isinstance(kind, str):    # (``in`` would compare an array element-wise)
+        return "unknown"
+    kind = kind or "classify"
     return kind if kind in KINDS else "unknown"
 
 
@@ -573,11 +605,12 @@ def _parse_candidates(check: FieldChecker, req: ScoreRequest
 
 
 def _no_candidates(check: FieldChecker, req: ScoreRequest) -> None:
-    """Kind "prompt_logprobs" scores the prompt itself."""
+    """Kinds "prompt_logprobs" and "head" read the prompt alone."""
+    what = {"prompt_logprobs": "scores the prompt's own tokens",
+            "head": "answers with the model's classification head's labels"}[req.kind]
     for field in ("candidates", "candidate_token_ids"):
         if getattr(req, field) is not None:
-            raise check.fail(field, "kind 'prompt_logprobs' scores the prompt's own tokens: "
-                                    "give no candidates")
+            raise check.fail(field, f"kind {req.kind!r} {what}: give no candidates")
 
 
 def _check_distinct(check: FieldChecker, field: str, values: Sequence[Any]) -> None:
@@ -624,7 +657,7 @@ def parse_request(obj: ScoreRequest | Mapping[str, Any], index: int) -> ScoreReq
     kind = check.choice_of(req.kind, "kind", KINDS)
     normalize = check.choice_of(req.normalize, "normalize", NORMALIZATIONS)
     prompt, prompt_ids = _parse_prompt(check, req)
-    if kind == "prompt_logprobs":
+    if kind in PROMPT_ONLY_KINDS:
         candidates, candidate_ids = _no_candidates(check, req), None
         if req.top_logprobs is not None:
             req = dataclasses.replace(req, top_logprobs=check.integer(
@@ -851,8 +884,29 @@ def _check_context(check: FieldChecker, ops: list[PrefillOp], prompt_len: int,
                                        f"max_context ({max_context})")
 
 
+def _check_head(check: FieldChecker, kind: str, head: ClassifierHead | None) -> None:
+    """A classifier answers kind "head" only, and only a classifier does."""
+    if head is not None and kind != "head":
+        raise check.fail("kind", f"{kind!r} needs a language-model head; this model is a "
+                                 f"sequence classifier ({len(head.labels)} labels: "
+                                 f"{show(list(head.labels))}): use kind 'head'")
+    if head is None and kind == "head":
+        raise check.fail("kind", "'head' needs a classification head (a "
+                                 "*ForSequenceClassification checkpoint's score.weight); "
+                                 "this model is a language model: use 'classify' with "
+                                 "candidates")
+
+
+def _head_op(index: int, prompt: list[int], head: ClassifierHead) -> PrefillOp:
+    """The head's outputs at the last prompt token (transformers pools the last token)."""
+    return PrefillOp(key=OpKey(index, -1), token_ids=np.asarray(prompt, np.int32),
+                     score_positions=(len(prompt) - 1,),
+                     score_token_ids=(tuple(range(len(head.labels))),))
+
+
 def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size: int,
-                 max_context: int, options: NormalizeOptions) -> tuple[list[PrefillOp], int]:
+                 max_context: int, options: NormalizeOptions,
+                 head: ClassifierHead | None = None) -> tuple[list[PrefillOp], int]:
     """Ops and prompt length of one parsed request; raises RequestError."""
     check = FieldChecker(req.id, index)
     enc = _Encoder(tokenizer, check, vocab_size)
@@ -871,6 +925,8 @@ def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size
                 raise check.fail("prompt", f"has {len(prompt)} token: prompt log-probabilities "
                                            f"need at least 2 (the first token has none)")
             ops = [_prompt_logprobs_op(index, prompt, req.top_logprobs or 0)]
+        elif req.kind == "head":
+            ops = [_head_op(index, prompt, head)]
         elif req.kind == "multi":
             ops = _multi_ops(index, req, prompt, enc, options, need_vocab)
         else:
@@ -882,8 +938,10 @@ def _request_ops(index: int, req: ScoreRequest, tokenizer: Tokenizer, vocab_size
 def normalize_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
                        tokenizer: Tokenizer, *, vocab_size: int, max_context: int,
                        options: NormalizeOptions = NormalizeOptions(), start: int = 0,
+                       head: ClassifierHead | None = None,
                        ) -> tuple[list[PrefillOp], dict[int, str], dict[int, int]]:
-    """Expand requests into prefill ops.
+    """Expand requests into prefill ops (``head``: the model's classification head, when
+    it is a sequence classifier).
 
     Returns ``(ops, errors, prompt_tokens)``: ops in request order (siblings
     adjacent), ``errors[i]`` = message for each bad request (which gets no ops),
@@ -896,9 +954,12 @@ def normalize_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
     prompt_tokens: dict[int, int] = {}
     for index, obj in enumerate(requests, start=start):
         try:
+            kind = request_kind(obj)
+            if kind in KINDS:      # (before the kind's own checks: a classifier's first)
+                _check_head(FieldChecker(request_id_of(obj), index), kind, head)
             req = parse_request(obj, index)
-            request_ops, prompt_tokens[index] = _request_ops(index, req, tokenizer,
-                                                              vocab_size, max_context, options)
+            request_ops, prompt_tokens[index] = _request_ops(
+                index, req, tokenizer, vocab_size, max_context, options, head)
         except RequestError as exc:
             errors[index] = str(exc)
             prompt_tokens.pop(index, None)

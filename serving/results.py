@@ -13,8 +13,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from serving.multi_process import collective_failure, is_collective_failure
-from serving.requests import (OpOutput, PrefillOp, ScoreRequest, ScoreResult, parse_request,
-                              request_id_of, request_label)
+from serving.requests import (ClassifierHead, OpOutput, PrefillOp, ScoreRequest, ScoreResult,
+                              parse_request, request_id_of, request_label)
 
 
 def _check_output(op: PrefillOp, out: OpOutput) -> None:
@@ -124,6 +124,23 @@ def _prompt_logprobs_result(req: ScoreRequest, op: PrefillOp, out: OpOutput) -> 
     return result
 
 
+def _head_result(req: ScoreRequest, out: OpOutput, head: ClassifierHead) -> ScoreResult:
+    """A classifier's answer (kind "head"): its raw outputs; with a softmax head the
+    log-probabilities over the labels and the best; with a sigmoid head each label's own
+    log-probability and those above one half (``selected``); one output (a reward model)
+    or a regression: the score alone."""
+    scores = np.asarray(out.logits[0], np.float64)
+    result = ScoreResult(id=req.id, scores=[float(v) for v in scores])
+    if head.activation == "softmax":
+        result.logprobs = [float(v) for v in _log_softmax(scores)]
+        result.label = int(np.argmax(scores))
+    elif head.activation == "sigmoid":
+        result.logprobs = [float(v) for v in -np.logaddexp(0.0, -scores)]   # log sigmoid
+        result.label = int(np.argmax(scores))
+        result.selected = [int(i) for i in np.flatnonzero(scores > 0)]
+    return result
+
+
 def _has_nan(pairs: list[tuple[PrefillOp, OpOutput]]) -> bool:
     """NaN logits mean the forward pass broke; -inf (masked tokens) is legitimate."""
     for _, out in pairs:
@@ -134,8 +151,8 @@ def _has_nan(pairs: list[tuple[PrefillOp, OpOutput]]) -> bool:
     return False
 
 
-def _request_result(req: ScoreRequest, index: int,
-                    pairs: list[tuple[PrefillOp, OpOutput]]) -> ScoreResult:
+def _request_result(req: ScoreRequest, index: int, pairs: list[tuple[PrefillOp, OpOutput]],
+                    head: ClassifierHead | None) -> ScoreResult:
     """Result of one request that produced ops."""
     if not pairs:
         raise ValueError(f"request #{index} has neither ops nor an error")
@@ -145,6 +162,9 @@ def _request_result(req: ScoreRequest, index: int,
     if req.kind == "prompt_logprobs":
         ((op, out),) = pairs
         return _prompt_logprobs_result(req, op, out)
+    if req.kind == "head":
+        ((_, out),) = pairs
+        return _head_result(req, out, head)
     n = len(req.candidates if req.candidates is not None else req.candidate_token_ids)
     if req.kind == "multi":
         return _multi_result(req, pairs, n)
@@ -175,9 +195,10 @@ def _failed_requests(requests: Sequence[ScoreRequest | Mapping[str, Any]],
 def combine_results(requests: Sequence[ScoreRequest | Mapping[str, Any]],
                     ops: Sequence[PrefillOp], outputs: Sequence[OpOutput | Exception],
                     errors: Mapping[int, str], prompt_tokens: Mapping[int, int],
-                    ) -> list[ScoreResult]:
+                    head: ClassifierHead | None = None) -> list[ScoreResult]:
     """One result per request, in request order.
 
+    ``head``: the model's classification head (kind "head"), when it is a classifier.
     ``outputs[i]`` must belong to ``ops[i]``; the pairs may come in any order
     (ops are matched to candidates by ``candidate_index``). An output may be the
     exception its step raised: its request then gets an error result (its other
@@ -200,7 +221,8 @@ def combine_results(requests: Sequence[ScoreRequest | Mapping[str, Any]],
         if index in errors:
             results.append(ScoreResult(id=request_id_of(obj), error=errors[index]))
             continue
-        result = _request_result(parse_request(obj, index), index, pairs_by_request[index])
+        result = _request_result(parse_request(obj, index), index, pairs_by_request[index],
+                                 head)
         if result.error is None:
             result.prompt_tokens = prompt_tokens[index]
         results.append(result)

@@ -28,11 +28,17 @@ def hf_config(kind: str, **overrides):
                                       **common, **overrides)
 
 
-def build_torch_model(kind: str, overrides: dict, seed: int):
-    """The seeded tiny model in eval mode, with the robustness scalings above."""
+CLASSES = {("qwen3_moe", "lm"): transformers.Qwen3MoeForCausalLM,
+           ("mixtral", "lm"): transformers.MixtralForCausalLM,
+           ("qwen3_moe", "classifier"): transformers.Qwen3MoeForSequenceClassification,
+           ("mixtral", "classifier"): transformers.MixtralForSequenceClassification}
+
+
+def build_torch_model(kind: str, overrides: dict, seed: int, head: str = "lm"):
+    """The seeded tiny model in eval mode, with the robustness scalings above; ``head``
+    "classifier": its ``*ForSequenceClassification`` (a score head over num_labels)."""
     torch.manual_seed(seed)
-    cls = transformers.Qwen3MoeForCausalLM if kind == "qwen3_moe" else transformers.MixtralForCausalLM
-    hf = cls(hf_config(kind, **overrides)).eval()
+    hf = CLASSES[kind, head](hf_config(kind, **overrides)).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if name.endswith("norm.weight"):
@@ -49,3 +55,13 @@ def build_torch_model(kind: str, overrides: dict, seed: int):
     if overrides.get("tie_word_embeddings"):
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     return hf
+
+
+def word_tokenizer():
+    """"t0" .. "t127" as whole words: ids map to text and back (a ``tokenizers.Tokenizer``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok

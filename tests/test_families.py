@@ -37,7 +37,7 @@ torch = pytest.importorskip("torch", reason="family parity needs torch (the 'par
 transformers = pytest.importorskip(
     "transformers", reason="family parity needs transformers (the 'parity' extra)")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from hf_tiny_models import word_tokenizer  # noqa: E402
 
 from backend_fixtures import max_rel_err, run_backend  # noqa: E402
 from hf_parity import (TOP_K, packed_outputs, parity_sequences, rel_err,  # noqa: E402
@@ -90,14 +90,6 @@ FEATURE_WORDS = ("latent", "mla", "sink", "sliding", "window", "bias", "shared",
 
 
 # ----------------------------------------------------------------------------- fixture
-def _word_tokenizer() -> Tokenizer:
-    """"t0" .. "t127" as whole words (as tests/test_generate.py): ids map to text and back."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    return tok
-
-
 def _sequences(seed: int) -> list[PrefillOp]:
     """Four sequences of different lengths (ids >= 3: no special tokens)."""
     return parity_sequences(seed, V, LENGTHS, low=3)
@@ -155,7 +147,7 @@ def _build(name: str, tmp_path_factory) -> Family:
     hf = build_family_model(name, seed=seed)
     path = str(tmp_path_factory.mktemp(name))
     hf.save_pretrained(path)
-    _word_tokenizer().save(f"{path}/tokenizer.json")
+    word_tokenizer().save(f"{path}/tokenizer.json")
     cfg, params, tokenizer = checkpoint.load_model_dir(path, "float32")
     assert cfg.model_type == hf.config.model_type
     assert tokenizer is not None and tokenizer.encode("t5 t6").ids == [5, 6]

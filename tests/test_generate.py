@@ -21,8 +21,6 @@ torch = pytest.importorskip("torch", reason="generation parity needs torch (the 
 transformers = pytest.importorskip(
     "transformers", reason="generation parity needs transformers (the 'parity' extra)")
 
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from tokenizers import decoders  # noqa: E402
 
 from moejax import checkpoint  # noqa: E402
 from moejax import expert_trace  # noqa: E402
@@ -34,6 +32,7 @@ from serving.cli import main as cli_main  # noqa: E402
 from serving import GenerationResult, Generator  # noqa: E402
 
 from hf_tiny_models import E, K, L, V, build_torch_model as _hf_model  # noqa: E402
+from hf_tiny_models import word_tokenizer  # noqa: E402
 LENGTHS = (5, 17, 9, 30)
 NEW = 12
 MODELS = {"qwen3": ("qwen3_moe", dict(norm_topk_prob=True, tie_word_embeddings=False), 0),
@@ -41,13 +40,6 @@ MODELS = {"qwen3": ("qwen3_moe", dict(norm_topk_prob=True, tie_word_embeddings=F
 
 
 # ----------------------------------------------------------------------------- models
-def _word_tokenizer() -> Tokenizer:
-    """"t0" .. "t127" as whole words: text prompts map to known ids and back."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-    return tok
-
 
 class Model:
     def __init__(self, name: str, tmp_path_factory):
@@ -55,7 +47,7 @@ class Model:
         self.hf = _hf_model(kind, overrides, seed)
         self.path = str(tmp_path_factory.mktemp(name))
         self.hf.save_pretrained(self.path)
-        _word_tokenizer().save(f"{self.path}/tokenizer.json")
+        word_tokenizer().save(f"{self.path}/tokenizer.json")
         rng = np.random.default_rng(seed)
         self.prompts = [[int(t) for t in rng.integers(3, V, n)] for n in LENGTHS]
         self.counts_before = decode_programs.compiled_program_counts()

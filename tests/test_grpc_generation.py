@@ -302,7 +302,7 @@ def test_invalid_requests_get_invalid_argument_naming_the_field(scorer, generato
         "request #4: max_new_tokens: must be an integer, got bool",
         "request '18446744073709551616': id: integer ids must fit in 64 bits (gRPC int64)",
         "request #6: unknown field(s) 'colour' (accepted: id, prompt, prompt_token_ids, "
-        "max_new_tokens, temperature, top_p, seed, stop_token_ids)",
+        "max_new_tokens, temperature, top_p, seed, stop_token_ids, add_special_tokens)",
         "request #7: expected an object (dict), got str",
         f"request #8: prompt_token_ids[1]: does not fit in 64 bits (gRPC int64), got "
         f"{1 << 70}",

@@ -165,7 +165,8 @@ def test_wrong_routing_is_detected(qwen3):
 def test_forward_scoring_positions_match_torch(variant, full_vocab):
     fx = variant
     host = fx.host
-    picked, lse = fx.outputs["full_vocab" if full_vocab else "columns"]
+    readout = fx.outputs["full_vocab" if full_vocab else "columns"]
+    picked, lse = readout.logits, readout.lse
     assert picked.shape == host.batch.score_token_ids.shape and picked.dtype == np.float32
     if full_vocab:
         assert lse is not None and lse.shape == (host.batch.score_positions.shape[0],)

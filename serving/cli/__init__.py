@@ -35,7 +35,7 @@ stops quietly.
 
 As an entry point, :func:`main` sets what a library leaves to its user: the XLA flags
 (``moejax.configure_xla``, before JAX starts) and JAX's persistent compilation cache
-(``"auto"`` unless configs/scoring.yaml or the deployment names one). This module is the
+(``"auto"`` unless serving/configs/scoring.yaml or the deployment names one). This module is the
 dispatcher (and ``score``): it registers the subcommands of the package's other modules
 (``generate``, ``trace``, ``eldr``, ``prefetch``) and of ``serving.grpc.cli``, which take
 their shared options from :mod:`serving.cli.options` (never from here: no import cycle).
@@ -195,9 +195,22 @@ def cmd_info(args: argparse.Namespace) -> int:
                           "bytes_per_token": cfg.kv_bytes_per_token(
                               scorer.engine.dtype.itemsize)},
                 dense_layers=list(cfg.dense_layers),
-                shared_expert_size=cfg.shared_intermediate_size)
+                shared_expert_size=cfg.shared_intermediate_size,
+                weights=_weights_info(scorer.model_dir, num_params(cfg), scorer.engine.dtype))
     print(json.dumps(info, indent=2), flush=True)   # a closed stdout fails here, not at exit
     return 0
+
+
+def _weights_info(model_dir: str, params: int, dtype: Any) -> dict[str, Any]:
+    """Stored dtype and bytes (safetensors headers: an FP8 checkpoint reads "float8_e4m3fn,
+    128x128 block scales") next to the serving dtype and bytes (params x its size): what
+    dequantizing on load costs in memory."""
+    from moejax.checkpoint import stored_weights
+
+    stored = stored_weights(model_dir)
+    return {"stored_dtype": stored["dtype"], "stored_bytes": stored["bytes"],
+            "stored_bytes_by_dtype": stored["bytes_by_dtype"], "serving_dtype": dtype.name,
+            "serving_bytes": params * dtype.itemsize}
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -167,7 +167,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "warm-up: compiled %d scoring programs in %.1f s (health and /ready follow "
                 "now)", compiled, seconds)
         generator = None
-        if generation and not stop.is_set():
+        if generation and scorer is not None and scorer.head is not None:
+            if args.generation:
+                raise ValueError("--generation: the model is a sequence classifier (a score "
+                                 "head, no language-model head): it cannot generate")
+            logging.getLogger("moejax.grpc").warning(
+                "the model is a sequence classifier: serving scoring (kind 'head') only")
+        elif generation and not stop.is_set():
             from serving.generate import Generator
 
             generator = Generator(args.model, share_with=scorer, **_generator_options(args))

@@ -167,6 +167,8 @@ def result_to_proto(result: ScoreResult, queue_seconds: float | None = None) -> 
         message.token_ids.extend(result.token_ids)
     for ids, logprobs in zip(result.top_token_ids or (), result.top_logprobs or ()):
         message.top.add(token_ids=ids, logprobs=logprobs)
+    if result.scores is not None:
+        message.scores.extend(result.scores)
     if result.timings is not None:
         timings = dict(result.timings)
         if queue_seconds is not None:
@@ -187,8 +189,9 @@ def result_from_proto(message: pb.ScoreResult) -> ScoreResult:
                    "seconds": t.seconds, "queue_seconds": t.queue_seconds}
     return ScoreResult(
         id=_get_id(message),
-        logprobs=list(message.logprobs) if message.logprobs or not message.HasField("error")
-        else None,
+        # (none: an error, or a head's raw score alone)
+        logprobs=list(message.logprobs) if message.logprobs or not (
+            message.HasField("error") or message.scores) else None,
         label=message.label if message.HasField("label") else None,
         prompt_tokens=message.prompt_tokens,
         error=message.error if message.HasField("error") else None,
@@ -196,7 +199,8 @@ def result_from_proto(message: pb.ScoreResult) -> ScoreResult:
         timings=timings, warnings=list(message.warnings) or None,
         token_ids=list(message.token_ids) or None,
         top_token_ids=[list(t.token_ids) for t in message.top] or None,
-        top_logprobs=[list(t.logprobs) for t in message.top] or None)
+        top_logprobs=[list(t.logprobs) for t in message.top] or None,
+        scores=list(message.scores) or None)
 
 
 def error_result(request_id: Any, error: str) -> ScoreResult:

@@ -39,7 +39,6 @@ import collections
 import dataclasses
 import json
 import math
-import os
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -50,7 +49,8 @@ from moejax.core.router import (Assignment, BlocksEvicted, BlocksStored, FlopsEx
 from moejax.ops import PrefillOp
 from serving.grpc import convert, scoring_pb2 as pb
 from serving.limits import RequestLimits
-from serving.requests import RequestError, TokenizerAdapter, normalize_requests
+from serving.requests import (ClassifierHead, RequestError, TokenizerAdapter,
+                              normalize_requests)
 
 if TYPE_CHECKING:
     from serving.grpc.upstreams import UpstreamPool
@@ -64,12 +64,12 @@ MODEL_FIELDS = (("architecture", "model_type"), ("vocab_size", "vocab_size"),
 
 
 def load_model(model: str) -> tuple[ModelConfig, TokenizerAdapter, str]:
-    """(config, tokenizer, name) of a model directory or built-in name; no weights."""
+    """(config, tokenizer, name) of a model directory, built-in name or hub id; no weights."""
     from moejax.checkpoint import load_model_config, load_tokenizer
-    from moejax.model_dirs import resolve_model_dir
+    from moejax.model_dirs import model_display_name, resolve_model_dir
 
     model_dir, is_demo = resolve_model_dir(model)
-    name = os.fspath(model) if is_demo else os.path.basename(os.path.normpath(model_dir))
+    name = model_display_name(model, model_dir, is_demo)
     return (load_model_config(model_dir),
             TokenizerAdapter.from_model_dir(model_dir, load_tokenizer(model_dir)), name)
 
@@ -174,7 +174,8 @@ class RoutingCore:
             self.limits.check(convert.limit_view(message), index)
             ops, _, _ = normalize_requests([convert.request_from_proto(message)],
                                            self.tokenizer, vocab_size=self.cfg.vocab_size,
-                                           max_context=self.cfg.max_context, start=index)
+                                           max_context=self.cfg.max_context, start=index,
+                                           head=ClassifierHead.of(self.cfg))
         except Exception:  # noqa: BLE001  (invalid: forwarded, the upstream answers it)
             return None
         return ops[0] if ops else None

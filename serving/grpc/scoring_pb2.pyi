@@ -67,7 +67,7 @@ class Timings(_message.Message):
     def __init__(self, engines: _Optional[_Iterable[int]] = ..., rounds: _Optional[_Iterable[int]] = ..., seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("string_id", "int_id", "logprobs", "label", "prompt_tokens", "error", "selected", "timings", "warnings", "token_ids", "top")
+    __slots__ = ("string_id", "int_id", "logprobs", "label", "prompt_tokens", "error", "selected", "timings", "warnings", "token_ids", "top", "scores")
     STRING_ID_FIELD_NUMBER: _ClassVar[int]
     INT_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class ScoreResult(_message.Message):
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     string_id: str
     int_id: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -90,7 +91,8 @@ class ScoreResult(_message.Message):
     warnings: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     top: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., label: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., selected: _Optional[_Union[IndexList, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, string_id: _Optional[str] = ..., int_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., label: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., selected: _Optional[_Union[IndexList, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., top: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

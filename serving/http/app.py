@@ -177,10 +177,13 @@ def make_app(scoring: HttpScoring, *, token: str | None = None,
 
     @app.post("/classify")
     async def classify(body: shapes.Classify) -> dict[str, Any]:
-        """Each input classified over the ``labels`` (probabilities over the labels)."""
+        """Each input classified over the ``labels`` (probabilities over the labels), or by
+        the model's classification head when no labels are given."""
         results = await _scored_all(scoring, shapes.classify_requests(body), "/classify",
                                     max_batch_requests)
-        return shapes.classify_response(body, results, scoring.model_name)
+        scorer = scoring.server.service.scorer
+        head = () if scorer is None or scorer.head is None else scorer.head.labels
+        return shapes.classify_response(body, results, scoring.model_name, head)
 
     @app.post("/v1/completions")
     async def text_completions(body: openai_compat.CompletionRequest) -> Response:

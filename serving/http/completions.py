@@ -29,6 +29,11 @@ from serving.requests import RequestError
 def generation_service(scoring: HttpScoring) -> Any:
     """The gRPC server's generation service, once it serves (else 404 or 503)."""
     server = scoring.server
+    scorer = server.service.scorer
+    if scorer is not None and scorer.head is not None:
+        raise ApiError(404, "the model is a sequence classifier (a score head, no "
+                       "language-model head): it does not generate; POST /classify",
+                       kind="not_found_error", code="no_generation")
     if not server.options.generation:
         raise ApiError(404, "this server does not serve generation (moejax serve "
                        "--no-generation, or a backend that cannot decode)",

@@ -81,8 +81,11 @@ class Rerank(_Shape):
 
 
 class Classify(_Shape):
+    """``labels``: the label candidates a language model scores; absent, the model's own
+    classification head answers (a ``*ForSequenceClassification`` checkpoint)."""
+
     input: str | list[str]
-    labels: list[str] = Field(min_length=2)
+    labels: list[str] | None = Field(default=None, min_length=2)
 
     @model_validator(mode="after")
     def _inputs(self) -> "Classify":
@@ -138,6 +141,8 @@ def pair_requests(pairs: Sequence[tuple[str, str]]) -> tuple[list[dict[str, Any]
 
 def classify_requests(body: Classify) -> list[dict[str, Any]]:
     inputs = body.input if isinstance(body.input, list) else [body.input]
+    if body.labels is None:
+        return [{"kind": "head", "prompt": text} for text in inputs]
     return [{"kind": "classify", "prompt": text, "candidates": list(body.labels),
              "normalize": "candidates"} for text in inputs]
 
@@ -175,12 +180,24 @@ def rerank_response(body: Rerank, result: Any, model: str) -> dict[str, Any]:
             "results": out}
 
 
-def classify_response(body: Classify, results: Sequence[Any], model: str) -> dict[str, Any]:
+def classify_response(body: Classify, results: Sequence[Any], model: str,
+                      head_labels: Sequence[str] = ()) -> dict[str, Any]:
+    """vLLM's classify response: per input the best label and the probabilities over the
+    labels (a head's raw outputs too, as ``scores``; a reward model's score alone: label and
+    probs null)."""
+    labels = body.labels if body.labels is not None else head_labels
+
+    def item(i: int, r: Any) -> dict[str, Any]:
+        out = {"index": i, "label": None if r.label is None else labels[r.label],
+               "probs": None if r.logprobs is None else [math.exp(x) for x in r.logprobs],
+               "num_classes": len(labels)}
+        if r.scores is not None:
+            out["scores"] = r.scores
+        return out
+
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list",
             "created": int(time.time()), "model": model, "usage": _usage(results),
-            "data": [{"index": i, "label": body.labels[r.label],
-                      "probs": [math.exp(x) for x in r.logprobs],
-                      "num_classes": len(body.labels)} for i, r in enumerate(results)]}
+            "data": [item(i, r) for i, r in enumerate(results)]}
 
 
 def document_texts(body: Rerank) -> list[str]:
