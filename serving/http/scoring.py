@@ -3,7 +3,7 @@ worker, one queue) and the same admission bound, so a burst on either door is re
 a retry hint, never queued without bound, and both share batches.
 
 A call's requests are prepared (validated, tokenized: ``Scorer.prepare``) on a thread pool
-of their own, admitted together against the bound (their summed cost; more than the whole
+of their own (a call of one short request on the event loop: the hop would cost more), admitted together against the bound (their summed cost; more than the whole
 bound: refused for good, the caller is to split; past what is free now: refused with a
 hint), queued as work items and awaited on the HTTP server's event loop. A request that
 cannot be prepared gets its error in its own result; the others are scored.
@@ -56,9 +56,12 @@ class HttpScoring:
                               "retry later")
         server = self.server
         batcher, scorer, metrics = server.batcher, server.service.scorer, server.metrics
-        loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(
-            self._pool, lambda: [scorer.prepare(r, i) for i, r in enumerate(requests)])
+        if _small(requests):
+            # On the event loop: a thread hop costs more than preparing a short request.
+            prepared = [scorer.prepare(r, i) for i, r in enumerate(requests)]
+        else:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: [scorer.prepare(r, i) for i, r in enumerate(requests)])
         results: list[ScoreResult | None] = [None] * len(requests)
         for prep in prepared:
             if prep.error is not None:
@@ -84,6 +87,23 @@ class HttpScoring:
         if batcher.metrics is not None:
             batcher.metrics.request_done(endpoint, "unknown", "refused", count=count)
         raise Refused(*refusal)
+
+
+# A call prepared on the event loop: one request whose texts hold at most this many
+# characters (tokenizing them takes well under a millisecond; a longer one goes to the pool,
+# so that it never stalls the other calls on the loop).
+INLINE_PREPARE_CHARS = 2048
+
+
+def _small(requests: Sequence[Any]) -> bool:
+    if len(requests) != 1 or not isinstance(requests[0], dict):
+        return False
+    request = requests[0]
+    texts = [request.get("prompt"), *(request.get("candidates") or ())]
+    if request.get("messages") is not None:
+        return False
+    return all(t is None or isinstance(t, str) for t in texts) and \
+        sum(len(t) for t in texts if t) <= INLINE_PREPARE_CHARS
 
 
 def _as_result(prep: Any, outcome: Any) -> ScoreResult:
