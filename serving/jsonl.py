@@ -70,6 +70,7 @@ class JsonlLine:
     number: int
     request: dict[str, Any] | None = None
     error: str | None = None
+    unit: str = "line"      # how messages name it: "line 3"; a Parquet row: "row 7"
 
 
 # ----------------------------------------------------------------------------- options
@@ -240,11 +241,13 @@ def chunks(lines: Iterator[JsonlLine], size: int) -> Iterator[list[JsonlLine]]:
 
 
 # ----------------------------------------------------------------------------- naming
-def name_by_line(error: str | None, index: int, number: int) -> str | None:
+def name_by_line(error: str | None, index: int, number: int, unit: str = "line"
+                 ) -> str | None:
     """The libraries name an id-less request ``request #INDEX`` (its position in the list
     they were given); the commands name it by its input line instead, which the user can
-    find: ``"request #0: prompt: is empty"`` -> ``"line 3: prompt: is empty"``."""
-    return renamed(error, index, f"line {number}")
+    find: ``"request #0: prompt: is empty"`` -> ``"line 3: prompt: is empty"`` (a Parquet
+    row: ``"row 2: ..."``)."""
+    return renamed(error, index, f"{unit} {number}")
 
 
 R = TypeVar("R")
@@ -266,7 +269,7 @@ def run_chunk(chunk: Sequence[JsonlLine], run: Callable[[list[dict[str, Any]]], 
             results.append(error_result(line.error))
             continue
         result: Any = done[position]
-        result.error = name_by_line(result.error, position, line.number)
+        result.error = name_by_line(result.error, position, line.number, line.unit)
         results.append(result)
         position += 1
     return results
@@ -297,7 +300,7 @@ def _fd_stat(stream: Any) -> os.stat_result | None:
         return None
 
 
-def _open_input(path: str) -> tuple[BinaryIO, os.stat_result | None]:
+def open_input(path: str) -> tuple[BinaryIO, os.stat_result | None]:
     """The input as a binary stream and its stat (for the same-file check)."""
     if path == "-":
         buffer = getattr(sys.stdin, "buffer", None)
@@ -325,7 +328,7 @@ class JsonlFiles:
         self.input_path = input_path
         self.output_path = None if output_path in (None, "-") else output_path
         self.max_line_bytes = max(1, int(max_line_mib * _MIB))
-        self.source, in_stat = _open_input(input_path)
+        self.source, in_stat = open_input(input_path)
         self._fd: int | None = None
         self._created = False
         self.sink: TextIO | None = None

@@ -56,7 +56,7 @@ from serving.cli.distributed import (exit_now, host_devices_per_process,
                                      join as join_processes, quiet_unless_output_process)
 from serving.cli.options import add_model_options, positive_int, scorer_options
 from serving.exit_status import BROKEN_PIPE_STATUS, ERRORS_STATUS, FAILED_STATUS
-from serving.jsonl import JsonlLine, add_line_limit_option, open_jsonl, run_chunk
+from serving.jsonl import CommandError, JsonlLine, add_line_limit_option, run_chunk
 from serving.multi_process import CollectiveFailure, collective_failure, is_collective_failure
 from serving.score_progress import IncompleteRun
 from serving.logs import LOG_FORMATS, configure_logging
@@ -115,11 +115,34 @@ def cmd_score(args: argparse.Namespace) -> int:
         status = run_remote(args)
         return _remote_errors_status(args) if status == 0 else status
     from serving import Scorer
+    from serving.shards import (CountedRows, already_complete, new_record, shard_chunks,
+                                write_record)
+    from serving.tables import open_score_files
 
-    with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
+    shard = args.shard
+    if shard is not None:
+        if args.output in (None, "-"):
+            raise CommandError("--shard needs -o OUTPUT: its record is written beside it")
+        if already_complete(args.input, args.output, shard):
+            print(f"shard {shard} of {args.input} is already complete in {args.output}: "
+                  f"nothing to do", file=sys.stderr)
+            return 0
+    with open_score_files(args.input, args.output, args.max_line_mib,   # before the model
+                          with_row=shard is not None) as files:
         scorer = Scorer(args.model, **scorer_options(args))
         files.start_output()
+        record = None
+        if shard is not None:
+            record = new_record(args.input, shard)
+            write_record(args.output, record)
         total = files.count()
+        rows_seen = None
+        if shard is None:
+            parts = _whole_chunks(files, args.chunk_size)
+        else:
+            total = None          # (a shard holds a part of the rows)
+            rows_seen = CountedRows(files.lines())
+            parts = shard_chunks(rows_seen, shard, args.chunk_size)
         show_bar = args.progress if args.progress is not None else (
             sys.stderr.isatty() and (total or 0) >= scorer.options.progress_min_requests)
         bar = None
@@ -132,21 +155,28 @@ def cmd_score(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         try:
             # Chunks bound memory on files of millions of requests; results are written as
-            # each chunk finishes, in input order.
-            for chunk in files.chunks(args.chunk_size):
-                for result in score_chunk(scorer, chunk):
-                    files.write(result.to_dict())
+            # each chunk finishes, in input order (a shard's carry their input row).
+            for rows, chunk in parts:
+                for row, result in zip(rows, score_chunk(scorer, chunk)):
+                    out = result.to_dict()
+                    files.write(out if row is None else {"row": row, **out})
                     errors += result.error is not None
                 count += len(chunk)
                 files.flush()
                 if bar is not None:
                     bar.update(len(chunk))
+            if record is not None:
+                files.flush()
+                record.update(rows=count, errors=errors, rows_total=rows_seen.count)
         except KeyboardInterrupt:
             # Ctrl-C: the chunks already scored are written and flushed; stop cleanly.
             interrupted = True
         finally:
             if bar is not None:
                 bar.close()
+    if record is not None and not interrupted:
+        record["complete"] = True        # (after the output is closed: its footer is written)
+        write_record(args.output, record)
     elapsed = time.perf_counter() - start
     stats = scorer.engine.stats
     rate = stats.real_tokens / elapsed if elapsed > 0 else 0.0
@@ -161,6 +191,12 @@ def cmd_score(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return errors_status(count, errors, args.fail_on_errors)
+
+
+def _whole_chunks(files: Any, size: int) -> Any:
+    """(Nones, lines) chunk by chunk over the whole input (no rows to carry)."""
+    for chunk in files.chunks(size):
+        yield [None] * len(chunk), chunk
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -246,13 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "object a line: time, level, logger, message, request_id)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    score = sub.add_parser("score", help="score a JSONL file of requests",
+    score = sub.add_parser("score", help="score a JSONL or Parquet file of requests",
                            description="Score a JSONL file of requests (one JSON request a "
-                                       "line; one JSON result a line, in input order).",
+                                       "line; one JSON result a line, in input order), or a "
+                                       "Parquet file (a request a row; by the extension "
+                                       ".parquet, for the input and the output apart).",
                            epilog=SCORE_EXIT_CODES,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    score.add_argument("input", help="JSONL requests ('-' for stdin)")
-    score.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
+    score.add_argument("input", help="JSONL or Parquet requests ('-' for stdin: JSONL)")
+    score.add_argument("-o", "--output", default=None,
+                       help="JSONL or Parquet results (default: JSONL on stdout)")
+    score.add_argument("--shard", type=_shard_type, default=None, metavar="I/N",
+                       help="score shard I of N only (slices of 1,024 rows, every N-th one, "
+                            "each result with its input row; a record beside -o); join the "
+                            "shards with moejax merge")
     score.add_argument("--chunk-size", type=positive_int, default=4096,
                        help="requests scored per chunk; results are written after each chunk")
     score.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -277,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="print what a model directory holds and how it is served")
     add_model_options(info)
     info.set_defaults(func=cmd_info)
+    add_merge_command(sub)
     add_generate_command(sub)
     add_trace_command(sub)
     add_eldr_fit_command(sub)
@@ -285,6 +329,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_command(sub)
     _accept_verbose_after_the_command(sub)
     return parser
+
+
+def _shard_type(text: str) -> Any:
+    from serving.shards import Shard
+
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Join the outputs of ``moejax score --shard`` in input order (``serving.shards``)."""
+    from serving.shards import write_merged
+
+    count = write_merged(args.outputs, args.output)
+    print(f"merged {count} results from {len(args.outputs)} shards into {args.output}",
+          file=sys.stderr)
+    return 0
+
+
+def add_merge_command(sub: Any) -> None:
+    merge = sub.add_parser("merge", help="join the outputs of moejax score --shard",
+                           description="Join the shards' outputs of moejax score --shard I/N "
+                                       "in input order, checking that every input row is "
+                                       "there exactly once (JSONL or Parquet, by extension).")
+    merge.add_argument("outputs", nargs="+", metavar="SHARD_OUTPUT",
+                       help="every shard's -o (its .shard record beside it)")
+    merge.add_argument("-o", "--output", required=True, help="the merged results")
+    merge.set_defaults(func=cmd_merge)
 
 
 def _accept_verbose_after_the_command(sub: Any) -> None:
