@@ -444,32 +444,27 @@ def test_stored_weights_from_the_headers(deepseek):
 SCALED = "model.layers.1.self_attn.q_proj.weight"
 
 
-def test_missing_scale_is_named(qwen3, tmp_path):
-    bad = rewrite(qwen3[0], tmp_path / "bad", lambda t: t.pop(SCALED + "_scale_inv"))
-    with pytest.raises(ck.CheckpointError, match=re.escape(
-            f"missing {SCALED}_scale_inv (the scale of FP8 weight {SCALED})")):
-        ck.load_model_dir(bad)
+def _drop_scale(tensors):
+    tensors.pop(SCALED + "_scale_inv")
 
 
-def test_misshapen_scale_is_named_with_both_shapes(qwen3, tmp_path):
-    def widen(tensors):
-        tensors[SCALED + "_scale_inv"] = torch.ones(1, 3)
-
-    bad = rewrite(qwen3[0], tmp_path / "bad", widen)
-    with pytest.raises(ck.CheckpointError, match=re.escape(
-            f"{SCALED}_scale_inv: scale of shape (1, 3) does not fit FP8 weight {SCALED} of "
-            f"shape (32, 40): expected (1, 2) (32x32 blocks)")):
-        ck.load_model_dir(bad)
+def _widen_scale(tensors):
+    tensors[SCALED + "_scale_inv"] = torch.ones(1, 3)
 
 
-def test_two_scales_for_one_weight_are_refused(qwen3, tmp_path):
-    def add_scale(tensors):
-        tensors[SCALED + "_scale"] = torch.ones(())
+def _add_scale(tensors):
+    tensors[SCALED + "_scale"] = torch.ones(())
 
-    bad = rewrite(qwen3[0], tmp_path / "bad", add_scale)
-    with pytest.raises(ck.CheckpointError, match=re.escape(
-            f"FP8 weight {SCALED} has two scale tensors ({SCALED}_scale_inv and "
-            f"{SCALED}_scale)")):
+
+@pytest.mark.parametrize("change, message", [
+    (_drop_scale, f"missing {SCALED}_scale_inv (the scale of FP8 weight {SCALED})"),
+    (_widen_scale, f"{SCALED}_scale_inv: scale of shape (1, 3) does not fit FP8 weight "
+                   f"{SCALED} of shape (32, 40): expected (1, 2) (32x32 blocks)"),
+    (_add_scale, f"FP8 weight {SCALED} has two scale tensors ({SCALED}_scale_inv and "
+                 f"{SCALED}_scale)")], ids=["missing", "misshapen", "two"])
+def test_a_scale_missing_misshapen_or_doubled_is_named(qwen3, tmp_path, change, message):
+    bad = rewrite(qwen3[0], tmp_path / "bad", change)
+    with pytest.raises(ck.CheckpointError, match=re.escape(message)):
         ck.load_model_dir(bad)
 
 
