@@ -162,3 +162,27 @@ def test_the_cli_grpc_and_http_classify_give_the_same_numbers(classifier, tmp_pa
     finally:
         server.stop(2)
         http.stop(5)
+
+
+@pytest.mark.parametrize("family, cls", [("qwen2_moe", "Qwen2MoeForSequenceClassification"),
+                                         ("deepseek_v3", "DeepseekV3ForSequenceClassification")])
+def test_other_families_classifiers(tmp_path, family, cls):
+    """The head is family-blind: a Qwen2-MoE (shared expert, QKV bias) and a DeepSeek-V3
+    (MLA, sigmoid routing) classifier over the robust tiny models of the family tests."""
+    import transformers
+
+    from hf_family_models import build_family_model, family_config
+
+    base = build_family_model(family, seed=8)
+    torch.manual_seed(9)
+    hf = getattr(transformers, cls)(family_config(family, num_labels=2, pad_token_id=0))
+    hf = hf.to(torch.float32).eval()
+    hf.model.load_state_dict(base.model.state_dict())
+    with torch.no_grad():
+        hf.score.weight.mul_(20.0)
+    hf.save_pretrained(tmp_path)
+    word_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (result,) = Scorer(str(tmp_path), calibrate=False).score(
+        [{"kind": "head", "prompt": PROMPTS[1]}])
+    np.testing.assert_allclose(result.scores, torch_outputs(hf, PROMPTS[1]), rtol=TOL,
+                               atol=TOL)
