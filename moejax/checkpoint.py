@@ -17,7 +17,10 @@ prefixed ``block_sparse_moe.`` or ``mlp.``.
 FP8 checkpoints (config.json ``quantization_config.quant_method == "fp8"``: DeepSeek-V3/R1,
 Kimi-K2, Qwen3 ``-FP8``): every tensor of the plan stored as ``F8_E4M3``/``F8_E5M2`` is paired
 with its ``<name>_scale_inv`` (or ``<name>_scale``) and dequantized on load, tensor by tensor,
-into the serving dtype (``moejax.fp8``); the other tensors load as they are.
+into the serving dtype (``moejax.fp8``); the other tensors load as they are. With
+``weights_dtype="fp8"`` (:func:`load_model_dir`, :func:`fp8_kept_config`) the routed experts
+are not dequantized: their FP8 values and block scales are written as they are stored
+(transposed to ``[in, out]``) into the layout of ``moejax.fp8_experts``.
 
 Strictness: a checkpoint tensor that no param consumes (say a ``shared_expert`` of a
 Qwen2-MoE, or the scale of a weight that is not stored as FP8) means the checkpoint is not
@@ -44,7 +47,7 @@ from moejax import fp8
 from moejax.config import MAX_CONFIG_BYTES, ModelConfig, load_config, regular_file_problem
 from moejax.mla_shape import HF_TENSOR_NAMES, mla_param_shapes
 from moejax.mxfp4 import dequantize_expert_tensor
-from moejax.param_layout import Params, param_shapes, shape_problems
+from moejax.param_layout import EXPERT_KEYS, Params, param_shapes, shape_problems
 # Re-exported so that callers need one module for checkpoint I/O.
 from moejax.safetensors_io import (INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE,  # noqa: F401
                                    WEIGHT_CODES, CheckpointError, CheckpointReader,
@@ -57,6 +60,10 @@ PARAMS_SUBDIR = "params"
 # Written last by convert_checkpoint: its presence is what makes a directory "converted".
 CONVERTED_MARKER = "moejax_checkpoint.json"
 CONVERTED_FORMAT_VERSION = 1
+# How the routed experts are held: "auto" dequantizes an FP8 checkpoint on load into the
+# serving dtype (as every other checkpoint is held); "fp8" keeps them in FP8 with their
+# block scales (moejax.fp8_experts).
+WEIGHTS_DTYPES = ("auto", "fp8")
 # Small side files of a HF directory that are worth carrying into a converted one.
 _SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
@@ -88,6 +95,9 @@ class _Write:
     key: tuple[str, ...]          # path in the params pytree, e.g. ("layers", "w_gate")
     index: tuple[int, ...]        # leading indices of the slice to fill, e.g. (layer, expert)
     transform: Transform          # HF tensor -> that slice
+    # An FP8 expert kept in FP8: its block-scale grid -> the slice of the scale leaf, given
+    # the checkpoint's (rows, cols) block. None: ``transform`` (axes swapped, nothing cut).
+    scale_transform: Callable[[np.ndarray, tuple[int, int]], np.ndarray] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +155,12 @@ def _expert_slots(cfg: ModelConfig, i: int, moe: str, names: set[str]) -> list[_
         ("gate_proj", "up_proj", "down_proj")
     slots = []
     fused_gate_up, fused_down = f"{moe}experts.gate_up_proj", f"{moe}experts.down_proj"
-    if fused_gate_up in names:
+    if fused_gate_up in names:    # kept in FP8: the scale grid is cut f // block rows in
         slots.append(_Slot(fused_gate_up, (E, 2 * f, d), (
-            _Write(("layers", "w_gate"), (i,), lambda a: _swap(a[:, :f])),
-            _Write(("layers", "w_up"), (i,), lambda a: _swap(a[:, f:])))))
+            _Write(("layers", "w_gate"), (i,), lambda a: _swap(a[:, :f]),
+                   lambda s, block: _swap(s[:, :f // block[0]])),
+            _Write(("layers", "w_up"), (i,), lambda a: _swap(a[:, f:]),
+                   lambda s, block: _swap(s[:, f // block[0]:])))))
     else:
         for e in range(E):
             slots.append(_Slot(f"{moe}experts.{e}.{gate}.weight", (f, d),
@@ -507,11 +519,13 @@ def check_counts_against_checkpoint(reader: CheckpointReader, cfg: ModelConfig) 
                               f"{experts} (from {source})")
 
 
-def _allocate(shapes: Any, dtype: np.dtype) -> Any:
+def _allocate(shapes: Any, dtype: np.dtype, kept: Mapping[str, np.dtype] | None = None) -> Any:
     # Zeroed: the parts no tensor fills (a dense layer's experts and router, the padding
     # of the resident MLP stack) must be 0. np.zeros maps untouched pages lazily.
+    # ``kept``: leaves of another dtype (FP8 experts and their scales) by name.
     if isinstance(shapes, dict):
-        return {key: _allocate(value, dtype) for key, value in shapes.items()}
+        return {key: (np.zeros(value, kept[key]) if kept and key in kept
+                      else _allocate(value, dtype, kept)) for key, value in shapes.items()}
     return np.zeros(shapes, dtype)
 
 
@@ -534,9 +548,17 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
     check_counts_against_checkpoint(reader, cfg)
     plan = _pair_fp8_scales(reader, hf_tensor_plan(cfg, reader.names), scheme)
     _validate(reader, cfg, plan, strict, scheme)
-    params = _allocate(expected_param_shapes(cfg), target)
+    kept = None
+    if cfg.expert_fp8_block is not None:      # weights_dtype="fp8": see fp8_kept_config
+        _check_fp8_kept(reader, cfg, plan, scheme)
+        kept = {**{k: fp8.FP8_CODES["F8_E4M3"] for k in EXPERT_KEYS},
+                **{f"{k}_scale": np.dtype(np.float32) for k in EXPERT_KEYS}}
+    params = _allocate(expected_param_shapes(cfg), target, kept)
     for slot in plan:
         source = reader.get(slot.name)
+        if kept and _is_expert_slot(slot):     # FP8 values and block scales as stored
+            _write_fp8_kept(params, slot, source, reader.get(slot.fp8.scale), scheme.block)
+            continue
         if slot.mxfp4 is not None:     # one tensor at a time, straight to [E, in, out]
             kind, scales, _ = slot.mxfp4
             source = dequantize_expert_tensor(kind, np.ascontiguousarray(source),
@@ -551,6 +573,85 @@ def load_hf_params(model_dir: str | os.PathLike, cfg: ModelConfig,
                 leaf = leaf[key]
             leaf[write.index] = write.transform(source)  # numpy casts to ``target`` here
     return params
+
+
+# =========================================================================== FP8 kept
+def _is_expert_slot(slot: _Slot) -> bool:
+    """Whether ``slot`` fills the routed experts' matrices (``w_gate``/``w_up``/``w_down``)."""
+    return any(write.key in _EXPERT_PATHS for write in slot.writes)
+
+
+_EXPERT_PATHS = frozenset(("layers", name) for name in EXPERT_KEYS)
+
+
+def fp8_kept_config(model_dir: str | os.PathLike, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with the routed experts kept in FP8 (``weights_dtype="fp8"``): its
+    ``expert_fp8_block`` is the checkpoint's ``weight_block_size`` (rows, cols of the
+    ``[out, in]`` tensors) as moejax's (in, out). CheckpointError naming the directory
+    when there is nothing to keep that way: no FP8 quantization_config, per-tensor or
+    per-channel scales, experts with biases (GPT-OSS)."""
+    where = os.fspath(model_dir)
+    scheme = read_fp8_scheme(model_dir)
+    if scheme is None:
+        raise CheckpointError(f"{where}: weights_dtype='fp8' keeps an FP8 checkpoint's expert "
+                              f"weights in FP8, but this checkpoint is not FP8 ({CONFIG_FILE} "
+                              "has no quantization_config with quant_method 'fp8'): nothing "
+                              "to keep; use weights_dtype='auto'")
+    if scheme.block is None:
+        raise CheckpointError(f"{where}: weights_dtype='fp8' keeps block-scaled FP8 experts; "
+                              "this checkpoint's quantization_config.weight_block_size is null "
+                              "(per-tensor or per-channel scales); use weights_dtype='auto'")
+    if cfg.expert_bias or cfg.swiglu_limit is not None:
+        raise CheckpointError(f"{where}: weights_dtype='fp8' does not serve {cfg.model_type} "
+                              "experts (expert biases, clamped SwiGLU); use "
+                              "weights_dtype='auto'")
+    return dataclasses.replace(cfg, expert_fp8_block=(scheme.block[1], scheme.block[0]))
+
+
+def _check_fp8_kept(reader: CheckpointReader, cfg: ModelConfig, plan: list[_Slot],
+                    scheme: fp8.Fp8Scheme | None) -> None:
+    """Every routed-expert tensor of ``plan`` must be stored F8_E4M3 with block scales of
+    ``cfg.expert_fp8_block`` (a fused gate/up stack cut between two blocks, too): refused
+    otherwise, naming the tensors."""
+    block = None if scheme is None else scheme.block
+    if block is None or (block[1], block[0]) != cfg.expert_fp8_block:
+        raise CheckpointError(f"{reader.model_dir}: the config keeps experts in FP8 with "
+                              f"{cfg.expert_fp8_block} (in, out) blocks, but the checkpoint's "
+                              f"weight_block_size is {block}")
+    problems = []
+    for slot in plan:
+        if not _is_expert_slot(slot):
+            continue
+        stored = reader.info(slot.name).dtype
+        if slot.fp8 is None or stored != "F8_E4M3":
+            problems.append(f"{slot.name} is stored as {stored}, not F8_E4M3")
+            continue
+        layout = fp8.scale_layout(reader.info(slot.name).shape,
+                                  reader.info(slot.fp8.scale).shape, block, slot.name,
+                                  slot.fp8.scale)
+        if layout.kind != "block":
+            problems.append(f"{slot.fp8.scale} holds {layout.describe()}, not "
+                            f"{block[0]}x{block[1]} block scales")
+        elif slot.name.endswith("experts.gate_up_proj") and cfg.moe_intermediate_size % block[0]:
+            problems.append(f"{slot.name}: its gate and up rows meet inside a {block[0]}-row "
+                            f"scale block (moe_intermediate_size {cfg.moe_intermediate_size})")
+    if problems:
+        raise CheckpointError(f"{reader.model_dir}: weights_dtype='fp8' keeps every routed "
+                              f"expert in FP8 (F8_E4M3 with block scales): {_listing(problems)}; "
+                              "use weights_dtype='auto'")
+
+
+def _write_fp8_kept(params: Params, slot: _Slot, values: np.ndarray, scale: np.ndarray,
+                    block: tuple[int, int]) -> None:
+    """An expert tensor's FP8 values into its param slices, and its block scales (as
+    float32) into the ``*_scale`` leaves, both turned to ``[in, out]``."""
+    scale = np.asarray(scale, np.float32)
+    layers = params["layers"]
+    for write in slot.writes:
+        name = write.key[-1]
+        layers[name][write.index] = write.transform(values)
+        to_scale = write.scale_transform or (lambda s, _block, w=write: w.transform(s))
+        layers[f"{name}_scale"][write.index] = to_scale(scale, block)
 
 
 # =========================================================================== orbax
@@ -740,16 +841,28 @@ def _check_shapes(params: Params, cfg: ModelConfig, where: str) -> None:
         raise CheckpointError(f"{where}: params do not match config.json: {_listing(problems)}")
 
 
-def load_model_dir(path: str | os.PathLike, dtype: str | np.dtype = "float32"):
+def load_model_dir(path: str | os.PathLike, dtype: str | np.dtype = "float32",
+                   weights_dtype: str = "auto"):
     """``(cfg, params, tokenizer)`` from a HF model directory or a converted one.
 
     ``params`` are numpy arrays of ``dtype`` in the layout of the module docstring.
+    ``weights_dtype`` (:data:`WEIGHTS_DTYPES`): "fp8" keeps an FP8 checkpoint's routed
+    experts in FP8 with their block scales (``cfg.expert_fp8_block`` set; see
+    :func:`fp8_kept_config` for what is refused).
     """
     path = os.fspath(path)
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no model directory at {path}")
     cfg = load_model_config(path)
     tokenizer = load_tokenizer(path)
+    if weights_dtype == "fp8":
+        if is_converted_dir(path):
+            raise CheckpointError(f"{path}: weights_dtype='fp8' keeps the expert weights of "
+                                  "an FP8 Hugging Face checkpoint; a converted directory holds "
+                                  "dequantized params (serve the FP8 checkpoint itself)")
+        cfg = fp8_kept_config(path, cfg)
     if is_converted_dir(path):
         params = restore_params(os.path.join(path, PARAMS_SUBDIR), dtype)
         _check_shapes(params, cfg, path)

@@ -146,6 +146,12 @@ class ModelConfig:
     id2label: tuple[str, ...] = ()       # label names, by output index
     problem_type: str = ""               # transformers' single_label_classification,
                                          # multi_label_classification or regression
+    # ---- how the routed experts are held (set by the loader, never read from config.json):
+    # float8_e4m3fn with one float32 scale per block of (in, out) elements of each
+    # [in, out] matrix (``weights_dtype="fp8"``, ``moejax.fp8_experts``); None: in the
+    # serving dtype. Part of the config because it changes the params pytree (the scale
+    # leaves, ``param_layout.EXPERT_SCALE_KEYS``) and the compiled programs.
+    expert_fp8_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name, high in SIZE_LIMITS.items():   # bounds: see MAX_LAYERS & co.
@@ -192,6 +198,11 @@ class ModelConfig:
         if self.problem_type not in ("", *PROBLEM_TYPES):
             raise ConfigError(f"problem_type must be one of {PROBLEM_TYPES}, got "
                               f"{self.problem_type!r}")
+        block = self.expert_fp8_block
+        if block is not None and (not isinstance(block, tuple) or len(block) != 2 or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ConfigError(f"expert_fp8_block must be two positive integers (in, out) or "
+                              f"None, got {block!r}")
         if self.num_labels and len(self.id2label) != self.num_labels:
             raise ConfigError(f"id2label names {len(self.id2label)} labels, num_labels is "
                               f"{self.num_labels}")

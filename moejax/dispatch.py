@@ -34,10 +34,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from moejax import moe
+from moejax.fp8_experts import wrap_layer
 from moejax.layers import layer_slice
 from moejax.param_layout import EXPERT_BIAS_KEYS
 
 ExpertWeights = Mapping[str, jax.Array]   # w_gate, w_up [E, d, f]; w_down [E, f, d]
+# (kept in FP8: also w_gate_scale, w_up_scale, w_down_scale, see moejax.fp8_experts)
 
 
 # --------------------------------------------------------------------- the seams
@@ -150,13 +152,16 @@ class LocalTokens:
     """Tokens stay where they are: sort the routed rows by expert, run the grouped
     SwiGLU, unsort and weigh. ``psum_axis``: the outputs are partial sums over that mesh
     axis (tensor parallelism: each device holds an f/G slice of every expert; the
-    combine is linear, so summing combined [n, d] outputs moves k times less data)."""
+    combine is linear, so summing combined [n, d] outputs moves k times less data).
+    ``fp8_block``: the block of the FP8 scales of experts kept in FP8
+    (``ModelConfig.expert_fp8_block``; the weights then carry ``*_scale`` leaves)."""
 
     num_experts: int
     impl: moe.ExpertImpl = "auto"
     tile_rows: int | tuple[int, int] | None = None
     psum_axis: str | None = None
     activation: moe.ClampedSwiGLU | None = None   # GPT-OSS (None: silu SwiGLU)
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def communicates(self) -> bool:
@@ -170,6 +175,7 @@ class LocalTokens:
         return moe.permute(x, routing, self.num_experts, valid)
 
     def experts(self, prepared: moe.Permutation, weights: ExpertWeights) -> jax.Array:
+        weights = wrap_layer(weights, self.fp8_block)     # FP8 stacks with their scales
         biases = {k: weights[k] for k in EXPERT_BIAS_KEYS if k in weights} or None
         return moe.expert_compute(prepared, weights["w_gate"], weights["w_up"],
                                   weights["w_down"], impl=self.impl, tile_rows=self.tile_rows,
@@ -266,8 +272,11 @@ class MoEDispatcher:
 def local_dispatcher(source: ExpertSource, num_experts: int, impl: moe.ExpertImpl = "auto",
                      tile_rows: int | tuple[int, int] | None = None,
                      psum_axis: str | None = None,
-                     activation: moe.ClampedSwiGLU | None = None) -> MoEDispatcher:
+                     activation: moe.ClampedSwiGLU | None = None,
+                     fp8_block: tuple[int, int] | None = None) -> MoEDispatcher:
     """A dispatcher whose tokens stay on their device (``activation``: the family's expert
-    activation, ``moe.expert_activation_of(cfg)``; expert biases come with the weights)."""
+    activation, ``moe.expert_activation_of(cfg)``; expert biases come with the weights;
+    ``fp8_block``: ``cfg.expert_fp8_block`` where the experts are kept in FP8)."""
     return MoEDispatcher(source=source, transport=LocalTokens(num_experts, impl, tile_rows,
-                                                              psum_axis, activation))
+                                                              psum_axis, activation,
+                                                              fp8_block))

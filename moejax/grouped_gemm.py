@@ -9,6 +9,10 @@ group end by a row mask, and empty groups produce no tile). XLA's
 (and in released GPU wheels) it lowers to a masked dense product that does E×
 the routed work. The Pallas kernels (``kernels_pallas.gmm``) share the
 signatures; :func:`choose_expert_impl` picks among the paths.
+
+The weight stacks may be kept in FP8 (:class:`moejax.fp8_experts.Fp8Experts`,
+``weights_dtype="fp8"``): the tile loops and the dense reference dequantize one expert's
+matrix where they read it (:func:`moejax.fp8_experts.expert_matrix`), never the layer.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Integer
+
+from moejax.fp8_experts import Fp8Experts, any_fp8, expert_matrix
 
 # Rows per tile for the pure-JAX tiled loop, keyed by (platform, hidden size bucket):
 # (full tile rows, remainder tile rows). Each expert's rows run first in full tiles,
@@ -154,17 +160,15 @@ def _tile_loop(lhs: jax.Array, out_cols: int, out_dtype, group_sizes: jax.Array,
     return out[:num_rows]
 
 
-def _expert_matrix(w: jax.Array, expert: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(w, expert, axis=0, keepdims=False)
-
-
-def gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"], group_sizes: Integer[Array, "E"],
+def gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"] | Fp8Experts,
+        group_sizes: Integer[Array, "E"],
         tile_rows: int | tuple[int, int] | None = None) -> Float[Array, "M f"]:
-    """Grouped matmul lhs [M, d] × rhs [E, d, f] -> [M, f], f32 accumulation, lhs dtype out."""
+    """Grouped matmul lhs [M, d] × rhs [E, d, f] -> [M, f], f32 accumulation, lhs dtype out
+    (an FP8 rhs: each tile's expert dequantized to lhs's dtype)."""
     tile_rows = resolve_tile_rows(tile_rows, lhs.shape[1])
 
     def tile_fn(x_tile, expert):
-        return jnp.dot(x_tile, _expert_matrix(rhs, expert).astype(x_tile.dtype),
+        return jnp.dot(x_tile, expert_matrix(rhs, expert, x_tile.dtype),
                        preferred_element_type=jnp.float32)
 
     return _tile_loop(lhs, rhs.shape[2], lhs.dtype, group_sizes, tile_rows, tile_fn)
@@ -179,20 +183,21 @@ def swiglu(x: Float[Array, "n d"], w_gate: Float[Array, "d f"], w_up: Float[Arra
     return jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
 
 
-def grouped_swiglu_tiles(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"],
-                         w_up: Float[Array, "E d f"], w_down: Float[Array, "E f d"],
+def grouped_swiglu_tiles(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"] | Fp8Experts,
+                         w_up: Float[Array, "E d f"] | Fp8Experts,
+                         w_down: Float[Array, "E f d"] | Fp8Experts,
                          group_sizes: Integer[Array, "E"],
                          tile_rows: int | tuple[int, int] | None = None
                          ) -> Float[Array, "M d"]:
     """The whole expert MLP per row tile in one loop: the [tm, f] intermediate never
-    leaves the tile. x [M, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] -> [M, d]."""
+    leaves the tile. x [M, d]; w_gate, w_up [E, d, f]; w_down [E, f, d] -> [M, d]. FP8
+    stacks: the tile's expert is dequantized inside the loop body."""
     tile_rows = resolve_tile_rows(tile_rows, x.shape[1])
     dtype = x.dtype
 
     def tile_fn(x_tile, expert):
-        return swiglu(x_tile, _expert_matrix(w_gate, expert).astype(dtype),
-                      _expert_matrix(w_up, expert).astype(dtype),
-                      _expert_matrix(w_down, expert).astype(dtype))
+        return swiglu(x_tile, expert_matrix(w_gate, expert, dtype),
+                      expert_matrix(w_up, expert, dtype), expert_matrix(w_down, expert, dtype))
 
     return _tile_loop(x, w_down.shape[2], dtype, group_sizes, tile_rows, tile_fn)
 
@@ -203,12 +208,23 @@ def group_ids(group_sizes: Integer[Array, "E"], num_rows: int) -> Int[Array, "M"
     return jnp.searchsorted(ends, jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
-def swiglu_dense(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"],
-                 w_up: Float[Array, "E d f"], w_down: Float[Array, "E f d"],
+def swiglu_dense(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"] | Fp8Experts,
+                 w_up: Float[Array, "E d f"] | Fp8Experts,
+                 w_down: Float[Array, "E f d"] | Fp8Experts,
                  group_sizes: Integer[Array, "E"]) -> Float[Array, "M d"]:
-    """Reference: every row through every expert, masked by a one-hot (E× the work)."""
+    """Reference: every row through every expert, masked by a one-hot (E× the work). FP8
+    stacks: a loop over the experts, each dequantized in its own iteration."""
     num_experts = w_gate.shape[0]
     one_hot = jax.nn.one_hot(group_ids(group_sizes, x.shape[0]), num_experts, dtype=jnp.float32)
+    if any_fp8(w_gate, w_up, w_down):
+        def add_expert(e, acc):
+            y = swiglu(x, expert_matrix(w_gate, e, x.dtype), expert_matrix(w_up, e, x.dtype),
+                       expert_matrix(w_down, e, x.dtype))
+            return acc + y * one_hot[:, e][:, None]
+
+        out = jax.lax.fori_loop(0, num_experts, add_expert,
+                                jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))
+        return out.astype(x.dtype)
     per_expert = jax.vmap(lambda g, u, d: swiglu(x, g.astype(x.dtype), u.astype(x.dtype),
                                                  d.astype(x.dtype)))(w_gate, w_up, w_down)
     return jnp.einsum("emd,me->md", per_expert, one_hot).astype(x.dtype)

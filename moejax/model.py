@@ -39,9 +39,10 @@ from moejax import moe
 from moejax.attention_kinds import PackedCausal
 from moejax.config import ModelConfig
 from moejax.dispatch import MoEDispatcher, StackedExperts, local_dispatcher
+from moejax.fp8_experts import is_fp8_storage
 from moejax.layers import LayerOutput, rms_norm
-from moejax.param_layout import (ALL_EXPERT_KEYS, EXPERT_KEYS, Params, expert_names,
-                                 param_shapes, shape_problems)
+from moejax.param_layout import (ALL_EXPERT_KEYS, EXPERT_KEYS, EXPERT_SCALE_KEYS, Params,
+                                 expert_names, param_shapes, shape_problems)
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -136,7 +137,9 @@ class DecoderLayers(nnx.Module):
     def __init__(self, layer_params: Mapping[str, Any], dtype: Any):
         self.names = tuple(layer_params)
         for name, value in layer_params.items():
-            setattr(self, name, nnx.Param(jnp.asarray(value, dtype)))
+            # FP8 expert matrices (or their bytes) and their float32 scales keep their dtypes.
+            kept = name in EXPERT_SCALE_KEYS or is_fp8_storage(value.dtype)
+            setattr(self, name, nnx.Param(jnp.asarray(value, None if kept else dtype)))
 
     def arrays(self) -> dict[str, jax.Array]:
         """Every stacked array (what the layer driver indexes)."""
@@ -196,7 +199,8 @@ class MoEDecoder(nnx.Module):
         """The dispatcher over this module's own (resident) experts, tokens local."""
         return local_dispatcher(StackedExperts(self.layers.experts()), self.cfg.num_experts,
                                 expert_impl, tile_rows,
-                                activation=moe.expert_activation_of(self.cfg))
+                                activation=moe.expert_activation_of(self.cfg),
+                                fp8_block=self.cfg.expert_fp8_block)
 
     def run_layers(self, x: Float[Array, "n d"], attn, dispatcher: MoEDispatcher,
                    moe_carry: Any = None, **kwargs: Any) -> tuple[jax.Array, Any, Any, Any]:

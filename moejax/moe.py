@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from kernels_pallas import gmm as pallas_gmm
+from kernels_pallas import gmm_fp8 as pallas_gmm_fp8
 from moejax import grouped_gemm as gmm_lib
+from moejax.fp8_experts import Fp8Experts, any_fp8
 
 ExpertImpl = Literal["auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense", "blocks"]
 EXPERT_IMPLS = ("auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense", "blocks")
@@ -166,6 +168,11 @@ def expert_activation_of(cfg) -> "ClampedSwiGLU | None":
 
 # The implementations that take expert biases and another activation.
 BIASED_IMPLS = ("gmm", "ragged_dot", "dense")
+# The implementations that take expert weights kept in FP8 (``weights_dtype="fp8"``),
+# dequantizing one expert's matrix (or one weight tile, ``pallas``) where they read it.
+# ``ragged_dot`` and ``blocks`` take whole stacks (``[E, d, f]``, or gathered per block):
+# fed FP8 they would need the layer dequantized up front, the copy FP8 keeping avoids.
+FP8_IMPLS = ("auto", "fused_tiles", "gmm", "pallas", "dense")
 
 
 def _biased_experts(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -203,8 +210,9 @@ def _biased_experts(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax
     return jnp.where(real[:, None], out, 0.0).astype(x.dtype)
 
 
-def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"], w_up: Float[Array, "E d f"],
-                   w_down: Float[Array, "E f d"], impl: ExpertImpl = "auto",
+def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"] | Fp8Experts,
+                   w_up: Float[Array, "E d f"] | Fp8Experts,
+                   w_down: Float[Array, "E f d"] | Fp8Experts, impl: ExpertImpl = "auto",
                    tile_rows: int | tuple[int, int] | None = None, *,
                    biases: dict | None = None, activation: ClampedSwiGLU | None = None
                    ) -> Float[Array, "M d"]:
@@ -214,16 +222,21 @@ def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"], w_up: Float
     beyond sum(group_sizes) come back as zeros. ``biases`` (b_gate / b_up [E, f], b_down
     [E, d]) and ``activation`` (:class:`ClampedSwiGLU`): GPT-OSS's experts, computed by
     the implementations of :data:`BIASED_IMPLS` ("auto" picks "gmm"); the others refuse.
+    Weights kept in FP8 (:class:`moejax.fp8_experts.Fp8Experts`): the implementations of
+    :data:`FP8_IMPLS`, without biases; the others refuse.
     """
     with jax.named_scope("experts"):     # labels the ops for profile attribution
         return _expert_compute(perm, w_gate, w_up, w_down, impl, tile_rows, biases, activation)
 
 
-def _expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+def _expert_compute(perm: Permutation, w_gate: jax.Array | Fp8Experts,
+                    w_up: jax.Array | Fp8Experts, w_down: jax.Array | Fp8Experts,
                     impl: ExpertImpl, tile_rows: int | tuple[int, int] | None,
                     biases: dict | None, activation: ClampedSwiGLU | None) -> jax.Array:
     """:func:`expert_compute`'s body (outside its named scope)."""
     x, sizes = perm.x_sorted, perm.group_sizes
+    if any_fp8(w_gate, w_up, w_down):
+        return _fp8_experts(x, sizes, w_gate, w_up, w_down, impl, tile_rows, biases, activation)
     if biases or activation is not None:
         if impl == "auto":
             impl = "gmm"
@@ -241,6 +254,32 @@ def _expert_compute(perm: Permutation, w_gate: jax.Array, w_up: jax.Array, w_dow
     return kernel(x, w_gate, w_up, w_down, sizes, tile_rows)
 
 
+def _fp8_experts(x: jax.Array, sizes: jax.Array, w_gate: Fp8Experts, w_up: Fp8Experts,
+                 w_down: Fp8Experts, impl: ExpertImpl, tile_rows, biases: dict | None,
+                 activation: ClampedSwiGLU | None) -> jax.Array:
+    """:func:`_expert_compute` on expert weights kept in FP8 (all three must be)."""
+    if not all(isinstance(w, Fp8Experts) for w in (w_gate, w_up, w_down)):
+        raise ValueError("w_gate, w_up and w_down must all be kept in FP8 or none")
+    if biases or activation is not None:
+        raise ValueError("expert weights kept in FP8 (weights_dtype='fp8') are computed "
+                         "without expert biases or the clamped SwiGLU (GPT-OSS)")
+    if impl not in FP8_IMPLS:
+        raise ValueError(f"expert implementation {impl!r} does not take expert weights kept "
+                         f"in FP8 (weights_dtype='fp8'); use one of {FP8_IMPLS}")
+    d, f = x.shape[1], w_gate.shape[2]
+    if impl == "auto":
+        impl = gmm_lib.choose_expert_impl(d, f)
+        if impl == "pallas" and not (pallas_gmm_fp8.fits_gpu(d, f, w_gate.block)
+                                     and pallas_gmm_fp8.fits_gpu(f, d, w_down.block)):
+            impl = "fused_tiles"      # the FP8 kernel's tiles cannot align with the blocks
+    if impl == "pallas":
+        hidden = pallas_gmm_fp8.gmm_swiglu_fp8(x, w_gate.values, w_gate.scale, w_up.values,
+                                               w_up.scale, sizes, block=w_gate.block)
+        return pallas_gmm_fp8.gmm_fp8(hidden, w_down.values, w_down.scale, sizes,
+                                      block=w_down.block)
+    return EXPERT_KERNELS[impl](x, w_gate, w_up, w_down, sizes, tile_rows)
+
+
 # ------------------------------------------------------------------ the experts kernels
 class ExpertKernel(typing.Protocol):
     """A grouped SwiGLU over rows sorted by expert: x [M, d] in groups of ``sizes`` [E]
@@ -251,8 +290,9 @@ class ExpertKernel(typing.Protocol):
                  sizes: jax.Array, tile_rows: int | tuple[int, int] | None) -> jax.Array: ...
 
 
-def _swiglu_matmuls(matmul: Callable[..., jax.Array], x: jax.Array, w_gate: jax.Array,
-                    w_up: jax.Array, w_down: jax.Array, **kwargs: typing.Any) -> jax.Array:
+def _swiglu_matmuls(matmul: Callable[..., jax.Array], x: jax.Array,
+                    w_gate: jax.Array | Fp8Experts, w_up: jax.Array | Fp8Experts,
+                    w_down: jax.Array | Fp8Experts, **kwargs: typing.Any) -> jax.Array:
     """The SwiGLU as three grouped matmuls ``matmul(lhs, rhs, sizes...)`` (f32 activation)."""
     gate = matmul(x, w_gate, **kwargs)
     up = matmul(x, w_up, **kwargs)

@@ -20,7 +20,10 @@ shared experts of an MoE layer, the MLP of a dense layer; F_r the wider of the t
 narrower zero-padded); shared_gate [L, d] (Qwen2-MoE's sigmoid gate of the shared
 expert). GPT-OSS: sinks [L, n_q] (attention sink logits), bo [L, d] (output projection
 bias), router_bias [L, E], and the expert biases b_gate / b_up [L, E, f], b_down [L, E, d]
-(expert weights: they travel with the experts). Dense layers keep zero expert weights and a zero router in the expert stacks, and
+(expert weights: they travel with the experts). Experts kept in FP8
+(``cfg.expert_fp8_block``): w_gate / w_up / w_down float8_e4m3fn, and beside them
+w_gate_scale / w_up_scale [L, E, ceil(d/b_in), ceil(f/b_out)], w_down_scale [L, E,
+ceil(f/b_in), ceil(d/b_out)] float32 (``moejax.fp8_experts``). Dense layers keep zero expert weights and a zero router in the expert stacks, and
 the layer multiplies their routed output by 0: every layer has one structure, so one
 compiled loop body serves them all.
 
@@ -45,12 +48,31 @@ EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 # has them. Only the backends that pass them to the expert compute serve such a family
 # (``moejax.backends.base.check_expert_bias``).
 EXPERT_BIAS_KEYS = ("b_gate", "b_up", "b_down")
-ALL_EXPERT_KEYS = EXPERT_KEYS + EXPERT_BIAS_KEYS
+# The block scales of expert matrices kept in FP8 (``ModelConfig.expert_fp8_block``,
+# ``weights_dtype="fp8"``): ``<name>_scale [L, E, ceil(in/b_in), ceil(out/b_out)]`` float32
+# beside each float8_e4m3fn ``<name> [L, E, in, out]``; expert weights too (they travel
+# with the matrices they scale).
+EXPERT_SCALE_KEYS = tuple(f"{name}_scale" for name in EXPERT_KEYS)
+ALL_EXPERT_KEYS = EXPERT_KEYS + EXPERT_BIAS_KEYS + EXPERT_SCALE_KEYS
 
 
 def expert_names(layers: Mapping[str, Any]) -> tuple[str, ...]:
-    """The expert weight names present in ``layers`` (the matrices, and biases if any)."""
-    return EXPERT_KEYS + tuple(k for k in EXPERT_BIAS_KEYS if k in layers)
+    """The expert weight names present in ``layers`` (the matrices, and their biases or
+    FP8 block scales if any)."""
+    return EXPERT_KEYS + tuple(k for k in EXPERT_BIAS_KEYS + EXPERT_SCALE_KEYS if k in layers)
+
+
+def expert_matrix_names(layers: Mapping[str, Any]) -> tuple[str, ...]:
+    """The expert matrices and, where they are kept in FP8, their block scales: the bytes
+    a memory report counts as expert weights (biases are counted with the dense ones)."""
+    return EXPERT_KEYS + tuple(k for k in EXPERT_SCALE_KEYS if k in layers)
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The block-scale shape of a matrix stack ``[..., in, out]``: ``[..., ceil(in/b_in),
+    ceil(out/b_out)]`` (a partial edge block has a scale of its own)."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
 def split_experts(layers: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -93,6 +115,9 @@ def param_shapes(cfg: ModelConfig) -> Params:
         layers["router_bias"] = (L, E)
     if cfg.expert_bias:
         layers.update({"b_gate": (L, E, f), "b_up": (L, E, f), "b_down": (L, E, d)})
+    if cfg.expert_fp8_block is not None:
+        layers.update({f"{name}_scale": scale_grid(layers[name], cfg.expert_fp8_block)
+                       for name in EXPERT_KEYS})
     shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
     if cfg.num_labels:
         shapes["score"] = (d, cfg.num_labels)
@@ -102,8 +127,11 @@ def param_shapes(cfg: ModelConfig) -> Params:
 
 
 def num_params(cfg: ModelConfig) -> int:
-    """Parameters of ``cfg``'s params pytree (every leaf of :func:`param_shapes`)."""
-    return sum(math.prod(shape) for _, shape in tree_items(param_shapes(cfg)))
+    """Parameters of ``cfg``'s params pytree (every leaf of :func:`param_shapes` but the
+    FP8 block scales, which describe parameters rather than add any)."""
+    scales = {f"layers.{name}" for name in EXPERT_SCALE_KEYS}
+    return sum(math.prod(shape) for key, shape in tree_items(param_shapes(cfg))
+               if key not in scales)
 
 
 def tree_items(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -94,7 +94,9 @@ class Scorer:
     directory turns it on, see ``serving.enable_compilation_cache``),
     ``backend`` (resident | offload | async_ep | hybrid | sync_ep | tp), ``devices``,
     ``backend_options`` (the backend's own keywords), ``calibrate``, ``calibration_eps``,
-    ``theta``; plus ``deployment`` (a YAML file of options, e.g.
+    ``theta``, ``weights_dtype`` ("auto": an FP8 checkpoint is dequantized on load;
+    "fp8": its routed experts stay in FP8 with their block scales, resident backend
+    only); plus ``deployment`` (a YAML file of options, e.g.
     ``serving/configs/deployments/async_ep.yaml`` or its name ``"async_ep"``, applied before the keyword arguments) and
     ``normalize_options`` (prompt templates of "choice" and "multi"); ``distributed``
     (:class:`moejax.distributed.DistributedOptions` or its dict: join the other processes
@@ -119,7 +121,8 @@ class Scorer:
 
             log.warning(demo_model(self.demo_name).notice)
         dtype = self.options.resolved_dtype()
-        self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
+        self.config, params, tokenizer = checkpoint.load_model_dir(
+            self.model_dir, dtype.name, weights_dtype=self.options.weights_dtype)
         self.tokenizer = TokenizerAdapter.from_model_dir(self.model_dir, tokenizer)
         # A sequence classifier's head (requests of kind "head"), None for a language model.
         self.head = ClassifierHead.of(self.config)
@@ -284,6 +287,7 @@ class Scorer:
                 "num_layers": cfg.num_layers, "num_experts": cfg.num_experts,
                 "experts_per_token": cfg.num_experts_per_tok,
                 "dtype": self.engine.dtype.name, "device": str(self.engine.device),
+                "weights_dtype": self.options.weights_dtype,
                 "max_batch_tokens": self.engine.policy.max_batch_tokens,
                 **backend.describe(), "theta_flops": self.calibration.theta,
                 "theta_source": self.calibration.source,

@@ -109,7 +109,8 @@ class Generator:
         enable_compilation_cache(shared.compilation_cache)
         self.model_dir, self.is_demo = resolve_model_dir(model)
         dtype = shared.resolved_dtype()
-        self.config, params, tokenizer = checkpoint.load_model_dir(self.model_dir, dtype.name)
+        self.config, params, tokenizer = checkpoint.load_model_dir(
+            self.model_dir, dtype.name, weights_dtype=shared.weights_dtype)
         if self.config.num_labels:
             raise ValueError(f"model {self.model_dir}: a sequence classifier (a score head of "
                              f"{self.config.num_labels} labels, no language-model head) "

@@ -76,6 +76,9 @@ class GeneratorOptions:
       per-layer queues, and ``scheduler`` — "defrag" (default), "most_tokens" or
       "first_layer" — picks what an idle device runs). It takes whole calls (no
       ``start_loop``), the resident backend's options only, and no expert traces.
+    * ``weights_dtype``: "auto" (an FP8 checkpoint is dequantized on load) or "fp8" (its
+      routed experts stay in FP8 with their block scales: backend resident, one decoder,
+      continuous batching with fused steps, the continuous runtime).
     """
 
     dtype: str = "auto"
@@ -105,6 +108,7 @@ class GeneratorOptions:
     prefetch_files: Any = None
     runtime: str = "continuous"
     scheduler: str | None = None
+    weights_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("trace_experts", "trace_router_inputs", "precompile"):
@@ -141,6 +145,27 @@ class GeneratorOptions:
         self._check_decoders()
         self._check_prefetch()
         self._check_runtime()
+        self._check_weights_dtype()
+
+    def _check_weights_dtype(self) -> None:
+        """``weights_dtype="fp8"`` decodes on the resident runner's fused steps only (the
+        layerwise MoE program, the static batcher, several decoders and the μ-queue
+        runtime place or compute the experts without their FP8 block scales)."""
+        if self.weights_dtype != "fp8":
+            return
+        if self.backend != "resident":
+            from moejax.backends.base import fp8_experts_refusal
+
+            raise ValueError(fp8_experts_refusal(self.backend))
+        clashes = [name for name, bad in (
+            ("batching='static'", self.batching != "continuous"),
+            ("step='layerwise'", self.resolved_step() != "fused"),
+            ("decoders", self.decoders != 1),
+            ("runtime='mu_queue'", self.runtime != "continuous")) if bad]
+        if clashes:
+            raise ValueError(f"weights_dtype='fp8' decodes with continuous batching and fused "
+                             f"steps on one resident decoder; it does not take "
+                             f"{', '.join(clashes)}")
 
     def _check_runtime(self) -> None:
         from moejax.asyncmoe.schedulers import SCHEDULER_NAMES
@@ -247,7 +272,8 @@ class GeneratorOptions:
     def scorer_view(self) -> ScorerOptions:
         """The options shared with the Scorer, resolved by the same code."""
         return ScorerOptions(dtype=self.dtype, expert_impl=self.expert_impl,
-                             tile_rows=self.tile_rows, compilation_cache=self.compilation_cache)
+                             tile_rows=self.tile_rows, compilation_cache=self.compilation_cache,
+                             weights_dtype=self.weights_dtype)
 
 
 def _positive_int(name: str, value: Any) -> None:

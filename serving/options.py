@@ -17,7 +17,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from moejax.moe import EXPERT_IMPLS
+from moejax.checkpoint import WEIGHTS_DTYPES
+from moejax.moe import EXPERT_IMPLS, FP8_IMPLS
 
 CONFIGS_DIR: Traversable = resources.files("serving") / "configs"
 DEFAULTS_PATH: Traversable = CONFIGS_DIR / "scoring.yaml"
@@ -60,6 +61,9 @@ class ScorerOptions:
     # The server's "choice"/"multi" prompt templates (serving.requests.NormalizeOptions
     # fields); a request's own ``templates`` override them.
     templates: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # "auto": an FP8 checkpoint is dequantized on load into ``dtype``; "fp8": its routed
+    # experts stay in FP8 with their block scales on the device (issue 41; resident only).
+    weights_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):
@@ -76,6 +80,7 @@ class ScorerOptions:
 
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        check_weights_dtype(self.weights_dtype, self.backend, self.expert_impl)
         if not isinstance(self.devices, int) or isinstance(self.devices, bool) or self.devices < 1:
             raise ValueError(f"devices must be a positive integer, got {self.devices!r}")
         if not isinstance(self.backend_options, Mapping):
@@ -148,6 +153,24 @@ class ScorerOptions:
         if self.max_batch_tokens == "auto":
             return AUTO_BATCH_TOKENS[self.platform]
         return int(self.max_batch_tokens)
+
+
+def check_weights_dtype(weights_dtype: Any, backend: str, expert_impl: str) -> None:
+    """ValueError naming what cannot hold or compute experts kept in FP8: the backend (only
+    ``resident`` places the scales; the others' missing work is named) or the expert
+    implementation (those of ``moejax.moe.FP8_IMPLS`` dequantize per expert or tile)."""
+    from moejax.backends.base import fp8_experts_refusal
+
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise ValueError(f"weights_dtype must be one of {WEIGHTS_DTYPES}, got {weights_dtype!r}")
+    if weights_dtype != "fp8":
+        return
+    if backend != "resident":
+        raise ValueError(fp8_experts_refusal(backend))
+    if expert_impl not in FP8_IMPLS:
+        raise ValueError(f"weights_dtype='fp8': expert_impl {expert_impl!r} takes whole expert "
+                         f"stacks, which FP8 weights would need dequantized up front; use one "
+                         f"of {FP8_IMPLS}")
 
 
 def _as_file(path: str | os.PathLike | Traversable) -> Traversable:

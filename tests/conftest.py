@@ -82,12 +82,14 @@ if str(REPO_ROOT) not in sys.path:
 # exists here). Append a module once its public functions are annotated.
 TYPECHECKED_MODULES = [
     "kernels_pallas.gmm",
+    "kernels_pallas.gmm_fp8",
     "kernels_pallas.gmm_mosaic",
     "kernels_pallas.metro",
     "kernels_pallas.metro_rounds",
     "kernels_pallas.tile_schedule",
     "moejax.attention",
     "moejax.grouped_gemm",
+    "moejax.fp8_experts",
     "moejax.static.cache",
     "moejax.mla",
     "moejax.sampling",

@@ -23,7 +23,8 @@ from moejax.config import ModelConfig
 from moejax.distributed import fetch_global
 from moejax.kv import KVPool, empty_pool
 from moejax.model import ForwardOptions, PackedBatch, VocabReadout, check_params
-from moejax.param_layout import EXPERT_KEYS, Params
+from moejax.fp8_experts import FP8_DTYPE, device_bits
+from moejax.param_layout import EXPERT_SCALE_KEYS, Params, expert_matrix_names
 from moejax.program_traffic import Traffic, program_traffic
 
 # The backends that hold a prefix KV pool (``Backend.holds_prefix_pool``), named in errors.
@@ -42,6 +43,37 @@ def check_expert_bias(name: str, cfg: ModelConfig, serves: bool) -> None:
                        "not take (it shards the expert width, or moves the expert matrices "
                        "alone); use resident, offload, async_ep or hybrid (generation: "
                        "resident)")
+
+
+# What each backend but ``resident`` would need before it could hold the routed experts in
+# FP8 (``weights_dtype="fp8"``), named in the refusal.
+FP8_EXPERTS_WORK = {
+    "offload": "its host stacks, window buffers and H2D copies of the scale leaves",
+    "hybrid": "its host stacks, shard windows and the copies and gathers of the scales",
+    "async_ep": "sharding and all-gathering the scale leaves with their experts",
+    "sync_ep": "replica slots and the all-to-all placement of the scales",
+    "tp": "splitting f on scale-block boundaries (f/G a multiple of the block)",
+    "tp_ep": "sharding the scales with their experts",
+    "dp_tp": "splitting f on scale-block boundaries",
+    "pp": "placing each stage's scale leaves",
+    "streamed": "streaming the scale leaves with each layer",
+}
+
+
+def fp8_experts_refusal(name: str) -> str:
+    """Why backend ``name`` cannot hold routed experts kept in FP8, and what it would need."""
+    work = FP8_EXPERTS_WORK.get(name, "placing the scale leaves with the experts")
+    return (f"backend {name!r} does not serve weights_dtype='fp8' (experts kept in FP8 with "
+            f"block scales): only 'resident' does; {name} would need {work}, and its byte "
+            f"accounting to count FP8 values and scales; use backend 'resident' or "
+            f"weights_dtype='auto' (dequantize on load)")
+
+
+def check_fp8_experts(name: str, cfg: ModelConfig, serves: bool) -> None:
+    """BackendError when ``cfg`` holds the routed experts in FP8 (``expert_fp8_block``)
+    and backend ``name`` does not place, move and count them with their block scales."""
+    if not serves and cfg.expert_fp8_block is not None:
+        raise BackendError(fp8_experts_refusal(name))
 
 
 class BackendError(ValueError):
@@ -97,9 +129,13 @@ class Backend(abc.ABC):
     # Whether this backend passes the routed experts' biases and the family's expert
     # activation to the expert compute (GPT-OSS needs both).
     serves_expert_bias: bool = False
+    # Whether it holds routed experts kept in FP8 with their block scales
+    # (``cfg.expert_fp8_block``: ``weights_dtype="fp8"``).
+    serves_fp8_experts: bool = False
 
     def __init__(self, cfg: ModelConfig, *, dtype: Any = jnp.float32):
         check_expert_bias(self.name, cfg, self.serves_expert_bias)
+        check_fp8_experts(self.name, cfg, self.serves_fp8_experts)
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
 
@@ -224,8 +260,20 @@ class MeshBackend(Backend):
 
 # ------------------------------------------------------------------ helpers
 def cast_params(params: Params, dtype) -> Params:
-    """Every leaf as a NumPy array of ``dtype`` (host side; placement is the backend's)."""
-    return jax.tree.map(lambda a: np.asarray(a).astype(dtype, copy=False), params)
+    """Every leaf as a NumPy array of ``dtype`` (host side; placement is the backend's),
+    but FP8 expert matrices, which become their bytes (uint8: the device form, see
+    ``moejax.fp8_experts``), and their float32 block scales (``weights_dtype="fp8"``):
+    casting them is what keeping them in FP8 avoids."""
+    def cast(path, a):
+        a = np.asarray(a)
+        key = getattr(path[-1], "key", None)
+        if a.dtype == FP8_DTYPE:
+            return device_bits(a)
+        if key in EXPERT_SCALE_KEYS or a.dtype == np.uint8:      # scales; bytes already
+            return a
+        return a.astype(dtype, copy=False)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def validated(params: Params, cfg: ModelConfig, dtype) -> Params:
@@ -240,12 +288,14 @@ def nbytes(tree: Any) -> int:
 
 def expert_bytes_per_layer(params: Params) -> int:
     layers = params["layers"]
-    return nbytes({k: layers[k] for k in EXPERT_KEYS}) // int(np.shape(layers["w_gate"])[0])
+    return nbytes({k: layers[k] for k in expert_matrix_names(layers)}) // int(
+        np.shape(layers["w_gate"])[0])
 
 
 def dense_bytes(params: Params) -> int:
     dense = {k: v for k, v in params.items() if k != "layers"}
-    dense["layers"] = {k: v for k, v in params["layers"].items() if k not in EXPERT_KEYS}
+    experts = expert_matrix_names(params["layers"])
+    dense["layers"] = {k: v for k, v in params["layers"].items() if k not in experts}
     return nbytes(dense)
 
 

@@ -68,6 +68,7 @@ class ResidentBackend(Backend):
     name = "resident"
     holds_prefix_pool = True
     serves_expert_bias = True
+    serves_fp8_experts = True     # FP8 experts and scales placed as they are (cast_params)
 
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *,
                  dtype: Any = jnp.float32, devices: int = 1, device: jax.Device | None = None,

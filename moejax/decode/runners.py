@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import moe, sampling
-from moejax.backends.base import BackendError, check_expert_bias, one_device
+from moejax.backends.base import (BackendError, check_expert_bias, check_fp8_experts,
+                                  one_device)
 from moejax.backends.resident import ResidentPlacement
 from moejax.config import ModelConfig
 from moejax.decode import programs
@@ -56,9 +57,11 @@ class DecodeRunner(abc.ABC):
     steps: tuple[str, ...] = STEP_MODES   # step modes this runner can run
 
     serves_expert_bias = False            # see moejax.backends.base.check_expert_bias
+    serves_fp8_experts = False            # see moejax.backends.base.check_fp8_experts
 
     def __init__(self, cfg: ModelConfig, *, dtype: Any, opts: StepOptions):
         check_expert_bias(self.name, cfg, self.serves_expert_bias)
+        check_fp8_experts(self.name, cfg, self.serves_fp8_experts)
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.opts = opts
@@ -158,6 +161,7 @@ class ResidentRunner(DecodeRunner):
 
     name = "resident"
     serves_expert_bias = True
+    serves_fp8_experts = True     # fused steps (the layerwise MOE program takes no block)
 
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *, dtype: Any,
                  opts: StepOptions, devices: int = 1, device: Any = None,

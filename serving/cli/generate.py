@@ -43,8 +43,9 @@ def add_generate_command(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text for a JSONL file of requests",
                        description=__doc__.split("\n\n")[1],
                        epilog="Of the model options, generate uses --model, --dtype, --backend\n"
-                              "(resident, offload, sync_ep), --devices and --expert-impl; the\n"
-                              "scoring-engine ones (not listed) are refused.\n\n" + EXIT_CODES,
+                              "(resident, offload, sync_ep), --devices, --expert-impl and\n"
+                              "--weights-dtype; the scoring-engine ones (not listed) are\n"
+                              "refused.\n\n" + EXIT_CODES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="JSONL requests ('-' for stdin)")
     p.add_argument("-o", "--output", default=None, help="JSONL results (default: stdout)")
@@ -162,6 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          f"options)")
     with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
         generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
+                              weights_dtype=args.weights_dtype,
                               trace_experts=args.trace_experts,
                               max_batch_size=args.max_batch_size,
                               compilation_cache=command_compilation_cache(None),

@@ -92,6 +92,11 @@ def add_model_options(p: argparse.ArgumentParser, *, hidden: Collection[str] = (
     option("--expert-impl", default=None,
            help="expert computation path: auto (default: chosen per platform and "
                 "shape), fused_tiles, pallas, gmm, ragged_dot or dense")
+    option("--weights-dtype", choices=["auto", "fp8"], default=None,
+           help="how an FP8 checkpoint's routed experts are held: auto (default: "
+                "dequantized on load into --dtype) or fp8 (kept in FP8 with their block "
+                "scales on the device, dequantized inside the expert kernels; backend "
+                "resident)")
     option("--share-prompts", choices=["auto", "true", "false"], default=None,
            help="compute a request's prompt once for all its candidates (default "
                 "auto: where the backend holds a prefix pool)")
@@ -127,6 +132,7 @@ def scorer_options(args: argparse.Namespace) -> dict[str, Any]:
     """Scorer keyword arguments from the model options of ``args`` (score, info, serve)."""
     options = {"dtype": args.dtype, "max_batch_tokens": args.max_batch_tokens,
                "expert_impl": args.expert_impl, "backend": args.backend,
+               "weights_dtype": args.weights_dtype,
                "devices": args.devices, "theta": args.theta, "deployment": args.deployment,
                "compilation_cache": command_compilation_cache(args.deployment)}
     if args.window is not None:

@@ -42,9 +42,9 @@ def add_trace_command(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="generate for a JSONL file of requests and write an "
                                      "expert trace (.npz)",
                        description=__doc__.split("\n\n")[1],
-                       epilog="Of the model options, trace uses --model, --dtype and "
-                              "--expert-impl; the scoring-engine ones (not listed) are "
-                              "refused.")
+                       epilog="Of the model options, trace uses --model, --dtype, "
+                              "--expert-impl and --weights-dtype; the scoring-engine ones "
+                              "(not listed) are refused.")
     p.add_argument("input", help="JSONL requests ('-' for stdin)")
     p.add_argument("-o", "--output", required=True,
                    help="the trace, an .npz file (written under exactly this name)")
@@ -164,6 +164,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with open_jsonl(args.input, args.output, args.max_line_mib) as files:  # before the model
         generator = Generator(args.model, dtype=args.dtype, expert_impl=args.expert_impl,
+                              weights_dtype=args.weights_dtype,
                               trace_experts=True, trace_router_inputs=args.router_inputs,
                               max_batch_size=args.max_batch_size,
                               compilation_cache=command_compilation_cache(None))

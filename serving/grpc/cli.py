@@ -99,6 +99,7 @@ def _serves_generation(args: argparse.Namespace) -> bool:
 
 def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype, "expert_impl": args.expert_impl, "backend": args.backend,
+            "weights_dtype": args.weights_dtype,
             "devices": args.devices, "max_batch_size": args.generation_batch_size,
             "precompile": args.precompile or getattr(args, "warmup", False),
             "compilation_cache": command_compilation_cache(args.deployment)}
