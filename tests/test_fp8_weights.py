@@ -423,3 +423,26 @@ def test_gpu_benchmark_runs_on_cpu_shapes():
     assert figures["model_max_logprob_diff"] <= 1e-5 and figures["model_argmax_agreement"] == 1
     assert 4 * (figures["model_expert_bytes_fp8"] - 4 * 2 * 8 * 3) == \
         figures["model_expert_bytes_bf16"]       # float32 here: 4 bytes against 1, + scales
+
+
+def test_moejax_info_shows_what_fp8_experts_hold(qwen3, capsys):
+    """`moejax info --weights-dtype fp8`: the serving bytes are the backend's (FP8 experts
+    and their scales), not the parameter count times the dtype's size."""
+    import json
+
+    from serving import cli
+
+    fp8_dir, _ = qwen3
+    shown = {}
+    for weights in ("auto", "fp8"):
+        capsys.readouterr()
+        assert cli.main(["info", "--model", fp8_dir, "--dtype", "float32",
+                         "--weights-dtype", weights]) == 0
+        info = json.loads(capsys.readouterr().out)
+        shown[weights] = info["weights"]
+        memory = info["memory"]
+    assert shown["auto"]["serving_dtype"] == "float32"
+    assert shown["fp8"]["serving_dtype"].startswith("float32, routed experts float8_e4m3fn")
+    assert shown["fp8"]["serving_bytes"] == (memory["dense_weight_bytes"]
+                                             + memory["expert_weight_bytes"])
+    assert shown["fp8"]["serving_bytes"] < shown["auto"]["serving_bytes"] / 2

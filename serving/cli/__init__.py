@@ -232,21 +232,29 @@ def cmd_info(args: argparse.Namespace) -> int:
                               scorer.engine.dtype.itemsize)},
                 dense_layers=list(cfg.dense_layers),
                 shared_expert_size=cfg.shared_intermediate_size,
-                weights=_weights_info(scorer.model_dir, num_params(cfg), scorer.engine.dtype))
+                weights=_weights_info(scorer))
     print(json.dumps(info, indent=2), flush=True)   # a closed stdout fails here, not at exit
     return 0
 
 
-def _weights_info(model_dir: str, params: int, dtype: Any) -> dict[str, Any]:
+def _weights_info(scorer: Any) -> dict[str, Any]:
     """Stored dtype and bytes (safetensors headers: an FP8 checkpoint reads "float8_e4m3fn,
-    128x128 block scales") next to the serving dtype and bytes (params x its size): what
-    dequantizing on load costs in memory."""
+    128x128 block scales") next to the serving dtype and bytes: what dequantizing on load
+    costs in memory (params x the dtype's size), or with ``weights_dtype="fp8"`` what the
+    backend holds (its memory report: FP8 experts and their scales)."""
     from moejax.checkpoint import stored_weights
+    from moejax.param_layout import num_params
 
-    stored = stored_weights(model_dir)
+    stored = stored_weights(scorer.model_dir)
+    dtype = scorer.engine.dtype
+    serving_dtype, serving_bytes = dtype.name, num_params(scorer.config) * dtype.itemsize
+    if scorer.options.weights_dtype == "fp8":
+        report = scorer.engine.backend.memory_report()
+        serving_dtype = f"{dtype.name}, routed experts float8_e4m3fn with block scales"
+        serving_bytes = report.dense_weight_bytes + report.expert_bytes_all_layers
     return {"stored_dtype": stored["dtype"], "stored_bytes": stored["bytes"],
-            "stored_bytes_by_dtype": stored["bytes_by_dtype"], "serving_dtype": dtype.name,
-            "serving_bytes": params * dtype.itemsize}
+            "stored_bytes_by_dtype": stored["bytes_by_dtype"], "serving_dtype": serving_dtype,
+            "serving_bytes": serving_bytes}
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -327,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefetch_calibrate_command(sub)
     add_grpc_commands(sub)
     add_launch_command(sub)
+    from serving.cli.batch import add_batch_command   # Ray Data jobs (serving.ray_data)
+    add_batch_command(sub)
     _accept_verbose_after_the_command(sub)
     return parser
 
