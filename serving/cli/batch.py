@@ -72,8 +72,8 @@ def add_batch_command(sub: Any) -> argparse.ArgumentParser:
                    help="GPUs each actor holds (default 0: CPU)")
     p.add_argument("--cpus-per-actor", type=non_negative_float, default=1.0,
                    help="CPUs each actor holds (default 1)")
-    p.add_argument("--batch-size", type=positive_int, default=256,
-                   help="rows per actor call (default 256)")
+    p.add_argument("--batch-size", type=positive_int, default=ray_data.DEFAULT_BATCH_SIZE,
+                   help=f"rows per actor call (default {ray_data.DEFAULT_BATCH_SIZE})")
     p.add_argument("--generate", action="store_true",
                    help="generation requests (a Generator per actor) instead of scoring")
     p.add_argument("--unordered", action="store_true",
