@@ -77,6 +77,8 @@ How options reach the actors
 
 from __future__ import annotations
 
+import abc
+
 import contextlib
 import dataclasses
 import io
@@ -288,7 +290,7 @@ def _keep_every_compiled_program() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-class _BatchRunner:
+class _BatchRunner(abc.ABC):
     """What :class:`BatchScorer` and :class:`BatchGenerator` share: the engine built once
     per actor, rows in, result rows out, one bad row never sinking its batch."""
 
@@ -303,17 +305,21 @@ class _BatchRunner:
         self.engine = self._build(model, options)
         self.startup_seconds = time.perf_counter() - started
 
+    @abc.abstractmethod
     def _build(self, model: str, options: dict[str, Any]) -> Any:
-        raise NotImplementedError
+        """The engine (a Scorer or a Generator) of ``model`` with ``options``."""
 
+    @abc.abstractmethod
     def _run(self, requests: list[dict[str, Any]]) -> list[Any]:
-        raise NotImplementedError
+        """One result per request, in order."""
 
+    @abc.abstractmethod
     def _failed(self, error: str) -> Any:
-        raise NotImplementedError
+        """The result of a row that could not become a request."""
 
+    @abc.abstractmethod
     def _schema(self, integral_ids: bool) -> Any:
-        raise NotImplementedError
+        """The result columns."""
 
     def __call__(self, batch: Any) -> Any:
         pa = _pyarrow()
