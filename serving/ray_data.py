@@ -78,7 +78,6 @@ How options reach the actors
 from __future__ import annotations
 
 import abc
-
 import contextlib
 import dataclasses
 import io
