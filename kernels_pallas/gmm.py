@@ -25,6 +25,14 @@ forces either); elsewhere they run under ``interpret=True`` (slow: for tests).
 Tile sizes come from :data:`GMM_TILES` (and :data:`SWIGLU_TILES` for the fused
 kernel), keyed by device kind or platform, dtype and optionally the (d, f, E)
 shape (:mod:`kernels_pallas.tile_table`).
+
+One layer of a stack: every entry point takes ``layer=`` (a Python int or a traced int32
+scalar). The weights are then ``[L, E, d, f]`` and the kernel computes with layer
+``layer``'s experts, reading their tiles in place: the layer index is one more operand
+the programs load (as they load the tile map), and the program indexes
+``w[layer, group, k-tile, n-tile]``. A decode step that loops over layers inside one
+program thus never has XLA materialize ``w[layer]`` (a copy of a whole layer's experts
+per layer per step).
 """
 
 from __future__ import annotations
@@ -127,6 +135,28 @@ def _pad_to(dim: int, multiple: int) -> int:
     return -(-dim // multiple) * multiple
 
 
+# Which layer of a stacked [L, E, ...] expert weight a kernel reads: a Python int or a
+# traced integer scalar (a decode step's loop counter).
+Layer = int | Integer[Array, ""]
+
+
+def layer_operand(name: str, layer: Layer, num_layers: int) -> Int[Array, "1"]:
+    """``layer`` as the ``[1]`` int32 array a kernel loads, read as ``w[layer]`` reads it: a
+    negative index counts from the end and a traced one out of range is clamped (so a
+    program never reads past the stack); a Python int out of range is refused by name."""
+    if isinstance(layer, bool) or not (
+            isinstance(layer, int) or (jnp.ndim(layer) == 0
+                                       and jnp.issubdtype(jnp.result_type(layer), jnp.integer))):
+        raise ValueError(f"{name}: layer must be an int or an integer scalar array, got "
+                         f"{layer!r}")
+    if isinstance(layer, int) and not -num_layers <= layer < num_layers:
+        raise ValueError(f"{name}: layer {layer} is out of range for a stack of "
+                         f"{num_layers} layers")
+    index = jnp.asarray(layer, jnp.int32)
+    index = jnp.where(index < 0, index + num_layers, index)
+    return jnp.clip(index, 0, num_layers - 1).reshape(1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupTileMap:
@@ -163,14 +193,37 @@ def group_tile_map(group_sizes: Integer[Array, "E"], num_row_tiles: int,
                         group_start=group_start, group_end=group_end)
 
 
-def _group_products(tile_map_refs, lhs_ref, rhs_refs, rhs_col_offsets, *, block_m: int,
-                    block_k: int, block_n: int, depth: int, precision) -> list[jax.Array]:
+def expert_index(layer_ref):
+    """The leading index of expert ``group``'s matrix in a weight ref: ``(group,)`` for
+    ``[E, ...]`` weights (``layer_ref`` None), ``(layer, group)`` for an ``[L, E, ...]``
+    stack, with the layer loaded once per program from its ``[1]`` ref."""
+    if layer_ref is None:
+        return lambda group: (group,)
+    layer = layer_ref[0]
+    return lambda group: (layer, group)
+
+
+def split_refs(refs, num_weights: int, layered: bool):
+    """A kernel's refs, in the order the launchers pass them: the five tile-map refs, the
+    layer ref (where ``layered``), lhs, ``num_weights`` weight refs, then the output.
+    Returns (tile-map refs, layer ref or None, lhs ref, weight refs, output ref)."""
+    tile_map_refs, rest = refs[:5], refs[5:]
+    layer_ref, rest = (rest[0], rest[1:]) if layered else (None, rest)
+    lhs_ref, weight_refs, (out_ref,) = rest[0], rest[1:1 + num_weights], rest[1 + num_weights:]
+    return tile_map_refs, layer_ref, lhs_ref, weight_refs, out_ref
+
+
+def _group_products(tile_map_refs, layer_ref, lhs_ref, rhs_refs, rhs_col_offsets, *,
+                    block_m: int, block_k: int, block_n: int, depth: int, precision
+                    ) -> list[jax.Array]:
     """In one program: Σ over the groups meeting this row tile of masked x · rhs[g] for each
-    rhs, on columns [n·block_n + offset, +block_n). Returns one [block_m, block_n] f32 each."""
+    rhs (``rhs[layer, g]`` where ``layer_ref`` is given), on columns
+    [n·block_n + offset, +block_n). Returns one [block_m, block_n] f32 each."""
     lo_ref, hi_ref, visit_ref, start_ref, end_ref = tile_map_refs
     m, n = pl.program_id(0), pl.program_id(1)
     first_row = m * block_m
     rows = first_row + jnp.arange(block_m, dtype=jnp.int32)
+    expert = expert_index(layer_ref)
 
     def visit(v, accs):
         group = visit_ref[v]
@@ -181,7 +234,11 @@ def _group_products(tile_map_refs, lhs_ref, rhs_refs, rhs_col_offsets, *, block_
             x = jnp.where(in_group, x, jnp.zeros_like(x))
             out = []
             for acc, w_ref, offset in zip(accs, rhs_refs, rhs_col_offsets):
-                w = w_ref[group, pl.ds(kk * block_k, block_k), pl.ds(n * block_n + offset, block_n)]
+                w = w_ref[(*expert(group), pl.ds(kk * block_k, block_k),
+                           pl.ds(n * block_n + offset, block_n))]
+                # A layered stack is not cast up front (that would copy all L layers):
+                # each tile is cast here, to the same values.
+                w = w if w.dtype == x.dtype else w.astype(x.dtype)
                 out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32,
                                          precision=precision))
             return tuple(out)
@@ -192,29 +249,46 @@ def _group_products(tile_map_refs, lhs_ref, rhs_refs, rhs_col_offsets, *, block_
     return list(jax.lax.fori_loop(lo_ref[m], hi_ref[m], visit, zeros))
 
 
-def _gmm_kernel(lo_ref, hi_ref, visit_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref,
-                **dims):
-    (acc,) = _group_products((lo_ref, hi_ref, visit_ref, start_ref, end_ref), lhs_ref,
-                             (rhs_ref,), (0,), **dims)
+def _gmm_kernel(*refs, layered: bool, **dims):
+    tile_map_refs, layer_ref, lhs_ref, (rhs_ref,), out_ref = split_refs(refs, 1, layered)
+    (acc,) = _group_products(tile_map_refs, layer_ref, lhs_ref, (rhs_ref,), (0,), **dims)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _swiglu_kernel(lo_ref, hi_ref, visit_ref, start_ref, end_ref, lhs_ref, gate_ref, up_ref,
-                   out_ref, *, up_col_offset: int, **dims):
-    gate, up = _group_products((lo_ref, hi_ref, visit_ref, start_ref, end_ref), lhs_ref,
-                               (gate_ref, up_ref), (0, up_col_offset), **dims)
+def _swiglu_kernel(*refs, layered: bool, up_col_offset: int, **dims):
+    tile_map_refs, layer_ref, lhs_ref, (gate_ref, up_ref), out_ref = split_refs(refs, 2, layered)
+    gate, up = _group_products(tile_map_refs, layer_ref, lhs_ref, (gate_ref, up_ref),
+                               (0, up_col_offset), **dims)
     out_ref[...] = (jax.nn.silu(gate) * up).astype(out_ref.dtype)
 
 
-def _check_operands(name: str, lhs: jax.Array, group_sizes: jax.Array, *weights: jax.Array):
+def weight_shape_error(name: str, operand: str, shape: tuple[int, ...], expected: str,
+                       layered: bool) -> str:
+    """The message for a weight operand of the wrong shape: ``expected`` (its dims, the
+    leading L of ``layer=`` included where ``layered``), what came, and — where the rank is
+    one off — that ``layer=`` is what tells the two forms apart."""
+    rank = len(expected.split(","))
+    hint = ""
+    if layered and len(shape) == rank - 1:
+        hint = " (with layer= the weights are a stack with a leading L axis)"
+    elif not layered and len(shape) == rank + 1:
+        hint = " (pass layer= to read one layer of an [L, ...] stack)"
+    return f"{name}: weights must be [{expected}], got {operand} {list(shape)}{hint}"
+
+
+def _check_operands(name: str, lhs: jax.Array, group_sizes: jax.Array,
+                    weights: dict[str, jax.Array], layered: bool = False) -> None:
+    """ValueError naming the operand that does not fit: lhs [T, d], each weight [E, d, f]
+    (``[L, E, d, f]`` where ``layered``), group_sizes [E] integer."""
     if lhs.ndim != 2:
         raise ValueError(f"{name}: lhs must be [T, d], got shape {lhs.shape}")
-    for w in weights:
-        if w.ndim != 3 or w.shape[1] != lhs.shape[1]:
-            raise ValueError(f"{name}: weights must be [E, d={lhs.shape[1]}, f], got {w.shape}")
-        if w.shape[0] != group_sizes.shape[0]:
-            raise ValueError(f"{name}: {w.shape[0]} expert matrices but group_sizes has "
-                             f"{group_sizes.shape[0]} entries")
+    expected = f"{'L, ' if layered else ''}E, d={lhs.shape[1]}, f"
+    for operand, w in weights.items():
+        if w.ndim != 3 + layered or w.shape[-2] != lhs.shape[1]:
+            raise ValueError(weight_shape_error(name, operand, w.shape, expected, layered))
+        if w.shape[-3] != group_sizes.shape[0]:
+            raise ValueError(f"{name}: {w.shape[-3]} expert matrices but group_sizes has "
+                             f"{group_sizes.shape[0]} entries ({operand} {list(w.shape)})")
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"{name}: group_sizes must be a 1-D integer array, got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")
@@ -245,8 +319,11 @@ def _drop_initial_output(kernel, *refs, **kwargs):
 
 def _launch(kernel, lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array,
             out_cols: int, tiles: GmmTiles, interpret: bool, out: jax.Array | None,
-            **kernel_kwargs) -> jax.Array:
-    """Pad the rows to whole tiles, build the tile map and run ``kernel`` over the grid."""
+            layer: jax.Array | None = None, **kernel_kwargs) -> jax.Array:
+    """Pad the rows to whole tiles, build the tile map and run ``kernel`` over the grid.
+
+    ``layer``: None for ``[E, ...]`` weights, else the ``[1]`` int32 index
+    (:func:`layer_operand`) of the layer of ``[L, E, ...]`` stacks to read."""
     num_rows, depth = lhs.shape
     padded_rows = _pad_to(max(num_rows, 1), tiles.block_m)
     if out is not None and (out.shape != (num_rows, out_cols) or out.dtype != lhs.dtype):
@@ -255,18 +332,27 @@ def _launch(kernel, lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
     lhs_padded = jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0)))
     num_row_tiles = padded_rows // tiles.block_m
     tile_map = group_tile_map(group_sizes, num_row_tiles, tiles.block_m)
-    weights = tuple(w.astype(lhs.dtype) for w in weights)
+    if layer is None:
+        weights = tuple(w.astype(lhs.dtype) for w in weights)
+    # (a layered stack keeps its dtype: casting it here would copy all L layers, the copy
+    # layer= exists to avoid; the program casts each tile it reads instead)
     precision = (jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32
                  else jax.lax.Precision.DEFAULT)
     body = functools.partial(kernel, block_m=tiles.block_m, block_k=tiles.block_k,
                              block_n=tiles.block_n, depth=depth, precision=precision,
-                             **kernel_kwargs)
+                             layered=layer is not None, **kernel_kwargs)
 
-    def whole(array):   # the program indexes these itself (data-dependent expert)
+    # The program indexes these itself: the expert (and so the weight block) is
+    # data-dependent within one program, and Pallas's Triton backend has no scalar
+    # prefetch to feed an index map. A whole-array spec is a pointer to the caller's
+    # buffer (the whole [L, E, d, f] stack when layered), so the program's
+    # w[layer, group, k, n] tile reads are in place: nothing is sliced out first.
+    def whole(array):
         return pl.BlockSpec(array.shape, lambda m, n, _nd=array.ndim: (0,) * _nd)
 
     operands = (tile_map.visit_lo, tile_map.visit_hi, tile_map.visit_group,
-                tile_map.group_start, tile_map.group_end, lhs_padded, *weights)
+                tile_map.group_start, tile_map.group_end,
+                *(() if layer is None else (layer,)), lhs_padded, *weights)
     in_specs = [whole(a) for a in operands]
     out_spec = pl.BlockSpec((tiles.block_m, tiles.block_n), lambda m, n: (m, n))
     aliases = {}
@@ -294,12 +380,15 @@ def _launch(kernel, lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes:
 
 
 def _mosaic_backend(backend: str | None, lhs: jax.Array, out_cols: int, num_groups: int,
-                    tiles: GmmTiles | None, interpret: bool | None, kernel: str = "gmm"):
+                    tiles: GmmTiles | None, interpret: bool | None, kernel: str = "gmm",
+                    weights: tuple[jax.Array, ...] = (), layered: bool = False):
     """The Mosaic GPU tiles when this call runs the Mosaic kernel, else None (Triton).
 
     ``backend=None`` follows :func:`kernels_pallas.gmm_select.choose_backend` (and stays on
-    Triton where the call pins Triton tiles or interpret mode, or the Mosaic tiles do not
-    divide d and f); ``"mosaic"`` insists, and the Mosaic kernel says why it cannot."""
+    Triton where the call pins Triton tiles or interpret mode, the Mosaic tiles do not
+    divide d and f, or a layered stack is not in lhs's dtype: the Mosaic kernel cannot cast
+    a tile it loads by TMA, and casting the stack would copy every layer); ``"mosaic"``
+    insists, and the Mosaic kernel says why it cannot."""
     if backend not in (None, *gmm_select.BACKENDS):
         raise ValueError(f"unknown grouped-GEMM backend {backend!r}; choose one of "
                          f"{gmm_select.BACKENDS} or None (the measured rule)")
@@ -311,6 +400,7 @@ def _mosaic_backend(backend: str | None, lhs: jax.Array, out_cols: int, num_grou
     mosaic_tiles = gmm_select.mosaic_tiles_for(lhs.dtype, kernel=kernel,
                                                shape=(lhs.shape[1], out_cols, num_groups))
     fits = lhs.shape[1] % mosaic_tiles.block_k == 0 and out_cols % mosaic_tiles.block_n == 0
+    fits = fits and not (layered and any(w.dtype != lhs.dtype for w in weights))
     if not fits and backend is None:
         return None
     return mosaic_tiles          # (a forced misfit: the Mosaic kernel refuses it by name)
@@ -325,10 +415,10 @@ def _mosaic_interpret(interpret: bool | None):
     return gmm_mosaic.interpret_params() if interpret else False
 
 
-def gmm(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"], group_sizes: Integer[Array, "E"],
-        *, interpret: bool | None = None, tiles: GmmTiles | None = None,
-        out: Float[Array, "T f"] | None = None, backend: str | None = None
-        ) -> Float[Array, "T f"]:
+def gmm(lhs: Float[Array, "T d"], rhs: Float[Array, "*L E d f"],
+        group_sizes: Integer[Array, "E"], *, interpret: bool | None = None,
+        tiles: GmmTiles | None = None, out: Float[Array, "T f"] | None = None,
+        backend: str | None = None, layer: Layer | None = None) -> Float[Array, "T f"]:
     """Grouped matmul: lhs [T, d] (rows sorted by group) × rhs [E, d, f] -> [T, f].
 
     group_sizes [E] int: rows of each group, in order; rows past their sum are zero in
@@ -338,68 +428,84 @@ def gmm(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"], group_sizes: Integ
     overwritten, which the tests check by passing NaNs; the Mosaic kernel returns a new
     array of the same values). backend: ``"triton"``, ``"mosaic"``
     (:mod:`kernels_pallas.gmm_mosaic`) or None, the measured rule of
-    :mod:`kernels_pallas.gmm_select`.
+    :mod:`kernels_pallas.gmm_select`. layer: None, or an int / traced int32 scalar: rhs is
+    then a stack ``[L, E, d, f]`` and the product uses ``rhs[layer]``, read in place (the
+    same result as ``gmm(lhs, rhs[layer], ...)`` without the copy of the slice; indexed as
+    ``rhs[layer]`` is: negative from the end, a traced index clamped into range).
     """
-    _check_operands("gmm", lhs, group_sizes, rhs)
-    out_cols = rhs.shape[2]
-    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, rhs.shape[0], tiles, interpret)
+    layered = layer is not None
+    _check_operands("gmm", lhs, group_sizes, {"rhs": rhs}, layered)
+    layer_index = layer_operand("gmm", layer, rhs.shape[0]) if layered else None
+    out_cols, num_groups = rhs.shape[-1], rhs.shape[-3]
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, num_groups, tiles, interpret,
+                                   weights=(rhs,), layered=layered)
     if mosaic_tiles is not None:
         from kernels_pallas import gmm_mosaic
 
         return gmm_mosaic.gmm_mosaic(lhs, rhs, group_sizes, tiles=mosaic_tiles,
-                                     interpret=_mosaic_interpret(interpret))
-    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, num_groups=rhs.shape[0])
-    return _launch(_gmm_kernel, lhs, (rhs,), group_sizes, out_cols, tiles, interpret, out)
+                                     interpret=_mosaic_interpret(interpret), layer=layer)
+    tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, num_groups=num_groups)
+    return _launch(_gmm_kernel, lhs, (rhs,), group_sizes, out_cols, tiles, interpret, out,
+                   layer_index)
 
 
-def gmm_swiglu(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
-               w_up: Float[Array, "E d f"], group_sizes: Integer[Array, "E"], *,
+def gmm_swiglu(lhs: Float[Array, "T d"], w_gate: Float[Array, "*L E d f"],
+               w_up: Float[Array, "*L E d f"], group_sizes: Integer[Array, "E"], *,
                interpret: bool | None = None, tiles: GmmTiles | None = None,
-               out: Float[Array, "T f"] | None = None, backend: str | None = None
-               ) -> Float[Array, "T f"]:
+               out: Float[Array, "T f"] | None = None, backend: str | None = None,
+               layer: Layer | None = None) -> Float[Array, "T f"]:
     """silu(lhs · w_gate[g]) * (lhs · w_up[g]) per group in one kernel.
 
     lhs [T, d]; w_gate, w_up [E, d, f] -> [T, f] in lhs's dtype; rows past
-    sum(group_sizes) are zero. interpret, tiles, out, backend: as in :func:`gmm`.
+    sum(group_sizes) are zero. interpret, tiles, out, backend, layer: as in :func:`gmm`
+    (with ``layer``, w_gate and w_up are both ``[L, E, d, f]`` stacks).
     """
-    _check_operands("gmm_swiglu", lhs, group_sizes, w_gate, w_up)
+    layered = layer is not None
+    _check_operands("gmm_swiglu", lhs, group_sizes, {"w_gate": w_gate, "w_up": w_up}, layered)
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gmm_swiglu: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
-    out_cols = w_gate.shape[2]
-    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate.shape[0], tiles, interpret,
-                                   kernel="swiglu")
+    layer_index = layer_operand("gmm_swiglu", layer, w_gate.shape[0]) if layered else None
+    out_cols, num_groups = w_gate.shape[-1], w_gate.shape[-3]
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, num_groups, tiles, interpret,
+                                   kernel="swiglu", weights=(w_gate, w_up), layered=layered)
     if mosaic_tiles is not None:
         from kernels_pallas import gmm_mosaic
 
         return gmm_mosaic.gmm_swiglu_mosaic(lhs, w_gate, w_up, group_sizes, tiles=mosaic_tiles,
-                                            interpret=_mosaic_interpret(interpret))
+                                            interpret=_mosaic_interpret(interpret),
+                                            layer=layer)
     tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu",
-                                num_groups=w_gate.shape[0])
+                                num_groups=num_groups)
     return _launch(_swiglu_kernel, lhs, (w_gate, w_up), group_sizes, out_cols, tiles,
-                   interpret, out, up_col_offset=0)
+                   interpret, out, layer_index, up_col_offset=0)
 
 
-def gmm_swiglu_stacked(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "E d two_f"],
+def gmm_swiglu_stacked(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "*L E d two_f"],
                        group_sizes: Integer[Array, "E"], *,
                        interpret: bool | None = None, tiles: GmmTiles | None = None,
-                       out: Float[Array, "T f"] | None = None, backend: str | None = None
-                       ) -> Float[Array, "T f"]:
+                       out: Float[Array, "T f"] | None = None, backend: str | None = None,
+                       layer: Layer | None = None) -> Float[Array, "T f"]:
     """:func:`gmm_swiglu` over stacked weights w_gate_up [E, d, 2f] (gate columns first,
-    then up), read in place: the kernel takes up's columns at an offset of f."""
-    _check_operands("gmm_swiglu_stacked", lhs, group_sizes, w_gate_up)
-    if w_gate_up.shape[2] % 2:
+    then up), read in place: the kernel takes up's columns at an offset of f. layer: as in
+    :func:`gmm` (w_gate_up then ``[L, E, d, 2f]``)."""
+    layered = layer is not None
+    _check_operands("gmm_swiglu_stacked", lhs, group_sizes, {"w_gate_up": w_gate_up}, layered)
+    if w_gate_up.shape[-1] % 2:
         raise ValueError(f"gmm_swiglu_stacked: w_gate_up's last dim must be 2f, got "
-                         f"{w_gate_up.shape[2]}")
-    out_cols = w_gate_up.shape[2] // 2
-    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, w_gate_up.shape[0], tiles, interpret,
-                                   kernel="swiglu")
+                         f"{w_gate_up.shape[-1]}")
+    layer_index = (layer_operand("gmm_swiglu_stacked", layer, w_gate_up.shape[0]) if layered
+                   else None)
+    out_cols, num_groups = w_gate_up.shape[-1] // 2, w_gate_up.shape[-3]
+    mosaic_tiles = _mosaic_backend(backend, lhs, out_cols, num_groups, tiles, interpret,
+                                   kernel="swiglu", weights=(w_gate_up,), layered=layered)
     if mosaic_tiles is not None:
         from kernels_pallas import gmm_mosaic
 
         return gmm_mosaic.gmm_swiglu_stacked_mosaic(lhs, w_gate_up, group_sizes,
                                                     tiles=mosaic_tiles,
-                                                    interpret=_mosaic_interpret(interpret))
+                                                    interpret=_mosaic_interpret(interpret),
+                                                    layer=layer)
     tiles, interpret = _resolve(lhs, out_cols, tiles, interpret, kernel="swiglu",
-                                num_groups=w_gate_up.shape[0])
+                                num_groups=num_groups)
     return _launch(_swiglu_kernel, lhs, (w_gate_up, w_gate_up), group_sizes, out_cols, tiles,
-                   interpret, out, up_col_offset=out_cols)
+                   interpret, out, layer_index, up_col_offset=out_cols)

@@ -21,6 +21,10 @@ On NVIDIA GPUs the kernels lower through Pallas's Triton backend (Triton's dot n
 tiles of at least 16: :func:`fits_gpu`); elsewhere they run with ``interpret=True``.
 Activations stay in the compute dtype (bf16/f32): FP8 MMA with quantized activations
 would be another kernel with other numerics.
+
+``layer=`` (as in :mod:`kernels_pallas.gmm`): the values and the scales are then
+``[L, E, ...]`` stacks and the programs read layer ``layer``'s tiles and scales in
+place, ``w[layer, group, k, n]`` and ``scale[layer, group, i, j]``; nothing is sliced.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Float32, Integer, Shaped
 
 from kernels_pallas import tile_table
-from kernels_pallas.gmm import GmmTiles, group_tile_map, tiles_for
+from kernels_pallas.gmm import (GmmTiles, Layer, expert_index, group_tile_map, layer_operand,
+                                split_refs, tiles_for, weight_shape_error)
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # The weights may come as FP8 or as its bytes (uint8: how moejax's placement holds them).
@@ -78,17 +83,19 @@ def fp8_tiles(dtype, depth: int, out_cols: int, num_groups: int, block: Block,
     return fitted
 
 
-def _fp8_products(tile_map_refs, lhs_ref, weight_refs, *, block_m: int, block_k: int,
-                  block_n: int, depth: int, scale_block: Block, precision) -> list[jax.Array]:
+def _fp8_products(tile_map_refs, layer_ref, lhs_ref, weight_refs, *, block_m: int,
+                  block_k: int, block_n: int, depth: int, scale_block: Block, precision
+                  ) -> list[jax.Array]:
     """In one program: Σ over the groups meeting this row tile of masked x · dequant(W[g])
-    for each (weights, scale) ref pair, on columns [n·block_n, +block_n). Returns one
-    [block_m, block_n] f32 each."""
+    for each (weights, scale) ref pair (``W[layer, g]`` where ``layer_ref`` is given), on
+    columns [n·block_n, +block_n). Returns one [block_m, block_n] f32 each."""
     lo_ref, hi_ref, visit_ref, start_ref, end_ref = tile_map_refs
     m, n = pl.program_id(0), pl.program_id(1)
     first_row = m * block_m
     first_col = n * block_n
     rows = first_row + jnp.arange(block_m, dtype=jnp.int32)
     scale_col = first_col // scale_block[1]
+    expert = expert_index(layer_ref)
 
     def visit(v, accs):
         group = visit_ref[v]
@@ -99,10 +106,10 @@ def _fp8_products(tile_map_refs, lhs_ref, weight_refs, *, block_m: int, block_k:
             x = jnp.where(in_group, x, jnp.zeros_like(x))
             out = []
             for acc, (w_ref, s_ref) in zip(accs, weight_refs):
-                w = w_ref[group, pl.ds(kk * block_k, block_k), pl.ds(first_col, block_n)]
+                w = w_ref[(*expert(group), pl.ds(kk * block_k, block_k), pl.ds(first_col, block_n))]
                 if w.dtype != FP8:        # bytes: reinterpreted, no arithmetic
                     w = jax.lax.bitcast_convert_type(w, FP8)
-                s = s_ref[group, (kk * block_k) // scale_block[0], scale_col]
+                s = s_ref[(*expert(group), (kk * block_k) // scale_block[0], scale_col)]
                 w = (w.astype(jnp.float32) * s).astype(x.dtype)     # dequantized here
                 out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32,
                                          precision=precision))
@@ -114,23 +121,25 @@ def _fp8_products(tile_map_refs, lhs_ref, weight_refs, *, block_m: int, block_k:
     return list(jax.lax.fori_loop(lo_ref[m], hi_ref[m], visit, zeros))
 
 
-def _gmm_fp8_kernel(lo_ref, hi_ref, visit_ref, start_ref, end_ref, lhs_ref, w_ref, s_ref,
-                    out_ref, **dims):
-    (acc,) = _fp8_products((lo_ref, hi_ref, visit_ref, start_ref, end_ref), lhs_ref,
-                           ((w_ref, s_ref),), **dims)
+def _gmm_fp8_kernel(*refs, layered: bool, **dims):
+    tile_map_refs, layer_ref, lhs_ref, (w_ref, s_ref), out_ref = split_refs(refs, 2, layered)
+    (acc,) = _fp8_products(tile_map_refs, layer_ref, lhs_ref, ((w_ref, s_ref),), **dims)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _swiglu_fp8_kernel(lo_ref, hi_ref, visit_ref, start_ref, end_ref, lhs_ref, gate_ref,
-                       gate_scale_ref, up_ref, up_scale_ref, out_ref, **dims):
-    gate, up = _fp8_products((lo_ref, hi_ref, visit_ref, start_ref, end_ref), lhs_ref,
+def _swiglu_fp8_kernel(*refs, layered: bool, **dims):
+    tile_map_refs, layer_ref, lhs_ref, weight_refs, out_ref = split_refs(refs, 4, layered)
+    gate_ref, gate_scale_ref, up_ref, up_scale_ref = weight_refs
+    gate, up = _fp8_products(tile_map_refs, layer_ref, lhs_ref,
                              ((gate_ref, gate_scale_ref), (up_ref, up_scale_ref)), **dims)
     out_ref[...] = (jax.nn.silu(gate) * up).astype(out_ref.dtype)
 
 
 def _check(name: str, lhs: jax.Array, group_sizes: jax.Array, block: Block,
-           *pairs: tuple[jax.Array, jax.Array]) -> None:
-    """ValueError naming what does not fit: lhs, a weight stack or its scale, the block."""
+           pairs: dict[str, tuple[jax.Array, jax.Array]], layered: bool = False) -> None:
+    """ValueError naming what does not fit: lhs, a weight stack or its scale (``pairs``:
+    the values' operand name -> (values, scale)), the block. ``layered``: the values and
+    scales carry a leading L (the same L)."""
     if lhs.ndim != 2:
         raise ValueError(f"{name}: lhs must be [T, d], got shape {lhs.shape}")
     if (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
@@ -138,23 +147,26 @@ def _check(name: str, lhs: jax.Array, group_sizes: jax.Array, block: Block,
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"{name}: group_sizes must be a 1-D integer array, got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")
-    for w, scale in pairs:
-        if w.ndim != 3 or w.shape[1] != lhs.shape[1] or w.shape[0] != group_sizes.shape[0]:
-            raise ValueError(f"{name}: weights must be [E={group_sizes.shape[0]}, "
-                             f"d={lhs.shape[1]}, f], got {w.shape}")
+    expected = f"{'L, ' if layered else ''}E={group_sizes.shape[0]}, d={lhs.shape[1]}, f"
+    for operand, (w, scale) in pairs.items():
+        if (w.ndim != 3 + layered or w.shape[-2] != lhs.shape[1]
+                or w.shape[-3] != group_sizes.shape[0]):
+            raise ValueError(weight_shape_error(name, operand, w.shape, expected, layered))
         if jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
             raise ValueError(f"{name}: weights must be float8_e4m3fn (or its bytes, uint8), "
-                             f"got {w.dtype}")
-        grid = (w.shape[0], -(-w.shape[1] // block[0]), -(-w.shape[2] // block[1]))
+                             f"got {operand} {w.dtype}")
+        grid = (*w.shape[:-2], -(-w.shape[-2] // block[0]), -(-w.shape[-1] // block[1]))
         if tuple(scale.shape) != grid or jnp.dtype(scale.dtype) != jnp.float32:
             raise ValueError(f"{name}: scale must be float32{list(grid)} for weights "
-                             f"{list(w.shape)} in {block[0]}x{block[1]} blocks, got "
+                             f"{operand} {list(w.shape)} in {block[0]}x{block[1]} blocks, got "
                              f"{scale.dtype}{list(scale.shape)}")
 
 
 def _launch(kernel, lhs: jax.Array, operands: tuple[jax.Array, ...], group_sizes: jax.Array,
-            out_cols: int, block: Block, tiles: GmmTiles, interpret: bool) -> jax.Array:
-    """Pad the rows to whole tiles, build the tile map and run ``kernel`` over the grid."""
+            out_cols: int, block: Block, tiles: GmmTiles, interpret: bool,
+            layer: jax.Array | None = None) -> jax.Array:
+    """Pad the rows to whole tiles, build the tile map and run ``kernel`` over the grid.
+    ``layer``: None, or the ``[1]`` int32 index of the layer of ``[L, E, ...]`` operands."""
     num_rows, depth = lhs.shape
     padded_rows = -(-max(num_rows, 1) // tiles.block_m) * tiles.block_m
     num_row_tiles = padded_rows // tiles.block_m
@@ -163,11 +175,14 @@ def _launch(kernel, lhs: jax.Array, operands: tuple[jax.Array, ...], group_sizes
                  else jax.lax.Precision.DEFAULT)
     body = functools.partial(kernel, block_m=tiles.block_m, block_k=tiles.block_k,
                              block_n=tiles.block_n, depth=depth, scale_block=block,
-                             precision=precision)
+                             precision=precision, layered=layer is not None)
     everything = (tile_map.visit_lo, tile_map.visit_hi, tile_map.visit_group,
                   tile_map.group_start, tile_map.group_end,
+                  *(() if layer is None else (layer,)),
                   jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0))), *operands)
-    # The program indexes every operand itself (the expert is data-dependent).
+    # The program indexes every operand itself (the expert is data-dependent, and the
+    # Triton backend has no scalar prefetch for index maps): each spec is the whole
+    # caller's buffer, so a layered stack's tiles are read in place.
     in_specs = [pl.BlockSpec(a.shape, lambda m, n, _nd=a.ndim: (0,) * _nd) for a in everything]
     compiler_params = None if interpret else pl_triton.CompilerParams(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -184,32 +199,43 @@ def _interpret(interpret: bool | None) -> bool:
     return tile_table.platform_of() != "gpu" if interpret is None else interpret
 
 
-def gmm_fp8(lhs: Float[Array, "T d"], rhs: Shaped[Array, "E d f"],
-            rhs_scale: Float32[Array, "E kd kf"], group_sizes: Integer[Array, "E"], *,
-            block: Block, interpret: bool | None = None, tiles: GmmTiles | None = None
-            ) -> Float[Array, "T f"]:
+def gmm_fp8(lhs: Float[Array, "T d"], rhs: Shaped[Array, "*L E d f"],
+            rhs_scale: Float32[Array, "*L E kd kf"], group_sizes: Integer[Array, "E"], *,
+            block: Block, interpret: bool | None = None, tiles: GmmTiles | None = None,
+            layer: Layer | None = None) -> Float[Array, "T f"]:
     """Grouped matmul lhs [T, d] × dequant(rhs [E, d, f] FP8 or its uint8 bytes, rhs_scale)
     -> [T, f] in lhs's dtype (f32 accumulation; rows past sum(group_sizes) are zero).
     ``block``: the (d, f) elements each scale covers. interpret: None = everywhere but on a
-    GPU."""
-    _check("gmm_fp8", lhs, group_sizes, block, (rhs, rhs_scale))
+    GPU. layer: None, or an int / traced int32 scalar: rhs and rhs_scale are then
+    ``[L, E, ...]`` stacks and layer ``layer``'s are read in place (as
+    :func:`kernels_pallas.gmm.gmm`'s ``layer``)."""
+    layered = layer is not None
+    _check("gmm_fp8", lhs, group_sizes, block, {"rhs": (rhs, rhs_scale)}, layered)
+    layer_index = layer_operand("gmm_fp8", layer, rhs.shape[0]) if layered else None
     interpret = _interpret(interpret)
-    tiles = fp8_tiles(lhs.dtype, lhs.shape[1], rhs.shape[2], rhs.shape[0], block, "gmm",
+    tiles = fp8_tiles(lhs.dtype, lhs.shape[1], rhs.shape[-1], rhs.shape[-3], block, "gmm",
                       interpret, tiles)
-    return _launch(_gmm_fp8_kernel, lhs, (rhs, rhs_scale), group_sizes, rhs.shape[2], block,
-                   tiles, interpret)
+    return _launch(_gmm_fp8_kernel, lhs, (rhs, rhs_scale), group_sizes, rhs.shape[-1], block,
+                   tiles, interpret, layer_index)
 
 
-def gmm_swiglu_fp8(lhs: Float[Array, "T d"], w_gate: Shaped[Array, "E d f"],
-                   gate_scale: Float32[Array, "E kd kf"], w_up: Shaped[Array, "E d f"],
-                   up_scale: Float32[Array, "E kd kf"], group_sizes: Integer[Array, "E"], *,
-                   block: Block, interpret: bool | None = None, tiles: GmmTiles | None = None
-                   ) -> Float[Array, "T f"]:
+def gmm_swiglu_fp8(lhs: Float[Array, "T d"], w_gate: Shaped[Array, "*L E d f"],
+                   gate_scale: Float32[Array, "*L E kd kf"], w_up: Shaped[Array, "*L E d f"],
+                   up_scale: Float32[Array, "*L E kd kf"], group_sizes: Integer[Array, "E"], *,
+                   block: Block, interpret: bool | None = None, tiles: GmmTiles | None = None,
+                   layer: Layer | None = None) -> Float[Array, "T f"]:
     """silu(lhs · dequant(w_gate[g])) * (lhs · dequant(w_up[g])) per group in one kernel
-    -> [T, f] in lhs's dtype; arguments as :func:`gmm_fp8`."""
-    _check("gmm_swiglu_fp8", lhs, group_sizes, block, (w_gate, gate_scale), (w_up, up_scale))
+    -> [T, f] in lhs's dtype; arguments as :func:`gmm_fp8` (with ``layer``, all four
+    weight operands are ``[L, E, ...]`` stacks of the same L)."""
+    layered = layer is not None
+    _check("gmm_swiglu_fp8", lhs, group_sizes, block,
+           {"w_gate": (w_gate, gate_scale), "w_up": (w_up, up_scale)}, layered)
+    if layered and w_gate.shape[0] != w_up.shape[0]:    # one layer index reads both
+        raise ValueError(f"gmm_swiglu_fp8: w_gate {list(w_gate.shape)} and w_up "
+                         f"{list(w_up.shape)} stack different numbers of layers")
+    layer_index = layer_operand("gmm_swiglu_fp8", layer, w_gate.shape[0]) if layered else None
     interpret = _interpret(interpret)
-    tiles = fp8_tiles(lhs.dtype, lhs.shape[1], w_gate.shape[2], w_gate.shape[0], block,
+    tiles = fp8_tiles(lhs.dtype, lhs.shape[1], w_gate.shape[-1], w_gate.shape[-3], block,
                       "swiglu", interpret, tiles)
     return _launch(_swiglu_fp8_kernel, lhs, (w_gate, gate_scale, w_up, up_scale), group_sizes,
-                   w_gate.shape[2], block, tiles, interpret)
+                   w_gate.shape[-1], block, tiles, interpret, layer_index)

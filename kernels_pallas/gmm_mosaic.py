@@ -18,6 +18,13 @@ stores only its own rows. TMA stores take static shapes, so a partial row range
 of ``r`` rows is stored as one copy per set bit of ``r`` (at most log2(block_m)+1
 copies), each of a power-of-two height.
 
+``layer=`` (as in :mod:`kernels_pallas.gmm`): the weights are ``[L, E, d, f]`` stacks
+and each work item pipelines from ``w.at[layer, group]``, a view of the caller's stack
+(the layer index is one more GMEM operand, loaded once per program like the schedule's
+entries): TMA reads the layer's blocks in place. The stack must already be in lhs's
+dtype (a TMA-loaded tile cannot be cast on the way, and casting the stack would copy
+every layer).
+
 Off a GPU the kernels run under Mosaic GPU's interpret mode (:func:`interpret_params`:
 a CPU simulation of shared memory, TMA and WGMMA): slow, for tests at small shapes only.
 """
@@ -33,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Integer
 
+from kernels_pallas.gmm import Layer, layer_operand, weight_shape_error
 from kernels_pallas.mosaic_tiles import (ACCUMULATOR_REGISTERS, DEFAULT_TILES,  # noqa: F401
                                          H100_SMS, HOPPER_SMEM_BYTES, SUPPORTED_DTYPES,
                                          WARPGROUP_THREADS, WGMMA_ROWS, MosaicTiles)
@@ -50,16 +58,25 @@ class _Shape:
 
 
 def _check(name: str, lhs: jax.Array, group_sizes: jax.Array, tiles: MosaicTiles,
-           out_cols: int, accumulators: int, *weights: jax.Array) -> None:
+           out_cols: int, accumulators: int, weights: dict[str, jax.Array],
+           layered: bool = False) -> None:
+    """ValueError naming what the kernel cannot take: lhs, a weight operand (``weights``:
+    name -> array; ``[L, E, d, f]`` where ``layered``), group_sizes, the tiles."""
     if lhs.ndim != 2:
         raise ValueError(f"{name}: lhs must be [T, d], got shape {lhs.shape}")
     if jnp.dtype(lhs.dtype).name not in SUPPORTED_DTYPES:
         raise ValueError(f"{name}: the Mosaic GPU kernels take {SUPPORTED_DTYPES}, got "
                          f"{lhs.dtype} (float32 runs on the Triton kernel or XLA)")
-    for w in weights:
-        if w.ndim != 3 or w.shape[1] != lhs.shape[1] or w.shape[0] != group_sizes.shape[0]:
-            raise ValueError(f"{name}: weights must be [E={group_sizes.shape[0]}, "
-                             f"d={lhs.shape[1]}, f], got {w.shape}")
+    expected = f"{'L, ' if layered else ''}E={group_sizes.shape[0]}, d={lhs.shape[1]}, f"
+    for operand, w in weights.items():
+        if (w.ndim != 3 + layered or w.shape[-2] != lhs.shape[1]
+                or w.shape[-3] != group_sizes.shape[0]):
+            raise ValueError(weight_shape_error(name, operand, w.shape, expected, layered))
+        if layered and w.dtype != lhs.dtype:
+            raise ValueError(f"{name}: with layer=, {operand} must already be lhs's "
+                             f"{jnp.dtype(lhs.dtype).name}, got {w.dtype} (TMA loads a tile "
+                             f"as stored, and casting the stack would copy all "
+                             f"{w.shape[0]} layers)")
     if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"{name}: group_sizes must be a 1-D integer array, got "
                          f"{group_sizes.dtype}{list(group_sizes.shape)}")
@@ -121,13 +138,18 @@ def _accumulate(lhs_gmem, weight_blocks, tile, col_blocks, *, shape: _Shape,
     return list(pl.run_scoped(scope, *(plgpu.ACC((bm, bn)) for _ in weight_blocks)))
 
 
-def _kernel_body(group_gmem, tile_gmem, lo_gmem, rows_gmem, lhs_gmem, *refs, shape: _Shape,
-                 tiles: MosaicTiles, epilogue: str, up_col_block: int):
-    """The persistent loop over (work item, column tile). ``refs``: the weight refs, then
-    the output ref. ``epilogue``: ``"gmm"`` (one product) or ``"swiglu"`` (silu(gate)·up,
-    gate and up from the two weight refs, up's column blocks offset by ``up_col_block``)."""
-    *weight_refs, out_gmem = refs
+def _kernel_body(group_gmem, tile_gmem, lo_gmem, rows_gmem, *refs, shape: _Shape,
+                 tiles: MosaicTiles, epilogue: str, up_col_block: int, layered: bool):
+    """The persistent loop over (work item, column tile). ``refs``: the ``[1]`` layer ref
+    (where ``layered``), lhs, the weight refs, then the output ref. ``epilogue``:
+    ``"gmm"`` (one product) or ``"swiglu"`` (silu(gate)·up, gate and up from the two
+    weight refs, up's column blocks offset by ``up_col_block``)."""
+    layer_gmem, refs = (refs[0], refs[1:]) if layered else (None, refs)
+    lhs_gmem, *weight_refs, out_gmem = refs
     col_tiles = shape.out_cols // tiles.block_n
+    # An expert's matrix: a view of the stack (the layer's when layered), never a copy.
+    layer = layer_gmem[0] if layered else None
+    expert = (lambda w, g: w.at[g]) if layer is None else (lambda w, g: w.at[layer, g])
 
     @plgpu.nd_loop((shape.num_items * col_tiles,), collective_axes="sm")
     def _(info):
@@ -146,7 +168,7 @@ def _kernel_body(group_gmem, tile_gmem, lo_gmem, rows_gmem, lhs_gmem, *refs, sha
 
         @pl.when((rows > 0) & (group < shape.num_groups))
         def _products():
-            weights = [w.at[group] for w in weight_refs]
+            weights = [expert(w, group) for w in weight_refs]
             if epilogue == "gmm":
                 (acc,) = _accumulate(lhs_gmem, weights, tile, (col,), shape=shape, tiles=tiles)
             else:
@@ -158,7 +180,9 @@ def _kernel_body(group_gmem, tile_gmem, lo_gmem, rows_gmem, lhs_gmem, *refs, sha
 
 def _launch(lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Array,
             out_cols: int, tiles: MosaicTiles, epilogue: str, up_col_block: int,
-            num_sms: int, interpret) -> jax.Array:
+            num_sms: int, interpret, layer: jax.Array | None = None) -> jax.Array:
+    """Pad the rows, build the work-item schedule and run the persistent kernel. ``layer``:
+    None, or the ``[1]`` int32 index of the layer of ``[L, E, d, f]`` weight stacks."""
     num_rows = lhs.shape[0]
     padded_rows = max(-(-num_rows // tiles.block_m), 1) * tiles.block_m
     lhs_padded = jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0)))
@@ -166,7 +190,7 @@ def _launch(lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arr
     shape = _Shape(num_rows=padded_rows, depth=lhs.shape[1], out_cols=out_cols,
                    num_groups=group_sizes.shape[0], num_items=schedule.group.shape[0])
     body = functools.partial(_kernel_body, shape=shape, tiles=tiles, epilogue=epilogue,
-                             up_col_block=up_col_block)
+                             up_col_block=up_col_block, layered=layer is not None)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((padded_rows, out_cols), lhs.dtype),
@@ -175,7 +199,8 @@ def _launch(lhs: jax.Array, weights: tuple[jax.Array, ...], group_sizes: jax.Arr
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )
-    out = kernel(schedule.group, schedule.tile, schedule.row_lo, schedule.rows, lhs_padded,
+    out = kernel(schedule.group, schedule.tile, schedule.row_lo, schedule.rows,
+                 *(() if layer is None else (layer,)), lhs_padded,
                  *(w.astype(lhs.dtype) for w in weights))
     return out[:num_rows]
 
@@ -205,48 +230,63 @@ def _defaults(tiles: MosaicTiles | None, num_sms: int | None, interpret, kernel:
     return tiles, int(num_sms or H100_SMS), interpret
 
 
-def gmm_mosaic(lhs: Float[Array, "T d"], rhs: Float[Array, "E d f"],
+def gmm_mosaic(lhs: Float[Array, "T d"], rhs: Float[Array, "*L E d f"],
                group_sizes: Integer[Array, "E"], *, tiles: MosaicTiles | None = None,
-               num_sms: int | None = None, interpret=None) -> Float[Array, "T f"]:
+               num_sms: int | None = None, interpret=None, layer: Layer | None = None
+               ) -> Float[Array, "T f"]:
     """Grouped matmul lhs [T, d] (rows sorted by group) × rhs [E, d, f] -> [T, f].
 
     bf16/f16; f32 accumulation; output in lhs's dtype; rows past sum(group_sizes) are
     zero. tiles: :class:`MosaicTiles`; num_sms: programs of the persistent loop (default:
     the GPU's SM count); interpret: None = simulate off a GPU, else Pallas's interpret
-    argument.
+    argument. layer: None, or an int / traced int32 scalar: rhs is then an
+    ``[L, E, d, f]`` stack in lhs's dtype and ``rhs[layer]`` is read in place (indexed as
+    in :func:`kernels_pallas.gmm.gmm`).
     """
     tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret, "gmm")
-    _check("gmm_mosaic", lhs, group_sizes, tiles, rhs.shape[-1], 1, rhs)
-    return _launch(lhs, (rhs,), group_sizes, rhs.shape[2], tiles, "gmm", 0, num_sms,
-                   interpret)
+    layered = layer is not None
+    _check("gmm_mosaic", lhs, group_sizes, tiles, rhs.shape[-1], 1, {"rhs": rhs}, layered)
+    layer_index = layer_operand("gmm_mosaic", layer, rhs.shape[0]) if layered else None
+    return _launch(lhs, (rhs,), group_sizes, rhs.shape[-1], tiles, "gmm", 0, num_sms,
+                   interpret, layer_index)
 
 
-def gmm_swiglu_mosaic(lhs: Float[Array, "T d"], w_gate: Float[Array, "E d f"],
-                      w_up: Float[Array, "E d f"], group_sizes: Integer[Array, "E"], *,
+def gmm_swiglu_mosaic(lhs: Float[Array, "T d"], w_gate: Float[Array, "*L E d f"],
+                      w_up: Float[Array, "*L E d f"], group_sizes: Integer[Array, "E"], *,
                       tiles: MosaicTiles | None = None, num_sms: int | None = None,
-                      interpret=None) -> Float[Array, "T f"]:
+                      interpret=None, layer: Layer | None = None) -> Float[Array, "T f"]:
     """silu(lhs · w_gate[g]) * (lhs · w_up[g]) per group in one kernel; as
-    :func:`gmm_mosaic` otherwise."""
+    :func:`gmm_mosaic` otherwise (with ``layer``, both are ``[L, E, d, f]`` stacks)."""
     tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret, "swiglu")
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gmm_swiglu_mosaic: w_gate {w_gate.shape} and w_up {w_up.shape} "
                          f"differ")
-    _check("gmm_swiglu_mosaic", lhs, group_sizes, tiles, w_gate.shape[-1], 2, w_gate, w_up)
-    return _launch(lhs, (w_gate, w_up), group_sizes, w_gate.shape[2], tiles, "swiglu", 0,
-                   num_sms, interpret)
+    layered = layer is not None
+    _check("gmm_swiglu_mosaic", lhs, group_sizes, tiles, w_gate.shape[-1], 2,
+           {"w_gate": w_gate, "w_up": w_up}, layered)
+    layer_index = layer_operand("gmm_swiglu_mosaic", layer, w_gate.shape[0]) if layered else None
+    return _launch(lhs, (w_gate, w_up), group_sizes, w_gate.shape[-1], tiles, "swiglu", 0,
+                   num_sms, interpret, layer_index)
 
 
-def gmm_swiglu_stacked_mosaic(lhs: Float[Array, "T d"], w_gate_up: Float[Array, "E d two_f"],
+def gmm_swiglu_stacked_mosaic(lhs: Float[Array, "T d"],
+                              w_gate_up: Float[Array, "*L E d two_f"],
                               group_sizes: Integer[Array, "E"], *,
                               tiles: MosaicTiles | None = None, num_sms: int | None = None,
-                              interpret=None) -> Float[Array, "T f"]:
+                              interpret=None, layer: Layer | None = None
+                              ) -> Float[Array, "T f"]:
     """:func:`gmm_swiglu_mosaic` over stacked weights [E, d, 2f] (gate columns, then up),
-    read in place: up's column blocks start f / block_n blocks in."""
+    read in place: up's column blocks start f / block_n blocks in. layer: as in
+    :func:`gmm_mosaic` (w_gate_up then ``[L, E, d, 2f]``)."""
     tiles, num_sms, interpret = _defaults(tiles, num_sms, interpret, "swiglu")
-    if w_gate_up.ndim != 3 or w_gate_up.shape[-1] % 2:
-        raise ValueError(f"gmm_swiglu_stacked_mosaic: w_gate_up must be [E, d, 2f], got "
-                         f"{w_gate_up.shape}")
-    out_cols = w_gate_up.shape[2] // 2
-    _check("gmm_swiglu_stacked_mosaic", lhs, group_sizes, tiles, out_cols, 2, w_gate_up)
+    layered = layer is not None
+    if w_gate_up.ndim != 3 + layered or w_gate_up.shape[-1] % 2:
+        raise ValueError(f"gmm_swiglu_stacked_mosaic: w_gate_up must be "
+                         f"[{'L, ' if layered else ''}E, d, 2f], got {w_gate_up.shape}")
+    out_cols = w_gate_up.shape[-1] // 2
+    _check("gmm_swiglu_stacked_mosaic", lhs, group_sizes, tiles, out_cols, 2,
+           {"w_gate_up": w_gate_up}, layered)
+    layer_index = (layer_operand("gmm_swiglu_stacked_mosaic", layer, w_gate_up.shape[0])
+                   if layered else None)
     return _launch(lhs, (w_gate_up, w_gate_up), group_sizes, out_cols, tiles, "swiglu",
-                   out_cols // tiles.block_n, num_sms, interpret)
+                   out_cols // tiles.block_n, num_sms, interpret, layer_index)

@@ -34,12 +34,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from moejax import moe
-from moejax.fp8_experts import wrap_layer
-from moejax.layers import layer_slice
+from moejax.expert_views import stack_layer, wrap_layer
 from moejax.param_layout import EXPERT_BIAS_KEYS
 
-ExpertWeights = Mapping[str, jax.Array]   # w_gate, w_up [E, d, f]; w_down [E, f, d]
-# (kept in FP8: also w_gate_scale, w_up_scale, w_down_scale, see moejax.fp8_experts)
+# w_gate, w_up [E, d, f]; w_down [E, f, d]: arrays, or one layer of a stack read in place
+# (moejax.expert_views.StackLayer); kept in FP8: also w_gate_scale, w_up_scale,
+# w_down_scale (moejax.fp8_experts); GPT-OSS: the biases b_gate, b_up [E, f], b_down [E, d].
+ExpertWeights = Mapping[str, Any]
 
 
 # --------------------------------------------------------------------- the seams
@@ -80,9 +81,11 @@ class TokenTransport(Protocol):
 # --------------------------------------------------------------------- sources
 @dataclasses.dataclass(frozen=True)
 class StackedExperts:
-    """Every layer's experts on the device, stacked [L, E, ...]: layer l is indexed in place
-    (``first_layer``: the global index of the stack's first layer, for a pipeline stage
-    holding some layers only)."""
+    """Every layer's experts on the device, stacked [L, E, ...]: layer l is read in place,
+    each matrix as a view of the stack at l (``moejax.expert_views``: slicing the layer
+    out would copy it whole per layer per step); the per-expert biases [L, E, f], small,
+    are sliced. ``first_layer``: the global index of the stack's first layer, for a
+    pipeline stage holding some layers only."""
 
     stacked: ExpertWeights
     first_layer: int = 0
@@ -92,7 +95,22 @@ class StackedExperts:
         return ()
 
     def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
-        return layer_slice(self.stacked, layer - self.first_layer), carry
+        index = layer - self.first_layer
+        return {name: (jax.lax.dynamic_index_in_dim(w, index, axis=0, keepdims=False)
+                       if name in EXPERT_BIAS_KEYS else stack_layer(w, index))
+                for name, w in self.stacked.items()}, carry
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicedExperts(StackedExperts):
+    """The stacked experts with each layer sliced out whole (``stack[l]``): XLA copies the
+    layer per layer per step. Never used to serve; it is the before of in-place reading,
+    for ``benchmarks/decode_step.py`` and the tests that show the copy exists."""
+
+    def layer_experts(self, layer, carry: Any) -> tuple[ExpertWeights, Any]:
+        index = layer - self.first_layer
+        return {name: jax.lax.dynamic_index_in_dim(w, index, axis=0, keepdims=False)
+                for name, w in self.stacked.items()}, carry
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -80,17 +79,21 @@ def dequantize_blocks(values: Shaped[Array, "*lead i o"], scale: Float[Array, "*
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Experts:
-    """One layer's stack of expert matrices kept in FP8: ``values [E, in, out]``
-    float8_e4m3fn (or its bytes, uint8), ``scale [E, ceil(in/b_in), ceil(out/b_out)]``
-    float32, ``block`` the (b_in, b_out) elements each scale covers (static)."""
+    """A stack of expert matrices kept in FP8: ``values [E, in, out]`` float8_e4m3fn (or
+    its bytes, uint8), ``scale [E, ceil(in/b_in), ceil(out/b_out)]`` float32, ``block``
+    the (b_in, b_out) elements each scale covers (static). With ``layer`` (an int32
+    scalar) the stack is every layer's, ``values [L, E, in, out]`` and ``scale [L, E,
+    ...]``, and this is layer ``layer`` of it, read in place (``moejax.expert_views``);
+    ``shape`` is then the layer's."""
 
     values: jax.Array
     scale: jax.Array
     block: Block = dataclasses.field(metadata=dict(static=True))
+    layer: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        return self.values.shape if self.layer is None else self.values.shape[1:]
 
     @property
     def dtype(self):
@@ -99,45 +102,27 @@ class Fp8Experts:
     def expert(self, expert, dtype) -> jax.Array:
         """Expert ``expert``'s matrix ``[in, out]`` dequantized to ``dtype`` (``expert``
         static or traced): the only dequantized copy the compute makes."""
-        values = jax.lax.dynamic_index_in_dim(self.values, expert, axis=0, keepdims=False)
-        scale = jax.lax.dynamic_index_in_dim(self.scale, expert, axis=0, keepdims=False)
+        values, scale = self._at(expert, self.values), self._at(expert, self.scale)
         return dequantize_blocks(values, scale, self.block, dtype)
 
+    def _at(self, expert, stack: jax.Array) -> jax.Array:
+        """One expert's slab of ``stack`` (values or scales), at this view's layer."""
+        if self.layer is None:
+            return jax.lax.dynamic_index_in_dim(stack, expert, axis=0, keepdims=False)
+        start = (jnp.asarray(self.layer, jnp.int32), jnp.asarray(expert, jnp.int32),
+                 jnp.int32(0), jnp.int32(0))
+        return jax.lax.dynamic_slice(stack, start, (1, 1, *stack.shape[2:]))[0, 0]
+
     def dequantized(self, dtype) -> jax.Array:
-        """Every expert dequantized, ``[E, in, out]``: a reference for tests, never on a
-        serving path (it is the whole-layer copy keeping FP8 avoids)."""
-        return dequantize_blocks(self.values, self.scale, self.block, dtype)
-
-
-ExpertStack = typing.Union[jax.Array, Fp8Experts]
-
-
-def expert_matrix(w: ExpertStack, expert, dtype) -> jax.Array:
-    """Expert ``expert``'s matrix of the stack ``w`` (``[E, in, out]`` array or
-    :class:`Fp8Experts`) in ``dtype``."""
-    if isinstance(w, Fp8Experts):
-        return w.expert(expert, dtype)
-    return jax.lax.dynamic_index_in_dim(w, expert, axis=0, keepdims=False).astype(dtype)
+        """Every expert (of the layer) dequantized, ``[E, in, out]``: a reference for
+        tests, never on a serving path (it is the whole-layer copy keeping FP8 avoids)."""
+        values, scale = self.values, self.scale
+        if self.layer is not None:
+            values = jax.lax.dynamic_index_in_dim(values, self.layer, axis=0, keepdims=False)
+            scale = jax.lax.dynamic_index_in_dim(scale, self.layer, axis=0, keepdims=False)
+        return dequantize_blocks(values, scale, self.block, dtype)
 
 
 def any_fp8(*stacks: typing.Any) -> bool:
     """Whether any of ``stacks`` is kept in FP8."""
     return any(isinstance(w, Fp8Experts) for w in stacks)
-
-
-def wrap_layer(weights: Mapping[str, typing.Any], block: Block | None
-               ) -> dict[str, typing.Any]:
-    """One layer's expert weights as the expert compute takes them: ``w_gate`` / ``w_up``
-    / ``w_down`` paired with their ``*_scale`` leaves into :class:`Fp8Experts` where the
-    layer has them (``block``: ``ModelConfig.expert_fp8_block``), the rest as they are."""
-    names = ("w_gate", "w_up", "w_down")
-    if not any(f"{name}_scale" in weights for name in names):
-        return dict(weights)
-    if block is None:
-        raise ValueError("expert weights with FP8 block scales (w_gate_scale, ...) but no "
-                         "block size: build the dispatcher with the config's "
-                         "expert_fp8_block (weights_dtype='fp8')")
-    out = {k: v for k, v in weights.items() if not k.endswith("_scale")}
-    for name in names:
-        out[name] = Fp8Experts(weights[name], weights[f"{name}_scale"], tuple(block))
-    return out

@@ -12,7 +12,9 @@ signatures; :func:`choose_expert_impl` picks among the paths.
 
 The weight stacks may be kept in FP8 (:class:`moejax.fp8_experts.Fp8Experts`,
 ``weights_dtype="fp8"``): the tile loops and the dense reference dequantize one expert's
-matrix where they read it (:func:`moejax.fp8_experts.expert_matrix`), never the layer.
+matrix where they read it (:func:`moejax.expert_views.expert_matrix`), never the layer.
+A stack may also be one layer of every layer's ``[L, E, ...]`` read in place
+(:class:`moejax.expert_views.StackLayer`): the same loops read its experts where they lie.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Integer
 
-from moejax.fp8_experts import Fp8Experts, any_fp8, expert_matrix
+from moejax.expert_views import ExpertStack, expert_matrices, expert_matrix, is_view, layer_array
+from moejax.fp8_experts import any_fp8
 
 # Rows per tile for the pure-JAX tiled loop, keyed by (platform, hidden size bucket):
 # (full tile rows, remainder tile rows). Each expert's rows run first in full tiles,
@@ -160,7 +163,7 @@ def _tile_loop(lhs: jax.Array, out_cols: int, out_dtype, group_sizes: jax.Array,
     return out[:num_rows]
 
 
-def gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"] | Fp8Experts,
+def gmm(lhs: Float[Array, "M d"], rhs: ExpertStack,
         group_sizes: Integer[Array, "E"],
         tile_rows: int | tuple[int, int] | None = None) -> Float[Array, "M f"]:
     """Grouped matmul lhs [M, d] × rhs [E, d, f] -> [M, f], f32 accumulation, lhs dtype out
@@ -183,9 +186,8 @@ def swiglu(x: Float[Array, "n d"], w_gate: Float[Array, "d f"], w_up: Float[Arra
     return jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
 
 
-def grouped_swiglu_tiles(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"] | Fp8Experts,
-                         w_up: Float[Array, "E d f"] | Fp8Experts,
-                         w_down: Float[Array, "E f d"] | Fp8Experts,
+def grouped_swiglu_tiles(x: Float[Array, "M d"], w_gate: ExpertStack, w_up: ExpertStack,
+                         w_down: ExpertStack,
                          group_sizes: Integer[Array, "E"],
                          tile_rows: int | tuple[int, int] | None = None
                          ) -> Float[Array, "M d"]:
@@ -208,15 +210,15 @@ def group_ids(group_sizes: Integer[Array, "E"], num_rows: int) -> Int[Array, "M"
     return jnp.searchsorted(ends, jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
-def swiglu_dense(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"] | Fp8Experts,
-                 w_up: Float[Array, "E d f"] | Fp8Experts,
-                 w_down: Float[Array, "E f d"] | Fp8Experts,
-                 group_sizes: Integer[Array, "E"]) -> Float[Array, "M d"]:
-    """Reference: every row through every expert, masked by a one-hot (E× the work). FP8
-    stacks: a loop over the experts, each dequantized in its own iteration."""
+def swiglu_dense(x: Float[Array, "M d"], w_gate: ExpertStack, w_up: ExpertStack,
+                 w_down: ExpertStack, group_sizes: Integer[Array, "E"]) -> Float[Array, "M d"]:
+    """Every row through every expert, masked by a one-hot (E× the work; for a few rows
+    against few experts, one batched product beats a loop of tiles). FP8 stacks and
+    layers read in place: a loop over the experts, each read (and dequantized) in its
+    own iteration, so the layer is never copied whole."""
     num_experts = w_gate.shape[0]
     one_hot = jax.nn.one_hot(group_ids(group_sizes, x.shape[0]), num_experts, dtype=jnp.float32)
-    if any_fp8(w_gate, w_up, w_down):
+    if any_fp8(w_gate, w_up, w_down) or any(map(is_view, (w_gate, w_up, w_down))):
         def add_expert(e, acc):
             y = swiglu(x, expert_matrix(w_gate, e, x.dtype), expert_matrix(w_up, e, x.dtype),
                        expert_matrix(w_down, e, x.dtype))
@@ -230,10 +232,12 @@ def swiglu_dense(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"] | Fp8Expe
     return jnp.einsum("emd,me->md", per_expert, one_hot).astype(x.dtype)
 
 
-def ragged_dot_gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"],
+def ragged_dot_gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"] | ExpertStack,
                    group_sizes: Integer[Array, "E"]) -> Float[Array, "M f"]:
     """XLA's ragged_dot; rows past sum(group_sizes) come back as zeros."""
-    out = jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes,
+    # ragged_dot takes the layer as one array: a view's layer is copied out (this path
+    # is never chosen automatically).
+    out = jax.lax.ragged_dot(lhs, layer_array(rhs).astype(lhs.dtype), group_sizes,
                              preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
 
@@ -243,8 +247,8 @@ def ragged_dot_gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"],
 BLOCK_ROWS = 64
 
 
-def swiglu_blocks(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"],
-                  w_up: Float[Array, "E d f"], w_down: Float[Array, "E f d"],
+def swiglu_blocks(x: Float[Array, "M d"], w_gate: ExpertStack, w_up: ExpertStack,
+                  w_down: ExpertStack,
                   group_sizes: Integer[Array, "E"], block_rows: int = BLOCK_ROWS
                   ) -> Float[Array, "M d"]:
     """SwiGLU experts as one batched matmul over fixed-size row blocks, each of one expert.
@@ -273,12 +277,12 @@ def swiglu_blocks(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"],
     block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_sizes), block_start,
                                                 side="right"), num_experts - 1)
     blocks = padded.reshape(num_blocks, block_rows, -1)
-    gate = jnp.einsum("nbd,ndf->nbf", blocks, w_gate[block_expert].astype(x.dtype),
+    gate = jnp.einsum("nbd,ndf->nbf", blocks, expert_matrices(w_gate, block_expert, x.dtype),
                       preferred_element_type=jnp.float32)
-    up = jnp.einsum("nbd,ndf->nbf", blocks, w_up[block_expert].astype(x.dtype),
+    up = jnp.einsum("nbd,ndf->nbf", blocks, expert_matrices(w_up, block_expert, x.dtype),
                     preferred_element_type=jnp.float32)
     hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
-    out = jnp.einsum("nbf,nfd->nbd", hidden, w_down[block_expert].astype(x.dtype),
+    out = jnp.einsum("nbf,nfd->nbd", hidden, expert_matrices(w_down, block_expert, x.dtype),
                      preferred_element_type=jnp.float32)
     out = out.reshape(num_blocks * block_rows, -1)
     y = jnp.take(out, jnp.minimum(slot, num_blocks * block_rows - 1), axis=0)

@@ -20,6 +20,7 @@ from jaxtyping import Array, Bool, Float
 from kernels_pallas import gmm as pallas_gmm
 from kernels_pallas import gmm_fp8 as pallas_gmm_fp8
 from moejax import grouped_gemm as gmm_lib
+from moejax.expert_views import StackLayer, layer_array
 from moejax.fp8_experts import Fp8Experts, any_fp8
 
 ExpertImpl = Literal["auto", "fused_tiles", "pallas", "gmm", "ragged_dot", "dense", "blocks"]
@@ -175,8 +176,9 @@ BIASED_IMPLS = ("gmm", "ragged_dot", "dense")
 FP8_IMPLS = ("auto", "fused_tiles", "gmm", "pallas", "dense")
 
 
-def _biased_experts(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                    w_down: jax.Array, biases: dict | None, activation, impl: str,
+def _biased_experts(x: jax.Array, sizes: jax.Array, w_gate: jax.Array | StackLayer,
+                    w_up: jax.Array | StackLayer, w_down: jax.Array | StackLayer,
+                    biases: dict | None, activation, impl: str,
                     tile_rows) -> jax.Array:
     """Experts with per-expert biases (gathered per row from the group sizes) and/or a
     non-silu activation, on the grouped matmuls of ``impl``; padding rows stay zero."""
@@ -188,7 +190,10 @@ def _biased_experts(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax
         one_hot = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32)
 
         def matmul(lhs, rhs):
-            out = jnp.einsum("md,edf,me->mf", lhs, rhs.astype(lhs.dtype), one_hot.astype(lhs.dtype),
+            # The layer as one array (a view's layer copied out: this path is never chosen
+            # automatically; "auto" picks gmm's tiles).
+            out = jnp.einsum("md,edf,me->mf", lhs, layer_array(rhs).astype(lhs.dtype),
+                             one_hot.astype(lhs.dtype),
                              preferred_element_type=jnp.float32)
             return out.astype(lhs.dtype)
     elif impl == "gmm":
@@ -210,9 +215,10 @@ def _biased_experts(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax
     return jnp.where(real[:, None], out, 0.0).astype(x.dtype)
 
 
-def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"] | Fp8Experts,
-                   w_up: Float[Array, "E d f"] | Fp8Experts,
-                   w_down: Float[Array, "E f d"] | Fp8Experts, impl: ExpertImpl = "auto",
+def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"] | StackLayer | Fp8Experts,
+                   w_up: Float[Array, "E d f"] | StackLayer | Fp8Experts,
+                   w_down: Float[Array, "E f d"] | StackLayer | Fp8Experts,
+                   impl: ExpertImpl = "auto",
                    tile_rows: int | tuple[int, int] | None = None, *,
                    biases: dict | None = None, activation: ClampedSwiGLU | None = None
                    ) -> Float[Array, "M d"]:
@@ -222,6 +228,9 @@ def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"] | Fp8Experts
     beyond sum(group_sizes) come back as zeros. ``biases`` (b_gate / b_up [E, f], b_down
     [E, d]) and ``activation`` (:class:`ClampedSwiGLU`): GPT-OSS's experts, computed by
     the implementations of :data:`BIASED_IMPLS` ("auto" picks "gmm"); the others refuse.
+    A weight may be one layer of the stacked ``[L, E, ...]`` read in place
+    (:class:`moejax.expert_views.StackLayer`, and FP8 views): every path reads it where
+    it lies except ``ragged_dot`` and the biased ``dense``, which copy the layer out.
     Weights kept in FP8 (:class:`moejax.fp8_experts.Fp8Experts`): the implementations of
     :data:`FP8_IMPLS`, without biases; the others refuse.
     """
@@ -229,8 +238,8 @@ def expert_compute(perm: Permutation, w_gate: Float[Array, "E d f"] | Fp8Experts
         return _expert_compute(perm, w_gate, w_up, w_down, impl, tile_rows, biases, activation)
 
 
-def _expert_compute(perm: Permutation, w_gate: jax.Array | Fp8Experts,
-                    w_up: jax.Array | Fp8Experts, w_down: jax.Array | Fp8Experts,
+def _expert_compute(perm: Permutation, w_gate: jax.Array | StackLayer | Fp8Experts,
+                    w_up: jax.Array | StackLayer | Fp8Experts, w_down: jax.Array | StackLayer | Fp8Experts,
                     impl: ExpertImpl, tile_rows: int | tuple[int, int] | None,
                     biases: dict | None, activation: ClampedSwiGLU | None) -> jax.Array:
     """:func:`expert_compute`'s body (outside its named scope)."""
@@ -273,10 +282,12 @@ def _fp8_experts(x: jax.Array, sizes: jax.Array, w_gate: Fp8Experts, w_up: Fp8Ex
                                      and pallas_gmm_fp8.fits_gpu(f, d, w_down.block)):
             impl = "fused_tiles"      # the FP8 kernel's tiles cannot align with the blocks
     if impl == "pallas":
+        # A layer of the stack is read in place through the kernels' index maps.
         hidden = pallas_gmm_fp8.gmm_swiglu_fp8(x, w_gate.values, w_gate.scale, w_up.values,
-                                               w_up.scale, sizes, block=w_gate.block)
+                                               w_up.scale, sizes, block=w_gate.block,
+                                               layer=w_gate.layer)
         return pallas_gmm_fp8.gmm_fp8(hidden, w_down.values, w_down.scale, sizes,
-                                      block=w_down.block)
+                                      block=w_down.block, layer=w_down.layer)
     return EXPERT_KERNELS[impl](x, w_gate, w_up, w_down, sizes, tile_rows)
 
 
@@ -291,8 +302,8 @@ class ExpertKernel(typing.Protocol):
 
 
 def _swiglu_matmuls(matmul: Callable[..., jax.Array], x: jax.Array,
-                    w_gate: jax.Array | Fp8Experts, w_up: jax.Array | Fp8Experts,
-                    w_down: jax.Array | Fp8Experts, **kwargs: typing.Any) -> jax.Array:
+                    w_gate: jax.Array | StackLayer | Fp8Experts, w_up: jax.Array | StackLayer | Fp8Experts,
+                    w_down: jax.Array | StackLayer | Fp8Experts, **kwargs: typing.Any) -> jax.Array:
     """The SwiGLU as three grouped matmuls ``matmul(lhs, rhs, sizes...)`` (f32 activation)."""
     gate = matmul(x, w_gate, **kwargs)
     up = matmul(x, w_up, **kwargs)
@@ -301,6 +312,11 @@ def _swiglu_matmuls(matmul: Callable[..., jax.Array], x: jax.Array,
 
 
 def _pallas_kernel(x, w_gate, w_up, w_down, sizes, tile_rows):
+    if isinstance(w_gate, StackLayer):   # the layer index goes into the index maps
+        layer = w_gate.layer
+        w_gate, w_up, w_down = w_gate.stack, w_up.stack, w_down.stack
+        return pallas_gmm.gmm(pallas_gmm.gmm_swiglu(x, w_gate, w_up, sizes, layer=layer),
+                              w_down, sizes, layer=layer)
     return pallas_gmm.gmm(pallas_gmm.gmm_swiglu(x, w_gate, w_up, sizes), w_down, sizes)
 
 
