@@ -220,6 +220,15 @@ class SoftmaxState:
         return SoftmaxState(peak=peak, total=self.total * rescale + probs.sum(-1),
                             acc=self.acc * rescale[..., None] + values_of(probs))
 
+    def merge(self, other: "SoftmaxState") -> "SoftmaxState":
+        """The running softmax over both states' keys (disjoint key sets of the same
+        queries): each side rescaled to the larger peak. An empty side (peak
+        ``MASK_VALUE``, total 0) leaves the other as it is."""
+        peak = jnp.maximum(self.peak, other.peak)
+        mine, theirs = jnp.exp(self.peak - peak), jnp.exp(other.peak - peak)
+        return SoftmaxState(peak=peak, total=self.total * mine + other.total * theirs,
+                            acc=self.acc * mine[..., None] + other.acc * theirs[..., None])
+
     def result(self) -> jax.Array:
         """The attention output [..., C, h] (0 for a query that saw no key)."""
         return self.acc / jnp.maximum(self.total, jnp.finfo(jnp.float32).tiny)[..., None]

@@ -18,7 +18,10 @@ nothing.
 Attention of a query: its row's pool slots below ``context_len[b]``, read a chunk at a
 time up to the step's longest context (:func:`paged_attention`), and the step's new
 keys of the same segment at positions up to its own — one softmax over both, in
-float32, grouped-query as in :mod:`moejax.attention`.
+float32, grouped-query as in :mod:`moejax.attention`. The new keys are read a block of
+(query row, key row) pairs at a time: each row with itself, then the rows behind it two
+row offsets per iteration, compacted so that a long prompt's rows pay about the causal
+half of their row pairs (:func:`new_row_trips` iterations).
 """
 
 from __future__ import annotations
@@ -62,8 +65,12 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S s
       context (a dynamic trip count: one compiled program serves every context length,
       and a step pays for the context it has, not for the table's width).
     * New keys (T = B·C, row-major): those of rows in the same ``segments`` (one sequence
-      may span several consecutive rows of a prefill step), at a position <= the
-      query's, valid; read one row offset at a time (:func:`_attend_new_rows`).
+      may span several consecutive rows of a prefill step; a segment is a run of
+      consecutive rows of one id, so an id repeated after another is a new sequence, as
+      in a rank-major step whose ranks number their segments from 0), at a position <= the
+      query's, valid; read B (query row, key row) pairs per iteration, about the causal
+      half of a long prompt's row pairs in all (:func:`_attend_new_rows`,
+      :func:`new_row_trips`).
 
     Values may have their own head dim hv (keys and queries h; scale 1/sqrt(h)).
     ``sinks`` [n_q]: one logit per query head in the softmax's denominator (the running
@@ -124,38 +131,95 @@ def paged_attention(q: Float[Array, "B C n_q h"], pool_keys: Float[Array, "L S s
                             new_valid.reshape(b, c), window=window).astype(q.dtype)
 
 
+def _segment_rows(segments: Int[Array, "B"]) -> tuple[Int[Array, "B"], Int[Array, ""]]:
+    """Each row's index in its segment and ``span``, the longest segment's row count
+    (rows of padding, segment -1, count for none). A segment is a run of consecutive rows
+    of one id: the rows of each segment lie in its run alone, which bounds the cells of
+    an iteration by B (:func:`_attend_new_rows`) whatever the ids."""
+    row_ids = jnp.arange(segments.shape[0])
+    starts = jnp.concatenate([jnp.ones(1, bool), segments[1:] != segments[:-1]])
+    local = row_ids - jax.lax.cummax(jnp.where(starts, row_ids, 0))
+    return local, jnp.max(jnp.where(segments >= 0, local + 1, 0))
+
+
+def new_row_trips(segments: Int[Array, "B"]) -> Int[Array, ""]:
+    """Iterations of the new-key loop of a step (:func:`_attend_new_rows`), each B
+    (query row, key row) blocks of C×C scores: the diagonal, then one per pair of row
+    offsets (j, span - j) for j = 1 .. span // 2, ``1 + span // 2`` in all (span: the
+    longest segment's row count). One segment of R rows has R(R+1)/2 causal blocks; this
+    computes B(1 + R // 2) of them at B = R (within B/2 blocks of the causal count), where
+    one row offset per iteration computed B·R. A decode step (one-row segments): 1."""
+    return 1 + _segment_rows(segments)[1] // 2
+
+
 def _attend_new_rows(state: SoftmaxState, queries: Float[Array, "B C n_kv g h"],
                      keys: Float[Array, "B C n_kv h"], values: Float[Array, "B C n_kv hv"],
                      segments: Int[Array, "B"], positions: Int[Array, "B C"],
                      valid: Bool[Array, "B C"], *, window: Window | None = None
                      ) -> Float[Array, "B C n_q hv"]:
     """Fold the step's new keys into ``state`` and finish: row b sees rows b, b-1, ...
-    of its own segment (a segment's rows are consecutive), one row offset per loop
-    iteration, as many as the longest segment has rows. Rows of other segments cost
-    nothing: a step of one-row segments (every decode step) makes one iteration.
+    of its own segment (a segment's rows are consecutive), at the causal cost.
+
+    The (query row, key row) cells of a segment lie at row offsets j = 0 .. R-1 (R its
+    rows; offset j has R - j cells). Offset 0, the diagonal, is every row with itself: one
+    pass over the B rows. Then iteration i = 1 .. span // 2 (span: the longest segment's
+    rows) takes offsets i and span - i together (once when they are equal): a segment
+    has (R-i)⁺ + (R-span+i)⁺ <= R cells there (span >= R), so the live cells of all
+    segments fit in B slots. They are compacted into those slots (a cumsum over the two
+    offsets' masks: static shapes), each slot scores its query row's C queries against
+    its key row's C keys, and the slot's own softmax over those keys is merged into its
+    query row's state: the near offset's slots first, then the far offset's, as each
+    holds a query row at most once (the two may share one), so no scatter collides. A
+    slot carries its own softmax (not the gathered row state folded by ``add``) so that
+    its values product runs once, not once per pass; the merges are elementwise.
+
+    :func:`new_row_trips` iterations of B blocks, against span with one offset per
+    iteration: about R(R+1)/2 blocks for one segment spanning the step's R = B rows,
+    where one offset per iteration computed R². Rows of other segments cost nothing: a
+    step of one-row segments (every decode step) makes one iteration, the diagonal.
     ``window``: keys only at positions ``p_k > p_q - window``."""
     b, c, n_kv, groups, h = queries.shape
     hv = values.shape[-1]
-    row_ids = jnp.arange(b)
-    first_row = jnp.argmax(segments[None, :] == segments[:, None], axis=1)
-    span = jnp.max(jnp.where(segments >= 0, row_ids - first_row + 1, 0))
+    local, span = _segment_rows(segments)
 
-    def row_offset(j, state: SoftmaxState) -> SoftmaxState:
-        source = jnp.maximum(row_ids - j, 0)          # the row whose keys row b sees now
-        visible = (((row_ids >= j) & (segments[source] == segments))[:, None, None]
-                   & (positions[source][:, None, :] <= positions[:, :, None])
-                   & valid[source][:, None, :])                                 # [B, Cq, Ck]
+    def block(q, k, v, pos_q, pos_k, seen):
+        """Scores [n, n_kv, g, Cq, Ck] of query rows q [n, C, ...] over key rows k, their
+        visibility (``seen`` [n, Ck]: keys the row may see at all; then causal, window)
+        and the values product of the probabilities."""
+        visible = seen[:, None, :] & (pos_k[:, None, :] <= pos_q[:, :, None])   # [n, Cq, Ck]
         if window is not None:
-            visible = visible & in_window(positions[:, :, None], positions[source][:, None, :],
-                                          window)
-        scores = jnp.einsum("bckgh,bjkh->bkgcj", queries, keys[source],
-                            preferred_element_type=jnp.float32)
-        return state.add(scores, visible[:, None, None],
-                         lambda p: jnp.einsum("bkgcj,bjkh->bkgch",
-                                              p.astype(values.dtype), values[source],
-                                              preferred_element_type=jnp.float32))
+            visible = visible & in_window(pos_q[:, :, None], pos_k[:, None, :], window)
+        scores = jnp.einsum("bckgh,bjkh->bkgcj", q, k, preferred_element_type=jnp.float32)
+        return scores, visible[:, None, None], lambda p: jnp.einsum(
+            "bkgcj,bjkh->bkgch", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
-    state = jax.lax.fori_loop(0, span, row_offset, state)
+    def offset_pair(i, state: SoftmaxState) -> SoftmaxState:
+        near, far = i, span - i
+        # Cells (query row, offset) of both offsets, 2B candidates; the live ones, in
+        # order, go to slots 0, 1, ... (at most B of them, see above).
+        live = jnp.concatenate([(segments >= 0) & (local >= near),
+                                (segments >= 0) & (local >= far) & (far != near)])
+        dest = jnp.where(live, jnp.cumsum(live) - 1, b)              # b: dropped
+        cell = jnp.zeros(b, jnp.int32).at[dest].set(jnp.arange(2 * b, dtype=jnp.int32),
+                                                   mode="drop")
+        slot_live = jnp.arange(b) < jnp.sum(live)
+        is_near = cell < b
+        q_rows = cell % b
+        k_rows = jnp.maximum(q_rows - jnp.where(is_near, near, far), 0)
+        # local >= offset: the key row is in the query row's segment.
+        seen = slot_live[:, None] & valid[k_rows]
+        cells = SoftmaxState.empty((b, n_kv, groups, c), hv).add(
+            *block(queries[q_rows], keys[k_rows], values[k_rows], positions[q_rows],
+                   positions[k_rows], seen))
+        for part in (slot_live & is_near, slot_live & ~is_near):
+            target = jnp.where(part, q_rows, b)                       # b: dropped
+            merged = jax.tree.map(lambda a: a[q_rows], state).merge(cells)
+            state = jax.tree.map(lambda a, m: a.at[target].set(m, mode="drop"), state, merged)
+        return state
+
+    # The diagonal: every row with itself, no gather.
+    state = state.add(*block(queries, keys, values, positions, positions, valid))
+    state = jax.lax.fori_loop(1, new_row_trips(segments), offset_pair, state)
     out = jnp.moveaxis(state.result(), 3, 1)                                   # [B, C, n_kv, g, hv]
     return out.reshape(b, c, n_kv * groups, hv)
 
