@@ -34,6 +34,8 @@ server runs: every step program is compiled when the Generator is built, timed a
   requests and runs them to completion before taking more;
 * ``continuous``: ``Generator(batching="continuous", step="auto", backend="resident")``
   (what a user gets by default), the reference of the throughput ratios below;
+* ``unpipelined``: ``continuous`` with ``pipelined=False`` (each step's tokens read
+  before the next is planned), so pipelining's gain shows beside it;
 * ``fused`` / ``layerwise``: continuous with ``step="fused"`` / ``"layerwise"`` (on the
   resident backend "auto" is fused, so ``continuous`` and ``fused`` are the same engine
   measured twice);
@@ -98,7 +100,11 @@ JSON keys (flat): per configuration ``<config>_tokens_per_s``, ``_ttft_p50_ms``,
 resolved to). Ratios: ``continuous_over_static_throughput`` (target ≥ 2),
 ``continuous_over_transformers_throughput`` (over the faster `transformers`
 configuration; target ≥ 3), ``continuous_over_transformers_padded_throughput``,
-``continuous_over_transformers_continuous_throughput``, ``layerwise_over_fused_tpot``
+``continuous_over_transformers_continuous_throughput``, ``tpot_p50_over_transformers``
+(continuous's p50 TPOT over the faster `transformers` configuration's; target ≤ 1),
+the same three against ``unpipelined`` (``unpipelined_over_transformers_throughput``,
+``unpipelined_tpot_p50_over_transformers``) and ``continuous_over_unpipelined_throughput``,
+``layerwise_over_fused_tpot``
 (p50 TPOTs; aim ≤ 1.3 on CPU), ``offload_over_resident_tpot`` (p50 TPOTs; resident =
 the resident configuration that ran offload's step, ``layerwise`` when offload's "auto"
 resolves to layerwise, else ``continuous``); a ratio whose configurations did not run
@@ -139,9 +145,11 @@ WARMUP_SEED_OFFSET = 1000     # warm-up pass p draws its token ids from seed + t
 REPLAY_TIMEOUT_S = 1800.0
 
 # Configuration name -> the Generator options that make it.
-MOEJAX_CONFIGS: dict[str, dict[str, str]] = {
+MOEJAX_CONFIGS: dict[str, dict[str, Any]] = {
     "static": dict(batching="static", step="auto", backend="resident"),
     "continuous": dict(batching="continuous", step="auto", backend="resident"),
+    "unpipelined": dict(batching="continuous", step="auto", backend="resident",
+                        pipelined=False),
     "fused": dict(batching="continuous", step="fused", backend="resident"),
     "layerwise": dict(batching="continuous", step="layerwise", backend="resident"),
     "offload": dict(batching="continuous", step="auto", backend="offload"),
@@ -761,6 +769,14 @@ def report_ratios(figures: dict) -> None:
             "continuous_" + tp, "transformers_padded_" + tp, ""),
         "continuous_over_transformers_continuous_throughput": (
             "continuous_" + tp, "transformers_continuous_" + tp, ""),
+        "tpot_p50_over_transformers": ("continuous_tpot_p50_ms", f"{best_hf}_tpot_p50_ms",
+                                       f"over {best_hf}; target <= 1"),
+        "unpipelined_over_transformers_throughput": (
+            "unpipelined_" + tp, f"{best_hf}_{tp}", f"over {best_hf}; pipelining off"),
+        "unpipelined_tpot_p50_over_transformers": (
+            "unpipelined_tpot_p50_ms", f"{best_hf}_tpot_p50_ms", "pipelining off"),
+        "continuous_over_unpipelined_throughput": ("continuous_" + tp, "unpipelined_" + tp,
+                                                   "pipelining's gain"),
         "layerwise_over_fused_tpot": ("layerwise_tpot_p50_ms", "fused_tpot_p50_ms",
                                       "p50 TPOT; aim <= 1.3 on CPU"),
         "offload_over_resident_tpot": ("offload_tpot_p50_ms", f"{resident}_tpot_p50_ms",

@@ -41,6 +41,9 @@ class GeneratorOptions:
     * ``precompile``: compile every step program when the Generator is built (a few
       seconds per program on CPU; no request then waits on a compile); continuous
       batching only;
+    * ``pipelined`` (default True): continuous batching plans and dispatches each step
+      before it reads the last one's tokens, which reach the next step on the device
+      (``moejax.core.continuous``); False: plan, run, read, in turn (the same tokens);
     * ``kv_cache_blocks`` or ``kv_cache_mib`` (at most one): the paged KV pool's size
       in 16-token blocks or MiB per rank; default: enough for ``max_batch_size``
       sequences at the model's full context, capped at 1024 MiB;
@@ -93,6 +96,7 @@ class GeneratorOptions:
     max_prefill_tokens: int = 512
     prefill_row_tokens: int = 64
     precompile: bool = False
+    pipelined: bool = True
     kv_cache_blocks: int | None = None
     kv_cache_mib: float | None = None
     expert_impl: str = "auto"
@@ -111,7 +115,7 @@ class GeneratorOptions:
     weights_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("trace_experts", "trace_router_inputs", "precompile"):
+        for name in ("trace_experts", "trace_router_inputs", "precompile", "pipelined"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.trace_router_inputs and not self.trace_experts:

@@ -87,7 +87,7 @@ class RuntimeInputs:
         return dataclasses.replace(SchedulerOptions(
             max_batch_size=opts.max_batch_size, max_prefill_tokens=opts.max_prefill_tokens,
             prefill_row_tokens=opts.prefill_row_tokens, step=opts.resolved_step(),
-            trace=opts.trace_experts), **changes)
+            trace=opts.trace_experts, pipelined=opts.pipelined), **changes)
 
     def kv_cache_blocks(self, runner: Any) -> int:
         """The paged pool's blocks per rank (:class:`GeneratorOptions`)."""

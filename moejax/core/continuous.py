@@ -15,6 +15,19 @@ data-parallel rank: ``max_batch_size`` is the total) and a *waiting* queue. Each
    one **decode** program over every sequence that is generating (one token each);
 4. retires finished sequences: their token and the finish reason are reported.
 
+Steps are pipelined (``pipelined``, the default; vLLM v1's async scheduling,
+:meth:`moejax.core.engine_core.EngineCore.step_ahead`): a call of :meth:`Scheduler.step`
+plans and dispatches the next step *before* it reads the tokens of the step the last
+call dispatched, and those tokens reach the next step's inputs on the device
+(:class:`moejax.core.paged_runner.PagedRunner`). A sampled token not read yet is *in
+flight* (``SequenceState.in_flight``) and counts as generated when planning; a sequence
+whose last allowed token is in flight gets no more rows. Events (tokens, finishes) come
+one call later than the step that sampled them. A stop token is seen one step late: the
+sequence may have run one more row, whose output is dropped, and nothing else. A
+cancelled or preempted sequence with a token in flight is handled when it arrives (a
+preempted one keeps the token and waits for it before being re-admitted). The tokens
+are those of the unpipelined loop (``pipelined=False``: plan, run, read, in turn).
+
 A scheduler may also serve one side of a prefill/decode split (``moejax.core.decoders``):
 with ``handoff`` it only prefills — a sequence whose prompt has run (its first token
 sampled) leaves the running set with its blocks still held, to be taken
@@ -97,7 +110,9 @@ class SchedulerOptions:
     only, sequences leave for a decoder after their prompt (module docstring);
     ``expert_counts``: keep the signature cache; ``record_steps``: keep a
     :class:`StepRecord` of every step (``Scheduler.step_records``, the latest
-    :data:`MAX_RECORDS`)."""
+    :data:`MAX_RECORDS`); ``pipelined``: dispatch each step before reading the last
+    one's tokens (module docstring; a hand-off scheduler steps in turn: its sequences
+    leave after their first token)."""
 
     max_batch_size: int = 16
     max_prefill_tokens: int = 512
@@ -109,13 +124,15 @@ class SchedulerOptions:
     handoff: bool = False
     expert_counts: bool = False
     record_steps: bool = False
+    pipelined: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One scheduler step: its prefill and decode rows (sequences), the distinct experts
     its decode rows activated at each layer ([L] ints, None without decode rows), and its
-    wall time (seconds, dispatch to results on the host)."""
+    wall time (seconds, planning to results on the host; pipelined, that includes the
+    planning and dispatch of the next step)."""
 
     prefill_sequences: int
     decode_sequences: int
@@ -157,6 +174,9 @@ class Scheduler:
         # it (built per step: a scheduler holding its core would be a reference cycle,
         # keeping a dropped scheduler's pool alive until the cyclic collector runs).
         self.paged = PagedRunner(runner, store, self.layout, options.step)
+        self.pipelined = options.pipelined and not options.handoff
+        # Pipelined: the step dispatched by the last step() call, its outputs not read.
+        self._in_flight: tuple[GenerationPlan, list[Launch]] | None = None
         self.waiting: collections.deque[SequenceState] = collections.deque()
         self.running: list[SequenceState] = []
         self._ids = itertools.count()
@@ -190,7 +210,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight is not None)
 
     def _check_shared(self, store: KVStore, num_blocks: int) -> None:
         """ValueError unless this scheduler can step ``store`` (a scoring engine's)."""
@@ -282,7 +302,16 @@ class Scheduler:
         them."""
         seqs = list(self.running) + list(self.waiting) + self._handoffs
         self.running, self.waiting, self._handoffs = [], collections.deque(), []
+        self._forget_in_flight(seqs)
         return seqs
+
+    def _forget_in_flight(self, seqs: Sequence[SequenceState]) -> None:
+        """The dispatched step's outputs will never be read: its tokens in flight are
+        lost (a sequence recomputed later samples the same ones again)."""
+        self._in_flight = None
+        self.paged.forget_sampled()
+        for seq in seqs:
+            seq.in_flight = 0
 
     # ----------------------------------------------------------------- a step
     def step(self) -> list[TokenEvent]:
@@ -291,7 +320,15 @@ class Scheduler:
         for). A step that fails resets the store: its pool went into the step."""
         with self.store.lock:
             try:
-                return EngineCore(self, self.paged).step()
+                core = EngineCore(self, self.paged)
+                if not self.pipelined:
+                    return core.step()
+                events, self._in_flight = core.step_ahead(self._in_flight)
+                if self._in_flight is not None:
+                    # What planning produced (cancellations) waits for no device.
+                    plan = self._in_flight[0]
+                    events, plan.events = events + plan.events, []
+                return events
             except BaseException:
                 self.store.reset()
                 # What this scheduler held went with the pool: nothing is released into
@@ -305,6 +342,7 @@ class Scheduler:
         to be recomputed, as after a preemption (nothing is lost; their tokens do not
         change)."""
         self._epoch = self.store.epoch
+        self._forget_in_flight(list(self.running) + list(self.waiting))
         for seq in sorted(self.running, key=lambda s: s.seq_id, reverse=True):
             seq.blocks, seq.computed = [], 0
             self.waiting.appendleft(seq)
@@ -313,7 +351,7 @@ class Scheduler:
 
     # ------------------------------------------------- the engine core's contract
     def has_work(self) -> bool:
-        return self.busy
+        return bool(self.waiting or self.running)
 
     def schedule(self) -> GenerationPlan:
         """Host-only: drop cancelled sequences, admit waiting ones, and plan this step's
@@ -326,11 +364,15 @@ class Scheduler:
         self._drop_cancelled(events)
         self._admit()
         prefill, decode = self._plan()
-        return GenerationPlan(prefill, decode, events, started)
+        return GenerationPlan(prefill, decode, events, started, self._epoch)
 
     def update(self, plan: GenerationPlan, launches: list[Launch]) -> list[TokenEvent]:
         """The step's tokens (and routing) into its sequences -> the step's events."""
         events = plan.events
+        if plan.epoch != self._epoch:
+            # Planned before the store was reset (pipelined: it ran while a sharer's step
+            # failed): its sequences were re-queued, to be recomputed; nothing of it holds.
+            return events
         active = None
         decodes = any(launch.width == 1 for launch in launches)
         sampled = decodes and self.stats["decode_steps"] % EXPERT_SAMPLE_EVERY == 0
@@ -342,7 +384,9 @@ class Scheduler:
             if launch.width == 1 and sampled:
                 self._count_decode_experts(launch)
         self.running = [s for s in self.running if not (s.finished or s.handed_off)]
-        self.stats["steps"] += 1
+        if any(s.finished for s in self.waiting):   # preempted, its last token was in flight
+            self.waiting = collections.deque(s for s in self.waiting if not s.finished)
+        self.stats["steps"] += bool(launches)     # steps that ran a program
         if self.options.record_steps and launches:
             self.step_records.append(StepRecord(len(plan.prefill), len(plan.decode), active,
                                                 time.perf_counter() - plan.started))
@@ -409,6 +453,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting:
             seq = self.waiting[0]
+            if seq.in_flight:     # preempted with a token in flight: it waits for it
+                return
             rank = self._rank_for(seq)
             if rank is None:
                 return
@@ -449,16 +495,23 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.seq_id):
             if seq not in self.running:          # preempted for an older one
                 continue
+            if seq.in_flight and seq.generated >= seq.spec.max_new_tokens:
+                continue                         # its last token is in flight
             if seq.pending > 1:
                 count = min(seq.pending, rows_left * self.layout.row_tokens)
                 if count == 0 or not self._reserve(seq, seq.computed + count):
                     continue
                 rows_left -= -(-count // self.layout.row_tokens)
-                prefill.append((seq, seq.computed, count))
+                prefill.append(Work(seq, seq.computed, count, count == seq.pending))
             elif self._reserve(seq, seq.computed + 1):
-                decode.append((seq, seq.computed, 1))
-        prefill = [w for w in prefill if w[0] in self.running]
-        decode = [w for w in decode if w[0] in self.running]
+                decode.append(Work(seq, seq.computed, 1, True, seq.in_flight > 0))
+        prefill = [w for w in prefill if w.seq in self.running]
+        decode = [w for w in decode if w.seq in self.running]
+        # Planned is as good as done for the next plan: the pool's order on the device
+        # runs this step's writes before any later step's reads.
+        for work in prefill + decode:
+            work.seq.computed = work.start + work.count
+            work.seq.in_flight += work.samples
         return prefill, decode
 
     def _reserve(self, seq: SequenceState, length: int) -> bool:
@@ -491,13 +544,15 @@ class Scheduler:
         """A dispatched program's tokens (and routing) into its sequences."""
         tokens = np.asarray(launch.result.tokens)
         routing = _host_routing(launch.result, self.options.trace)
-        for (seq, start, count), first, last in zip(launch.works, launch.first_rows,
-                                                    launch.last_rows):
+        for (seq, start, count, samples, _), first, last in zip(
+                launch.works, launch.first_rows, launch.last_rows):
+            if seq.finished:           # cancelled, or stopped, while this step ran
+                continue
             if routing is not None:
                 _record_routing(seq, routing, first * launch.width, start, count)
-            seq.computed = start + count
             self._name_full_blocks(seq)
-            if seq.pending == 0:       # its last token ran: the next one is sampled
+            if samples:                # its last token ran: the next one was sampled
+                seq.in_flight -= 1
                 self._accept(seq, int(tokens[last]), events)
 
     def _accept(self, seq: SequenceState, token: int, events: list[TokenEvent]) -> None:
@@ -517,7 +572,8 @@ class Scheduler:
         """Name every block that is now fully written (prompt or generated tokens), so
         that a later sequence with the same prefix — or this one after a preemption —
         reuses it."""
-        full = min(seq.computed // BLOCK, len(seq.blocks))
+        # Only blocks whose tokens are all known here (not a token in flight).
+        full = min(min(seq.computed, len(seq.tokens)) // BLOCK, len(seq.blocks))
         if len(seq.hashes) < full:
             tokens = seq.tokens
             parent = seq.hashes[-1] if seq.hashes else prefix_hash.ROOT_HASH

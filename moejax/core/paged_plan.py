@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,7 +29,9 @@ class SequenceState:
     rank: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
     hashes: list[bytes] = dataclasses.field(default_factory=list)
-    computed: int = 0            # tokens whose keys/values are in the pool
+    computed: int = 0            # tokens whose keys/values are in the pool, or will be
+                                 # once the steps dispatched so far have run
+    in_flight: int = 0           # tokens sampled by a dispatched step, not read yet (0/1)
     traced: int = 0              # tokens whose routing has been recorded
     routing: list[tuple[np.ndarray, ...]] = dataclasses.field(default_factory=list)
     cancelled: bool = False
@@ -43,8 +46,15 @@ class SequenceState:
 
     @property
     def pending(self) -> int:
-        """Tokens still to run through the model (1: decoding)."""
-        return len(self.spec.prompt) + len(self.output.token_ids) - self.computed
+        """Tokens still to run through the model (1: decoding), counting a token still in
+        flight (sampled on the device, fed to the next step there)."""
+        return (len(self.spec.prompt) + len(self.output.token_ids) + self.in_flight
+                - self.computed)
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far, read or in flight."""
+        return len(self.output.token_ids) + self.in_flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +67,17 @@ class TokenEvent:
     output: SequenceOutput | None = None
 
 
-# (sequence, first position, token count): one sequence's tokens in one program.
-Work = tuple[SequenceState, int, int]
+class Work(NamedTuple):
+    """One sequence's tokens in one program: positions [start, start + count).
+    ``samples``: they are the sequence's last pending tokens, so the program samples its
+    next token; ``fed``: the last of them is in flight (sampled by the step before, still
+    on the device: the runner feeds it to this program there)."""
+
+    seq: SequenceState
+    start: int
+    count: int
+    samples: bool = True
+    fed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,18 +103,20 @@ class RowLayout:
 class GenerationPlan:
     """One step of the continuous scheduler: the prefill chunks and the decode rows to
     run (blocks allocated), and the events the scheduling itself produced (cancelled
-    sequences)."""
+    sequences). Outputs of a plan made before the store was reset are dropped."""
 
     prefill: list[Work]
     decode: list[Work]
     events: list[TokenEvent]
     started: float
+    epoch: int = 0       # the KV store's epoch it was planned in (a reset voids it)
 
 
 @dataclasses.dataclass
 class Launch:
     """A dispatched program: its work items (rank order), row width, each item's first
-    and last row, and the (not yet read) result."""
+    and last row, and the (not yet read) result (``result.tokens[last_rows[i]]``: the
+    token work item i sampled)."""
 
     works: list[Work]
     width: int

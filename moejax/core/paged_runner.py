@@ -10,12 +10,22 @@ A step's arrays: ranks × rows rows of ``width`` tokens, rank-major; each work i
 (sequence, first position, token count) fills as many consecutive rows as it needs. Row
 counts are powers of two up to the layout's caps, so a scheduler runs a handful of
 programs (:meth:`PagedRunner.precompile` runs each once on padding rows).
+
+Sampled tokens stay on the device. The runner keeps where each sequence's token of the
+last executed plan lies (which program's ``tokens``, which row); a work item of the next
+plan whose last token is that one (``Work.fed``: the scheduler planned it before reading
+the token, :meth:`moejax.core.engine_core.EngineCore.step_ahead`) gets it there, by one
+small gather (:data:`FEED_TOKENS`) into the program's token array, and the host never
+waits for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moejax import sampling
@@ -28,6 +38,16 @@ from moejax.prefix_hash import BLOCK_SIZE
 from moejax.sizes import bucket
 
 
+def feed_tokens(tokens: jax.Array, feed: jax.Array, *sampled: jax.Array) -> jax.Array:
+    """``tokens`` [N] with position i replaced by the sampled token ``feed[i]`` (an index
+    into the concatenated ``sampled`` arrays) where ``feed[i] >= 0``."""
+    every = jnp.concatenate(sampled)
+    return jnp.where(feed >= 0, every[jnp.maximum(feed, 0)], tokens)
+
+
+FEED_TOKENS = jax.jit(feed_tokens)
+
+
 class PagedRunner:
     """Executes generation plans on ``runner`` and ``store`` (module docstring), with
     ``step`` ("fused" | "layerwise") programs laid out by ``layout``."""
@@ -37,26 +57,59 @@ class PagedRunner:
         self.store = store
         self.layout = layout
         self.step = step
+        # The tokens the last executed plan sampled, on the device: each program's token
+        # array, and per sequence id the (array, row) of its token.
+        self.sampled_arrays: list[jax.Array] = []
+        self.sampled_at: dict[int, tuple[int, int]] = {}
 
     def execute(self, plan: GenerationPlan) -> list[Launch]:
         """Dispatch the plan's prefill program, then its decode program (those with work)."""
-        return [self.launch(works, width)
+        fed_from = (self.sampled_arrays, self.sampled_at)
+        self.sampled_arrays, self.sampled_at = [], {}
+        return [self.launch(works, width, fed_from)
                 for works, width in ((plan.prefill, self.layout.row_tokens), (plan.decode, 1))
                 if works]
 
-    def launch(self, works: Sequence[Work], width: int) -> Launch:
-        """Dispatch one program over ``works`` (rows of ``width`` tokens)."""
+    def forget_sampled(self) -> None:
+        """Drop the device tokens of the last plan (its outputs will never be read)."""
+        self.sampled_arrays, self.sampled_at = [], {}
+
+    def launch(self, works: Sequence[Work], width: int,
+               fed_from: tuple[list[jax.Array], dict[int, tuple[int, int]]] = ([], {})
+               ) -> Launch:
+        """Dispatch one program over ``works`` (rows of ``width`` tokens); a fed work
+        item's last token comes from ``fed_from`` (the last plan's sampled tokens)."""
         layout = self.layout
         per_rank: list[list[Work]] = [[] for _ in range(layout.ranks)]
         for work in works:
-            per_rank[work[0].rank].append(work)
-        needed = max(sum(-(-count // width) for _, _, count in items) for items in per_rank)
+            per_rank[work.seq.rank].append(work)
+        needed = max(sum(-(-work.count // width) for work in items) for items in per_rank)
         cap = layout.per_rank if width == 1 else layout.prefill_rows
         batch, samp, first_rows, last_rows = self.build_batch(per_rank, bucket(needed, 1, cap),
                                                               width)
-        self.store.pool, result = self.runner.run(self.store.pool, batch, samp, self.step)
         ordered = [work for items in per_rank for work in items]
+        if any(work.fed for work in ordered):
+            batch = self._feed(batch, ordered, last_rows, width, fed_from)
+        self.store.pool, result = self.runner.run(self.store.pool, batch, samp, self.step)
+        sampler = len(self.sampled_arrays)
+        self.sampled_arrays.append(result.tokens)
+        for work, row in zip(ordered, last_rows):
+            if work.samples:
+                self.sampled_at[work.seq.seq_id] = (sampler, row)
         return Launch(ordered, width, first_rows, last_rows, result)
+
+    def _feed(self, batch: PagedBatch, works: list[Work], last_rows: list[int], width: int,
+              fed_from: tuple[list[jax.Array], dict[int, tuple[int, int]]]) -> PagedBatch:
+        """``batch`` with each fed work item's last token taken from the device."""
+        arrays, at = fed_from
+        offsets = np.cumsum([0] + [a.shape[0] for a in arrays])
+        feed = np.full(batch.tokens.shape[0], -1, np.int32)
+        for work, row in zip(works, last_rows):
+            if work.fed:
+                sampler, sampled_row = at[work.seq.seq_id]
+                feed[row * width + (work.count - 1) % width] = offsets[sampler] + sampled_row
+        tokens = FEED_TOKENS(batch.tokens, feed, *arrays)
+        return dataclasses.replace(batch, tokens=tokens)
 
     def precompile(self, shapes: Sequence[tuple[int, int]]) -> None:
         """Run each (rows per rank, row width) program once on rows that are all padding
@@ -109,9 +162,10 @@ class PagedRunner:
         last_rows: list[int] = []
         for rank, works in enumerate(per_rank):
             row = rank * rows
-            for segment, (seq, start, count) in enumerate(works):
+            for segment, (seq, start, count, samples, fed) in enumerate(works):
                 first_rows.append(row)
-                seq_tokens = np.asarray(seq.tokens[start:start + count], np.int32)
+                # A fed token is not on the host yet: a placeholder, replaced on the device.
+                seq_tokens = np.asarray(seq.tokens[start:start + count] + [0] * fed, np.int32)
                 blocks = np.asarray(seq.blocks, np.int32)
                 pos = np.arange(start, start + count, dtype=np.int32)
                 for offset in range(0, count, width):
@@ -127,7 +181,8 @@ class PagedRunner:
                     row += 1
                 row -= 1
                 last[row] = row * width + (count - 1) % width
-                counters[row] = len(seq.output.token_ids)
+                # The index of the token it samples (planned, so counted in flight).
+                counters[row] = seq.generated - samples
                 temperature[row], top_p[row] = seq.spec.temperature, seq.spec.top_p
                 seeds[row] = seq.spec.seed
                 last_rows.append(row)

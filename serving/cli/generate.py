@@ -75,6 +75,10 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens prefilled per step (default 512)")
     p.add_argument("--prefill-row-tokens", type=positive_int, default=None,
                    help="width of a packed prefill row (default 64)")
+    p.add_argument("--no-pipeline", dest="pipelined", action="store_false", default=None,
+                   help="continuous batching: read each step's tokens before planning the "
+                        "next (default: the next step is dispatched first, the tokens fed "
+                        "on the device; the same tokens either way)")
     p.add_argument("--precompile", action="store_true", default=None,
                    help="compile every step program at start-up (continuous batching)")
     size = p.add_mutually_exclusive_group()
@@ -121,6 +125,7 @@ def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     """Generator keywords of the flags given (absent ones keep the defaults)."""
     options = {name: getattr(args, name) for name in
                ("batching", "step", "max_prefill_tokens", "prefill_row_tokens", "precompile",
+                "pipelined",
                 "kv_cache_blocks", "kv_cache_mib", "backend", "devices", "decoders",
                 "eldr_fit", "eldr_tau", "prefetch", "prefetch_mode", "prefetch_files",
                 "runtime", "scheduler") if getattr(args, name, None) is not None}
