@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Integer
 
+from moejax.expert_impl_table import expert_impl_for
 from moejax.expert_views import ExpertStack, expert_matrices, expert_matrix, is_view, layer_array
 from moejax.fp8_experts import any_fp8
 
@@ -62,25 +63,33 @@ def resolve_tile_rows(tile_rows: int | tuple[int, int] | None, hidden: int) -> t
 PALLAS_MIN_DIM_MULTIPLE = 16
 
 
-def choose_expert_impl(hidden: int, intermediate: int, platform: str | None = None) -> str:
-    """The expert path ``expert_impl: auto`` resolves to, per platform and shape.
+def choose_expert_impl(hidden: int, intermediate: int, platform: str | None = None, *,
+                       rows: int | None = None, num_experts: int | None = None) -> str:
+    """The expert path ``expert_impl: auto`` resolves to, per platform, shape and step size.
 
-    * GPU, d and f multiples of 16: ``pallas`` (kernels_pallas.gmm: fused gate/up kernel,
-      then the grouped GEMM for the down projection) — routed work only, and unlike
-      ``ragged_dot`` in the released wheels it never materializes the dense product.
-    * GPU, other shapes: ``fused_tiles`` (the Pallas blocks cannot divide d or f).
-    * CPU (and anything else): ``fused_tiles``. Pallas runs there only interpreted
-      (a test tool, orders of magnitude slower) and ``ragged_dot`` lowers to a masked
-      dense product that does E× the routed work (docs/PERF.md).
+    Looked up in the measured table :data:`moejax.expert_impl_table.EXPERT_IMPL_TABLE`
+    by device (CPU or GPU), hidden size bucket and rows per expert ``rows /
+    num_experts`` (``rows``: the routed rows M = tokens × k, static at trace time):
 
-    ``ragged_dot``, ``gmm`` and ``dense`` are never chosen automatically; any path can
-    be forced with the ``expert_impl`` option.
+    * GPU: ``fused_tiles`` for decode-sized steps (up to 2 rows per expert), ``pallas``
+      above (kernels_pallas.gmm: fused gate/up kernel, then the grouped GEMM for the
+      down projection; routed work only, and unlike ``ragged_dot`` in the released
+      wheels it never materializes the dense product). ``pallas`` needs d and f to be
+      multiples of :data:`PALLAS_MIN_DIM_MULTIPLE`; other shapes get ``fused_tiles``.
+    * CPU (and anything else): ``dense`` (every row through every expert, masked) for
+      small steps over few experts, where the tile loops' 64-row tiles waste more than
+      dense's E× work (the table's ``max_experts`` keeps it off large E); ``fused_tiles``
+      otherwise. Pallas runs there only interpreted (a test tool, orders of magnitude
+      slower) and ``ragged_dot`` lowers to a masked dense product that does E× the
+      routed work (docs/PERF.md).
+
+    With ``rows`` or ``num_experts`` None (a step of unknown size) the table's
+    open-ended entry: ``pallas`` on a GPU (``fused_tiles`` where d or f does not fit),
+    ``fused_tiles`` elsewhere. ``ragged_dot``, ``gmm`` and ``blocks`` are never chosen
+    automatically; any path can be forced with the ``expert_impl`` option.
     """
-    platform = platform or jax.default_backend()
-    if platform in ("gpu", "cuda", "rocm"):
-        if hidden % PALLAS_MIN_DIM_MULTIPLE == 0 and intermediate % PALLAS_MIN_DIM_MULTIPLE == 0:
-            return "pallas"
-    return "fused_tiles"
+    return expert_impl_for(platform or jax.default_backend(), hidden, intermediate, rows,
+                           num_experts)
 
 
 @jax.tree_util.register_dataclass

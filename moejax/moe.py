@@ -256,7 +256,8 @@ def _expert_compute(perm: Permutation, w_gate: jax.Array | StackLayer | Fp8Exper
         return _biased_experts(x, sizes, w_gate, w_up, w_down, biases, activation, impl,
                                tile_rows)
     if impl == "auto":
-        impl = gmm_lib.choose_expert_impl(x.shape[1], w_gate.shape[2])
+        impl = gmm_lib.choose_expert_impl(x.shape[1], w_gate.shape[2], rows=x.shape[0],
+                                          num_experts=w_gate.shape[0])
     kernel = EXPERT_KERNELS.get(impl)
     if kernel is None:
         raise ValueError(f"unknown expert implementation {impl!r}; choose one of {EXPERT_IMPLS}")
@@ -277,7 +278,9 @@ def _fp8_experts(x: jax.Array, sizes: jax.Array, w_gate: Fp8Experts, w_up: Fp8Ex
                          f"in FP8 (weights_dtype='fp8'); use one of {FP8_IMPLS}")
     d, f = x.shape[1], w_gate.shape[2]
     if impl == "auto":
-        impl = gmm_lib.choose_expert_impl(d, f)
+        impl = gmm_lib.choose_expert_impl(d, f, rows=x.shape[0], num_experts=w_gate.shape[0])
+        if impl not in FP8_IMPLS:
+            impl = "fused_tiles"
         if impl == "pallas" and not (pallas_gmm_fp8.fits_gpu(d, f, w_gate.block)
                                      and pallas_gmm_fp8.fits_gpu(f, d, w_down.block)):
             impl = "fused_tiles"      # the FP8 kernel's tiles cannot align with the blocks
