@@ -54,7 +54,7 @@ from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run, platform_figures
 from benchmarks.lib.tables import fmt, print_table
 from benchmarks.lib.timing import is_gpu, median, timed_call
-from moejax import grouped_gemm, moe
+from moejax import expert_impl_table, grouped_gemm, moe
 from moejax.expert_views import StackLayer
 
 IMPLS = ("fused_tiles", "dense", "gmm", "pallas")
@@ -121,9 +121,9 @@ def skip_reason(impl: str, shape: ExpertShape, rows: int, gpu: bool) -> str | No
     if impl == "pallas":
         if not gpu:
             return "no GPU (Pallas runs interpreted off GPU)"
-        if (shape.hidden % grouped_gemm.PALLAS_MIN_DIM_MULTIPLE
-                or shape.intermediate % grouped_gemm.PALLAS_MIN_DIM_MULTIPLE):
-            return f"d, f not multiples of {grouped_gemm.PALLAS_MIN_DIM_MULTIPLE}"
+        if (shape.hidden % expert_impl_table.PALLAS_MIN_DIM_MULTIPLE
+                or shape.intermediate % expert_impl_table.PALLAS_MIN_DIM_MULTIPLE):
+            return f"d, f not multiples of {expert_impl_table.PALLAS_MIN_DIM_MULTIPLE}"
     if impl == "dense" and not gpu:
         flops = 6 * shape.experts * rows * shape.hidden * shape.intermediate
         if flops > DENSE_MAX_FLOPS_CPU:

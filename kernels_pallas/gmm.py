@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Int, Integer
 
 from kernels_pallas import gmm_select, tile_table
+from kernels_pallas.layer_index import Layer, layer_operand, weight_shape_error
 
 # kernels_pallas.gmm_mosaic is imported where a Mosaic kernel runs, not here: importing
 # Mosaic GPU changes os.environ (see kernels_pallas.mosaic_tiles), and it costs ~0.7 s.
@@ -137,26 +138,6 @@ def _pad_to(dim: int, multiple: int) -> int:
 
 # Which layer of a stacked [L, E, ...] expert weight a kernel reads: a Python int or a
 # traced integer scalar (a decode step's loop counter).
-Layer = int | Integer[Array, ""]
-
-
-def layer_operand(name: str, layer: Layer, num_layers: int) -> Int[Array, "1"]:
-    """``layer`` as the ``[1]`` int32 array a kernel loads, read as ``w[layer]`` reads it: a
-    negative index counts from the end and a traced one out of range is clamped (so a
-    program never reads past the stack); a Python int out of range is refused by name."""
-    if isinstance(layer, bool) or not (
-            isinstance(layer, int) or (jnp.ndim(layer) == 0
-                                       and jnp.issubdtype(jnp.result_type(layer), jnp.integer))):
-        raise ValueError(f"{name}: layer must be an int or an integer scalar array, got "
-                         f"{layer!r}")
-    if isinstance(layer, int) and not -num_layers <= layer < num_layers:
-        raise ValueError(f"{name}: layer {layer} is out of range for a stack of "
-                         f"{num_layers} layers")
-    index = jnp.asarray(layer, jnp.int32)
-    index = jnp.where(index < 0, index + num_layers, index)
-    return jnp.clip(index, 0, num_layers - 1).reshape(1)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GroupTileMap:
@@ -260,20 +241,6 @@ def _swiglu_kernel(*refs, layered: bool, up_col_offset: int, **dims):
     gate, up = _group_products(tile_map_refs, layer_ref, lhs_ref, (gate_ref, up_ref),
                                (0, up_col_offset), **dims)
     out_ref[...] = (jax.nn.silu(gate) * up).astype(out_ref.dtype)
-
-
-def weight_shape_error(name: str, operand: str, shape: tuple[int, ...], expected: str,
-                       layered: bool) -> str:
-    """The message for a weight operand of the wrong shape: ``expected`` (its dims, the
-    leading L of ``layer=`` included where ``layered``), what came, and — where the rank is
-    one off — that ``layer=`` is what tells the two forms apart."""
-    rank = len(expected.split(","))
-    hint = ""
-    if layered and len(shape) == rank - 1:
-        hint = " (with layer= the weights are a stack with a leading L axis)"
-    elif not layered and len(shape) == rank + 1:
-        hint = " (pass layer= to read one layer of an [L, ...] stack)"
-    return f"{name}: weights must be [{expected}], got {operand} {list(shape)}{hint}"
 
 
 def _check_operands(name: str, lhs: jax.Array, group_sizes: jax.Array,

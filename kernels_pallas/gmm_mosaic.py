@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Integer
 
-from kernels_pallas.gmm import Layer, layer_operand, weight_shape_error
+from kernels_pallas.layer_index import Layer, layer_operand, weight_shape_error
 from kernels_pallas.mosaic_tiles import (ACCUMULATOR_REGISTERS, DEFAULT_TILES,  # noqa: F401
                                          H100_SMS, HOPPER_SMEM_BYTES, SUPPORTED_DTYPES,
                                          WARPGROUP_THREADS, WGMMA_ROWS, MosaicTiles)

@@ -16,7 +16,7 @@ wins only where the tile loops waste more (each touched expert multiplies a whol
 of 64 rows, however few of its rows are real) than dense's E loop costs, which on the
 measurements below is M <= 32 rows, and never at E = 128.
 
-``pallas`` needs d and f to be multiples of ``grouped_gemm.PALLAS_MIN_DIM_MULTIPLE``
+``pallas`` needs d and f to be multiples of :data:`PALLAS_MIN_DIM_MULTIPLE`
 (Triton's blocks must divide them): where they are not, its entries fall back to
 ``fused_tiles``. Every entry names a path of ``moe.EXPERT_IMPLS``; the measurements are
 ``benchmarks/expert_impls.py`` runs (the experts read in place, a ``StackLayer`` view of a
@@ -92,6 +92,11 @@ def device_of(platform: str) -> str:
     return "gpu" if platform in ("gpu", "cuda", "rocm") else "cpu"
 
 
+# Smallest d and f the Pallas kernel takes on a GPU: Triton's dot needs blocks of at
+# least 16 along every dimension, and the blocks must divide d and f.
+PALLAS_MIN_DIM_MULTIPLE = 16
+
+
 def hidden_bucket(hidden: int) -> str:
     return "small" if hidden <= SMALL_HIDDEN_MAX else "large"
 
@@ -103,9 +108,7 @@ def thresholds_for(platform: str, hidden: int) -> tuple[Threshold, ...]:
 
 def pallas_fits(hidden: int, intermediate: int) -> bool:
     """Whether the Pallas kernel's blocks can divide d and f
-    (``grouped_gemm.PALLAS_MIN_DIM_MULTIPLE``)."""
-    from moejax.grouped_gemm import PALLAS_MIN_DIM_MULTIPLE   # (it imports this module)
-
+    (:data:`PALLAS_MIN_DIM_MULTIPLE`)."""
     return hidden % PALLAS_MIN_DIM_MULTIPLE == 0 and intermediate % PALLAS_MIN_DIM_MULTIPLE == 0
 
 
@@ -114,7 +117,7 @@ def expert_impl_for(platform: str, hidden: int, intermediate: int, rows: int | N
     """The path for ``rows`` routed rows (M = tokens × k) over ``num_experts`` experts of
     d=``hidden``, f=``intermediate`` on ``platform``; rows or num_experts None: the
     open-ended (last) entry. ``pallas`` where d or f is not a multiple of
-    ``grouped_gemm.PALLAS_MIN_DIM_MULTIPLE`` becomes ``fused_tiles``."""
+    :data:`PALLAS_MIN_DIM_MULTIPLE` becomes ``fused_tiles``."""
     table = thresholds_for(platform, hidden)
     impl = table[-1].impl
     if rows is not None and num_experts is not None:

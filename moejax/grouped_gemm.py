@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Integer
 
 from moejax.expert_impl_table import expert_impl_for
-from moejax.expert_views import ExpertStack, expert_matrices, expert_matrix, is_view, layer_array
-from moejax.fp8_experts import any_fp8
+from moejax.expert_views import StackLayer, expert_matrices, expert_matrix, is_view, layer_array
+from moejax.fp8_experts import Fp8Experts, any_fp8
 
 # Rows per tile for the pure-JAX tiled loop, keyed by (platform, hidden size bucket):
 # (full tile rows, remainder tile rows). Each expert's rows run first in full tiles,
@@ -58,9 +58,6 @@ def resolve_tile_rows(tile_rows: int | tuple[int, int] | None, hidden: int) -> t
     return int(full), int(rest)
 
 
-# Smallest d and f the Pallas kernel takes on a GPU: Triton's dot needs blocks of at
-# least 16 along every dimension, and the blocks must divide d and f.
-PALLAS_MIN_DIM_MULTIPLE = 16
 
 
 def choose_expert_impl(hidden: int, intermediate: int, platform: str | None = None, *,
@@ -75,7 +72,8 @@ def choose_expert_impl(hidden: int, intermediate: int, platform: str | None = No
       above (kernels_pallas.gmm: fused gate/up kernel, then the grouped GEMM for the
       down projection; routed work only, and unlike ``ragged_dot`` in the released
       wheels it never materializes the dense product). ``pallas`` needs d and f to be
-      multiples of :data:`PALLAS_MIN_DIM_MULTIPLE`; other shapes get ``fused_tiles``.
+      multiples of ``expert_impl_table.PALLAS_MIN_DIM_MULTIPLE``; other shapes get
+      ``fused_tiles``.
     * CPU (and anything else): ``dense`` (every row through every expert, masked) for
       small steps over few experts, where the tile loops' 64-row tiles waste more than
       dense's E× work (the table's ``max_experts`` keeps it off large E); ``fused_tiles``
@@ -172,7 +170,7 @@ def _tile_loop(lhs: jax.Array, out_cols: int, out_dtype, group_sizes: jax.Array,
     return out[:num_rows]
 
 
-def gmm(lhs: Float[Array, "M d"], rhs: ExpertStack,
+def gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"] | StackLayer | Fp8Experts,
         group_sizes: Integer[Array, "E"],
         tile_rows: int | tuple[int, int] | None = None) -> Float[Array, "M f"]:
     """Grouped matmul lhs [M, d] × rhs [E, d, f] -> [M, f], f32 accumulation, lhs dtype out
@@ -195,8 +193,10 @@ def swiglu(x: Float[Array, "n d"], w_gate: Float[Array, "d f"], w_up: Float[Arra
     return jnp.dot(hidden, w_down, preferred_element_type=jnp.float32)
 
 
-def grouped_swiglu_tiles(x: Float[Array, "M d"], w_gate: ExpertStack, w_up: ExpertStack,
-                         w_down: ExpertStack,
+def grouped_swiglu_tiles(x: Float[Array, "M d"],
+                         w_gate: Float[Array, "E d f"] | StackLayer | Fp8Experts,
+                         w_up: Float[Array, "E d f"] | StackLayer | Fp8Experts,
+                         w_down: Float[Array, "E f d"] | StackLayer | Fp8Experts,
                          group_sizes: Integer[Array, "E"],
                          tile_rows: int | tuple[int, int] | None = None
                          ) -> Float[Array, "M d"]:
@@ -219,8 +219,10 @@ def group_ids(group_sizes: Integer[Array, "E"], num_rows: int) -> Int[Array, "M"
     return jnp.searchsorted(ends, jnp.arange(num_rows), side="right").astype(jnp.int32)
 
 
-def swiglu_dense(x: Float[Array, "M d"], w_gate: ExpertStack, w_up: ExpertStack,
-                 w_down: ExpertStack, group_sizes: Integer[Array, "E"]) -> Float[Array, "M d"]:
+def swiglu_dense(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"] | StackLayer | Fp8Experts,
+                 w_up: Float[Array, "E d f"] | StackLayer | Fp8Experts,
+                 w_down: Float[Array, "E f d"] | StackLayer | Fp8Experts,
+                 group_sizes: Integer[Array, "E"]) -> Float[Array, "M d"]:
     """Every row through every expert, masked by a one-hot (E× the work; for a few rows
     against few experts, one batched product beats a loop of tiles). FP8 stacks and
     layers read in place: a loop over the experts, each read (and dequantized) in its
@@ -241,7 +243,7 @@ def swiglu_dense(x: Float[Array, "M d"], w_gate: ExpertStack, w_up: ExpertStack,
     return jnp.einsum("emd,me->md", per_expert, one_hot).astype(x.dtype)
 
 
-def ragged_dot_gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"] | ExpertStack,
+def ragged_dot_gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"] | StackLayer,
                    group_sizes: Integer[Array, "E"]) -> Float[Array, "M f"]:
     """XLA's ragged_dot; rows past sum(group_sizes) come back as zeros."""
     # ragged_dot takes the layer as one array: a view's layer is copied out (this path
@@ -256,8 +258,8 @@ def ragged_dot_gmm(lhs: Float[Array, "M d"], rhs: Float[Array, "E d f"] | Expert
 BLOCK_ROWS = 64
 
 
-def swiglu_blocks(x: Float[Array, "M d"], w_gate: ExpertStack, w_up: ExpertStack,
-                  w_down: ExpertStack,
+def swiglu_blocks(x: Float[Array, "M d"], w_gate: Float[Array, "E d f"] | StackLayer,
+                  w_up: Float[Array, "E d f"] | StackLayer, w_down: Float[Array, "E f d"] | StackLayer,
                   group_sizes: Integer[Array, "E"], block_rows: int = BLOCK_ROWS
                   ) -> Float[Array, "M d"]:
     """SwiGLU experts as one batched matmul over fixed-size row blocks, each of one expert.
