@@ -39,8 +39,8 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Float32, Integer, Shaped
 
 from kernels_pallas import tile_table
-from kernels_pallas.gmm import (GmmTiles, Layer, expert_index, group_tile_map, layer_operand,
-                                split_refs, tiles_for, weight_shape_error)
+from kernels_pallas.gmm import GmmTiles, expert_index, group_tile_map, split_refs, tiles_for
+from kernels_pallas.layer_index import Layer, layer_operand, weight_shape_error
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 # The weights may come as FP8 or as its bytes (uint8: how moejax's placement holds them).
