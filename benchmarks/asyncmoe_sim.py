@@ -301,3 +301,168 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
     out["mu_queue_tokens_equal_decode_runtime"] = int(equal)
     out["mu_queue_sim_batches_match"] = int(match)
     return out
+
+
+# ----------------------------------------------------------------------------- H100 mode
+# ``python -m benchmarks.asyncmoe_sim --h100 [--quick] [--json PATH]``: the μ-queue runtime
+# (defrag) against sync EP in simulation under the H100 cost table
+# (``moejax.asyncmoe.costs.h100_cost_tables`` of the measured Qwen3-30B-A3B expert fit),
+# at the seed's operating point: top-1 / top-2 (its §5.1) and top-8 (Qwen3's), its three
+# request-length workloads (§5: prompt / output lengths uniform over the ranges), the
+# seed's exponential routing skew, 8 and 16 devices (every device an attention rank and
+# an expert host; the seed disaggregates 4 + 4). Per (k, workload, devices) both systems
+# decode the same requests, all arriving at t ≈ 0 (each system's achievable throughput at
+# that concurrency, the seed's Fig. 9 x-axis maximum); keys (flat):
+#
+# * ``mu_queue_throughput_over_sync_ep_h100_top{k}`` (8 devices) and
+#   ``..._top{k}_16dev``: the ratio on the medium workload (the seed's Fig. 10 workload);
+# * ``..._top{k}_{workload}`` and ``..._top{k}_{workload}_16dev``: every workload;
+# * ``h100_top{k}_{workload}_g{G}_{system}_{throughput, itl_p50_ms, itl_p99_ms,
+#   expert_batch, attention_batch, stall}`` per run;
+# * ``paper_mu_queue_over_sync_ep_top1_{short,medium,reasonable}`` (2.7, 2.3, 2.0: the
+#   seed's Fig. 9 a–c, 8 × A100, Mixtral 8x7B with MQA) beside them, and the table's
+#   figures (``h100_expert_us_r{1,256}``, ``h100_attention_us_b64_c256``, ...).
+H100_FIT_PATH = "benchmarks/data/eldr_cost_h100_qwen3-30b-a3b.json"
+PAPER_WORKLOADS = {"short": ((30, 70), (70, 130)),           # seed §5, "Workloads"
+                   "medium": ((50, 150), (50, 250)),
+                   "reasonable": ((100, 300), (100, 500))}
+PAPER_TOP1 = {"short": 2.7, "medium": 2.3, "reasonable": 2.0}  # seed §5.1, Fig. 9 a–c
+H100_TOP_KS = (1, 2, 8)
+H100_DEVICES = (8, 16)
+H100_SHAPES = {
+    # layers: blocks simulated (Qwen3-30B-A3B has 48; the ratio is taken at 2 to keep the
+    # Python event loop affordable -- every block has the same per-block costs, but a deeper
+    # pipeline is not simulated); 4 requests a device, all at t ~ 0: a small concurrency
+    # (the seed runs hundreds of requests). 4 blocks x 8 requests a device gave ratios
+    # within 0.1 of these at top-1 (0.40-0.45 vs 0.52-0.56) in a partial run.
+    "full": {"layers": 2, "requests_per_device": 4, "workloads": tuple(PAPER_WORKLOADS)},
+    "quick": {"layers": 2, "requests_per_device": 4, "workloads": ("medium",),
+              "decode_cap": 40},
+}
+H100_DTYPE_BYTES = 2          # bf16 activations between devices
+
+
+def h100_workload(name: str, num_requests: int, seed: int, decode_cap: int | None = None
+                  ) -> Any:
+    """The seed's workload ``name``, ``num_requests`` requests all at t ≈ 0 (saturation);
+    ``decode_cap`` shortens outputs (``--quick`` only)."""
+    from moejax.asyncmoe.simulator import SimRequest, poisson_workload
+
+    prompt, decode = PAPER_WORKLOADS[name]
+    requests = poisson_workload(num_requests, SATURATION_RATE, prompt, decode, seed)
+    if decode_cap is None:
+        return requests
+    return tuple(SimRequest(r.request_id, r.arrival_s, r.prompt_length,
+                            min(r.decode_tokens, decode_cap)) for r in requests)
+
+
+def h100_run(system: str, tables: Any, routing: Any, workload: Any, devices: int,
+             layers: int, top_k: int) -> Any:
+    """One simulation of ``system`` ("sync_ep" or a μ-queue scheduler name) at the
+    Qwen3-30B-A3B shape (128 experts, hidden 2048, bf16 transfers)."""
+    from moejax.asyncmoe import costs, simulator
+
+    common = dict(num_devices=devices, num_layers=layers, num_experts=costs.QWEN3_EXPERTS,
+                  top_k=top_k, hidden=costs.QWEN3_HIDDEN, dtype_bytes=H100_DTYPE_BYTES)
+    if system == "sync_ep":
+        return simulator.simulate_sync_ep(tables, routing, workload, **common)
+    return simulator.simulate_mu_queue(tables, routing, workload, scheduler=system, **common)
+
+
+def h100_figures(quick: bool = False, seed: int = 0, fit_path: str | None = None,
+                 verbose: bool = True) -> dict[str, Any]:
+    """Every key of the H100 mode (see the comment above)."""
+    import time
+    from pathlib import Path
+
+    from moejax.asyncmoe import costs
+    from moejax.asyncmoe.simulator import SkewedRouting
+
+    shape = H100_SHAPES["quick" if quick else "full"]
+    path = fit_path or str(Path(__file__).resolve().parent.parent / H100_FIT_PATH)
+    fit = costs.load_h100_fit(path)
+    tables = costs.h100_cost_tables(fit)
+    out: dict[str, Any] = {
+        "h100_fit": costs.H100_FIT, "h100_fit_t0_us": 1e6 * fit["t0_s"],
+        "h100_fit_a_us": 1e6 * fit["a_s"], "h100_fit_b_us": 1e6 * fit["b_s"],
+        "h100_expert_us_r1": 1e6 * tables.expert_s(1),
+        "h100_expert_us_r256": 1e6 * tables.expert_s(256),
+        "h100_attention_us_b1_c100": 1e6 * tables.attention_s(1, 100),
+        "h100_attention_us_b64_c256": 1e6 * tables.attention_s(64, 256),
+        "h100_head_us_b1": 1e6 * tables.head_s(1),
+        "h100_head_us_b64": 1e6 * tables.head_s(64),
+        "h100_link_us_64_tokens": 1e6 * tables.link_s(64 * costs.QWEN3_HIDDEN
+                                                      * H100_DTYPE_BYTES),
+        "h100_layers_simulated": shape["layers"], "h100_skew": SKEW,
+        "h100_requests_per_device": shape["requests_per_device"],
+        "h100_quick": int(quick)}
+    for name, value in PAPER_TOP1.items():
+        out[f"paper_mu_queue_over_sync_ep_top1_{name}"] = value
+    for k in H100_TOP_KS:
+        routing = SkewedRouting(costs.QWEN3_EXPERTS, k, SKEW, seed)
+        for devices in H100_DEVICES:
+            suffix = "" if devices == 8 else f"_{devices}dev"
+            for name in shape["workloads"]:
+                workload = h100_workload(name, shape["requests_per_device"] * devices, seed,
+                                         shape.get("decode_cap"))
+                tag = f"h100_top{k}_{name}_g{devices}"
+                started = time.perf_counter()
+                results = {system: h100_run(system, tables, routing, workload, devices,
+                                            shape["layers"], k)
+                           for system in ("sync_ep", "defrag")}
+                for system, result in results.items():
+                    figures = summary(result, SATURATION_RATE)
+                    for key in ("throughput", "itl_p50_ms", "itl_p99_ms", "expert_batch",
+                                "attention_batch", "stall"):
+                        out[f"{tag}_{system}_{key}"] = figures[key]
+                value = ratio(results["defrag"].throughput_tokens_per_s,
+                              results["sync_ep"].throughput_tokens_per_s)
+                out[f"mu_queue_throughput_over_sync_ep_h100_top{k}_{name}{suffix}"] = value
+                if verbose:
+                    print(f"  top-{k} {name:>10} {devices:2d} dev: μ-queue/sync_ep {value:.3f} "
+                          f"(sync_ep {out[f'{tag}_sync_ep_throughput']:.0f} tok/s, p50 ITL "
+                          f"{out[f'{tag}_sync_ep_itl_p50_ms']:.2f} ms, expert batch "
+                          f"{out[f'{tag}_sync_ep_expert_batch']:.1f}; defrag "
+                          f"{out[f'{tag}_defrag_throughput']:.0f}, "
+                          f"{out[f'{tag}_defrag_itl_p50_ms']:.2f} ms, "
+                          f"{out[f'{tag}_defrag_expert_batch']:.1f}) "
+                          f"[{time.perf_counter() - started:.1f} s]", flush=True)
+            out[f"mu_queue_throughput_over_sync_ep_h100_top{k}{suffix}"] = \
+                out[f"mu_queue_throughput_over_sync_ep_h100_top{k}_medium{suffix}"]
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    import argparse
+
+    from benchmarks.lib.meta import write_json
+
+    parser = argparse.ArgumentParser(
+        description="AsyncMoE's μ-queue runtime against sync EP in simulation "
+                    "(the CPU-table figures come from benchmarks/ep_decode.py)")
+    parser.add_argument("--h100", action="store_true",
+                        help="the H100 cost table at the seed's operating point")
+    parser.add_argument("--quick", action="store_true",
+                        help="medium workload only, 2 blocks, 4 requests a device, "
+                             "outputs capped at 40 tokens (under a minute)")
+    parser.add_argument("--json", dest="json_path", metavar="PATH",
+                        help="write the figures (flat keys) to this JSON file")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit", default=None, help=f"H100 cost fit (default {H100_FIT_PATH})")
+    args = parser.parse_args(argv)
+    if not args.h100:
+        parser.error("only --h100 runs from here; the CPU-table simulation is part of "
+                     "benchmarks/ep_decode.py")
+    figures = h100_figures(args.quick, args.seed, args.fit)
+    print("\nμ-queue / sync EP throughput under the H100 table (medium workload; the seed: "
+          "2.0–2.7× at top-1 on 8 × A100):")
+    for k in H100_TOP_KS:
+        print(f"  top-{k}: 8 devices {figures[f'mu_queue_throughput_over_sync_ep_h100_top{k}']:.3f}"
+              f", 16 devices "
+              f"{figures[f'mu_queue_throughput_over_sync_ep_h100_top{k}_16dev']:.3f}")
+    write_json(args.json_path, figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main()

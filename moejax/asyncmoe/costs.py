@@ -156,3 +156,126 @@ def _section(data: Mapping[str, Any], name: str, keys: Sequence[str]) -> Mapping
                          f"{section!r}")
     _check_keys(f"cost tables {name!r}", section, keys)
     return section
+
+
+# ----------------------------------------------------------------------------- H100 table
+# Figures of the H100 cost table (:func:`h100_cost_tables`). Each says where it comes from;
+# "modelled" marks an assumption that no measurement or datasheet here supports.
+H100_HBM_BPS = 3.35e12
+"""H100 SXM 80 GB HBM3 memory bandwidth, B/s: the vendor's datasheet figure, as quoted in
+``/work/.library/device/H200.md`` ("an H100 (80 GB at 3.35 TB/s)")."""
+H100_BF16_FLOPS = 990e12
+"""H100 SXM dense bf16 matrix rate, FLOP/s: the datasheet figure quoted in
+``/work/.library/device/H200.md`` ("dense bf16 about 990 TFLOP/s", the H100's)."""
+H100_LINK_BPS = 450e9
+"""Device-to-device bandwidth, B/s, one direction: NVLink 4 on H100 SXM, 900 GB/s
+bidirectional by the datasheet; the same 450 GB/s default as ``benchmarks/ep_decode.py
+--link-gbps`` (not measured here)."""
+H100_LINK_LATENCY_S = 5e-6
+"""Per-transfer latency of a device-to-device copy, s: a MODELLED assumption (a few µs
+for a P2P copy launch over NVLink); no figure here measures it."""
+H100_BATCH_OVERHEAD_S = 0.0
+"""Extra fixed cost per execution, s: 0 by default, because the fit's per-layer t0 (charged
+on attention) and per-expert a already hold the measured program's launch and fixed work;
+a MODELLED knob for sensitivity."""
+
+# Qwen3-30B-A3B's shape (its public config.json; also ``benchmarks/decode_step.py``'s
+# ``qwen_config`` and ``benchmarks/eldr_cost.py``'s SHAPES["qwen3-30b-a3b"]).
+QWEN3_HIDDEN = 2048
+QWEN3_HEADS = 32
+QWEN3_KV_HEADS = 4
+QWEN3_HEAD_DIM = 128
+QWEN3_EXPERTS = 128
+QWEN3_TOP_K = 8
+QWEN3_LAYERS = 48
+QWEN3_VOCAB = 151936
+BF16_BYTES = 2
+
+H100_EXPERT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+H100_ATTENTION_BATCH = (1, 4, 16, 64, 256, 1024)
+H100_ATTENTION_CONTEXT = (1, 64, 256, 1024, 4096)
+H100_HEAD_BATCH = (1, 16, 64, 256, 1024)
+H100_FIT = "fused_tiles_given"
+"""The fit of ``benchmarks/data/eldr_cost_h100_qwen3-30b-a3b.json`` the table uses: the
+one whose plane t = t0 + a·n + b·B fits (R² 0.9998; the Pallas fits' planes have
+R² 0.81 and a negative b, their per-expert cost changing with B rather than with an
+expert's rows); ``benchmarks/ep_decode.py``'s modelled MoE time uses it too."""
+
+
+def _roofline_s(nbytes: float, flops: float) -> float:
+    """The larger of the memory time and the arithmetic time at the H100 ceilings."""
+    return max(nbytes / H100_HBM_BPS, flops / H100_BF16_FLOPS)
+
+
+def h100_attention_roofline_s(batch: float, context: float) -> float:
+    """One Qwen3-30B-A3B attention block for ``batch`` tokens at ``context`` (roofline
+    floor at the H100 ceilings): read q/k/v/o and router weights once plus every token's
+    KV (2 · kv_heads · head_dim bf16 per position); 2 FLOP per weight per token plus
+    QKᵀ and PV (4 · heads · head_dim per position per token)."""
+    d, h, kv, hd = QWEN3_HIDDEN, QWEN3_HEADS, QWEN3_KV_HEADS, QWEN3_HEAD_DIM
+    weights = d * h * hd * 2 + d * kv * hd * 2 + d * QWEN3_EXPERTS   # q, o; k, v; router
+    kv_bytes = batch * context * 2 * kv * hd * BF16_BYTES
+    flops = 2 * weights * batch + 4 * h * hd * context * batch
+    return _roofline_s(weights * BF16_BYTES + kv_bytes, flops)
+
+
+def h100_head_roofline_s(batch: float) -> float:
+    """The LM head (vocab × hidden bf16, read once) for ``batch`` tokens (roofline)."""
+    weights = QWEN3_VOCAB * QWEN3_HIDDEN
+    return _roofline_s(weights * BF16_BYTES, 2 * weights * batch)
+
+
+def h100_expert_s(rows: float, fit: Mapping[str, Any], fit_top_k: int = QWEN3_TOP_K) -> float:
+    """One expert of one layer over ``rows`` rows from a per-layer fit t0 + a·n + b·B
+    (B tokens of ``fit_top_k`` rows each): a + (b / fit_top_k) · rows, a negative
+    coefficient (fit noise) taken as 0."""
+    a = max(float(fit["a_s"]), 0.0)
+    b = max(float(fit["b_s"]), 0.0)
+    return a + b / fit_top_k * float(rows)
+
+
+def h100_cost_tables(fit: Mapping[str, Any], fit_top_k: int = QWEN3_TOP_K,
+                     batch_overhead_s: float = H100_BATCH_OVERHEAD_S,
+                     link_latency_s: float = H100_LINK_LATENCY_S,
+                     link_bandwidth_Bps: float = H100_LINK_BPS) -> CostTables:
+    """The simulator's cost table for Qwen3-30B-A3B-shaped blocks on an H100.
+
+    * expert (rows r): :func:`h100_expert_s` of the measured fit ``fit`` (one of the
+      ``fits`` of ``benchmarks/data/eldr_cost_h100_qwen3-30b-a3b.json``: per MoE layer
+      t0 + a·n + b·B over n active experts and B tokens of top-``fit_top_k``) — the
+      per-expert part a plus its rows' share of b. At the fit's sample points n experts
+      of B·k/n rows each sum to a·n + b·B exactly (the table is linear in rows);
+    * attention (batch, context): the fit's t0 (the layer's fixed part: route, permute,
+      combine, the program launch — the gate and the top-k merge, which the simulator's
+      attention execution holds) plus :func:`h100_attention_roofline_s`;
+    * head: :func:`h100_head_roofline_s` (a floor: no sampler cost is measured);
+    * link: ``link_latency_s`` (modelled) + bytes / ``link_bandwidth_Bps`` (NVLink 4).
+
+    The attention and head rows are bandwidth/arithmetic floors at datasheet rates, not
+    measurements; the expert row and attention's fixed part are the H100 measurement."""
+    t0 = max(float(fit["t0_s"]), 0.0)
+    return CostTables(
+        attention_batch=H100_ATTENTION_BATCH, attention_context=H100_ATTENTION_CONTEXT,
+        attention_seconds=tuple(tuple(t0 + h100_attention_roofline_s(b, c)
+                                      for c in H100_ATTENTION_CONTEXT)
+                                for b in H100_ATTENTION_BATCH),
+        expert_batch=H100_EXPERT_ROWS,
+        expert_seconds=tuple(h100_expert_s(r, fit, fit_top_k) for r in H100_EXPERT_ROWS),
+        head_batch=H100_HEAD_BATCH,
+        head_seconds=tuple(h100_head_roofline_s(b) for b in H100_HEAD_BATCH),
+        batch_overhead_s=batch_overhead_s, link_latency_s=link_latency_s,
+        link_bandwidth_Bps=link_bandwidth_Bps)
+
+
+def load_h100_fit(path: str, fit_name: str = H100_FIT) -> dict[str, Any]:
+    """The fit ``fit_name`` of an ELDR H100 cost file (``"top"``: its top-level fit)."""
+    import json
+
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    if fit_name == "top":
+        return {key: data[key] for key in ("t0_s", "a_s", "b_s")}
+    fits = data.get("fits", {})
+    if fit_name not in fits:
+        raise ValueError(f"{path}: no fit {fit_name!r} (it has {sorted(fits)} and 'top')")
+    return dict(fits[fit_name])
