@@ -2,11 +2,12 @@
 expert-parallel MoE with all-to-all, against the resident runner on the demo model.
 
 Greedy float32 tokens and the traced top-k ids must equal resident's, with and without
-replicas (both replica routers), and through preemptions; the dispatch capacity is the
-batch's worst case, so no step ever overflows. Every Generator compiles a few shapes
-on the 8 CPU devices (seconds each), so the runs share one request set, and prompts are
-prefilled in chunks of at most 32 tokens (fewer shapes; the longer prompts attend to
-their earlier chunks in the pool).
+replicas (both replica routers, and METRO in decode with EPLB-even in prefill), and
+through preemptions; the dispatch capacity is the batch's worst case, so no step ever
+overflows, and every step's overflow is counted though ``run`` never waits for it.
+Every Generator compiles a few shapes on the 8 CPU devices (seconds each), so the runs
+share one request set, and prompts are prefilled in chunks of at most 32 tokens (fewer
+shapes; the longer prompts attend to their earlier chunks in the pool).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moejax.backends import BackendError
+from moejax.backends import sync_ep as sync_ep_backend
 from moejax.backends.sync_ep import AXIS
 from moejax.decode import sync_ep
 from moejax.prefix_hash import BLOCK_SIZE
+from moejax.sequences import SequenceSpec
 from serving import Generator
 
 LENGTHS = (5, 60, 17, 33, 9, 48)
@@ -100,6 +103,82 @@ def test_four_ranks_with_replicas_equal_resident(resident, router):
     assert runner.overflow_steps == 0 and gen.scheduler.stats["preemptions"] == 0
 
 
+def test_metro_decode_eplb_even_prefill_equals_resident(resident, monkeypatch):
+    """The METRO paper's pairing: METRO routes the decode steps, EPLB-even the prefill
+    steps (four ranks, 12 replicas for 8 experts). Tokens and routing equal resident's,
+    and each kind's program really routes with its own router: the routers traced into
+    the programs (seen through ``choose_devices``) are EPLB-even at the prefill steps'
+    row counts and METRO at the decode steps', and every step ran its kind's program."""
+    traced = []
+    choose = sync_ep_backend.choose_devices
+
+    def spy(experts, valid, ctx):
+        traced.append((ctx.router, int(experts.shape[0])))      # routed rows per rank
+        return choose(experts, valid, ctx)
+
+    monkeypatch.setattr(sync_ep_backend, "choose_devices", spy)
+    gen = _sync_ep(4, replicas=1.5, router="metro", prefill_router="eplb_even")
+    runner = gen.scheduler.runner
+    assert runner.layout.replicated
+    assert (runner.ctx.router, runner.prefill_ctx.router) == ("metro", "eplb_even")
+    _assert_same(_generate(gen), resident)
+    k = runner.cfg.num_experts_per_tok
+    rows = {router: {m for r, m in traced if r == router} for router in ("metro", "eplb_even")}
+    assert set(r for r, _ in traced) == {"metro", "eplb_even"}
+    # Decode rows are one token each (at most max_batch_size=4 per rank); prefill rows
+    # are chunks of 16 or 32 tokens.
+    assert max(rows["metro"]) <= 4 * k < 16 * k <= min(rows["eplb_even"])
+    assert runner.router_steps["eplb_even"] > 0 and runner.router_steps["metro"] > 0
+    assert runner.router_steps["metro"] == gen.scheduler.stats["decode_steps"]
+    assert runner.overflow_steps == 0
+
+
+def test_default_prefill_router_is_the_router():
+    """Without prefill_router both kinds of step share one router and one program."""
+    gen = _sync_ep(4, replicas=1.5, router="metro")
+    runner = gen.scheduler.runner
+    assert runner.ctx == runner.prefill_ctx and runner.ctx.router == "metro"
+    assert len(runner._steps) == 1
+
+
+def test_stats_are_read_back_without_a_host_wait(monkeypatch):
+    """``run`` leaves the step's stats on the device: after run_until_idle the last
+    step's are still pending; reading ``last_stats`` / ``overflow_steps`` records them,
+    so every step is counted, the last one included."""
+    gen = Generator("demo", dtype="float32", backend="sync_ep", devices=2, max_batch_size=2,
+                    compilation_cache="off")
+    scheduler, runner = gen.scheduler, gen.scheduler.runner
+    recorded = []
+    record = runner._record
+    monkeypatch.setattr(runner, "_record",
+                        lambda stats, tokens: (recorded.append(tokens), record(stats, tokens)))
+    for prompt in (list(range(3, 19)), list(range(40, 49))):
+        scheduler.submit(SequenceSpec(prompt=tuple(prompt), max_new_tokens=4))
+    scheduler.run_until_idle()
+    steps = sum(runner.router_steps.values())
+    assert steps >= scheduler.stats["steps"] > 1     # a step may run a prefill and a decode
+    assert len(recorded) == steps - 1 and len(runner._pending) == 1   # the last: pending
+    stats = runner.last_stats
+    assert stats is not None and runner.overflow_steps == 0
+    assert len(recorded) == steps and not runner._pending
+    assert stats.rows_per_device == recorded[-1] * runner.cfg.num_experts_per_tok
+    assert stats.activated_per_device.shape == (2,)
+
+
+def test_prefill_replica_router_flag():
+    import argparse
+
+    from serving.cli.generate import add_decode_runtime_options, decode_runtime_options
+
+    parser = argparse.ArgumentParser()
+    add_decode_runtime_options(parser)
+    args = parser.parse_args(["--replicas", "1.5", "--replica-router",
+                              "metro", "--prefill-replica-router", "eplb_even"])
+    assert decode_runtime_options(args)["backend_options"] == {
+        "replicas": 1.5, "router": "metro", "prefill_router": "eplb_even"}
+    assert "backend_options" not in decode_runtime_options(parser.parse_args([]))
+
+
 def test_mixtral_tiny_equals_hugging_face(tmp_path):
     """The tiny random Mixtral of the parity tests (no q/k-norm, EOS 2): sync_ep on two
     ranks gives Hugging Face ``generate``'s greedy tokens, the EOS it stops on included."""
@@ -148,7 +227,9 @@ def test_capacity_is_the_worst_case():
 
 @pytest.mark.parametrize("options, message", [
     ({"capacity_factor": 2.0}, "unknown option.*'capacity_factor'"),
-    ({"router": "nearest"}, "unknown router 'nearest'"),
+    ({"router": "nearest"}, "'router'.*unknown router 'nearest'"),
+    ({"router": "metro", "prefill_router": "nearest"},
+     "'prefill_router'.*unknown router 'nearest'"),
     ({"replicas": 9}, "replicas must be a number in \\[1, devices=2\\]"),
 ])
 def test_bad_options_are_named(options, message):

@@ -22,6 +22,17 @@ device exactly its own rows. Block tables and write slots are rank-local.
   home, ``eplb_even`` or ``metro``). Then a second ``shard_map`` program writes each
   rank's new rows into its pool (:func:`moejax.kv.write_rows`, pool donated).
   The result is rank-major: tokens [G·B], experts/weights/new keys [L, G·B·C, ...].
+* **Two routers.** Prefill steps (rows of ``prefill_row_tokens`` tokens, ``chunk > 1``)
+  and decode steps (one token a row) are separate programs (``moejax.core.paged_runner``),
+  so each kind has its own :class:`~moejax.backends.sync_ep.DispatchContext` and step
+  program: ``router`` routes the decode steps, ``prefill_router`` (default: the same) the
+  prefill steps. The METRO seed's pairing is ``router="metro"`` (fewest activated
+  replicas where the step is memory-bound) with ``prefill_router="eplb_even"`` (rows
+  spread evenly where it is compute-bound).
+* **No host wait.** The step's stats (below) are replicated in the program and kept on
+  the device; they are read back one step later (after the next step is dispatched) or
+  when ``last_stats`` / ``overflow_steps`` is read, so ``run`` returns as soon as the
+  step is dispatched (the scheduler's pipelined steps stay pipelined).
 
 **Capacity: nothing is ever dropped.** The scoring backend sizes its dispatch buffers
 with a capacity factor and re-runs a step that overflowed; a decode step cannot be
@@ -36,6 +47,7 @@ which any routed row did not fit, and must stay 0.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -61,7 +73,7 @@ from moejax.param_layout import Params
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("replicas", "router", "expert_load")
+OPTIONS = ("replicas", "router", "prefill_router", "expert_load")
 
 
 def step_capacity(tokens: int, k: int, expert_slots: int) -> int:
@@ -86,7 +98,8 @@ def rank_step(params: Params, slots: dict[str, jax.Array], kv: KVPool, batch: Pa
     """Per-rank body (inside shard_map): ``programs.fused_step`` with the local expert
     slots behind the all-to-all transport. slots: this device's [1, L, S_e, ...]; kv:
     this rank's pool [L, S, ...]; batch, samp: this rank's rows (``last`` still global).
-    Returns the rank's StepResult and its stats [1, NUM_STATS] (max over the layers)."""
+    Returns the rank's StepResult and every rank's stats [G, NUM_STATS] (max over the
+    layers; all-gathered, so the step's stats are replicated on every device)."""
     programs.count_compile("sync_ep_step")
     tokens_here = batch.tokens.shape[0]
     offset = jax.lax.axis_index(AXIS) * tokens_here
@@ -97,7 +110,7 @@ def rank_step(params: Params, slots: dict[str, jax.Array], kv: KVPool, batch: Pa
     module = model.decoder(cfg, params, with_experts=False)
     result, moe_carry = programs.paged_forward(module, kv, batch, samp, dispatcher, opts)
     _, stats = moe_carry                          # (source carry, transport carry)
-    return result, stats[None]
+    return result, jax.lax.all_gather(stats, AXIS)
 
 
 def result_specs(router_inputs: bool) -> StepResult:
@@ -109,12 +122,13 @@ def result_specs(router_inputs: bool) -> StepResult:
 
 
 def make_step(mesh: Mesh, cfg: ModelConfig, opts: StepOptions, ctx: DispatchContext) -> Any:
-    """The jitted step: (params, slots, kv, batch, samp) -> (StepResult, stats [G, 4])."""
+    """The jitted step: (params, slots, kv, batch, samp) -> (StepResult, stats [G, 4]
+    replicated on every device: read back later without a collective)."""
     body = functools.partial(rank_step, cfg=cfg, opts=opts, ctx=ctx)
     pool = P(None, AXIS)
     return jax.jit(jax.shard_map(
         body, mesh=mesh, in_specs=(P(), P(AXIS), pool, P(AXIS), P(AXIS)),
-        out_specs=(result_specs(opts.router_inputs), P(AXIS)), check_vma=False))
+        out_specs=(result_specs(opts.router_inputs), P()), check_vma=False))
 
 
 def make_write(mesh: Mesh) -> Any:
@@ -129,29 +143,45 @@ class SyncEPRunner(DecodeRunner):
     """Data-parallel attention over G ranks, expert-parallel MoE (module docstring).
 
     Options: ``replicas`` (None, or replica slots per expert on average in [1, G]),
-    ``router`` (``"eplb_even"`` | ``"metro"``: which replica a row goes to; validated
-    and unused without replicas), ``expert_load`` ([E] load for the EPLB placement).
-    After each step: ``last_stats`` (:class:`~moejax.backends.sync_ep.EPStepStats`) and
-    ``overflow_steps`` (steps in which a routed row did not fit: always 0)."""
+    ``router`` (``"eplb_even"`` | ``"metro"``: which replica a decode step's row goes to),
+    ``prefill_router`` (the same choice for the prefill steps; default None: ``router``),
+    both validated and unused without replicas, and ``expert_load`` ([E] load for the
+    EPLB placement). The METRO seed pairs ``router="metro"`` with
+    ``prefill_router="eplb_even"``. ``ctx`` / ``prefill_ctx``: the decode and prefill
+    steps' dispatch contexts (``HOME`` without replicas); ``router_steps``: steps
+    dispatched per router actually used (a Counter). ``last_stats``
+    (:class:`~moejax.backends.sync_ep.EPStepStats` of the last step run) and
+    ``overflow_steps`` (steps in which a routed row did not fit: always 0) count every
+    step run; ``run`` never waits for its step: the stats are read back after the next
+    step is dispatched, or when either property is read."""
 
     name = "sync_ep"
     steps = ("fused",)
 
     def __init__(self, cfg: ModelConfig, params: Params | None = None, *, dtype: Any,
                  opts: StepOptions, devices: int = 1, replicas: float | None = None,
-                 router: str = "eplb_even", expert_load: Any = None,
-                 placement: SyncEPPlacement | None = None, **options: Any):
+                 router: str = "eplb_even", prefill_router: str | None = None,
+                 expert_load: Any = None, placement: SyncEPPlacement | None = None,
+                 **options: Any):
         if placement is not None:
             dtype = placement.dtype
         super().__init__(cfg, dtype=dtype, opts=opts)
         check_options(options)
-        check_router(self.name, router)
+        prefill_router = router if prefill_router is None else prefill_router
+        for option, value in (("router", router), ("prefill_router", prefill_router)):
+            try:
+                check_router(self.name, value)
+            except BackendError as e:
+                raise BackendError(f"backend_options[{option!r}]: {e}") from None
         placement = SyncEPPlacement.resolve(self.name, cfg, params, self.dtype, devices,
                                             replicas, expert_load, placement)
-        # The layout's replica router (home without replicas), as the scoring backend's.
-        self.ctx = DispatchContext(layout=placement.layout,
-                                   router=router if placement.replicated else HOME,
-                                   num_devices=len(placement.devices))
+        # The layout's replica routers (home without replicas), as the scoring backend's:
+        # ``ctx`` for the decode steps, ``prefill_ctx`` for the prefill steps.
+        self.ctx, self.prefill_ctx = (
+            DispatchContext(layout=placement.layout,
+                            router=name if placement.replicated else HOME,
+                            num_devices=len(placement.devices))
+            for name in (router, prefill_router))
         # The one placement of sync_ep's weights (moejax.backends.sync_ep.SyncEPPlacement).
         self.placement = placement
         self._devices = placement.devices
@@ -160,10 +190,33 @@ class SyncEPRunner(DecodeRunner):
         self._pool = NamedSharding(self.mesh, P(None, AXIS))
         self.dense_params = placement.dense_params
         self.expert_slots = placement.expert_slots
-        self._step = make_step(self.mesh, cfg, opts, self.ctx)
+        # One step program per router (one only when both kinds route alike).
+        self._steps = {c.router: make_step(self.mesh, cfg, opts, c)
+                       for c in (self.ctx, self.prefill_ctx)}
         self._write = make_write(self.mesh)
-        self.overflow_steps = 0
-        self.last_stats: EPStepStats | None = None
+        self.router_steps: collections.Counter = collections.Counter()
+        self._overflow_steps = 0
+        self._last_stats: EPStepStats | None = None
+        # Stats of steps dispatched and not yet read back: (stats [G, NUM_STATS] on the
+        # device, tokens per rank).
+        self._pending: list[tuple[jax.Array, int]] = []
+
+    @property
+    def last_stats(self) -> EPStepStats | None:
+        """The last step's stats (waits for that step if it is still running)."""
+        self._record_pending()
+        return self._last_stats
+
+    @property
+    def overflow_steps(self) -> int:
+        """Steps run so far in which a routed row did not fit (waits for every step)."""
+        self._record_pending()
+        return self._overflow_steps
+
+    def step_context(self, batch: PagedBatch) -> DispatchContext:
+        """The dispatch context of a step: the prefill router's for prefill rows
+        (``chunk > 1``), the decode router's for decode rows (one token each)."""
+        return self.prefill_ctx if batch.chunk > 1 else self.ctx
 
     @property
     def layout(self) -> ExpertLayout:
@@ -189,12 +242,19 @@ class SyncEPRunner(DecodeRunner):
 
     def run(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams, step: str
             ) -> tuple[KVPool, StepResult]:
-        """One step over every rank, then the writes (``kv`` is consumed)."""
+        """One step over every rank, then the writes (``kv`` is consumed). Returns once
+        both are dispatched: the step's stats stay pending (class docstring)."""
         self.check_step(step)
+        ctx = self.step_context(batch)
         batch, samp = jax.device_put((batch, samp), self._ranks)
-        result, stats = self._step(self.dense_params, self.expert_slots, kv, batch, samp)
+        result, stats = self._steps[ctx.router](self.dense_params, self.expert_slots, kv,
+                                                batch, samp)
         kv = self._write(kv, batch.write_slots, result.new_keys, result.new_values)
-        self._record(np.asarray(fetch_global(stats)), batch.tokens.shape[0] // self.num_ranks)
+        self.router_steps[ctx.router] += 1
+        # The earlier steps' stats (done, or done before this one): read them back now,
+        # after this step is dispatched; this step's wait for the next run or a read.
+        self._record_pending()
+        self._pending.append((stats, batch.tokens.shape[0] // self.num_ranks))
         if not result.tokens.is_fully_addressable:
             # Over several processes: what the host reads back (the sampled tokens, the
             # routing for traces) is gathered to every process; the KV stays sharded.
@@ -203,16 +263,23 @@ class SyncEPRunner(DecodeRunner):
                                          weights=fetch_global(result.weights))
         return kv, result
 
+    def _record_pending(self) -> None:
+        """Read back and record the pending steps' stats, oldest first (each is
+        replicated: this process's copy is all of it, no collective)."""
+        pending, self._pending = self._pending, []
+        for stats, tokens in pending:
+            self._record(np.asarray(stats.addressable_data(0)), tokens)
+
     def _record(self, stats: np.ndarray, tokens: int) -> None:
         """Keep the step's stats [G, NUM_STATS]; count (and report) an overflow."""
         k = self.cfg.num_experts_per_tok
         capacity = step_capacity(tokens, k, self.layout.slots)
-        self.last_stats = EPStepStats(activated_per_device=stats[:, STAT_ACTIVATED],
-                                      tokens_per_device=stats[:, STAT_TOKENS],
-                                      peak_pair_rows=stats[:, STAT_PEAK], capacity=capacity,
-                                      rows_per_device=tokens * k)
+        self._last_stats = EPStepStats(activated_per_device=stats[:, STAT_ACTIVATED],
+                                       tokens_per_device=stats[:, STAT_TOKENS],
+                                       peak_pair_rows=stats[:, STAT_PEAK], capacity=capacity,
+                                       rows_per_device=tokens * k)
         if stats[:, STAT_OVERFLOW].any():
-            self.overflow_steps += 1
+            self._overflow_steps += 1
             log.error("sync_ep decode: %d routed rows overflowed dispatch buffers of %d rows "
                       "per device pair (a bug: the capacity is the worst case); this step's "
                       "tokens are wrong", int(stats[:, STAT_OVERFLOW].sum()), capacity)

@@ -90,7 +90,12 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=float, default=None,
                    help="sync_ep: expert replication factor (e.g. 1.5)")
     p.add_argument("--replica-router", choices=["metro", "eplb_even"], default=None,
-                   help="sync_ep: how tokens pick among an expert's replicas")
+                   help="sync_ep: how tokens pick among an expert's replicas (decode "
+                        "steps, and prefill steps unless --prefill-replica-router is given)")
+    p.add_argument("--prefill-replica-router", choices=["metro", "eplb_even"], default=None,
+                   help="sync_ep: the replica router of the prefill steps (default: "
+                        "--replica-router; METRO's pairing: --replica-router metro "
+                        "--prefill-replica-router eplb_even)")
     p.add_argument("--decoders", type=positive_int, default=None,
                    help="decode on K decoders, one device each, fed by a prefill engine "
                         "(default 1: prefill and decode together); on CPU it sets K host "
@@ -132,7 +137,8 @@ def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "decode_routing", None) is not None:
         options["routing"] = args.decode_routing
     backend_options = {key: getattr(args, flag) for key, flag in
-                       (("replicas", "replicas"), ("router", "replica_router"))
+                       (("replicas", "replicas"), ("router", "replica_router"),
+                        ("prefill_router", "prefill_replica_router"))
                        if getattr(args, flag, None) is not None}
     if backend_options:
         options["backend_options"] = backend_options
