@@ -43,7 +43,9 @@ scheduler against synchronous EP, on the cost tables of ``benchmarks/asyncmoe_co
 ``mu_queue_throughput_over_sync_ep``, ``defrag_over_most_tokens``,
 ``defrag_over_first_layer`` (demo-e32's traced routing, 4 devices; every source and
 device count under longer keys), batch sizes, stalls, queue depth, completion rate, and
-the defrag scheduler's δ / lookahead sweep.
+the defrag scheduler's δ / lookahead sweep. The real μ-queue runtime on CPU devices:
+``mu_queue_real_over_decode_runtime_tokens_per_s`` (its wall tokens/s over the decode
+runtime's, same requests, one run) and ``..._per_token`` (the former per-token transport).
 
     python -m benchmarks.ep_decode [--quick] [--json PATH] [--traces DIR] [--instances N]
         [--link-gbps 450] [--tables PATH] [--seed N]
@@ -298,6 +300,35 @@ def report(figures: dict[str, Any], shape: dict[str, Any]) -> None:
           f"{figures['step_ms_no_replicas']:.2f}; {figures['seconds']:.0f} s")
 
 
+def mu_queue_over_decode(figures: dict[str, Any], cfg: Any, params: Any,
+                         prompts: list[tuple[int, ...]], new_tokens: int) -> dict[str, float]:
+    """``mu_queue_real_over_decode_runtime_tokens_per_s``: the real μ-queue runtime's
+    (defrag, batched transport) wall tokens/s over the decode runtime's (the continuous
+    Scheduler on the resident backend), both measured by ``real_runtime_figures`` on the
+    same requests; ``..._per_token``: the same with the former per-token transport
+    (``transport="per_token"``), timed here after a compiling pass."""
+    import jax
+
+    from moejax.asyncmoe.runtime import MuQueueRuntime
+    from moejax.sequences import SequenceSpec
+
+    from benchmarks.lib.timing import timed_call
+
+    specs = [SequenceSpec(prompt=p, max_new_tokens=new_tokens) for p in prompts]
+    arrivals = [asyncmoe_sim.REAL_ARRIVAL_GAP * i for i in range(len(specs))]
+    runtime = MuQueueRuntime(cfg, params, jax.devices()[:asyncmoe_sim.REAL_DEVICES],
+                             scheduler="defrag", transport="per_token")
+    runtime.generate(specs, arrivals)                    # the first pass compiles
+    seconds, outputs = timed_call(lambda: runtime.generate(specs, arrivals),
+                                  label="mu_queue_defrag_per_token")
+    decode = figures["decode_runtime_wall_tokens_per_s"]
+    per_token = sum(len(o.token_ids) for o in outputs) / seconds
+    return {"mu_queue_real_over_decode_runtime_tokens_per_s":
+                figures["mu_queue_wall_tokens_per_s"] / decode,
+            "mu_queue_wall_tokens_per_s_per_token_transport": per_token,
+            "mu_queue_real_over_decode_runtime_tokens_per_s_per_token": per_token / decode}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, quick_help="small traces, 4 devices, r 1.0 and 1.5, 8 and 32 "
                           "tokens per device, 3 instances per layer", traces=True)
@@ -334,9 +365,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    for r in trace.requests[1::2][:shape["real_requests"]]]
         figures.update(asyncmoe_sim.real_runtime_figures(cfg, params, prompts,
                                                          shape["real_new_tokens"]))
+        figures.update(mu_queue_over_decode(figures, cfg, params, prompts,
+                                            shape["real_new_tokens"]))
     figures["seconds"] = time.perf_counter() - started
     report(figures, shape)
     asyncmoe_sim.report(figures, shape)
+    print(f"real μ-queue runtime over the decode runtime, wall tokens/s: batched transport "
+          f"{figures['mu_queue_real_over_decode_runtime_tokens_per_s']:.3f}, per-token "
+          f"transport {figures['mu_queue_real_over_decode_runtime_tokens_per_s_per_token']:.3f}")
     return finish_run(figures, args.json_path)
 
 

@@ -12,14 +12,30 @@ arithmetic with the layerwise decode programs of ``moejax.decode.programs``:
 * attention batch (rank g, block b): ``BEGIN`` + ``ATTENTION(b)`` over the batch's
   tokens, one row each, over the rank's pool; the post-attention residual waits on the
   rank for the merge, the token's keys/values of block b wait for the end of its step,
-  and the normed MoE input travels to the k experts (a ``device_put``);
+  and the normed MoE input travels to the k experts;
 * expert batch (device h, block b, expert e): ``MOE`` with a one-expert stack, every row
   routed to it with weight 1 (the grouped expert compute of the resident path);
 * merge (the rank's token pool has all k outputs): residual + Σ_j w_j·y_j in float32,
-  in top-k order (``moe.weighted_sum``'s sum);
+  in top-k order (``moe.weighted_sum``'s sum), computed for all the tokens of the batch
+  that consumes them (next block's attention, or the head) in one program;
 * head batch (rank g): ``HEAD`` (final norm, LM head, sampling), then every token's
   keys/values of all blocks are written to the pool (``WRITE_ROWS``); a request that
   has not stopped enters block 0 of its next step with the new token.
+
+**Transport.** A payload is a row of the array a batch produced (:class:`_Row`: the array,
+on its device, and the row), never a per-token slice. A batch gathers its inputs
+(:meth:`ModelExecutor._gather`) with one transfer per source device: the rows living on
+one device are put, in their order, into a staging array there (one ``_put_rows``
+program per source array), the staging array moves to the batch's device in one
+``jax.device_put``, and one ``_put_rows`` places its rows at their positions (rows on
+the batch's own device go in directly). The rows come out in the batch's record order,
+so a run computes what the per-token transport computed (``transport="per_token"``:
+one ``device_put`` and one slice per token, kept to measure the difference). Merges are
+gathered the same way (residuals local, expert outputs from their devices) and summed in
+one program per consuming batch; a head batch gathers every block's keys/values of its
+tokens (all on the rank) into [L, rows, ...] the same way before ``WRITE_ROWS``. Row
+counts of the programs are powers of two (index lists padded; padding writes nowhere),
+so the compiles stay bounded.
 
 Batches are padded to a power of two rows (bounded compiles; padding rows are invalid
 and write nothing). Blocks: a request takes ceil((prompt + max_new_tokens) / 16) KV
@@ -34,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +79,51 @@ def _merge(residual: jax.Array, outputs: jax.Array, weights: jax.Array) -> jax.A
     """residual [d] + Σ_j weights[j]·outputs[j] (outputs [k, d]), the sum in float32."""
     y = jnp.einsum("kd,k->d", outputs.astype(jnp.float32), weights)
     return residual + y.astype(residual.dtype)
+
+
+@jax.jit
+def _merge_rows(residual: jax.Array, outputs: jax.Array, weights: jax.Array) -> jax.Array:
+    """Per row t: residual[t] + Σ_j weights[t, j]·outputs[t·k + j] (outputs [T·k, d]), the
+    sum in float32 (``moe.weighted_sum``'s)."""
+    t, k = weights.shape
+    y = jnp.einsum("tkd,tk->td", outputs.reshape(t, k, -1).astype(jnp.float32), weights)
+    return residual + y.astype(residual.dtype)
+
+
+@jax.jit
+def _put_rows(out: jax.Array, src: jax.Array, src_rows: jax.Array, dst_rows: jax.Array
+              ) -> jax.Array:
+    """out with out[dst_rows[i]] = src[src_rows[i]] (a dst row past the end writes
+    nothing: the index lists' padding)."""
+    return out.at[dst_rows].set(src[src_rows], mode="drop")
+
+
+def _index_lists(src_rows: Sequence[int], dst_rows: Sequence[int], out_rows: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``_put_rows``'s index lists padded to a power of two (padding: src 0, dst
+    ``out_rows``, which writes nothing)."""
+    n = len(src_rows)
+    src = np.zeros(bucket(n, 1), np.int32)
+    dst = np.full(bucket(n, 1), out_rows, np.int32)
+    src[:n], dst[:n] = src_rows, dst_rows
+    return src, dst
+
+
+class _Row(NamedTuple):
+    """A payload: row ``row`` of ``array`` (a batch's output, on its device)."""
+
+    array: jax.Array
+    row: int
+
+
+class _PendingMerge(NamedTuple):
+    """A merged token's payload until the batch that consumes it sums it (with the rest
+    of that batch's merges): its residual row, its k expert output rows and gate weights
+    (slot order)."""
+
+    residual: _Row
+    parts: tuple[_Row, ...]
+    weights: tuple[float, ...]
 
 
 def decode_rows(blocks: Sequence[np.ndarray], positions: Sequence[int], tokens: Sequence[int],
@@ -118,6 +179,7 @@ class ModelExecutor:
         dense = programs.dense_params(host)
         self.dense = [jax.device_put(dense, d) for d in self.devices]
         self.full: dict[int, Params] = {}       # whole params per rank, for prefill
+        self._constants: dict[tuple, jax.Array] = {}
         self.host = host
         layers = host["layers"]
         self.expert_stacks = {
@@ -135,7 +197,7 @@ class ModelExecutor:
         self.max_table = 1
         self.sequences: dict[int, _Sequence] = {}
         self.specs = dict(specs)
-        self.residual: dict[tuple[int, int, int], jax.Array] = {}
+        self.residual: dict[tuple[int, int, int], Any] = {}
 
     # ---------------------------------------------------------------- prefill
 
@@ -197,7 +259,169 @@ class ModelExecutor:
                            [seq.tokens[-1] for seq in seqs], [len(seq.tokens) for seq in seqs],
                            bucket(len(records), 1), self.max_table, self.kv[rank].num_slots)
 
-    def _stack(self, payloads: Sequence[jax.Array], device: Any, rows: int) -> jax.Array:
+    # ---------------------------------------------------------------- transport
+    def _constant(self, device: Any, value: np.ndarray) -> jax.Array:
+        """``value`` on ``device``, put there once (an immutable cached array)."""
+        key = (device, value.shape, value.dtype.str, value.tobytes())
+        array = self._constants.get(key)
+        if array is None:
+            array = self._constants[key] = jax.device_put(value, device)
+        return array
+
+    def _gather(self, refs: Sequence[_Row], device: int, rows: int,
+                dst: Sequence[int] | None = None) -> jax.Array:
+        """[rows, ...] on ``devices[device]`` with row dst[i] (default i) = refs[i], zeros
+        elsewhere: one transfer per source device (module docstring)."""
+        dev = self.devices[device]
+        dst = range(len(refs)) if dst is None else dst
+        first = refs[0].array
+        out = self._constant(dev, np.zeros((rows,) + first.shape[1:], first.dtype))
+        arrays: dict[int, tuple[jax.Array, list[int], list[int]]] = {}
+        for ref, row in zip(refs, dst):
+            entry = arrays.get(id(ref.array))
+            if entry is None:
+                entry = arrays[id(ref.array)] = (ref.array, [], [])
+            entry[1].append(ref.row)
+            entry[2].append(row)
+        by_device: dict[Any, list[tuple[jax.Array, list[int], list[int]]]] = {}
+        for entry in arrays.values():
+            by_device.setdefault(next(iter(entry[0].devices())), []).append(entry)
+        for source, entries in by_device.items():
+            if source == dev:
+                for array, src_rows, dst_rows in entries:
+                    out = _put_rows(out, array, *_index_lists(src_rows, dst_rows, rows))
+                continue
+            if len(entries) == 1:               # the source array itself travels
+                array, src_rows, dst_rows = entries[0]
+            else:                               # its rows, staged on the source device
+                count = sum(len(e[1]) for e in entries)
+                staged = bucket(count, 1)
+                array = self._constant(source, np.zeros((staged,) + first.shape[1:],
+                                                        first.dtype))
+                at, dst_rows = 0, []
+                for part, src_rows, rows_there in entries:
+                    span = list(range(at, at + len(src_rows)))
+                    array = _put_rows(array, part, *_index_lists(src_rows, span, staged))
+                    dst_rows += rows_there
+                    at += len(src_rows)
+                src_rows = list(range(count))
+            out = _put_rows(out, jax.device_put(array, dev),
+                            *_index_lists(src_rows, dst_rows, rows))
+        return out
+
+    def _merged(self, device: int, payloads: Sequence[_PendingMerge], rows: int) -> jax.Array:
+        """[rows, d]: the merges of a batch's tokens in one program (padding rows zero)."""
+        k = len(payloads[0].parts)
+        residual = self._gather([p.residual for p in payloads], device, rows)
+        outputs = self._gather([part for p in payloads for part in p.parts], device, rows * k)
+        weights = np.zeros((rows, k), np.float32)
+        weights[:len(payloads)] = [p.weights for p in payloads]
+        return _merge_rows(residual, outputs, weights)
+
+    # ---------------------------------------------------------------- batches
+    def attention(self, device: int, batch: Batch) -> tuple[np.ndarray, np.ndarray, list]:
+        records, layer, dev = batch.records, batch.layer, self.devices[device]
+        paged = jax.device_put(self._decode_batch(device, records), dev)
+        x, attn = programs.BEGIN(self.dense[device], self.kv[device], paged, cfg=self.cfg,
+                                 opts=self.opts)
+        if layer > 0:
+            x = self._merged(device, [r.payload for r in records], x.shape[0])
+        x, carry, moe_in, routing = programs.ATTENTION(self.dense[device], np.int32(layer), x,
+                                                       self.kv[device], attn, cfg=self.cfg)
+        keys, values = carry[0][layer], carry[1][layer]
+        n = batch.size
+        ids, weights = np.asarray(routing.experts)[:n], np.asarray(routing.weights)[:n]
+        for i, r in enumerate(records):
+            seq = self.sequences[r.request_id]
+            seq.step_keys.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = _Row(keys, i)
+            seq.step_values.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = \
+                _Row(values, i)
+            self.residual[(r.request_id, r.step, layer)] = _Row(x, i)
+            if layer == 0:
+                seq.experts.append([None] * self.cfg.num_layers)
+                seq.weights.append([None] * self.cfg.num_layers)
+            seq.experts[r.step][layer], seq.weights[r.step][layer] = ids[i], weights[i]
+        return ids, weights, [_Row(moe_in, i) for i in range(n)]
+
+    def expert(self, device: int, batch: Batch) -> list:
+        dev, n = self.devices[device], batch.size
+        rows = bucket(n, 1)
+        x = self._gather([r.payload for r in batch.records], device, rows)
+        routing = moe.Routing(weights=self._constant(dev, np.ones((rows, 1), np.float32)),
+                              experts=self._constant(dev, np.zeros((rows, 1), np.int32)))
+        y = programs.MOE(self.expert_stacks[(batch.layer, batch.unit)], np.int32(0),
+                         self._constant(dev, np.zeros(x.shape, x.dtype)), x, routing,
+                         self._constant(dev, np.arange(rows) < n), opts=self.opts)
+        return [_Row(y, i) for i in range(n)]
+
+    def merge(self, device: int, merged: Merged) -> _PendingMerge:
+        residual = self.residual.pop((merged.request_id, merged.step, merged.layer))
+        return _PendingMerge(residual, tuple(p.payload for p in merged.parts),
+                             tuple(float(p.weight) for p in merged.parts))
+
+    def head(self, device: int, batch: Batch) -> list[tuple[bool, Any]]:
+        records, dev, n = batch.records, self.devices[device], batch.size
+        paged = self._decode_batch(device, records)
+        rows = paged.rows
+        seqs = [self.sequences[r.request_id] for r in records]
+        samp = self._sampling(seqs, rows)
+        paged, samp = jax.device_put((paged, samp), dev)
+        x = self._merged(device, [r.payload for r in records], rows)
+        tokens = np.asarray(programs.HEAD(self.dense[device], x, paged, samp, cfg=self.cfg))
+        self._write_step(device, paged.write_slots, seqs, [r.step for r in records], rows)
+        out = []
+        for r, seq, token in zip(records, seqs, tokens[:n]):
+            decodes = self._append(r.request_id, seq, int(token))
+            out.append((decodes, int(token)))
+        return out
+
+    def _write_step(self, device: int, slots: jax.Array, seqs: Sequence[_Sequence],
+                    steps: Sequence[int], rows: int) -> None:
+        """Every block's keys/values of the finished tokens into the rank's pool
+        (gathered into [L, rows, ...]: row l·rows + i is token i's block l)."""
+        layers = self.cfg.num_layers
+        keys, values, dst = [], [], []
+        for i, (seq, step) in enumerate(zip(seqs, steps)):
+            keys += seq.step_keys.pop(step)
+            values += seq.step_values.pop(step)
+            dst += [layer * rows + i for layer in range(layers)]
+        shape = (layers, rows) + keys[0].array.shape[1:]
+        self.kv[device] = WRITE_ROWS(
+            self.kv[device], slots,
+            self._gather(keys, device, layers * rows, dst).reshape(shape),
+            self._gather(values, device, layers * rows, dst).reshape(shape), None)
+
+    def _append(self, request_id: int, seq: _Sequence, token: int) -> bool:
+        """Record a generated token; whether the request decodes another step (frees its
+        blocks when it does not)."""
+        seq.tokens.append(token)
+        if token in seq.spec.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.tokens) < seq.spec.max_new_tokens:
+            return True
+        self.allocators[seq.rank].release([int(b) for b in seq.blocks])
+        return False
+
+    def output(self, request_id: int) -> SequenceOutput:
+        seq = self.sequences[request_id]
+        steps = len(seq.experts)
+        shape = (self.cfg.num_layers, steps, self.cfg.num_experts_per_tok)
+        experts = (np.array([[seq.experts[s][l] for s in range(steps)]
+                             for l in range(self.cfg.num_layers)], np.int32)
+                   if steps else np.zeros(shape, np.int32))
+        weights = (np.array([[seq.weights[s][l] for s in range(steps)]
+                             for l in range(self.cfg.num_layers)], np.float32)
+                   if steps else np.zeros(shape, np.float32))
+        return SequenceOutput(token_ids=list(seq.tokens), finish_reason=seq.finish_reason,
+                              decode_experts=experts, decode_weights=weights)
+
+
+class PerTokenExecutor(ModelExecutor):
+    """The former transport (``transport="per_token"``): every payload a per-token slice,
+    moved with its own ``jax.device_put``, each merge its own program. Kept to measure
+    the batched transport against; same tokens."""
+
+    def _stack(self, payloads: Sequence[Any], device: Any, rows: int) -> jax.Array:
         x = jnp.stack([jax.device_put(p, device) for p in payloads])
         return jnp.pad(x, ((0, rows - len(payloads)), (0, 0)))
 
@@ -271,42 +495,23 @@ class ModelExecutor:
         self.kv[device] = WRITE_ROWS(self.kv[device], slots, jax.device_put(keys, dev),
                                      jax.device_put(values, dev), None)
 
-    def _append(self, request_id: int, seq: _Sequence, token: int) -> bool:
-        """Record a generated token; whether the request decodes another step (frees its
-        blocks when it does not)."""
-        seq.tokens.append(token)
-        if token in seq.spec.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.tokens) < seq.spec.max_new_tokens:
-            return True
-        self.allocators[seq.rank].release([int(b) for b in seq.blocks])
-        return False
 
-    def output(self, request_id: int) -> SequenceOutput:
-        seq = self.sequences[request_id]
-        steps = len(seq.experts)
-        shape = (self.cfg.num_layers, steps, self.cfg.num_experts_per_tok)
-        experts = (np.array([[seq.experts[s][l] for s in range(steps)]
-                             for l in range(self.cfg.num_layers)], np.int32)
-                   if steps else np.zeros(shape, np.int32))
-        weights = (np.array([[seq.weights[s][l] for s in range(steps)]
-                             for l in range(self.cfg.num_layers)], np.float32)
-                   if steps else np.zeros(shape, np.float32))
-        return SequenceOutput(token_ids=list(seq.tokens), finish_reason=seq.finish_reason,
-                              decode_experts=experts, decode_weights=weights)
+TRANSPORTS: dict[str, type[ModelExecutor]] = {"batched": ModelExecutor,
+                                              "per_token": PerTokenExecutor}
 
 
 class MuQueueRuntime:
     """Greedy or sampled decode of many sequences through the μ-queue loop on
     ``devices`` (module docstring). ``scheduler``: a name ("defrag", "most_tokens",
     "first_layer") or an object; ``duration(batch)`` / ``link(bytes)``: the virtual cost
-    model (default one unit per execution, free transfers)."""
+    model (default one unit per execution, free transfers); ``transport``: "batched"
+    (default) or "per_token" (the former one, for comparison; module docstring)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, devices: Sequence[Any], *,
                  scheduler: QueueScheduler | str = "defrag", dtype: Any = "float32",
                  expert_device: Sequence[int] | None = None, blocks_per_rank: int | None = None,
                  duration: Callable[[Batch], float] | None = None,
-                 link: Callable[[float], float] | None = None):
+                 link: Callable[[float], float] | None = None, transport: str = "batched"):
         if not devices:
             raise ValueError("MuQueueRuntime needs at least one device")
         self.cfg = cfg
@@ -318,7 +523,10 @@ class MuQueueRuntime:
                 0 <= d < len(self.devices) for d in self.expert_device):
             raise ValueError(f"expert_device must give each of the {cfg.num_experts} experts a "
                              f"device in [0, {len(self.devices)}), got {self.expert_device}")
-        self.executor = ModelExecutor(cfg, params, self.devices, self.expert_device, dtype=dtype)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {transport!r}")
+        self.executor = TRANSPORTS[transport](cfg, params, self.devices, self.expert_device,
+                                              dtype=dtype)
         self.blocks_per_rank = blocks_per_rank
         self.duration = duration or (lambda batch: UNIT_SECONDS)
         self.link = link or (lambda nbytes: 0.0)
