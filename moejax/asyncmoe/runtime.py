@@ -366,7 +366,7 @@ class ModelExecutor:
         seqs = [self.sequences[r.request_id] for r in records]
         samp = self._sampling(seqs, rows)
         paged, samp = jax.device_put((paged, samp), dev)
-        x = self._merged(device, [r.payload for r in records], rows)
+        x = self._head_input(device, [r.payload for r in records], rows)
         tokens = np.asarray(programs.HEAD(self.dense[device], x, paged, samp, cfg=self.cfg))
         self._write_step(device, paged.write_slots, seqs, [r.step for r in records], rows)
         out = []
@@ -374,6 +374,10 @@ class ModelExecutor:
             decodes = self._append(r.request_id, seq, int(token))
             out.append((decodes, int(token)))
         return out
+
+    def _head_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
+        """The head batch's hidden states [rows, d]: its tokens' pending merges, summed."""
+        return self._merged(device, payloads, rows)
 
     def _write_step(self, device: int, slots: jax.Array, seqs: Sequence[_Sequence],
                     steps: Sequence[int], rows: int) -> None:
@@ -465,21 +469,8 @@ class PerTokenExecutor(ModelExecutor):
         weights = jnp.asarray([p.weight for p in merged.parts], jnp.float32)
         return _merge(residual, outputs, weights)
 
-    def head(self, device: int, batch: Batch) -> list[tuple[bool, Any]]:
-        records, dev, n = batch.records, self.devices[device], batch.size
-        paged = self._decode_batch(device, records)
-        rows = paged.rows
-        seqs = [self.sequences[r.request_id] for r in records]
-        samp = self._sampling(seqs, rows)
-        paged, samp = jax.device_put((paged, samp), dev)
-        x = self._stack([r.payload for r in records], dev, rows)
-        tokens = np.asarray(programs.HEAD(self.dense[device], x, paged, samp, cfg=self.cfg))
-        self._write_step(device, paged.write_slots, seqs, [r.step for r in records], rows)
-        out = []
-        for r, seq, token in zip(records, seqs, tokens[:n]):
-            decodes = self._append(r.request_id, seq, int(token))
-            out.append((decodes, int(token)))
-        return out
+    def _head_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
+        return self._stack(payloads, self.devices[device], rows)
 
     def _write_step(self, device: int, slots: jax.Array, seqs: Sequence[_Sequence],
                     steps: Sequence[int], rows: int) -> None:
