@@ -194,14 +194,16 @@ def split_refs(refs, num_weights: int, layered: bool):
     return tile_map_refs, layer_ref, lhs_ref, weight_refs, out_ref
 
 
-def _group_products(tile_map_refs, layer_ref, lhs_ref, rhs_refs, rhs_col_offsets, *,
-                    block_m: int, block_k: int, block_n: int, depth: int, precision
-                    ) -> list[jax.Array]:
-    """In one program: Σ over the groups meeting this row tile of masked x · rhs[g] for each
-    rhs (``rhs[layer, g]`` where ``layer_ref`` is given), on columns
-    [n·block_n + offset, +block_n). Returns one [block_m, block_n] f32 each."""
+def group_products(tile_map_refs, layer_ref, lhs_ref, weights, load_tile, *, block_m: int,
+                   block_k: int, block_n: int, depth: int, precision) -> list[jax.Array]:
+    """In one program: Σ over the groups meeting this row tile of masked x · W for each of
+    ``weights``, W's [block_k, block_n] tile at reduction step kk read by ``load_tile(weight,
+    index, kk, dtype)`` (``index``: ``(g,)``, or ``(layer, g)`` where ``layer_ref`` is
+    given; the tile in x's ``dtype``). The kernels differ only in that hook (plain
+    weights here, FP8 dequantized in :mod:`kernels_pallas.gmm_fp8`). Returns one
+    [block_m, block_n] f32 each."""
     lo_ref, hi_ref, visit_ref, start_ref, end_ref = tile_map_refs
-    m, n = pl.program_id(0), pl.program_id(1)
+    m = pl.program_id(0)
     first_row = m * block_m
     rows = first_row + jnp.arange(block_m, dtype=jnp.int32)
     expert = expert_index(layer_ref)
@@ -213,32 +215,46 @@ def _group_products(tile_map_refs, layer_ref, lhs_ref, rhs_refs, rhs_col_offsets
         def k_step(kk, accs):
             x = lhs_ref[pl.ds(first_row, block_m), pl.ds(kk * block_k, block_k)]
             x = jnp.where(in_group, x, jnp.zeros_like(x))
-            out = []
-            for acc, w_ref, offset in zip(accs, rhs_refs, rhs_col_offsets):
-                w = w_ref[(*expert(group), pl.ds(kk * block_k, block_k),
-                           pl.ds(n * block_n + offset, block_n))]
-                # A layered stack is not cast up front (that would copy all L layers):
-                # each tile is cast here, to the same values.
-                w = w if w.dtype == x.dtype else w.astype(x.dtype)
-                out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32,
-                                         precision=precision))
-            return tuple(out)
+            return tuple(acc + jnp.dot(x, load_tile(weight, expert(group), kk, x.dtype),
+                                       preferred_element_type=jnp.float32, precision=precision)
+                         for acc, weight in zip(accs, weights))
 
         return jax.lax.fori_loop(0, depth // block_k, k_step, accs)
 
-    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in rhs_refs)
+    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weights)
     return list(jax.lax.fori_loop(lo_ref[m], hi_ref[m], visit, zeros))
+
+
+def _column_tiles(block_k: int, block_n: int):
+    """The plain weights' tile loader: ``weight`` = (ref, column offset); columns
+    [n·block_n + offset, +block_n)."""
+    n = pl.program_id(1)
+
+    def load(weight, index, kk, dtype):
+        ref, offset = weight
+        w = ref[(*index, pl.ds(kk * block_k, block_k), pl.ds(n * block_n + offset, block_n))]
+        # A layered stack is not cast up front (that would copy all L layers): each tile
+        # is cast here, to the same values.
+        return w if w.dtype == dtype else w.astype(dtype)
+
+    return load
+
+
+def _products(tile_map_refs, layer_ref, lhs_ref, rhs_refs, rhs_col_offsets, **dims):
+    load = _column_tiles(dims["block_k"], dims["block_n"])
+    return group_products(tile_map_refs, layer_ref, lhs_ref,
+                          tuple(zip(rhs_refs, rhs_col_offsets)), load, **dims)
 
 
 def _gmm_kernel(*refs, layered: bool, **dims):
     tile_map_refs, layer_ref, lhs_ref, (rhs_ref,), out_ref = split_refs(refs, 1, layered)
-    (acc,) = _group_products(tile_map_refs, layer_ref, lhs_ref, (rhs_ref,), (0,), **dims)
+    (acc,) = _products(tile_map_refs, layer_ref, lhs_ref, (rhs_ref,), (0,), **dims)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
 def _swiglu_kernel(*refs, layered: bool, up_col_offset: int, **dims):
     tile_map_refs, layer_ref, lhs_ref, (gate_ref, up_ref), out_ref = split_refs(refs, 2, layered)
-    gate, up = _group_products(tile_map_refs, layer_ref, lhs_ref, (gate_ref, up_ref),
+    gate, up = _products(tile_map_refs, layer_ref, lhs_ref, (gate_ref, up_ref),
                                (0, up_col_offset), **dims)
     out_ref[...] = (jax.nn.silu(gate) * up).astype(out_ref.dtype)
 

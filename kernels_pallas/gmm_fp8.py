@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxtyping import Array, Float, Float32, Integer, Shaped
 
 from kernels_pallas import tile_table
-from kernels_pallas.gmm import GmmTiles, expert_index, group_tile_map, split_refs, tiles_for
+from kernels_pallas.gmm import GmmTiles, group_products, group_tile_map, split_refs, tiles_for
 from kernels_pallas.layer_index import Layer, layer_operand, weight_shape_error
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -83,42 +83,24 @@ def fp8_tiles(dtype, depth: int, out_cols: int, num_groups: int, block: Block,
     return fitted
 
 
-def _fp8_products(tile_map_refs, layer_ref, lhs_ref, weight_refs, *, block_m: int,
-                  block_k: int, block_n: int, depth: int, scale_block: Block, precision
-                  ) -> list[jax.Array]:
-    """In one program: Σ over the groups meeting this row tile of masked x · dequant(W[g])
-    for each (weights, scale) ref pair (``W[layer, g]`` where ``layer_ref`` is given), on
-    columns [n·block_n, +block_n). Returns one [block_m, block_n] f32 each."""
-    lo_ref, hi_ref, visit_ref, start_ref, end_ref = tile_map_refs
-    m, n = pl.program_id(0), pl.program_id(1)
-    first_row = m * block_m
-    first_col = n * block_n
-    rows = first_row + jnp.arange(block_m, dtype=jnp.int32)
+def _fp8_products(tile_map_refs, layer_ref, lhs_ref, weight_refs, *, scale_block: Block,
+                  **dims) -> list[jax.Array]:
+    """:func:`kernels_pallas.gmm.group_products` over (weights, scale) ref pairs, each
+    tile dequantized where it is loaded (``W[layer, g]`` where ``layer_ref`` is given), on
+    columns [n·block_n, +block_n)."""
+    block_k, block_n = dims["block_k"], dims["block_n"]
+    first_col = pl.program_id(1) * block_n
     scale_col = first_col // scale_block[1]
-    expert = expert_index(layer_ref)
 
-    def visit(v, accs):
-        group = visit_ref[v]
-        in_group = ((rows >= start_ref[group]) & (rows < end_ref[group]))[:, None]
+    def load(weight, index, kk, dtype):
+        w_ref, s_ref = weight
+        w = w_ref[(*index, pl.ds(kk * block_k, block_k), pl.ds(first_col, block_n))]
+        if w.dtype != FP8:        # bytes: reinterpreted, no arithmetic
+            w = jax.lax.bitcast_convert_type(w, FP8)
+        s = s_ref[(*index, (kk * block_k) // scale_block[0], scale_col)]
+        return (w.astype(jnp.float32) * s).astype(dtype)     # dequantized here
 
-        def k_step(kk, accs):
-            x = lhs_ref[pl.ds(first_row, block_m), pl.ds(kk * block_k, block_k)]
-            x = jnp.where(in_group, x, jnp.zeros_like(x))
-            out = []
-            for acc, (w_ref, s_ref) in zip(accs, weight_refs):
-                w = w_ref[(*expert(group), pl.ds(kk * block_k, block_k), pl.ds(first_col, block_n))]
-                if w.dtype != FP8:        # bytes: reinterpreted, no arithmetic
-                    w = jax.lax.bitcast_convert_type(w, FP8)
-                s = s_ref[(*expert(group), (kk * block_k) // scale_block[0], scale_col)]
-                w = (w.astype(jnp.float32) * s).astype(x.dtype)     # dequantized here
-                out.append(acc + jnp.dot(x, w, preferred_element_type=jnp.float32,
-                                         precision=precision))
-            return tuple(out)
-
-        return jax.lax.fori_loop(0, depth // block_k, k_step, accs)
-
-    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weight_refs)
-    return list(jax.lax.fori_loop(lo_ref[m], hi_ref[m], visit, zeros))
+    return group_products(tile_map_refs, layer_ref, lhs_ref, weight_refs, load, **dims)
 
 
 def _gmm_fp8_kernel(*refs, layered: bool, **dims):
