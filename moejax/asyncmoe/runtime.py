@@ -325,34 +325,50 @@ class ModelExecutor:
         x, attn = programs.BEGIN(self.dense[device], self.kv[device], paged, cfg=self.cfg,
                                  opts=self.opts)
         if layer > 0:
-            x = self._merged(device, [r.payload for r in records], x.shape[0])
+            x = self._layer_input(device, [r.payload for r in records], x.shape[0])
         x, carry, moe_in, routing = programs.ATTENTION(self.dense[device], np.int32(layer), x,
                                                        self.kv[device], attn, cfg=self.cfg)
         keys, values = carry[0][layer], carry[1][layer]
         n = batch.size
         ids, weights = np.asarray(routing.experts)[:n], np.asarray(routing.weights)[:n]
+        row = self._row
         for i, r in enumerate(records):
             seq = self.sequences[r.request_id]
-            seq.step_keys.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = _Row(keys, i)
+            seq.step_keys.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = row(keys, i)
             seq.step_values.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = \
-                _Row(values, i)
-            self.residual[(r.request_id, r.step, layer)] = _Row(x, i)
+                row(values, i)
+            self.residual[(r.request_id, r.step, layer)] = row(x, i)
             if layer == 0:
                 seq.experts.append([None] * self.cfg.num_layers)
                 seq.weights.append([None] * self.cfg.num_layers)
             seq.experts[r.step][layer], seq.weights[r.step][layer] = ids[i], weights[i]
-        return ids, weights, [_Row(moe_in, i) for i in range(n)]
+        return ids, weights, [row(moe_in, i) for i in range(n)]
 
     def expert(self, device: int, batch: Batch) -> list:
         dev, n = self.devices[device], batch.size
         rows = bucket(n, 1)
-        x = self._gather([r.payload for r in batch.records], device, rows)
+        x = self._expert_input(device, [r.payload for r in batch.records], rows)
         routing = moe.Routing(weights=self._constant(dev, np.ones((rows, 1), np.float32)),
                               experts=self._constant(dev, np.zeros((rows, 1), np.int32)))
         y = programs.MOE(self.expert_stacks[(batch.layer, batch.unit)], np.int32(0),
                          self._constant(dev, np.zeros(x.shape, x.dtype)), x, routing,
                          self._constant(dev, np.arange(rows) < n), opts=self.opts)
-        return [_Row(y, i) for i in range(n)]
+        return [self._row(y, i) for i in range(n)]
+
+    # The transport's hooks (the per-token executor overrides them).
+    @staticmethod
+    def _row(array: jax.Array, i: int) -> Any:
+        """A payload: row i of a batch's output, as a reference (no slice)."""
+        return _Row(array, i)
+
+    def _expert_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
+        """An expert batch's rows [rows, d], gathered (one transfer per source device)."""
+        return self._gather(payloads, device, rows)
+
+    def _layer_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
+        """The hidden states [rows, d] a batch starts from (an attention batch past layer
+        0, a head batch): its tokens' pending merges, summed."""
+        return self._merged(device, payloads, rows)
 
     def merge(self, device: int, merged: Merged) -> _PendingMerge:
         residual = self.residual.pop((merged.request_id, merged.step, merged.layer))
@@ -366,7 +382,7 @@ class ModelExecutor:
         seqs = [self.sequences[r.request_id] for r in records]
         samp = self._sampling(seqs, rows)
         paged, samp = jax.device_put((paged, samp), dev)
-        x = self._head_input(device, [r.payload for r in records], rows)
+        x = self._layer_input(device, [r.payload for r in records], rows)
         tokens = np.asarray(programs.HEAD(self.dense[device], x, paged, samp, cfg=self.cfg))
         self._write_step(device, paged.write_slots, seqs, [r.step for r in records], rows)
         out = []
@@ -374,10 +390,6 @@ class ModelExecutor:
             decodes = self._append(r.request_id, seq, int(token))
             out.append((decodes, int(token)))
         return out
-
-    def _head_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
-        """The head batch's hidden states [rows, d]: its tokens' pending merges, summed."""
-        return self._merged(device, payloads, rows)
 
     def _write_step(self, device: int, slots: jax.Array, seqs: Sequence[_Sequence],
                     steps: Sequence[int], rows: int) -> None:
@@ -429,38 +441,12 @@ class PerTokenExecutor(ModelExecutor):
         x = jnp.stack([jax.device_put(p, device) for p in payloads])
         return jnp.pad(x, ((0, rows - len(payloads)), (0, 0)))
 
-    def attention(self, device: int, batch: Batch) -> tuple[np.ndarray, np.ndarray, list]:
-        records, layer, dev = batch.records, batch.layer, self.devices[device]
-        paged = jax.device_put(self._decode_batch(device, records), dev)
-        x, attn = programs.BEGIN(self.dense[device], self.kv[device], paged, cfg=self.cfg,
-                                 opts=self.opts)
-        if layer > 0:
-            x = self._stack([r.payload for r in records], dev, x.shape[0])
-        x, carry, moe_in, routing = programs.ATTENTION(self.dense[device], np.int32(layer), x,
-                                                       self.kv[device], attn, cfg=self.cfg)
-        keys, values = carry[0][layer], carry[1][layer]
-        n = batch.size
-        ids, weights = np.asarray(routing.experts)[:n], np.asarray(routing.weights)[:n]
-        for i, r in enumerate(records):
-            seq = self.sequences[r.request_id]
-            seq.step_keys.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = keys[i]
-            seq.step_values.setdefault(r.step, [None] * self.cfg.num_layers)[layer] = values[i]
-            self.residual[(r.request_id, r.step, layer)] = x[i]
-            if layer == 0:
-                seq.experts.append([None] * self.cfg.num_layers)
-                seq.weights.append([None] * self.cfg.num_layers)
-            seq.experts[r.step][layer], seq.weights[r.step][layer] = ids[i], weights[i]
-        return ids, weights, [moe_in[i] for i in range(n)]
+    @staticmethod
+    def _row(array: jax.Array, i: int) -> Any:
+        return array[i]
 
-    def expert(self, device: int, batch: Batch) -> list:
-        dev, n = self.devices[device], batch.size
-        rows = bucket(n, 1)
-        x = self._stack([r.payload for r in batch.records], dev, rows)
-        routing = moe.Routing(weights=jnp.ones((rows, 1), jnp.float32),
-                              experts=jnp.zeros((rows, 1), jnp.int32))
-        y = programs.MOE(self.expert_stacks[(batch.layer, batch.unit)], np.int32(0),
-                         jnp.zeros_like(x), x, routing, jnp.arange(rows) < n, opts=self.opts)
-        return [y[i] for i in range(n)]
+    def _expert_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
+        return self._stack(payloads, self.devices[device], rows)
 
     def merge(self, device: int, merged: Merged) -> jax.Array:
         dev = self.devices[device]
@@ -469,7 +455,7 @@ class PerTokenExecutor(ModelExecutor):
         weights = jnp.asarray([p.weight for p in merged.parts], jnp.float32)
         return _merge(residual, outputs, weights)
 
-    def _head_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
+    def _layer_input(self, device: int, payloads: Sequence[Any], rows: int) -> jax.Array:
         return self._stack(payloads, self.devices[device], rows)
 
     def _write_step(self, device: int, slots: jax.Array, seqs: Sequence[_Sequence],
