@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, Shaped
 
-from moejax.fp8_experts import Block, Fp8Experts
+from moejax.fp8_experts import Block, Fp8Experts, layer_expert_slab
 
 
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
@@ -55,11 +55,7 @@ class StackLayer:
     def expert(self, expert, dtype) -> jax.Array:
         """Expert ``expert``'s matrix ``[in, out]`` in ``dtype``: one dynamic slice of
         the stack at (layer, expert)."""
-        rows, cols = self.stack.shape[2:]
-        start = (jnp.asarray(self.layer, jnp.int32), jnp.asarray(expert, jnp.int32),
-                 jnp.int32(0), jnp.int32(0))
-        piece = jax.lax.dynamic_slice(self.stack, start, (1, 1, rows, cols))
-        return piece.reshape(rows, cols).astype(dtype)
+        return layer_expert_slab(self.stack, self.layer, expert).astype(dtype)
 
     def experts(self, ids: Int[Array, "n"], dtype) -> jax.Array:
         """Experts ``ids``'s matrices ``[n, in, out]``: one gather at (layer, ids)."""

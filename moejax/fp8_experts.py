@@ -75,6 +75,14 @@ def dequantize_blocks(values: Shaped[Array, "*lead i o"], scale: Float[Array, "*
     return (values.astype(jnp.float32) * expanded).astype(dtype)
 
 
+def layer_expert_slab(stack: jax.Array, layer, expert) -> jax.Array:
+    """``stack[layer, expert]`` of a ``[L, E, ...]`` stack (indices static or traced) as
+    one dynamic slice of that slab: the layer is never sliced out whole."""
+    start = (jnp.asarray(layer, jnp.int32), jnp.asarray(expert, jnp.int32),
+             *(jnp.int32(0) for _ in stack.shape[2:]))
+    return jax.lax.dynamic_slice(stack, start, (1, 1, *stack.shape[2:]))[0, 0]
+
+
 @typing.no_type_check   # a pytree: JAX rebuilds it with placeholder leaves
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +117,7 @@ class Fp8Experts:
         """One expert's slab of ``stack`` (values or scales), at this view's layer."""
         if self.layer is None:
             return jax.lax.dynamic_index_in_dim(stack, expert, axis=0, keepdims=False)
-        start = (jnp.asarray(self.layer, jnp.int32), jnp.asarray(expert, jnp.int32),
-                 jnp.int32(0), jnp.int32(0))
-        return jax.lax.dynamic_slice(stack, start, (1, 1, *stack.shape[2:]))[0, 0]
+        return layer_expert_slab(stack, self.layer, expert)
 
     def dequantized(self, dtype) -> jax.Array:
         """Every expert (of the layer) dequantized, ``[E, in, out]``: a reference for
