@@ -458,12 +458,12 @@ def build_layout(num_experts: int, num_devices: int, replicas: float | None,
     return layout_from_placement(placement)
 
 
-def check_router(name: str, router: Any) -> None:
-    """BackendError unless ``router`` names a replica router (checked with or without
-    replicas, so that a typo never passes silently)."""
+def check_router(name: str, router: Any, option: str = "router") -> None:
+    """BackendError unless ``router`` (the backend option ``option``) names a replica
+    router (checked with or without replicas, so that a typo never passes silently)."""
     if router not in ROUTERS:
-        raise BackendError(f"backend {name!r}: unknown router {router!r}; choose one of "
-                           f"{ROUTERS}")
+        raise BackendError(f"backend {name!r}: backend_options[{option!r}]: unknown router "
+                           f"{router!r}; choose one of {ROUTERS}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -169,10 +169,7 @@ class SyncEPRunner(DecodeRunner):
         check_options(options)
         prefill_router = router if prefill_router is None else prefill_router
         for option, value in (("router", router), ("prefill_router", prefill_router)):
-            try:
-                check_router(self.name, value)
-            except BackendError as e:
-                raise BackendError(f"backend_options[{option!r}]: {e}") from None
+            check_router(self.name, value, option)
         placement = SyncEPPlacement.resolve(self.name, cfg, params, self.dtype, devices,
                                             replicas, expert_load, placement)
         # The layout's replica routers (home without replicas), as the scoring backend's:
