@@ -210,32 +210,19 @@ def load_shape(name: str, args: Any, opts: Any) -> tuple[Any, Any]:
 def expert_bytes_per_expert(params: dict[str, Any], cfg: Any) -> int:
     """The bytes of one expert at one layer: its matrices (3·d·f·itemsize) and, where the
     experts are kept in FP8, their block scales (biases are counted as dense weights)."""
-    from moejax.param_layout import expert_matrix_names
+    from moejax.backends.base import expert_bytes_per_layer
 
-    layers = params["layers"]
-    total = sum(int(np.prod(layers[k].shape)) * np.dtype(layers[k].dtype).itemsize
-                for k in expert_matrix_names(layers))
-    return total // (cfg.num_layers * cfg.num_experts)
+    return expert_bytes_per_layer(params) // cfg.num_experts
 
 
 def dense_weight_bytes(params: dict[str, Any], cfg: Any) -> int:
     """The bytes of every weight a decode step reads whole: all but the expert matrices
     (and scales) and the embedding table (a step gathers only its rows' rows; with tied
     embeddings the table is the LM head, read whole)."""
-    from moejax.param_layout import expert_matrix_names
+    from moejax.backends.base import dense_bytes, nbytes
 
-    import jax
-
-    skip = set(expert_matrix_names(params["layers"]))
-    total = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = [getattr(p, "key", str(p)) for p in path]
-        if names[0] == "layers" and names[-1] in skip:
-            continue
-        if names == ["embed"] and not cfg.tie_word_embeddings:
-            continue
-        total += int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-    return total
+    embed = 0 if cfg.tie_word_embeddings else nbytes(params["embed"])
+    return dense_bytes(params) - embed
 
 
 def floor_bytes(experts: np.ndarray, *, expert_bytes: int, context_tokens: int,

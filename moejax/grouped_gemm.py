@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Integer
 
-from moejax.expert_impl_table import expert_impl_for
+from moejax.expert_impl_table import device_of, expert_impl_for, hidden_bucket
 from moejax.expert_views import StackLayer, expert_matrices, expert_matrix, is_view, layer_array
 from moejax.fp8_experts import Fp8Experts, any_fp8
 
@@ -43,9 +43,7 @@ TILE_ROWS = {
 
 def tile_rows_for(hidden: int, platform: str | None = None) -> tuple[int, int]:
     """(full tile rows, remainder tile rows) from :data:`TILE_ROWS`."""
-    platform = platform or jax.default_backend()
-    platform = "gpu" if platform in ("gpu", "cuda", "rocm") else "cpu"
-    return TILE_ROWS[(platform, "small" if hidden <= 1024 else "large")]
+    return TILE_ROWS[(device_of(platform or jax.default_backend()), hidden_bucket(hidden))]
 
 
 def resolve_tile_rows(tile_rows: int | tuple[int, int] | None, hidden: int) -> tuple[int, int]:
