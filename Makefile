@@ -11,7 +11,13 @@ DEMO_OUT ?= out/demo_scores.jsonl
 PYTEST_WORKERS ?= 2
 # worksteal: each worker starts on one contiguous half of the collected tests (so a
 # module's fixtures are mostly built once) and takes tests from the other's tail when done.
-PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist worksteal
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist worksteal $(CRASH_RERUN)
+# A test whose worker process dies under it (a signal: the OOM killer, a crash in native
+# code) runs once more on a fresh worker (pytest-rerunfailures' crash recovery); a test
+# that fails runs once only: --only-rerun's pattern '(?!)' matches no exception. (CI once
+# lost a worker mid-test with no traceback, and the test passed alone and in every
+# other run.) The report names every rerun.
+CRASH_RERUN := --reruns 1 --only-rerun '(?!)'
 
 .PHONY: demo test test-quick bench-quick clean
 
