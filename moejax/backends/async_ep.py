@@ -39,7 +39,8 @@ from moejax.backends import xla_flags
 from moejax.attention_kinds import PrefixContext, PrefixPooled
 from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, rank_axis, require_devices,
-                                  stack_batches, unstack_outputs, validated)
+                                  resolve_placement, stack_batches, unstack_outputs,
+                                  validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import GatheredAhead, gather_layer, local_dispatcher
 from moejax.distributed import place_local_ranks
@@ -102,6 +103,58 @@ def async_ep_pooled(params: Params, shards: Mapping[str, jax.Array],
     return rank_axis(out.readout), dataclasses.replace(pool, keys=keys, values=values)
 
 
+@dataclasses.dataclass(frozen=True)
+class AsyncEPPlacement:
+    """The weights of ``async_ep`` on the mesh ``('dp',)`` of ``devices``: the dense
+    weights and layer 0's experts replicated, every layer's experts sharded on E (padded
+    to a multiple of G). Built once (:meth:`place`); the async_ep scoring backend and
+    decode runner (``moejax.decode.async_ep``) both run on it."""
+
+    cfg: ModelConfig
+    dtype: Any
+    devices: tuple[jax.Device, ...]
+    mesh: Mesh
+    params: Params                      # replicated, ``layers`` without experts
+    shards: dict[str, jax.Array]        # [L, E_padded, ...] sharded on E
+    first_experts: dict[str, jax.Array]  # layer 0's [E, ...], replicated
+    memory: MemoryReport
+
+    @classmethod
+    def place(cls, cfg: ModelConfig, params: Params, dtype: Any,
+              devices: Sequence[jax.Device]) -> "AsyncEPPlacement":
+        """``params`` validated, cast to ``dtype`` and placed on ``devices``."""
+        dtype = jnp.dtype(dtype)
+        mesh = Mesh(np.array(devices), (AXIS,))
+        host = validated(params, cfg, dtype)
+        dense_layers, experts = split_experts(host["layers"])
+        sharded = pad_experts(experts, len(devices))
+        replicated = NamedSharding(mesh, P())
+        dense = jax.device_put({**{k: v for k, v in host.items() if k != "layers"},
+                                "layers": dense_layers}, replicated)
+        shards = jax.device_put(sharded, NamedSharding(mesh, P(None, AXIS)))
+        first = jax.device_put({k: v[0] for k, v in experts.items()}, replicated)
+        per_layer = expert_bytes_per_layer(host)
+        padded_layer = per_layer * sharded["w_gate"].shape[1] // cfg.num_experts
+        shard_bytes = padded_layer * cfg.num_layers // len(devices)
+        memory = MemoryReport(
+            dense_weight_bytes=dense_bytes(host),
+            expert_weight_bytes=shard_bytes + 3 * per_layer,
+            expert_bytes_all_layers=per_layer * cfg.num_layers,
+            detail={"shards": shard_bytes, "first_layer": per_layer,
+                    "gathered_current": per_layer, "gathered_next": per_layer})
+        return cls(cfg, dtype, tuple(devices), mesh, dense, shards, first, memory)
+
+    @classmethod
+    def resolve(cls, name: str, cfg: ModelConfig, params: Params | None, dtype: Any,
+                devices: int, placement: "AsyncEPPlacement | None",
+                device_pool: Sequence[jax.Device] | None = None) -> "AsyncEPPlacement":
+        """``placement`` as it is, or ``params`` placed now on the first ``devices``
+        devices (of ``device_pool``, when given)."""
+        return resolve_placement(
+            name, cfg, params, placement,
+            lambda: cls.place(cfg, params, dtype, require_devices(name, devices, device_pool)))
+
+
 class AsyncEPBackend(MeshBackend):
     """Expert weights sharded on E over G devices, gathered a layer ahead."""
 
@@ -115,30 +168,17 @@ class AsyncEPBackend(MeshBackend):
         super().__init__(cfg, dtype=dtype)
         xla_flags.warn_if_overlap_flags_missing(self.name)
         # The first ``devices`` of ``device_pool`` (default: of the platform's devices).
-        self._devices = require_devices(self.name, devices, device_pool)
-        self.mesh = Mesh(np.array(self._devices), (AXIS,))
-        host = validated(params, cfg, self.dtype)
-        dense_layers, experts = split_experts(host["layers"])
-        num_devices = len(self._devices)
-        sharded = pad_experts(experts, num_devices)
-        replicated = NamedSharding(self.mesh, P())
-        on_experts = NamedSharding(self.mesh, P(None, AXIS))
-        self.params = jax.device_put({**{k: v for k, v in host.items() if k != "layers"},
-                                      "layers": dense_layers}, replicated)
-        self.shards = jax.device_put(sharded, on_experts)
-        self.first_experts = jax.device_put({k: v[0] for k, v in experts.items()}, replicated)
+        placement = AsyncEPPlacement.place(cfg, params, self.dtype,
+                                           require_devices(self.name, devices, device_pool))
+        self.placement = placement
+        self._devices = placement.devices
+        self.mesh = placement.mesh
+        self.params = placement.params
+        self.shards = placement.shards
+        self.first_experts = placement.first_experts
         self._batch_sharding = NamedSharding(self.mesh, P(AXIS))
         self._compiled: dict[Any, Any] = {}
-
-        per_layer = expert_bytes_per_layer(host)
-        padded_layer = per_layer * sharded["w_gate"].shape[1] // cfg.num_experts
-        shard_bytes = padded_layer * cfg.num_layers // num_devices
-        self._memory = MemoryReport(
-            dense_weight_bytes=dense_bytes(host),
-            expert_weight_bytes=shard_bytes + 3 * per_layer,
-            expert_bytes_all_layers=per_layer * cfg.num_layers,
-            detail={"shards": shard_bytes, "first_layer": per_layer,
-                    "gathered_current": per_layer, "gathered_next": per_layer})
+        self._memory = placement.memory
 
     def forward_fn(self, opts: ForwardOptions):
         """The jitted shard_map'd forward for one set of static options."""

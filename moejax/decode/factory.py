@@ -1,7 +1,8 @@
-"""The decode runner of a backend name: ``make_runner("resident" | "offload" | "sync_ep",
-...)``. A module of its own so that the runner modules (``moejax.decode.runners``, and
-``moejax.decode.sync_ep`` and ``moejax.prefetch.runner``, which build on its classes) do
-not import each other in a circle."""
+"""The decode runner of a backend name: ``make_runner("resident" | "offload" | "sync_ep" |
+"async_ep", ...)``. A module of its own so that the runner modules
+(``moejax.decode.runners``, and ``moejax.decode.sync_ep``, ``moejax.decode.async_ep`` and
+``moejax.prefetch.runner``, which build on its classes) do not import each other in a
+circle."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from moejax.decode.runners import DecodeRunner, OffloadRunner, ResidentRunner
 from moejax.param_layout import Params
 
 RUNNERS = {"resident": ResidentRunner, "offload": OffloadRunner}
+MESH_RUNNERS = ("sync_ep", "async_ep")     # several devices: data-parallel ranks
+DECODE_BACKENDS = (*RUNNERS, *MESH_RUNNERS)
 
 
 def make_runner(backend: str, cfg: ModelConfig, params: Params, *, dtype: Any,
@@ -22,12 +25,15 @@ def make_runner(backend: str, cfg: ModelConfig, params: Params, *, dtype: Any,
     if backend == "sync_ep":
         from moejax.decode.sync_ep import SyncEPRunner   # imported when used: mesh code
         return SyncEPRunner(cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
+    if backend == "async_ep":
+        from moejax.decode.async_ep import AsyncEPRunner   # imported when used: mesh code
+        return AsyncEPRunner(cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
     if backend == "offload" and any(k.startswith("prefetch") for k in options):
         from moejax.prefetch.runner import PrefetchRunner   # the offload runner + prefetch
         return PrefetchRunner(cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
     if backend not in RUNNERS:
         raise BackendError(f"backend {backend!r} cannot decode; decode runs on "
-                           f"{sorted([*RUNNERS, 'sync_ep'])}")
+                           f"{sorted(DECODE_BACKENDS)}")
     try:
         return RUNNERS[backend](cfg, params, dtype=dtype, opts=opts, devices=devices, **options)
     except TypeError as exc:   # an option this backend does not take
