@@ -126,12 +126,36 @@ def test_signature_cache_memory_share(demo):
     assert 0 < share < 0.01
 
 
-def test_only_one_rank_pools_keep_counts(demo):
-    cfg, params, _ = demo
-    runner = make_runner("sync_ep", cfg, params, dtype="float32", opts=StepOptions(),
-                         devices=2)
-    with pytest.raises(BackendError, match="one-rank"):
-        runner.make_kv(4, expert_counts=True)
+@pytest.mark.parametrize("backend", ["sync_ep", "async_ep"])
+def test_pools_over_ranks_keep_each_ranks_counts(demo, backend):
+    """The signature cache over data-parallel ranks: each rank counts its own blocks
+    (sharded on the block axis), and every prompt's counts equal a one-device pool's,
+    whichever rank prefilled it (a prefill stage on an expert-parallel group)."""
+    cfg, params, runner = demo
+    options = SchedulerOptions(max_batch_size=4, max_prefill_tokens=32, step="fused",
+                               handoff=True, expert_counts=True)
+    ranks = make_runner(backend, cfg, params, dtype="float32", opts=StepOptions(),
+                        devices=2)
+    pool = ranks.make_kv(4, expert_counts=True)
+    assert pool.expert_counts.shape == (2 * 4, cfg.num_layers, cfg.num_experts)
+    assert pool.expert_counts.sharding.spec[0] == "dp"
+    rng = np.random.default_rng(2)
+    specs = [SequenceSpec(prompt=tuple(int(t) for t in rng.integers(3, 900, n)),
+                          max_new_tokens=2) for n in (5, 40, 17, 33)]
+    counts = []
+    for step_runner in (runner, ranks):
+        scheduler = Scheduler(step_runner, 16, options)
+        seqs = [scheduler.submit(spec) for spec in specs]
+        while scheduler.busy:
+            scheduler.step()
+        handed = scheduler.take_handoffs()
+        assert sorted(s.seq_id for s in handed) == [s.seq_id for s in seqs]
+        counts.append(scheduler.prompt_counts(seqs))
+        if step_runner is ranks:
+            assert {s.rank for s in seqs} == {0, 1}          # both ranks prefilled
+    np.testing.assert_array_equal(counts[1], counts[0])
+    assert (counts[0].sum(axis=2) == np.array([5, 40, 17, 33])[:, None]
+            * cfg.num_experts_per_tok).all()
 
 
 # ----------------------------------------------------------------------------- decoders

@@ -260,40 +260,58 @@ class Scheduler:
         handoffs, self._handoffs = self._handoffs, []
         return handoffs
 
-    def release(self, blocks: Sequence[int]) -> None:
-        """Give back a handed-off sequence's blocks, once they are copied (its full prompt
-        blocks stay cached here for later prompts)."""
-        self.allocators[0].release(blocks)
+    def release(self, blocks: Sequence[int], rank: int = 0) -> None:
+        """Give back a handed-off sequence's blocks (of its rank), once they are copied
+        (its full prompt blocks stay cached here for later prompts)."""
+        self.allocators[rank].release(blocks)
+
+    def pool_blocks(self, seq: SequenceState) -> list[int]:
+        """``seq``'s blocks as blocks of the whole pool: rank r's block b is
+        ``r · num_blocks + b`` (the pool holds the ranks' blocks one after another)."""
+        return [seq.rank * self.num_blocks + b for b in seq.blocks]
 
     def prompt_counts(self, seqs: Sequence[SequenceState]) -> np.ndarray:
         """The raw signatures [len(seqs), L, E] int32 of sequences whose blocks this pool
         holds: each one's signature-cache counts summed over its blocks (``expert_counts``;
-        after prefill, a sequence's blocks hold exactly its prompt)."""
-        return self.block_counts([seq.blocks for seq in seqs])
+        after prefill, a sequence's blocks hold exactly its prompt), on any rank."""
+        return self.block_counts([self.pool_blocks(seq) for seq in seqs])
 
     def block_counts(self, block_lists: Sequence[Sequence[int]]) -> np.ndarray:
         """The signature-cache counts [len(block_lists), L, E] int32 summed over each list
-        of this pool's blocks (rows padded to a power of two; an empty list is a row of
-        padding, which is how :meth:`moejax.core.decoders.DecoderPool.precompile` compiles
-        every row count)."""
+        of the whole pool's blocks (rows padded to a power of two; an empty list is a row
+        of padding, which is how :meth:`moejax.core.decoders.DecoderPool.precompile`
+        compiles every row count)."""
         return self.paged.block_counts(block_lists)
 
+    def _adoption_rank(self, seq: SequenceState) -> int | None:
+        """The rank that can adopt ``seq`` now (a running row and blocks for its computed
+        tokens) with the fewest running sequences, ties to the lowest; None if none can."""
+        running = collections.Counter(s.rank for s in self.running)
+        needed = -(-seq.computed // BLOCK)
+        open_ranks = [r for r in range(self.ranks) if running[r] < self.layout.per_rank
+                      and self.allocators[r].num_available >= needed]
+        return min(open_ranks, key=lambda r: running[r]) if open_ranks else None
+
     def room_to_adopt(self, seq: SequenceState) -> bool:
-        """Whether :meth:`adopt` can take ``seq`` now (a running row and its blocks)."""
-        return (len(self.running) < self.layout.per_rank
-                and self.allocators[0].num_available >= -(-seq.computed // BLOCK))
+        """Whether :meth:`adopt` can take ``seq`` now (on some rank: a running row and
+        its blocks)."""
+        return self._adoption_rank(seq) is not None
 
     def adopt(self, seq: SequenceState, source: KVPool, source_blocks: Sequence[int]) -> None:
         """Take a sequence prefilled elsewhere: copy its ``seq.computed`` tokens' blocks
-        from the pool ``source`` (any device) into fresh blocks of this pool, and decode
-        it from here on (one-rank runners; check :meth:`room_to_adopt` first)."""
-        if self.ranks != 1:
-            raise ValueError("adopting a prefilled sequence needs a one-rank decode backend")
+        (``source_blocks``: blocks of the whole pool ``source``, on any devices and ranks)
+        into fresh blocks of the rank here with the fewest running sequences, and decode
+        it from here on (check :meth:`room_to_adopt` first)."""
+        rank = self._adoption_rank(seq)
+        if rank is None:
+            raise ValueError(f"no rank of this decoder has room for sequence {seq.seq_id} "
+                             f"(check room_to_adopt first)")
         count = -(-seq.computed // BLOCK)
         with self.store.lock:
-            blocks = self.allocators[0].allocate(count)
-            self.paged.copy_in(source, list(source_blocks)[:count], blocks)
-        seq.rank, seq.blocks, seq.handed_off = 0, blocks, False
+            blocks = self.allocators[rank].allocate(count)
+            self.paged.copy_in(source, list(source_blocks)[:count],
+                               [rank * self.num_blocks + b for b in blocks])
+        seq.rank, seq.blocks, seq.handed_off = rank, blocks, False
         self.running.append(seq)
         self.stats["adopted"] += 1
 

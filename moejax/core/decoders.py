@@ -140,16 +140,17 @@ class DecoderPool:
         queue = self.pending[index]
         for seq in [s for s in queue if s.cancelled]:
             queue.remove(seq)
-            self.prefill.release(seq.blocks)
+            self.prefill.release(seq.blocks, seq.rank)
             seq.blocks = []
             seq.finished = True
             seq.output.finish_reason = "cancelled"
             events.append(TokenEvent(seq, [], seq.output))
         while queue and decoder.room_to_adopt(queue[0]):
             seq = queue.popleft()
-            prefill_blocks = list(seq.blocks)
-            decoder.adopt(seq, self.prefill.kv, prefill_blocks)    # copied: seq moves
-            self.prefill.release(prefill_blocks)
+            prefill_blocks, prefill_rank = list(seq.blocks), seq.rank
+            # Copied (blocks of the whole prefill pool, on any rank): seq moves.
+            decoder.adopt(seq, self.prefill.kv, self.prefill.pool_blocks(seq))
+            self.prefill.release(prefill_blocks, prefill_rank)
 
     # ----------------------------------------------------------------- misc
     def precompile(self) -> int:

@@ -135,7 +135,8 @@ class PagedRunner:
         if counts is None:
             raise ValueError("this scheduler keeps no signature cache (expert_counts=False)")
         rows = bucket(max(len(block_lists), 1), 1)
-        tables = np.full((rows, self.layout.max_table), self.layout.num_blocks, np.int32)
+        # Every rank's blocks, one rank after another: past the last one is padding.
+        tables = np.full((rows, self.layout.max_table), counts.shape[0], np.int32)
         for i, blocks in enumerate(block_lists):
             tables[i, :len(blocks)] = blocks
         return np.asarray(SUM_BLOCK_COUNTS(counts, tables))[:len(block_lists)]
