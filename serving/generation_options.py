@@ -13,6 +13,7 @@ from moejax.backends import check_multi_process
 from moejax.backends.base import BackendError
 from moejax.eldr.policies import POLICIES, Policy, check_tau
 from serving.options import ScorerOptions
+from serving.pipeline_config import DecoderStage, PipelineConfig, PrefillStage, as_config
 
 
 BATCHING = ("continuous", "static")
@@ -79,6 +80,14 @@ class GeneratorOptions:
       per-layer queues, and ``scheduler`` — "defrag" (default), "most_tokens" or
       "first_layer" — picks what an idle device runs). It takes whole calls (no
       ``start_loop``), the resident backend's options only, and no expert traces.
+    * ``pipeline``: a prefill→decode pipeline described once
+      (:class:`serving.pipeline_config.PipelineConfig`, a dict of one, or a TOML/JSON file
+      path): a prefill stage on any paged backend (``async_ep`` on a group, for one) and
+      K decoders of any placement, each with its own options (an offload decoder's
+      prefetch, a sync_ep decoder's replica router apart from prefill's), with the
+      routing between them. It replaces ``decoders``/``routing``/``eldr_*`` and the
+      top-level ``backend``/``devices``/``backend_options``/``prefetch*``/``step``
+      (each stage has its own); ``decoders=K`` is the pipeline of K decoders alike.
     * ``weights_dtype``: "auto" (an FP8 checkpoint is dequantized on load) or "fp8" (its
       routed experts stay in FP8 with their block scales: backend resident, one decoder,
       continuous batching with fused steps, the continuous runtime).
@@ -113,6 +122,7 @@ class GeneratorOptions:
     runtime: str = "continuous"
     scheduler: str | None = None
     weights_dtype: str = "auto"
+    pipeline: Any = None
 
     def __post_init__(self) -> None:
         for name in ("trace_experts", "trace_router_inputs", "precompile", "pipelined"):
@@ -146,6 +156,7 @@ class GeneratorOptions:
             raise ValueError("precompile applies to batching='continuous' (static batches "
                              "compile per prompt length)")
         self.scorer_view()   # validates dtype, expert_impl, tile_rows as the Scorer does
+        self._check_pipeline()
         self._check_decoders()
         self._check_prefetch()
         self._check_runtime()
@@ -165,6 +176,7 @@ class GeneratorOptions:
             ("batching='static'", self.batching != "continuous"),
             ("step='layerwise'", self.resolved_step() != "fused"),
             ("decoders", self.decoders != 1),
+            ("pipeline", self.pipeline is not None),
             ("runtime='mu_queue'", self.runtime != "continuous")) if bad]
         if clashes:
             raise ValueError(f"weights_dtype='fp8' decodes with continuous batching and fused "
@@ -222,6 +234,45 @@ class GeneratorOptions:
         return {"prefetch": self.prefetch or "none",
                 "prefetch_mode": self.prefetch_mode or "exact",
                 "prefetch_files": self.prefetch_files or ()}
+
+    def _check_pipeline(self) -> None:
+        """A ``pipeline`` as a :class:`PipelineConfig`, refused beside the options it
+        replaces (each named with the pipeline) and the runtimes it cannot run on."""
+        if self.pipeline is None:
+            return
+        object.__setattr__(self, "pipeline", as_config(self.pipeline))
+        clashes = [name for name, bad in (
+            ("decoders", self.decoders != 1),
+            ("routing", self.routing is not None),
+            ("eldr_fit", self.eldr_fit is not None),
+            ("eldr_tau", self.eldr_tau is not None),
+            (f"backend={self.backend!r}", self.backend != "resident"),
+            (f"devices={self.devices}", self.devices != 1),
+            ("backend_options", bool(self.backend_options)),
+            ("prefetch", self.prefetch_options() != {}),
+            (f"step={self.step!r}", self.step != "auto"),
+            ("batching='static'", self.batching != "continuous"),
+            ("runtime='mu_queue'", self.runtime != "continuous")) if bad]
+        if clashes:
+            raise ValueError(f"pipeline describes the prefill stage, the decoders and the "
+                             f"routing between them; it does not take {', '.join(clashes)} "
+                             f"beside it (give each stage's in the pipeline)")
+
+    def resolved_pipeline(self) -> PipelineConfig | None:
+        """The prefill→decode pipeline these options run: ``pipeline``, or ``decoders=K``
+        as K decoders alike on the backend (with its options), decoder i on device i and
+        the prefill stage on device 0; None for one decoder."""
+        if self.pipeline is not None:
+            return self.pipeline
+        if self.decoders == 1:
+            return None
+        options = {**dict(self.backend_options or {}), **self.prefetch_options()}
+        return PipelineConfig(
+            prefill=PrefillStage(backend=self.backend, step=self.step, options=options),
+            decoders=(DecoderStage(placement=self.backend, count=self.decoders,
+                                   step=self.step, options=options),),
+            routing=self.resolved_routing(), eldr_fit=self.eldr_fit, eldr_tau=self.eldr_tau,
+            routing_seed=self.routing_seed)
 
     def _check_decoders(self) -> None:
         _positive_int("decoders", self.decoders)
@@ -305,7 +356,8 @@ def check_decode_processes(opts: GeneratorOptions) -> None:
         ("backend", opts.backend, opts.backend == "sync_ep"),
         ("runtime", opts.runtime, opts.runtime == "continuous"),
         ("batching", opts.batching, opts.batching == "continuous"),
-        ("decoders", opts.decoders, opts.decoders == 1)) if not ok]
+        ("decoders", opts.decoders, opts.decoders == 1),
+        ("pipeline", "given", opts.pipeline is None)) if not ok]
     if single:
         raise BackendError(f"generation over {jax.process_count()} processes runs on "
                            f"backend='sync_ep' with continuous batching and one decoder; "

@@ -4,8 +4,9 @@ looked up by name in :data:`RUNTIMES` rather than branched over.
 * ``continuous`` — a continuous-batching :class:`moejax.core.continuous.Scheduler` on a
   decode runner (resident, offload, prefetching offload, sync_ep; fused or layerwise
   steps) and a KV store of its own or shared with a Scorer (``share_with``);
-* ``split`` — a :class:`moejax.core.decoders.DecoderPool`: a prefill scheduler on device 0
-  handing prompts to ``decoders`` decode schedulers (each a ``continuous`` scheduler);
+* ``split`` — a :class:`moejax.core.decoders.DecoderPool`: the prefill→decode pipeline
+  (``pipeline``, or ``decoders=K``): a prefill scheduler on its stage's backend and
+  devices handing prompts to K decode schedulers, each on its own placement;
 * ``static`` — the static batcher (:class:`moejax.static.decode.DecodeEngine`), the
   baseline;
 * ``mu_queue`` — AsyncMoE's μ-queue runtime (:mod:`moejax.asyncmoe.runtime`).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ from moejax.backends.base import BackendError, require_devices
 from moejax.config import ModelConfig
 from moejax.core.continuous import Scheduler, SchedulerOptions
 from moejax.core.decoders import DecoderPool
-from moejax.decode.factory import make_runner
+from moejax.decode.factory import MESH_RUNNERS, make_runner
 from moejax.decode.programs import StepOptions
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, Policy, make_policy
@@ -35,6 +36,7 @@ from moejax.param_layout import Params
 from moejax.prefix_hash import BLOCK_SIZE
 from moejax.static.decode import DecodeEngine
 from serving.generation_options import DEFAULT_KV_CACHE_MIB, GeneratorOptions
+from serving.pipeline_config import PipelineConfig, resolved_step
 from serving.scorer_sharing import ScorerSharing
 
 
@@ -55,7 +57,7 @@ def runtime_name(options: GeneratorOptions) -> str:
         return "mu_queue"
     if options.batching == "static":
         return "static"
-    return "continuous" if options.decoders == 1 else "split"
+    return "continuous" if options.resolved_pipeline() is None else "split"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,22 @@ class RuntimeInputs:
                            **placement, **dict(opts.backend_options or {}),
                            **opts.prefetch_options())
 
+    def stage_runner(self, backend: str, devices: Sequence[Any], options: dict[str, Any],
+                     placement: Any = None) -> Any:
+        """The decode runner of one pipeline stage: ``backend`` on ``devices`` (one device,
+        or a mesh group) with the stage's options, on ``placement`` when one is shared."""
+        opts = self.options
+        where = ({"device_pool": tuple(devices), "devices": len(devices)}
+                 if backend in MESH_RUNNERS else {"device": devices[0]})
+        if placement is not None:
+            where = {"placement": placement}
+        return make_runner(backend, self.config, None if placement is not None else self.params,
+                           dtype=self.dtype,
+                           opts=StepOptions(expert_impl=opts.expert_impl,
+                                            tile_rows=opts.tile_rows,
+                                            router_inputs=opts.trace_router_inputs),
+                           **where, **options)
+
     def scheduler_options(self, **changes: Any) -> SchedulerOptions:
         opts = self.options
         return dataclasses.replace(SchedulerOptions(
@@ -104,21 +122,20 @@ class RuntimeInputs:
         full = per_rank * -(-self.config.max_context // BLOCK_SIZE)
         return max(1, min(full, DEFAULT_KV_CACHE_MIB * 2**20 // block))
 
-    def policy(self, count: int) -> Policy:
-        """The hand-off routing policy over ``count`` decoders."""
-        opts = self.options
-        routing = opts.resolved_routing()
+    def policy(self, count: int, pipeline: PipelineConfig) -> Policy:
+        """The hand-off routing policy of ``pipeline`` over its ``count`` decoders."""
+        routing = pipeline.routing
         if isinstance(routing, Policy):
             return routing
         fit = None
         if routing == "eldr":
-            fit = fitfile.load(opts.eldr_fit)
+            fit = fitfile.load(pipeline.eldr_fit)
             fit.check_model(self.config, fitfile.model_fingerprint(
                 self.config, self.params["layers"]["router"]), count,
-                where=f"eldr_fit {os.fspath(opts.eldr_fit)!r}")
+                where=f"eldr_fit {os.fspath(pipeline.eldr_fit)!r}")
         return make_policy(routing, count, fit=fit,
-                           tau=DEFAULT_TAU if opts.eldr_tau is None else opts.eldr_tau,
-                           seed=opts.routing_seed)
+                           tau=DEFAULT_TAU if pipeline.eldr_tau is None else pipeline.eldr_tau,
+                           seed=pipeline.routing_seed)
 
 
 def build_continuous(inputs: RuntimeInputs) -> GenerationRuntime:
@@ -130,31 +147,43 @@ def build_continuous(inputs: RuntimeInputs) -> GenerationRuntime:
 
 
 def build_split(inputs: RuntimeInputs) -> GenerationRuntime:
-    """A prefill engine on device 0 and ``decoders`` decoders, decoder i on device i,
-    behind the routing policy (:class:`GeneratorOptions`)."""
-    opts, count = inputs.options, inputs.options.decoders
+    """The prefill→decode pipeline of the options (``GeneratorOptions.resolved_pipeline``:
+    ``pipeline``, or ``decoders=K`` alike): the prefill stage's scheduler handing prompts
+    to one scheduler per decoder, behind the routing policy."""
+    opts = inputs.options
+    pipeline = opts.resolved_pipeline()
     devices = jax.devices()
-    if count > len(devices):
+    count = pipeline.num_decoders
+    if opts.pipeline is None and count > len(devices):
         hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
                 "JAX starts)" if devices[0].platform == "cpu" else "")
         raise BackendError(f"decoders={count} needs one device per decoder, but only "
                            f"{len(devices)} {devices[0].platform} device(s) exist{hint}")
-    policy = inputs.policy(count)
-    prefill_runner = inputs.runner(inputs.params, device=devices[0])
-    # One decoder's pool size: the prefill engine holds prompts only, each until its
-    # decoder adopts it (when it runs short, prefill waits for adoptions to free blocks).
+    prefill_at, decoders_at = pipeline.device_indices(len(devices))
+    policy = inputs.policy(count, pipeline)
+    stage = pipeline.prefill
+    prefill_runner = inputs.stage_runner(stage.backend, [devices[i] for i in prefill_at],
+                                         stage.runner_options())
+    # The prefill stage holds prompts only, each until its decoder adopts it (when it runs
+    # short, prefill waits for adoptions to free blocks): one decoder's pool size.
     prefill = Scheduler(prefill_runner, inputs.kv_cache_blocks(prefill_runner),
                         inputs.scheduler_options(
                             max_batch_size=count * opts.max_batch_size, handoff=True,
-                            expert_counts=policy.reads_counts))
+                            expert_counts=policy.reads_counts,
+                            step=resolved_step(stage.backend, stage.step)))
     decoders = []
-    for index in range(count):
-        # Decoder 0 shares the prefill engine's device and (resident) its placement.
-        shared = getattr(prefill_runner, "placement", None) if index == 0 else None
-        runner = (inputs.runner(None, placement=shared) if shared is not None
-                  else inputs.runner(inputs.params, device=devices[index]))
+    for decoder, at in zip(pipeline.decoder_list(), decoders_at):
+        # A one-device decoder of the prefill stage's backend on its device runs on its
+        # weights (one copy).
+        shared = (getattr(prefill_runner, "placement", None)
+                  if (decoder.placement, at) == (stage.backend, prefill_at)
+                  and len(at) == 1 else None)
+        runner = inputs.stage_runner(decoder.placement, [devices[i] for i in at],
+                                     decoder.runner_options(), placement=shared)
         decoders.append(Scheduler(runner, inputs.kv_cache_blocks(runner),
-                                  inputs.scheduler_options(record_steps=True)))
+                                  inputs.scheduler_options(
+                                      record_steps=True,
+                                      step=resolved_step(decoder.placement, decoder.step))))
     return GenerationRuntime("split", scheduler=DecoderPool(prefill, decoders, policy))
 
 

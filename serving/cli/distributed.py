@@ -72,11 +72,26 @@ def distributed_options(args: argparse.Namespace) -> DistributedOptions:
                                   args, "coordinator_timeout", DEFAULT_JOIN_SECONDS))
 
 
+def pipeline_devices(args: argparse.Namespace) -> int:
+    """Devices the ``--pipeline`` file's stages span (1 without one; a bad file is
+    reported when the Generator reads it)."""
+    path = getattr(args, "pipeline", None)
+    if path is None:
+        return 1
+    from serving import pipeline_config     # imported when used
+
+    try:
+        return pipeline_config.load(path).devices_needed()
+    except pipeline_config.PipelineError:
+        return 1
+
+
 def host_devices_per_process(args: argparse.Namespace) -> int:
     """CPU host devices this process should expose: the command's total (``--devices``,
-    ``--engines``, ``--decoders``: one device each) split evenly over ``--num-processes``."""
+    ``--engines``, ``--decoders``: one device each; the devices a ``--pipeline`` spans)
+    split evenly over ``--num-processes``."""
     total = max(getattr(args, "devices", None) or 1, getattr(args, "engines", None) or 1,
-                getattr(args, "decoders", None) or 1)
+                getattr(args, "decoders", None) or 1, pipeline_devices(args))
     processes = getattr(args, "num_processes", None) or 1
     if total % processes:
         raise ValueError(f"--devices {total} must be a multiple of --num-processes "

@@ -96,6 +96,12 @@ def add_decode_runtime_options(p: argparse.ArgumentParser) -> None:
                    help="sync_ep: the replica router of the prefill steps (default: "
                         "--replica-router; METRO's pairing: --replica-router metro "
                         "--prefill-replica-router eplb_even)")
+    p.add_argument("--pipeline", default=None, metavar="FILE",
+                   help="a prefill->decode pipeline in a TOML or JSON file (serving."
+                        "pipeline_config): the prefill stage's backend and devices (async_ep "
+                        "on a group, for one), K decoders of any placement with their own "
+                        "options, and the routing between them; replaces --decoders, "
+                        "--decode-routing, --eldr-*, --backend, --devices, --prefetch*")
     p.add_argument("--decoders", type=positive_int, default=None,
                    help="decode on K decoders, one device each, fed by a prefill engine "
                         "(default 1: prefill and decode together); on CPU it sets K host "
@@ -131,7 +137,7 @@ def decode_runtime_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {name: getattr(args, name) for name in
                ("batching", "step", "max_prefill_tokens", "prefill_row_tokens", "precompile",
                 "pipelined",
-                "kv_cache_blocks", "kv_cache_mib", "backend", "devices", "decoders",
+                "kv_cache_blocks", "kv_cache_mib", "backend", "devices", "decoders", "pipeline",
                 "eldr_fit", "eldr_tau", "prefetch", "prefetch_mode", "prefetch_files",
                 "runtime", "scheduler") if getattr(args, name, None) is not None}
     if getattr(args, "decode_routing", None) is not None:

@@ -30,8 +30,9 @@ dtype it decodes on the Scorer's resident weights and keeps its KV blocks in the
 pool, else it holds its own, ``serving.scorer_sharing``) unless ``--no-generation``,
 or unless ``--backend`` names a backend that cannot decode (a warning; with
 ``--generation`` given explicitly, an error). The Generator takes ``--dtype``,
-``--expert-impl``, ``--backend`` / ``--devices`` (resident, offload, sync_ep) and
-``--generation-batch-size`` (its ``max_batch_size``); ``--precompile`` compiles its step
+``--expert-impl``, ``--backend`` / ``--devices`` (resident, offload, sync_ep) or
+``--pipeline FILE`` (a prefill→decode pipeline, ``serving.pipeline_config``, its stages
+placed apart from the Scorer), and ``--generation-batch-size`` (its ``max_batch_size``); ``--precompile`` compiles its step
 programs before the server reports SERVING (no stream then waits on a compile). On a
 shared pool a generation prompt that starts with a prompt scored earlier reads its cached
 blocks in place instead of prefilling them, and scoring reads generation's the same way;
@@ -86,8 +87,9 @@ def _serves_generation(args: argparse.Namespace) -> bool:
             "serving scoring only over %d processes (no moejax.v1.Generation)",
             jax.process_count())
         return False
-    if args.backend is None or args.backend in DECODE_BACKENDS:
-        return True
+    if args.backend is None or args.backend in DECODE_BACKENDS \
+            or getattr(args, "pipeline", None) is not None:
+        return True      # (a pipeline places its own stages, apart from the Scorer)
     if args.generation:
         raise ValueError(f"--generation: backend {args.backend!r} cannot decode (generation "
                          f"runs on {', '.join(DECODE_BACKENDS)}); drop --generation")
@@ -98,9 +100,13 @@ def _serves_generation(args: argparse.Namespace) -> bool:
 
 
 def _generator_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"dtype": args.dtype, "expert_impl": args.expert_impl, "backend": args.backend,
-            "weights_dtype": args.weights_dtype,
-            "devices": args.devices, "max_batch_size": args.generation_batch_size,
+    """The Generator's keywords: the Scorer's backend and devices, or ``--pipeline`` (its
+    stages placed apart from the Scorer's)."""
+    pipeline = getattr(args, "pipeline", None)
+    placement = ({"pipeline": pipeline} if pipeline is not None
+                 else {"backend": args.backend, "devices": args.devices})
+    return {"dtype": args.dtype, "expert_impl": args.expert_impl, **placement,
+            "weights_dtype": args.weights_dtype, "max_batch_size": args.generation_batch_size,
             "precompile": args.precompile or getattr(args, "warmup", False),
             "compilation_cache": command_compilation_cache(args.deployment)}
 
@@ -416,6 +422,10 @@ def add_commands(sub: Any) -> None:
                        help="sequences the Generator decodes together (default 8)")
     serve.add_argument("--precompile", action="store_true",
                        help="compile the Generator's step programs at start-up")
+    serve.add_argument("--pipeline", default=None, metavar="FILE",
+                       help="generate on a prefill->decode pipeline described in a TOML or "
+                            "JSON file (serving.pipeline_config: the prefill stage's backend "
+                            "and devices, K decoders of any placement, their routing)")
     serve.add_argument("--max-generation-streams", type=positive_int, default=None,
                        help="generation streams at once; more get RESOURCE_EXHAUSTED with a "
                             "retry hint (default 4 x --generation-batch-size)")
