@@ -309,16 +309,31 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
 # (``moejax.asyncmoe.costs.h100_cost_tables`` of the measured Qwen3-30B-A3B expert fit),
 # at the seed's operating point: top-1 / top-2 (its §5.1) and top-8 (Qwen3's), its three
 # request-length workloads (§5: prompt / output lengths uniform over the ranges), the
-# seed's exponential routing skew, 8 and 16 devices (every device an attention rank and
-# an expert host; the seed disaggregates 4 + 4). Per (k, workload, devices) both systems
-# decode the same requests, all arriving at t ≈ 0 (each system's achievable throughput at
-# that concurrency, the seed's Fig. 9 x-axis maximum); keys (flat):
+# seed's exponential routing skew, 8 and 16 devices. Per (k, workload, devices) the
+# systems decode the same requests, all arriving at t ≈ 0 (each system's achievable
+# throughput at that concurrency, the seed's Fig. 9 x-axis maximum): sync EP, the μ-queue
+# runtime colocated (``defrag``: every device an attention rank and an expert host) and
+# disaggregated (``defrag_disaggregated``: the seed's §5.1 split, the first half of the
+# devices attention ranks, the other half the expert devices: 4 + 4 of 8, 8 + 8 of 16).
+# On the medium workload, the METRO ablation (colocated; 2 replicas of every expert,
+# ``moejax.asyncmoe.placement.replicated_placement``): ``defrag_even_replicas`` (each
+# expert's tokens dealt round robin over its replicas, EPLB's token balancing) and
+# ``defrag_metro_replicas`` (METRO's min-activated-experts routing per attention batch),
+# against ``defrag`` (no replicas). Keys (flat):
 #
 # * ``mu_queue_throughput_over_sync_ep_h100_top{k}`` (8 devices) and
-#   ``..._top{k}_16dev``: the ratio on the medium workload (the seed's Fig. 10 workload);
-# * ``..._top{k}_{workload}`` and ``..._top{k}_{workload}_16dev``: every workload;
+#   ``..._top{k}_16dev``: the colocated ratio on the medium workload (the seed's Fig. 10
+#   workload); ``..._top{k}_disaggregated`` and ``..._top{k}_disaggregated_16dev``: the
+#   same for the disaggregated layout;
+# * ``..._top{k}_{workload}[_disaggregated]`` and ``..._top{k}_{workload}
+#   [_disaggregated]_16dev``: every workload;
+# * ``mu_queue_metro_over_even_replicas_h100_top{k}[_16dev]``,
+#   ``mu_queue_metro_over_no_replicas_h100_top{k}[_16dev]`` and
+#   ``mu_queue_even_over_no_replicas_h100_top{k}[_16dev]``: throughput ratios of the
+#   ablation;
 # * ``h100_top{k}_{workload}_g{G}_{system}_{throughput, itl_p50_ms, itl_p99_ms,
-#   expert_batch, attention_batch, stall}`` per run;
+#   expert_batch, attention_batch, stall}`` per run (``expert_batch``: mean tokens per
+#   expert execution, which METRO raises by activating fewer replicas);
 # * ``paper_mu_queue_over_sync_ep_top1_{short,medium,reasonable}`` (2.7, 2.3, 2.0: the
 #   seed's Fig. 9 a–c, 8 × A100, Mixtral 8x7B with MQA) beside them, and the table's
 #   figures (``h100_expert_us_r{1,256}``, ``h100_attention_us_b64_c256``, ...).
@@ -336,10 +351,31 @@ H100_SHAPES = {
     # (the seed runs hundreds of requests). 4 blocks x 8 requests a device gave ratios
     # within 0.1 of these at top-1 (0.40-0.45 vs 0.52-0.56) in a partial run.
     "full": {"layers": 2, "requests_per_device": 4, "workloads": tuple(PAPER_WORKLOADS)},
+    # (outputs capped at 10 tokens: five systems a configuration since the disaggregated
+    # layout and the METRO ablation joined, issue 44)
     "quick": {"layers": 2, "requests_per_device": 4, "workloads": ("medium",),
-              "decode_cap": 40},
+              "decode_cap": 10},
 }
 H100_DTYPE_BYTES = 2          # bf16 activations between devices
+H100_REPLICAS = 2             # replicas of every expert in the METRO ablation
+H100_ABLATION_WORKLOAD = "medium"
+# system name -> the μ-queue layout options of ``simulator.simulate_mu_queue`` (G devices)
+H100_MU_QUEUE_SYSTEMS = ("defrag", "defrag_disaggregated")
+H100_ABLATION_SYSTEMS = {"defrag_even_replicas": "round_robin",
+                         "defrag_metro_replicas": "metro"}
+H100_RUN_KEYS = ("throughput", "itl_p50_ms", "itl_p99_ms", "expert_batch",
+                 "attention_batch", "stall")
+
+
+def h100_layout(system: str, devices: int) -> dict[str, Any]:
+    """The μ-queue layout options of ``system`` on ``devices`` devices (see above)."""
+    if system == "defrag":
+        return {}
+    if system == "defrag_disaggregated":
+        return {"attention_devices": tuple(range(devices // 2))}
+    if system in H100_ABLATION_SYSTEMS:
+        return {"replicas": H100_REPLICAS, "replica_routing": H100_ABLATION_SYSTEMS[system]}
+    raise ValueError(f"unknown H100 μ-queue system {system!r}")
 
 
 def h100_workload(name: str, num_requests: int, seed: int, decode_cap: int | None = None
@@ -358,27 +394,30 @@ def h100_workload(name: str, num_requests: int, seed: int, decode_cap: int | Non
 
 def h100_run(system: str, tables: Any, routing: Any, workload: Any, devices: int,
              layers: int, top_k: int) -> Any:
-    """One simulation of ``system`` ("sync_ep" or a μ-queue scheduler name) at the
-    Qwen3-30B-A3B shape (128 experts, hidden 2048, bf16 transfers)."""
+    """One simulation of ``system`` ("sync_ep", or a μ-queue system: the defrag scheduler
+    in the layout :func:`h100_layout` names) at the Qwen3-30B-A3B shape (128 experts,
+    hidden 2048, bf16 transfers)."""
     from moejax.asyncmoe import costs, simulator
 
     common = dict(num_devices=devices, num_layers=layers, num_experts=costs.QWEN3_EXPERTS,
                   top_k=top_k, hidden=costs.QWEN3_HIDDEN, dtype_bytes=H100_DTYPE_BYTES)
     if system == "sync_ep":
         return simulator.simulate_sync_ep(tables, routing, workload, **common)
-    return simulator.simulate_mu_queue(tables, routing, workload, scheduler=system, **common)
+    return simulator.simulate_mu_queue(tables, routing, workload, scheduler="defrag",
+                                       **common, **h100_layout(system, devices))
 
 
 def h100_figures(quick: bool = False, seed: int = 0, fit_path: str | None = None,
-                 verbose: bool = True) -> dict[str, Any]:
-    """Every key of the H100 mode (see the comment above)."""
+                 verbose: bool = True, shape: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every key of the H100 mode (see the comment above); ``shape`` replaces the
+    ``H100_SHAPES`` entry (tests run a smaller one)."""
     import time
     from pathlib import Path
 
     from moejax.asyncmoe import costs
     from moejax.asyncmoe.simulator import SkewedRouting
 
-    shape = H100_SHAPES["quick" if quick else "full"]
+    shape = shape or H100_SHAPES["quick" if quick else "full"]
     path = fit_path or str(Path(__file__).resolve().parent.parent / H100_FIT_PATH)
     fit = costs.load_h100_fit(path)
     tables = costs.h100_cost_tables(fit)
@@ -407,28 +446,44 @@ def h100_figures(quick: bool = False, seed: int = 0, fit_path: str | None = None
                                          shape.get("decode_cap"))
                 tag = f"h100_top{k}_{name}_g{devices}"
                 started = time.perf_counter()
+                systems = ("sync_ep", *H100_MU_QUEUE_SYSTEMS) + (
+                    tuple(H100_ABLATION_SYSTEMS) if name == H100_ABLATION_WORKLOAD else ())
                 results = {system: h100_run(system, tables, routing, workload, devices,
                                             shape["layers"], k)
-                           for system in ("sync_ep", "defrag")}
+                           for system in systems}
                 for system, result in results.items():
                     figures = summary(result, SATURATION_RATE)
-                    for key in ("throughput", "itl_p50_ms", "itl_p99_ms", "expert_batch",
-                                "attention_batch", "stall"):
+                    for key in H100_RUN_KEYS:
                         out[f"{tag}_{system}_{key}"] = figures[key]
-                value = ratio(results["defrag"].throughput_tokens_per_s,
-                              results["sync_ep"].throughput_tokens_per_s)
-                out[f"mu_queue_throughput_over_sync_ep_h100_top{k}_{name}{suffix}"] = value
+                throughput = {system: result.throughput_tokens_per_s
+                              for system, result in results.items()}
+                for system, layout in (("defrag", ""), ("defrag_disaggregated",
+                                                        "_disaggregated")):
+                    out[f"mu_queue_throughput_over_sync_ep_h100_top{k}_{name}{layout}{suffix}"] \
+                        = ratio(throughput[system], throughput["sync_ep"])
+                if name == H100_ABLATION_WORKLOAD:
+                    metro, even = (throughput["defrag_metro_replicas"],
+                                   throughput["defrag_even_replicas"])
+                    out[f"mu_queue_metro_over_even_replicas_h100_top{k}{suffix}"] = \
+                        ratio(metro, even)
+                    out[f"mu_queue_metro_over_no_replicas_h100_top{k}{suffix}"] = \
+                        ratio(metro, throughput["defrag"])
+                    out[f"mu_queue_even_over_no_replicas_h100_top{k}{suffix}"] = \
+                        ratio(even, throughput["defrag"])
                 if verbose:
-                    print(f"  top-{k} {name:>10} {devices:2d} dev: μ-queue/sync_ep {value:.3f} "
-                          f"(sync_ep {out[f'{tag}_sync_ep_throughput']:.0f} tok/s, p50 ITL "
-                          f"{out[f'{tag}_sync_ep_itl_p50_ms']:.2f} ms, expert batch "
-                          f"{out[f'{tag}_sync_ep_expert_batch']:.1f}; defrag "
-                          f"{out[f'{tag}_defrag_throughput']:.0f}, "
-                          f"{out[f'{tag}_defrag_itl_p50_ms']:.2f} ms, "
-                          f"{out[f'{tag}_defrag_expert_batch']:.1f}) "
-                          f"[{time.perf_counter() - started:.1f} s]", flush=True)
-            out[f"mu_queue_throughput_over_sync_ep_h100_top{k}{suffix}"] = \
-                out[f"mu_queue_throughput_over_sync_ep_h100_top{k}_medium{suffix}"]
+                    cells = "; ".join(
+                        f"{system} {out[f'{tag}_{system}_throughput']:.0f} tok/s, "
+                        f"{out[f'{tag}_{system}_itl_p50_ms']:.2f} ms, expert batch "
+                        f"{out[f'{tag}_{system}_expert_batch']:.1f}" for system in systems)
+                    print(f"  top-{k} {name:>10} {devices:2d} dev: μ-queue/sync_ep "
+                          f"{ratio(throughput['defrag'], throughput['sync_ep']):.3f}, "
+                          f"disaggregated "
+                          f"{ratio(throughput['defrag_disaggregated'], throughput['sync_ep']):.3f}"
+                          f" ({cells}) [{time.perf_counter() - started:.1f} s]", flush=True)
+            for layout in ("", "_disaggregated"):
+                out[f"mu_queue_throughput_over_sync_ep_h100_top{k}{layout}{suffix}"] = \
+                    out[f"mu_queue_throughput_over_sync_ep_h100_top{k}_medium{layout}{suffix}"]
+    out["h100_replicas"] = H100_REPLICAS
     return out
 
 
@@ -444,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="the H100 cost table at the seed's operating point")
     parser.add_argument("--quick", action="store_true",
                         help="medium workload only, 2 blocks, 4 requests a device, "
-                             "outputs capped at 40 tokens (under a minute)")
+                             "outputs capped at 10 tokens (under a minute)")
     parser.add_argument("--json", dest="json_path", metavar="PATH",
                         help="write the figures (flat keys) to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
@@ -459,7 +514,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for k in H100_TOP_KS:
         print(f"  top-{k}: 8 devices {figures[f'mu_queue_throughput_over_sync_ep_h100_top{k}']:.3f}"
               f", 16 devices "
-              f"{figures[f'mu_queue_throughput_over_sync_ep_h100_top{k}_16dev']:.3f}")
+              f"{figures[f'mu_queue_throughput_over_sync_ep_h100_top{k}_16dev']:.3f}; "
+              f"disaggregated (half attention, half experts) 8 devices "
+              f"{figures[f'mu_queue_throughput_over_sync_ep_h100_top{k}_disaggregated']:.3f}, "
+              f"16 devices "
+              f"{figures[f'mu_queue_throughput_over_sync_ep_h100_top{k}_disaggregated_16dev']:.3f}")
+    print(f"METRO ablation ({H100_REPLICAS} replicas of every expert, medium workload; "
+          f"throughput ratios):")
+    for k in H100_TOP_KS:
+        print("  " + f"top-{k}: " + ", ".join(
+            f"{devices} devices metro/even "
+            f"{figures[f'mu_queue_metro_over_even_replicas_h100_top{k}{suffix}']:.3f} "
+            f"metro/none {figures[f'mu_queue_metro_over_no_replicas_h100_top{k}{suffix}']:.3f} "
+            f"even/none {figures[f'mu_queue_even_over_no_replicas_h100_top{k}{suffix}']:.3f}"
+            for devices, suffix in ((8, ""), (16, "_16dev"))))
     write_json(args.json_path, figures)
     return figures
 

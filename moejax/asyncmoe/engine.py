@@ -19,8 +19,10 @@ the arithmetic and talks to it through five calls:
 4. (the driver executes the batch);
 5. ``route(batch, topk_experts, topk_weights, outputs)`` — where the outputs go: an
    attention batch's tokens become k expert records each (slot j, gate weight w_j, the
-   token's output as payload) for ``expert_device[e]``; an expert batch's outputs go back
-   to each request's rank. A head batch ends its tokens' decode step; it is not routed.
+   token's output as payload) for ``expert_device[e]`` (with replicas: the one
+   ``replica_routing`` picks for the batch, ``moejax.asyncmoe.replicas``); an expert
+   batch's outputs go back to each request's rank. A head batch ends its tokens' decode
+   step; it is not routed.
 
 Units (queue columns) of a device, in the order the engine gives Q to the scheduler:
 the ones listed in ``units`` — -1 attention and -2 head (both, for a device that is an
@@ -38,7 +40,11 @@ from typing import Any
 
 import numpy as np
 
+# contiguous_placement and device_units live in placement; re-exported for callers.
+from moejax.asyncmoe.placement import (contiguous_placement, device_units,  # noqa: F401
+                                       replica_sets)
 from moejax.asyncmoe.pool import TokenPool
+from moejax.asyncmoe.replicas import HOME, check_replica_routing, replica_destinations
 from moejax.asyncmoe.records import (ATTENTION, ATTENTION_UNIT, EXPERT, HEAD, HEAD_UNIT,
                                      KINDS, QueueKey, TokenRecord, attention_record,
                                      head_record, queue_key, unit_kind)
@@ -49,22 +55,6 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
-
-
-def contiguous_placement(num_experts: int, num_devices: int) -> tuple[int, ...]:
-    """The default expert placement: expert e on device e · G // E (contiguous blocks of
-    experts, as even as E and G allow)."""
-    num_experts = _check_int("num_experts", num_experts, 1)
-    num_devices = _check_int("num_devices", num_devices, 1)
-    return tuple(e * num_devices // num_experts for e in range(num_experts))
-
-
-def device_units(device: int, expert_device: Sequence[int],
-                 hosts_attention: bool = True) -> tuple[int, ...]:
-    """The default unit (queue column) order of ``device``: attention (-1) and head (-2)
-    when it is an attention rank, then its experts ascending."""
-    hosted = tuple(e for e, d in enumerate(expert_device) if d == device)
-    return ((ATTENTION_UNIT, HEAD_UNIT) if hosts_attention else ()) + hosted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,17 +125,23 @@ class DeviceEngineStats:
 class DeviceEngine:
     """The μ-queues, token pool and scheduler of one device (module docstring).
 
-    ``expert_device[e]`` is the device hosting expert e (at every block, seed §3.3);
-    ``units`` lists the queue columns this device hosts (:func:`device_units`)."""
+    ``expert_device[e]`` is the device hosting expert e (at every block, seed §3.3), or
+    the devices of its replicas (a sequence, home first: ``moejax.asyncmoe.placement``);
+    ``units`` lists the queue columns this device hosts (:func:`device_units`);
+    ``replica_routing`` picks the replica of each token's expert copy when an attention
+    batch is routed (``moejax.asyncmoe.replicas``; "home" without replicas)."""
 
     def __init__(self, device: int, num_layers: int, units: Sequence[int],
-                 scheduler: QueueScheduler, top_k: int, expert_device: Sequence[int]) -> None:
+                 scheduler: QueueScheduler, top_k: int,
+                 expert_device: Sequence[int | Sequence[int]],
+                 replica_routing: str = HOME) -> None:
         self.device = _check_int("device", device, 0)
         self.num_layers = _check_int("num_layers", num_layers, 1)
-        self.expert_device = tuple(_check_int(f"expert_device[{e}]", d, 0)
-                                   for e, d in enumerate(expert_device))
-        if not self.expert_device:
-            raise ValueError("expert_device must place at least one expert")
+        self.expert_replicas = replica_sets(expert_device)
+        self.expert_device = tuple(r[0] for r in self.expert_replicas)   # the homes
+        self.replica_routing = check_replica_routing(replica_routing)
+        self._home = np.array(self.expert_device, dtype=np.int64)
+        self._rotor: dict[int, int] = {}     # round robin's copies dealt per expert
         self.top_k = _check_int("top_k", top_k, 1)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k = {top_k} exceeds the {self.num_experts} experts")
@@ -175,7 +171,7 @@ class DeviceEngine:
                              f"({ATTENTION_UNIT}) and the head ({HEAD_UNIT}); units are "
                              f"{self.units}")
         listed = {u for u in self.units if u >= 0}
-        placed = {e for e, d in enumerate(self.expert_device) if d == self.device}
+        placed = {e for e, r in enumerate(self.expert_replicas) if self.device in r}
         if listed != placed:
             raise ValueError(f"{where}: units list experts {sorted(listed)} but "
                              f"expert_device places experts {sorted(placed)} here")
@@ -208,7 +204,7 @@ class DeviceEngine:
         self._check_layer(record)
         if record.kind == EXPERT:
             if record.expert >= self.num_experts \
-                    or self.expert_device[record.expert] != self.device:
+                    or self.device not in self.expert_replicas[record.expert]:
                 raise ValueError(f"{record.describe()} does not belong to device "
                                  f"{self.device}: its experts are "
                                  f"{[u for u in self.units if u >= 0]}")
@@ -313,11 +309,14 @@ class DeviceEngine:
             raise ValueError("route: a head batch ends its tokens' decode step; the driver "
                              "starts the next step (enqueue an attention record at block 0)")
         ids, weights = self._check_topk(batch, topk_experts, topk_weights)
+        destinations = (self._home[ids] if self.replica_routing == HOME else
+                        replica_destinations(self.replica_routing, ids, self.expert_replicas,
+                                             self._rotor))
         routed = []
         for i, (record, out) in enumerate(zip(batch.records, outputs)):
             for slot in range(self.top_k):
                 expert = int(ids[i, slot])
-                routed.append((self.expert_device[expert], TokenRecord(
+                routed.append((int(destinations[i, slot]), TokenRecord(
                     record.request_id, record.step, record.layer, EXPERT, expert,
                     record.rank, record.context, slot, float(weights[i, slot]), out)))
         return routed

@@ -19,7 +19,9 @@ attention, or the head); a head batch completes its tokens' step, and a request 
 continues enqueues step s + 1 at block 0. Devices compute one batch at a time;
 transfers overlap compute. A request arrives with its prompt in the KV cache
 (``executor.start`` does the prefill where there is one) and is bound for life to the
-attention rank with the fewest active requests (ties: the lowest rank).
+attention rank with the fewest active requests (ties: the lowest rank). The attention
+ranks are the engines that host attention (all of them in the colocated layout; with
+attention disaggregated from experts, ``moejax.asyncmoe.placement``, only those).
 """
 
 from __future__ import annotations
@@ -216,6 +218,10 @@ class MuQueueLoop:
                  duration: Callable[[Batch], float], link: Callable[[float], float],
                  bytes_per_token: int) -> None:
         self.engines = list(engines)
+        self.ranks = [d for d, engine in enumerate(self.engines) if engine.hosts_attention]
+        if not self.ranks:
+            raise ValueError("MuQueueLoop: no engine hosts attention; requests need an "
+                             "attention rank")
         self.executor = executor
         self.duration, self.link = duration, link
         self.bytes_per_token = bytes_per_token
@@ -263,7 +269,7 @@ class MuQueueLoop:
                          sum(e.pool.pending() for e in self.engines))
 
     def arrive(self, now: float, request: Any) -> None:
-        rank = assign_rank(self.active)
+        rank = self.ranks[assign_rank([self.active[d] for d in self.ranks])]
         self.progress[request.request_id] = RequestProgress(request, rank)
         decodes, payload = self.executor.start(request, rank)
         if not decodes:                  # done at prefill: no decode step

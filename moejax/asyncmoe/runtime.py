@@ -1,10 +1,17 @@
 """The AsyncMoE μ-queue decode runtime on G devices of one process (seed §3).
 
-Every device is an attention rank (a request keeps its rank and KV pool for life) and
-hosts the experts ``expert_device`` places on it; each (layer, expert) pair is its own
-expert layer. The μ-queue loop (``moejax.asyncmoe.loop``: the simulator's own) decides
-what runs where and when, in virtual time from a cost function (default: every execution
-one unit, transfers free), so a run is deterministic; :class:`ModelExecutor` does the
+By default every device is an attention rank (a request keeps its rank and KV pool for
+life) and hosts the experts ``expert_device`` places on it; each (layer, expert) pair is
+its own expert layer. ``attention_devices`` disaggregates (seed §3.3): requests bind to
+those ranks only, and the experts live on the other devices (``expert_devices``), which
+run expert batches only. An expert may have replicas (``replicas`` per expert, or an
+explicit ``expert_device[e]`` = its devices): each holds the same weights, and
+``replica_routing`` (``moejax.asyncmoe.replicas``: "home", "round_robin", METRO's
+"metro") picks the replica of every token's copy, so the tokens do not depend on it.
+
+The μ-queue loop (``moejax.asyncmoe.loop``: the simulator's own) decides what runs where
+and when, in virtual time from a cost function (default: every execution one unit,
+transfers free), so a run is deterministic; :class:`ModelExecutor` does the
 arithmetic with the layerwise decode programs of ``moejax.decode.programs``:
 
 * prefill (``start``): the request's prompt through the fused paged step on its rank
@@ -57,9 +64,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax import moe, sampling
-from moejax.asyncmoe.engine import Batch, DeviceEngine, Merged, contiguous_placement, device_units
+from moejax.asyncmoe.engine import Batch, DeviceEngine, Merged
+from moejax.asyncmoe.placement import make_placement, replica_sets
 from moejax.asyncmoe.loop import LoopRequest, MuQueueLoop, SimResult
 from moejax.asyncmoe.records import TokenRecord
+from moejax.asyncmoe.replicas import HOME, check_replica_routing
 from moejax.asyncmoe.schedulers import QueueScheduler, make_scheduler
 from moejax.backends.base import check_expert_bias, validated
 from moejax.config import ModelConfig
@@ -169,11 +178,11 @@ class ModelExecutor:
     (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, devices: Sequence[Any],
-                 expert_device: Sequence[int], *, dtype: Any = "float32",
+                 expert_device: Sequence[int | Sequence[int]], *, dtype: Any = "float32",
                  opts: StepOptions = StepOptions()):
         check_expert_bias("asyncmoe", cfg, False)
         self.cfg, self.devices, self.opts = cfg, list(devices), opts
-        self.expert_device = tuple(expert_device)
+        self.expert_replicas = replica_sets(expert_device)
         host = validated(params, cfg, dtype)
         self.dtype = host["embed"].dtype
         dense = programs.dense_params(host)
@@ -182,10 +191,12 @@ class ModelExecutor:
         self._constants: dict[tuple, jax.Array] = {}
         self.host = host
         layers = host["layers"]
+        # One stack per (layer, expert, device of a replica): replicas share the weights.
         self.expert_stacks = {
-            (layer, e): jax.device_put({k: np.ascontiguousarray(layers[k][layer, e][None, None])
-                                        for k in EXPERT_KEYS}, self.devices[h])
-            for layer in range(cfg.num_layers) for e, h in enumerate(self.expert_device)}
+            (layer, e, h): jax.device_put({k: np.ascontiguousarray(layers[k][layer, e][None, None])
+                                           for k in EXPERT_KEYS}, self.devices[h])
+            for layer in range(cfg.num_layers) for e, hosts in enumerate(self.expert_replicas)
+            for h in hosts}
         self.prepare({}, 1)
 
     def prepare(self, specs: dict[int, SequenceSpec], blocks_per_rank: int) -> None:
@@ -350,7 +361,7 @@ class ModelExecutor:
         x = self._expert_input(device, [r.payload for r in batch.records], rows)
         routing = moe.Routing(weights=self._constant(dev, np.ones((rows, 1), np.float32)),
                               experts=self._constant(dev, np.zeros((rows, 1), np.int32)))
-        y = programs.MOE(self.expert_stacks[(batch.layer, batch.unit)], np.int32(0),
+        y = programs.MOE(self.expert_stacks[(batch.layer, batch.unit, device)], np.int32(0),
                          self._constant(dev, np.zeros(x.shape, x.dtype)), x, routing,
                          self._constant(dev, np.arange(rows) < n), opts=self.opts)
         return [self._row(y, i) for i in range(n)]
@@ -482,28 +493,36 @@ class MuQueueRuntime:
     ``devices`` (module docstring). ``scheduler``: a name ("defrag", "most_tokens",
     "first_layer") or an object; ``duration(batch)`` / ``link(bytes)``: the virtual cost
     model (default one unit per execution, free transfers); ``transport``: "batched"
-    (default) or "per_token" (the former one, for comparison; module docstring)."""
+    (default) or "per_token" (the former one, for comparison; module docstring).
+    ``attention_devices`` / ``expert_devices`` / ``expert_device`` / ``replicas``: the
+    layout (:func:`~moejax.asyncmoe.placement.make_placement`; default every device an
+    attention rank and an expert host, one replica per expert); ``replica_routing``: which
+    replica a token's copy goes to (``moejax.asyncmoe.replicas``)."""
 
     def __init__(self, cfg: ModelConfig, params: Params, devices: Sequence[Any], *,
                  scheduler: QueueScheduler | str = "defrag", dtype: Any = "float32",
-                 expert_device: Sequence[int] | None = None, blocks_per_rank: int | None = None,
+                 expert_device: Sequence[int | Sequence[int]] | None = None,
+                 blocks_per_rank: int | None = None,
                  duration: Callable[[Batch], float] | None = None,
-                 link: Callable[[float], float] | None = None, transport: str = "batched"):
+                 link: Callable[[float], float] | None = None, transport: str = "batched",
+                 attention_devices: Sequence[int] | None = None,
+                 expert_devices: Sequence[int] | None = None, replicas: int = 1,
+                 replica_routing: str = HOME):
         if not devices:
             raise ValueError("MuQueueRuntime needs at least one device")
         self.cfg = cfg
         self.devices = list(devices)
         self.scheduler = make_scheduler(scheduler) if isinstance(scheduler, str) else scheduler
-        self.expert_device = (contiguous_placement(cfg.num_experts, len(self.devices))
-                              if expert_device is None else tuple(expert_device))
-        if len(self.expert_device) != cfg.num_experts or not all(
-                0 <= d < len(self.devices) for d in self.expert_device):
-            raise ValueError(f"expert_device must give each of the {cfg.num_experts} experts a "
-                             f"device in [0, {len(self.devices)}), got {self.expert_device}")
+        self.placement = make_placement(cfg.num_experts, len(self.devices),
+                                        attention_devices=attention_devices,
+                                        expert_devices=expert_devices,
+                                        expert_device=expert_device, replicas=replicas)
+        self.expert_device = self.placement.home
+        self.replica_routing = check_replica_routing(replica_routing)
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, got {transport!r}")
-        self.executor = TRANSPORTS[transport](cfg, params, self.devices, self.expert_device,
-                                              dtype=dtype)
+        self.executor = TRANSPORTS[transport](cfg, params, self.devices,
+                                              self.placement.expert_replicas, dtype=dtype)
         self.blocks_per_rank = blocks_per_rank
         self.duration = duration or (lambda batch: UNIT_SECONDS)
         self.link = link or (lambda nbytes: 0.0)
@@ -513,8 +532,10 @@ class MuQueueRuntime:
                  ) -> list[SequenceOutput]:
         """Every sequence to its end (arriving at virtual times ``arrivals``, default all at
         0) -> outputs in order; :attr:`last_run` keeps the batches and timings."""
-        engines = [DeviceEngine(d, self.cfg.num_layers, device_units(d, self.expert_device),
-                                self.scheduler, self.cfg.num_experts_per_tok, self.expert_device)
+        placement = self.placement
+        engines = [DeviceEngine(d, self.cfg.num_layers, placement.units(d), self.scheduler,
+                                self.cfg.num_experts_per_tok, placement.expert_replicas,
+                                self.replica_routing)
                    for d in range(len(self.devices))]
         arrivals = [0.0] * len(specs) if arrivals is None else list(arrivals)
         requests = [LoopRequest(i, float(at), len(spec.prompt))

@@ -12,9 +12,14 @@ Model (both simulations):
 
 * a request arrives (prefill is done elsewhere: its KV holds ``prompt_length`` tokens)
   and is bound for life to the attention rank with the fewest active (arrived, not
-  finished) requests, ties to the lowest rank. Every device is an attention rank and
-  hosts the experts ``expert_device`` places on it (default
-  :func:`~moejax.asyncmoe.engine.contiguous_placement`);
+  finished) requests, ties to the lowest rank. By default every device is an attention
+  rank and hosts the experts ``expert_device`` places on it (default
+  :func:`~moejax.asyncmoe.placement.contiguous_placement`). The μ-queue simulation also
+  takes the options of :func:`~moejax.asyncmoe.placement.make_placement`:
+  ``attention_devices`` apart from the expert devices (seed §3.3: attention
+  disaggregated from experts), and expert replicas with a ``replica_routing`` policy
+  (``moejax.asyncmoe.replicas``: "home", "round_robin", METRO's "metro"). The EP baseline
+  is always colocated and unreplicated (each expert on its home device);
 * decode step s of a request (0 <= s < decode_tokens) runs attention and the MoE layer of
   every block, then the LM head + sampler on its rank; the head's end is the step's
   token completion, and step s + 1 enters block 0 at that instant. Attention of a token
@@ -54,8 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from moejax.asyncmoe.engine import (Batch, DeviceEngine, Merged, contiguous_placement,
-                                    device_units)
+from moejax.asyncmoe.engine import Batch, DeviceEngine, Merged
 # (the results' types are re-exported: the simulator's callers read them from here)
 from moejax.asyncmoe.loop import (MU_QUEUE, SYNC_EP, ExecutedBatch, MuQueueLoop,  # noqa: F401
                                   RequestProgress, RequestTiming, SimResult, assign_rank)
@@ -65,6 +69,8 @@ from moejax.asyncmoe.schedulers import QueueScheduler, make_scheduler
 from moejax.asyncmoe.checks import int_at_least, nonnegative, positive
 from moejax.asyncmoe.costs import CostTables  # noqa: F401
 from moejax.asyncmoe.routing import RoutingSource, SkewedRouting, TraceRouting  # noqa: F401
+from moejax.asyncmoe.placement import Placement, make_placement
+from moejax.asyncmoe.replicas import HOME, check_replica_routing
 
 
 
@@ -136,12 +142,19 @@ class _Setup:
     num_experts: int
     top_k: int
     bytes_per_token: int
-    expert_device: tuple[int, ...]
+    placement: Placement
+
+    @property
+    def expert_device(self) -> tuple[int, ...]:
+        """Each expert's home device."""
+        return self.placement.home
 
 
 def _setup(routing: RoutingSource, num_devices: int, num_layers: int, num_experts: int,
            top_k: int, hidden: int, dtype_bytes: int,
-           expert_device: Sequence[int] | None) -> _Setup:
+           expert_device: Sequence[int | Sequence[int]] | None,
+           attention_devices: Sequence[int] | None = None,
+           expert_devices: Sequence[int] | None = None, replicas: int = 1) -> _Setup:
     num_devices = int_at_least("num_devices", num_devices, 1)
     num_layers = int_at_least("num_layers", num_layers, 1)
     num_experts = int_at_least("num_experts", num_experts, 1)
@@ -153,13 +166,9 @@ def _setup(routing: RoutingSource, num_devices: int, num_layers: int, num_expert
                          f"the model has {num_experts}, top-{top_k}")
     bytes_per_token = (int_at_least("hidden", hidden, 1)
                        * int_at_least("dtype_bytes", dtype_bytes, 1))
-    if expert_device is None:
-        placement = contiguous_placement(num_experts, num_devices)
-    else:
-        placement = tuple(int(d) for d in expert_device)
-        if len(placement) != num_experts or any(not 0 <= d < num_devices for d in placement):
-            raise ValueError(f"expert_device must give each of the {num_experts} experts a "
-                             f"device in [0, {num_devices}), got {list(expert_device)}")
+    placement = make_placement(num_experts, num_devices, attention_devices=attention_devices,
+                               expert_devices=expert_devices, expert_device=expert_device,
+                               replicas=replicas)
     return _Setup(num_devices, num_layers, num_experts, top_k, bytes_per_token, placement)
 
 
@@ -176,19 +185,27 @@ def _batch_seconds(tables: CostTables, batch: Batch) -> float:
 def simulate_mu_queue(tables: CostTables, routing: RoutingSource, workload: Sequence[SimRequest],
                       num_devices: int, num_layers: int, num_experts: int, top_k: int,
                       scheduler: QueueScheduler | str, hidden: int, dtype_bytes: int,
-                      expert_device: Sequence[int] | None = None) -> SimResult:
+                      expert_device: Sequence[int | Sequence[int]] | None = None, *,
+                      attention_devices: Sequence[int] | None = None,
+                      expert_devices: Sequence[int] | None = None, replicas: int = 1,
+                      replica_routing: str = HOME) -> SimResult:
     """AsyncMoE decode of ``workload`` on ``num_devices`` devices, each a
     :class:`DeviceEngine` with ``scheduler`` (an object or a name for
     :func:`make_scheduler` with its defaults), in :class:`~moejax.asyncmoe.loop.MuQueueLoop`
-    (the runtime's loop) with :class:`RoutingExecutor`. Module docstring for the model.
-    RuntimeError if the run ends with a request unfinished."""
+    (the runtime's loop) with :class:`RoutingExecutor`. ``attention_devices``,
+    ``expert_devices``, ``expert_device`` and ``replicas``: the layout
+    (:func:`~moejax.asyncmoe.placement.make_placement`; default every device both, one
+    replica per expert); ``replica_routing``: ``moejax.asyncmoe.replicas``. Module
+    docstring for the model. RuntimeError if the run ends with a request unfinished."""
     setup = _setup(routing, num_devices, num_layers, num_experts, top_k, hidden,
-                   dtype_bytes, expert_device)
+                   dtype_bytes, expert_device, attention_devices, expert_devices, replicas)
+    replica_routing = check_replica_routing(replica_routing)
     if isinstance(scheduler, str):
         scheduler = make_scheduler(scheduler)
     requests = _check_workload(workload)
-    engines = [DeviceEngine(d, setup.num_layers, device_units(d, setup.expert_device),
-                            scheduler, setup.top_k, setup.expert_device)
+    placement = setup.placement
+    engines = [DeviceEngine(d, setup.num_layers, placement.units(d), scheduler, setup.top_k,
+                            placement.expert_replicas, replica_routing)
                for d in range(setup.num_devices)]
     loop = MuQueueLoop(engines, RoutingExecutor(routing, requests),
                        lambda batch: _batch_seconds(tables, batch), tables.link_s,
@@ -205,19 +222,27 @@ def simulate_mu_queue(tables: CostTables, routing: RoutingSource, workload: Sequ
 def replay_outputs(outputs: Sequence[Any], prompt_lengths: Sequence[int],
                    arrivals: Sequence[float], tables: CostTables, num_devices: int,
                    num_layers: int, num_experts: int, top_k: int, scheduler: QueueScheduler | str,
-                   hidden: int, dtype_bytes: int) -> SimResult:
+                   hidden: int, dtype_bytes: int,
+                   expert_device: Sequence[int | Sequence[int]] | None = None, *,
+                   attention_devices: Sequence[int] | None = None,
+                   expert_devices: Sequence[int] | None = None, replicas: int = 1,
+                   replica_routing: str = HOME) -> SimResult:
     """The simulation of what a real run decoded: every request of ``outputs`` (the
     runtime's ``SequenceOutput`` s, with their recorded ``decode_experts`` /
     ``decode_weights``) that ran a decode step, arriving at ``arrivals``, replaying its
     own routing. With the runtime's costs (``CostTables.uniform()`` for its default
-    clock) it runs the same batches in the same order."""
+    clock) and layout (the placement options of :func:`simulate_mu_queue`) it runs the
+    same batches in the same order."""
     decoding = [i for i, out in enumerate(outputs) if len(out.token_ids) > 1]
     routing = TraceRouting({i: outputs[i].decode_experts for i in decoding},
                            {i: outputs[i].decode_weights for i in decoding}, num_experts)
     workload = [SimRequest(i, arrivals[i], prompt_lengths[i], len(outputs[i].token_ids) - 1)
                 for i in decoding]
     return simulate_mu_queue(tables, routing, workload, num_devices, num_layers, num_experts,
-                             top_k, scheduler, hidden, dtype_bytes)
+                             top_k, scheduler, hidden, dtype_bytes, expert_device,
+                             attention_devices=attention_devices,
+                             expert_devices=expert_devices, replicas=replicas,
+                             replica_routing=replica_routing)
 
 
 class RoutingExecutor:
