@@ -48,7 +48,6 @@ Trained model only (the twin has no task skill to keep):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -61,6 +60,7 @@ from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
+from moejax.prefetch import step_model
 
 MODEL = "demo-e32"
 FULL = dict(per_domain=64, prompt_tokens=64, trace_new_tokens=32, steps=2000, items=24,
@@ -71,12 +71,12 @@ TASKS = ("domain_question", "arithmetic_yes_no", "arithmetic_claim", "multiple_c
 COMPUTED = ("router", "quasi", "estimator", "hybrid")
 FLOORS = ("random", "popularity", "previous")
 GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
-# docs/PERF.md: a Qwen3-30B-A3B layer of experts (128 x 3 x 2048 x 768 bf16, 1.21 GB)
-# copies host -> device in 22.7 ms on the H100.
-QWEN_EXPERT_BYTES = 3 * 2048 * 768 * 2
-QWEN_LAYER_BYTES = 128 * QWEN_EXPERT_BYTES
-H2D_SECONDS_PER_LAYER = 22.7e-3
-QWEN_TOP_K = 8
+# The Qwen3-30B-A3B expert shape and the H100's measured host -> device rate (22.7 ms
+# per 1.21 GB layer, docs/PERF.md) are the step model's, one definition for both.
+QWEN_EXPERT_BYTES = step_model.QWEN_EXPERT_BYTES
+QWEN_LAYER_BYTES = step_model.QWEN_LAYER_BYTES
+H2D_SECONDS_PER_LAYER = step_model.H2D_SECONDS_PER_LAYER
+QWEN_TOP_K = step_model.QWEN_TOP_K
 CUE_TOKENS = 2    # prompt tokens cut from each task item (" Answer" ":", "false" "?")
 
 
@@ -254,9 +254,8 @@ def h100_compute_per_layer(path: Path, compute_model: str) -> float:
     """Seconds of one Qwen3-30B-shaped layer at batch 1 (k = 8 active experts) from the
     H100 cost file's batch-8 fit: a_s per active expert (+ t0_s per layer with
     ``compute_model="layer"``)."""
-    fit = json.loads(path.read_text())["by_batch"]["8"]
-    per_expert = QWEN_TOP_K * fit["a_s"]
-    return per_expert + (fit["t0_s"] if compute_model == "layer" else 0.0)
+    cost = step_model.expert_cost_from_file(path, batch=1, compute_model=compute_model)
+    return cost.layer_seconds(QWEN_TOP_K)
 
 
 def modelled_tpot(recall: dict[str, np.ndarray], num_layers: int, compute: float

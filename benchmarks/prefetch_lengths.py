@@ -1,0 +1,342 @@
+"""Expert prefetch against prompt length, 1K-64K: the seed's own operating points (issue 44).
+
+The seed (speculating-experts-prefetch) measures TPOT at batch 1 over prompts of 1K, 4K,
+16K and 64K tokens: a longer context reads more KV in every layer's attention, so the
+next layer's expert copy hides under more compute. Here, per length:
+
+* Recall, measured on demo-e32 (max_context 2048) at the same fractions of its context:
+  1K, 4K, 16K, 64K -> 1/64, 1/16, 1/4 and 1 of it (32, 128, 512, 2048 tokens). Each
+  request runs ``context`` tokens: a prompt of ``context - new_tokens`` held-out corpus
+  tokens (domains in turn), then ``new_tokens`` greedy tokens (EOS ignored;
+  ``serving.Generator`` with expert tracing), so its decode steps attend to up to
+  ``context - 1`` tokens and the last point fills the demo's whole context. The demo was
+  trained on 128-token rows (``moejax.demo.train.TrainConfig.seq_len``): the longer
+  points ask it to route at positions it never trained at, as a long prompt asks of a
+  deployed model. The predictors (router, quasi, estimator, hybrid:
+  ``moejax.prefetch.predictors``) are fitted as ``benchmarks/expert_prefetch.py`` fits
+  them (``moejax.prefetch.train.train_estimator``: default vectors and estimator), once,
+  on other requests of 128 tokens (the demo's training length), and measured on the
+  decode tokens of every length (``recall_<p>_<len>``: recall@k averaged over the
+  predicted layers 1..L-1; floors random, popularity, previous too).
+  ``best_predictor``: the computed predictor of the highest recall averaged over the
+  four lengths; ``recall_best_<len>`` its recall.
+* The step model (``moejax.prefetch.step_model``) at Qwen3-30B-A3B shape on the H100 at
+  the seed's context (1024 ... 65536 tokens), ``--batch`` (default 1), the best
+  predictor's measured recall at that length: per mode (ondemand, exact, speculative)
+  ``copy_exposed_ms_<len>_<mode>``, ``copy_hidden_ms_...``, ``attention_ms_...``,
+  ``expert_ms_...``, ``total_ms_...`` (= ``tpot_ms_<len>_<mode>_modelled``), and
+  ``prefetch_tpot_over_ondemand_<len>_modelled`` (exact / on-demand) and
+  ``..._modelled_speculative``.
+* ``--measure``: measured TPOT (ms) of the offload decode runners on demo-e32 at batch 1
+  at the shortest and longest demo contexts (``measured_tpot_ms_<len>_<config>``:
+  ``ondemand`` = ``OffloadRunner``, ``exact`` / ``speculative`` = ``PrefetchRunner``
+  with the best predictor) and their ratios; ``measured_platform`` names where it ran
+  (on CPU host and device memory are one, so the figures show overheads, not copies).
+
+    python -m benchmarks.prefetch_lengths [--quick] [--json PATH] [--batch N]
+        [--requests N] [--new-tokens N] [--steps N] [--compute-model expert|layer]
+        [--measure] [--seed N]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from benchmarks.expert_prefetch import COMPUTED, GPU_COST, MODEL, recall_figures
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
+from benchmarks.lib.compiles import timed_pass
+from benchmarks.lib.meta import finish_run
+from moejax.prefetch import step_model
+
+# The seed's prompt lengths (its Section 5.1.1), by the names the keys carry.
+LENGTHS = {"1k": 1024, "4k": 4096, "16k": 16384, "64k": 65536}
+BREAKDOWN = ("copy_exposed_ms", "copy_hidden_ms", "attention_ms", "expert_ms", "total_ms")
+FULL = dict(fit_per_domain=16, requests=16, new_tokens=16, steps=2000, measure_prompts=2)
+QUICK = dict(fit_per_domain=1, requests=2, new_tokens=8, steps=60, measure_prompts=1)
+# Replay runs each request in one attention block of its length rounded up to 16, and
+# blocks over 128 tokens must be multiples of 128 (moejax.attention's sub-blocks): demo
+# contexts are kept to such sizes.
+CONTEXT_MULTIPLE = 16
+SUB_BLOCK = 128
+GENERATE_BATCH = 16
+
+
+def demo_contexts(max_context: int, new_tokens: int) -> dict[str, int]:
+    """The demo's context per length: the same fraction of ``max_context`` as the length
+    is of 64K. Raises ValueError when the model's context is too short for four distinct
+    contexts that each hold a prompt token and ``new_tokens`` generated ones."""
+    longest = LENGTHS["64k"]
+    contexts = {tag: max_context * tokens // longest for tag, tokens in LENGTHS.items()}
+    short = [tag for tag, c in contexts.items() if c <= new_tokens]
+    if short:
+        raise ValueError(f"max_context={max_context} is too short: the {short} points get "
+                         f"contexts {[contexts[t] for t in short]}, no room for a prompt and "
+                         f"{new_tokens} new tokens (at least {longest // 1024 * (new_tokens + 1)}"
+                         f" context tokens are needed)")
+    for tag, c in contexts.items():
+        if c % CONTEXT_MULTIPLE or (c > SUB_BLOCK and c % SUB_BLOCK):
+            raise ValueError(f"the {tag} point's context {c} (of max_context={max_context}) "
+                             f"is not a whole number of replay blocks ({CONTEXT_MULTIPLE}, "
+                             f"or {SUB_BLOCK} beyond {SUB_BLOCK} tokens)")
+    return contexts
+
+
+# ----------------------------------------------------------------------------- traces
+class Tracer:
+    """Greedy decode with expert tracing on one ``serving.Generator``, prompts of the
+    demo corpus's held-out texts."""
+
+    def __init__(self, model: str):
+        from moejax.demo import corpus
+        from serving import Generator
+        from serving.api import resolve_model_dir
+        from serving.requests import TokenizerAdapter
+
+        from benchmarks.lib.reference_traces import model_domains
+
+        model_dir, _ = resolve_model_dir(model)
+        self.domains = model_domains(model, model_dir)
+        self.tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
+        self.source = corpus.sources("eval", tuple(self.domains))
+        self.generator = Generator(model, dtype="float32", trace_experts=True,
+                                   max_batch_size=GENERATE_BATCH)
+
+    def prompts(self, count: int, length: int, seed: int) -> list[list[int]]:
+        """``count`` prompts of exactly ``length`` tokens, request i from domain i mod D."""
+        from benchmarks.lib.reference_traces import domain_prompts
+
+        rng = np.random.default_rng(seed)
+        return [domain_prompts(self.source, self.tokenizer, self.domains[i % len(self.domains)],
+                               1, length, rng)[0] for i in range(count)]
+
+    def trace_sets(self, sets: list[list[list[int]]], new_tokens: int) -> list[Any]:
+        """One ``moejax.traces.Trace`` per set of prompts, ``new_tokens`` greedy tokens each
+        (every set in one generate call: the engine batches and compiles them together)."""
+        from moejax import traces
+
+        prompts = [p for group in sets for p in group]
+        requests = [{"id": i, "prompt_token_ids": p, "max_new_tokens": new_tokens,
+                     "stop_token_ids": []} for i, p in enumerate(prompts)]
+        results = self.generator.generate(requests)
+        failed = [r for r in results if r.error is not None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].id}: {failed[0].error}")
+        out, start = [], 0
+        for group in sets:
+            out.append(traces.from_results(results[start:start + len(group)], group,
+                                           [None] * len(group), config=self.generator.config,
+                                           router_inputs=False, model=MODEL))
+            start += len(group)
+        return out
+
+
+# ----------------------------------------------------------------------------- recall
+def mean_recall(per_layer: dict[str, np.ndarray]) -> dict[str, float]:
+    """Each predictor's recall@k averaged over the predicted layers 1..L-1."""
+    return {kind: float(np.mean(values[1:])) for kind, values in per_layer.items()}
+
+
+def best_predictor(recall: dict[str, dict[str, float]]) -> str:
+    """The computed predictor of the highest recall averaged over the lengths."""
+    return max(COMPUTED, key=lambda kind: np.mean([recall[tag][kind] for tag in recall]))
+
+
+# ----------------------------------------------------------------------------- modelled
+def modelled_figures(recall: dict[str, float], batch: int, compute_model: str
+                     ) -> dict[str, float]:
+    """Per length: every mode's step breakdown and TPOT at the given recall."""
+    cost = step_model.expert_cost_from_file(GPU_COST, batch, compute_model)
+    out: dict[str, float] = {}
+    for tag, context in LENGTHS.items():
+        steps = step_model.step_breakdowns(step_model.QWEN3_30B_A3B, step_model.H100, cost,
+                                           context, recall[tag], batch)
+        for mode, step in steps.items():
+            for name, value in step.as_ms().items():
+                out[f"{name}_{tag}_{mode}"] = value
+            out[f"tpot_ms_{tag}_{mode}_modelled"] = 1000 * step.total_s
+        ondemand = steps["ondemand"].total_s
+        out[f"prefetch_tpot_over_ondemand_{tag}_modelled"] = steps["exact"].total_s / ondemand
+        out[f"prefetch_tpot_over_ondemand_{tag}_modelled_speculative"] = (
+            steps["speculative"].total_s / ondemand)
+    return out
+
+
+# ----------------------------------------------------------------------------- measured
+def decode_ms(runner: Any, prompts: list[list[int]], context: int, new_tokens: int,
+              timed: str | None) -> float:
+    """Greedy decode of ``prompts`` one at a time (batch 1): ms per decode token."""
+    from moejax.core.continuous import Scheduler, SchedulerOptions
+    from moejax.sequences import SequenceSpec
+
+    options = SchedulerOptions(max_batch_size=1, max_prefill_tokens=256, step="layerwise",
+                               record_steps=True)
+    scheduler = Scheduler(runner, context // CONTEXT_MULTIPLE + 8, options)
+    for prompt in prompts:
+        scheduler.submit(SequenceSpec(prompt=tuple(prompt), max_new_tokens=new_tokens))
+    with timed_pass(timed) if timed else contextlib.nullcontext():
+        scheduler.run_until_idle()
+    decode = [r for r in scheduler.step_records
+              if r.prefill_sequences == 0 and r.decode_sequences > 0]
+    return 1000 * sum(r.seconds for r in decode) / max(
+        sum(r.decode_sequences for r in decode), 1)
+
+
+def measured_figures(cfg: Any, params: Any, files: list[str], predictor: str,
+                     prompts: dict[str, list[list[int]]], contexts: dict[str, int],
+                     new_tokens: int) -> dict[str, Any]:
+    """TPOT of OffloadRunner and PrefetchRunner (exact, speculative) at each given length."""
+    import jax
+
+    from moejax.decode.factory import make_runner
+    from moejax.decode.programs import StepOptions
+
+    configs = {"ondemand": {}, "exact": dict(prefetch=predictor, prefetch_mode="exact"),
+               "speculative": dict(prefetch=predictor, prefetch_mode="speculative")}
+    out: dict[str, Any] = {"measured_platform": jax.default_backend(),
+                           "measured_predictor": predictor}
+    for name, options in configs.items():
+        extra = dict(options, prefetch_files=files) if options else {}
+        runner = make_runner("offload", cfg, params, dtype="float32", opts=StepOptions(),
+                             **extra)
+        for tag, group in prompts.items():
+            decode_ms(runner, group[:1], contexts[tag], 2, None)     # compile outside the clock
+            out[f"measured_tpot_ms_{tag}_{name}"] = decode_ms(
+                runner, group, contexts[tag], new_tokens, f"measured_{tag}_{name}")
+    for tag in prompts:
+        out[f"measured_demo_context_{tag}"] = contexts[tag]
+        for mode in ("exact", "speculative"):
+            out[f"measured_prefetch_tpot_over_ondemand_{tag}_{mode}"] = (
+                out[f"measured_tpot_ms_{tag}_{mode}"] / out[f"measured_tpot_ms_{tag}_ondemand"])
+    return out
+
+
+# ----------------------------------------------------------------------------- driver
+def fit_predictors(cfg: Any, params: Any, requests: list[Any], steps: int, seed: int,
+                   tmp: str) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    """Default vectors and estimator fitted on ``requests``, saved for the runners ->
+    (fitted, files, figures)."""
+    from moejax.prefetch import defaults, estimator, train
+
+    fitted = train.train_estimator(cfg, params, requests, model=MODEL, steps=steps, seed=seed)
+    files = [os.path.join(tmp, "defaults.npz"), os.path.join(tmp, "estimator.npz")]
+    defaults.save(files[0], fitted["defaults"])
+    estimator.save(files[1], fitted["config"], fitted["params"], fitted["meta"])
+    meta = fitted["meta"]
+    figures = {"fit_requests": len(requests), "estimator_params": meta["param_count"],
+               "estimator_training_tokens": meta["training_tokens"],
+               "estimator_train_seconds": meta["train_seconds"],
+               "hybrid_layers": meta["hybrid_layers"]}
+    return fitted, files, figures
+
+
+def run(args: Any, shape: dict[str, Any]) -> dict[str, Any]:
+    from moejax.demo.train import TrainConfig
+    from moejax.prefetch import train
+
+    cfg, params = train.load_model(MODEL)
+    contexts = demo_contexts(cfg.max_context, shape["new_tokens"])
+    new_tokens = shape["new_tokens"]
+    # The predictors are fitted on requests of the demo's training length.
+    fit_context = TrainConfig().seq_len
+    figures: dict[str, Any] = {"demo_max_context": cfg.max_context, "batch": args.batch,
+                               "fit_context": fit_context}
+    tracer = Tracer(MODEL)
+    prompts = {tag: tracer.prompts(shape["requests"], context - new_tokens,
+                                   seed=20_000 + 100 * args.seed + i)
+               for i, (tag, context) in enumerate(contexts.items())}
+    fit_prompts = tracer.prompts(shape["fit_per_domain"] * len(tracer.domains),
+                                 fit_context - new_tokens, seed=10_000 + args.seed)
+    fit_trace, *length_traces = tracer.trace_sets([fit_prompts, *prompts.values()], new_tokens)
+    with tempfile.TemporaryDirectory(prefix="moejax-prefetch-lengths-") as tmp:
+        fitted, files, fit = fit_predictors(cfg, params, fit_trace.requests, shape["steps"],
+                                            args.seed, tmp)
+        figures.update(fit)
+        recall: dict[str, dict[str, float]] = {}
+        for (tag, context), trace in zip(contexts.items(), length_traces):
+            found, per_layer = recall_figures(cfg, params, fitted, trace.requests, args.seed)
+            recall[tag] = mean_recall(per_layer)
+            figures[f"demo_context_{tag}"] = context
+            figures[f"demo_prompt_tokens_{tag}"] = context - new_tokens
+            figures[f"decode_tokens_{tag}"] = found["heldout_decode_tokens"]
+            for kind, value in recall[tag].items():
+                figures[f"recall_{kind}_{tag}"] = value
+        best = best_predictor(recall)
+        figures["best_predictor"] = best
+        for tag in LENGTHS:
+            figures[f"recall_best_{tag}"] = recall[tag][best]
+        figures.update(modelled_figures({tag: recall[tag][best] for tag in LENGTHS},
+                                        args.batch, args.compute_model))
+        if args.measure:
+            ends = {tag: prompts[tag][:shape["measure_prompts"]] for tag in ("1k", "64k")}
+            figures.update(measured_figures(cfg, params, files, best, ends, contexts,
+                                            new_tokens))
+    return figures
+
+
+def report(figures: dict[str, Any]) -> None:
+    print(f"demo-e32 recall@k (layers 1..L-1) by length; best predictor "
+          f"{figures['best_predictor']}:")
+    for tag in LENGTHS:
+        kinds = " ".join(f"{k} {figures[f'recall_{k}_{tag}']:.3f}"
+                         for k in (*COMPUTED, "popularity", "previous"))
+        print(f"  {tag:>3} (demo context {figures[f'demo_context_{tag}']:>5}): {kinds}")
+    print(f"modelled H100, Qwen3-30B-A3B, batch {figures['batch']}: per step ms "
+          f"(copy exposed / hidden / attention / experts / total)")
+    for tag in LENGTHS:
+        for mode in step_model.MODES:
+            row = " / ".join(f"{figures[f'{name}_{tag}_{mode}']:7.2f}" for name in BREAKDOWN)
+            print(f"  {tag:>3} {mode:<11} {row}")
+        print(f"      exact / on-demand {figures[f'prefetch_tpot_over_ondemand_{tag}_modelled']:.3f}"
+              f", speculative / on-demand "
+              f"{figures[f'prefetch_tpot_over_ondemand_{tag}_modelled_speculative']:.3f}")
+    if "measured_platform" in figures:
+        print(f"measured TPOT on {figures['measured_platform'].upper()} (demo-e32, batch 1):")
+        for tag in ("1k", "64k"):
+            row = ", ".join(f"{m} {figures[f'measured_tpot_ms_{tag}_{m}']:.2f} ms"
+                            for m in step_model.MODES)
+            print(f"  {tag} (demo context {figures[f'measured_demo_context_{tag}']}): {row}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = bench_parser(__doc__, quick_help="1 fitting request per domain, 2 requests "
+                          "per length, 8 new tokens, 60 estimator training steps")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="decode batch of the modelled step (default 1, the seed's)")
+    parser.add_argument("--requests", type=int, help="requests per length (default 16)")
+    parser.add_argument("--new-tokens", type=int, help="tokens generated per request "
+                                                       "(default 16)")
+    parser.add_argument("--steps", type=int, help="estimator training steps (default 2000)")
+    parser.add_argument("--compute-model", choices=step_model.COMPUTE_MODELS, default="expert",
+                        help="modelled expert compute per layer: the per-active-expert "
+                             "term (default) or plus the cost file's per-layer term")
+    parser.add_argument("--measure", action="store_true",
+                        help="also time the offload runners at the shortest and longest "
+                             "lengths (a GPU run; on CPU the figures are labelled so)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parse_args(parser, argv)
+    shape = run_shape(args, QUICK, FULL, ("requests", "new_tokens", "steps"))
+    for key in ("requests", "new_tokens", "steps"):
+        if shape[key] < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1, got {shape[key]}")
+    try:        # the cost file has fits up to some batch: refuse a larger one now
+        step_model.expert_cost_from_file(GPU_COST, args.batch, args.compute_model)
+    except ValueError as exc:
+        parser.error(f"--batch {args.batch}: {exc}")
+    started = time.perf_counter()
+    figures: dict[str, Any] = {"model": MODEL, "compute_model": args.compute_model,
+                               "quick": int(args.quick),
+                               **{f"shape_{k}": v for k, v in shape.items()}}
+    figures.update(run(args, shape))
+    figures["seconds"] = time.perf_counter() - started
+    report(figures)
+    return finish_run(figures, args.json_path)
+
+
+if __name__ == "__main__":
+    main()

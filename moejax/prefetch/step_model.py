@@ -1,0 +1,269 @@
+"""A per-decode-step cost model of offloaded MoE decode, by context length and batch.
+
+The experts live in host memory; each decode step copies the experts a layer needs to
+the device (PCIe, host -> device) and computes the layer there. Per layer l the model
+counts:
+
+* attention: the KV cache read at the context (``batch * context`` tokens of K and V)
+  plus the attention projections' weights, over the HBM bandwidth, plus a fixed launch
+  cost for the attention block's kernels. Decode attention at batch <= a few dozen is
+  bandwidth bound, so bytes / bandwidth is its time;
+* expert compute: the H100 cost file's fit (``t = per_layer + per_active * n``, the fit of
+  the smallest measured batch >= the step's batch), over the layer's active experts n;
+* the expert copy: n experts' bytes over the host -> device rate measured on the H100.
+
+n is the expected number of distinct experts ``batch`` tokens route to,
+``E * (1 - (1 - k/E) ** batch)`` (uniform, independent routing: an upper bound on real,
+skewed routing; exactly k at batch 1).
+
+Overlap (the seed's Eq. 1, with attention added to the window): layer l's prediction of
+layer l+1 is ready after layer l's attention; its copy is issued once layer l's experts
+are enqueued, so it runs under layer l's expert compute and layer l+1's attention
+(``window = expert + attention``), and hides ``min(copy, window)``. One copy engine
+serves copies in order, so an on-demand copy issued after layer l+1 routes waits for
+the rest of the prefetch (``copy - window`` when positive). Layer 0 has no predecessor
+and copies on demand in every mode. Modes:
+
+* ``ondemand``: every layer copies its experts after routing; all of the copy is exposed;
+* ``exact``: layers >= 1 prefetch the predicted experts, then copy the misses on demand
+  (``(1 - recall) * copy``, exposed, after the prefetch's unhidden part);
+* ``speculative``: layers >= 1 prefetch the predicted experts and compute with them; a
+  miss is never copied.
+
+So at recall 1 exact equals speculative, and at recall 0 exact costs on-demand's copy
+plus the unhidden part of a useless prefetch (equal to on-demand when the window covers
+the copy). The model counts the layer stack only (no embedding, LM head or sampling):
+the modes differ in the layers alone, and the figures compare modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+MODES = ("ondemand", "exact", "speculative")
+COMPUTE_MODELS = ("expert", "layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The shape of an MoE decoder, as far as the step model needs it (bf16: 2 bytes)."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelShape.{field.name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelShape.top_k={self.top_k} exceeds num_experts="
+                             f"{self.num_experts}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelShape.num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def expert_bytes(self) -> int:
+        """One SwiGLU expert: gate, up [hidden, inter] and down [inter, hidden]."""
+        return 3 * self.hidden_size * self.expert_intermediate * self.dtype_bytes
+
+    @property
+    def layer_expert_bytes(self) -> int:
+        return self.num_experts * self.expert_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token at one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def attention_weight_bytes(self) -> int:
+        """q, k, v and o projections of one layer."""
+        q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        return (q_and_o + k_and_v) * self.dtype_bytes
+
+
+# Qwen3-30B-A3B (its config.json on the Hugging Face hub: 48 layers, 128 experts, 8 per
+# token, hidden 2048, moe_intermediate_size 768, 32 query / 4 KV heads of 128, bf16).
+QWEN3_30B_A3B = ModelShape(num_layers=48, num_experts=128, top_k=8, hidden_size=2048,
+                           expert_intermediate=768, num_heads=32, num_kv_heads=4, head_dim=128)
+QWEN_TOP_K = QWEN3_30B_A3B.top_k
+QWEN_EXPERT_BYTES = QWEN3_30B_A3B.expert_bytes          # 9.44 MB
+QWEN_LAYER_BYTES = QWEN3_30B_A3B.layer_expert_bytes     # 1.21 GB
+# docs/PERF.md ("Execution backends on one GPU"): a Qwen3-30B-A3B layer of experts
+# (1.21 GB) copies host -> device in 22.7 ms on the lent H100 (53 GB/s: PCIe Gen5 x16).
+H2D_SECONDS_PER_LAYER = 22.7e-3
+H100_H2D_BYTES_PER_S = QWEN_LAYER_BYTES / H2D_SECONDS_PER_LAYER
+# NVIDIA H100 SXM5 datasheet: HBM3, 3.35 TB/s (the H100 80GB HBM3 of the cost file).
+H100_HBM_BYTES_PER_S = 3.35e12
+# A CUDA kernel launch costs ~5 us on the host-side launch path (NVIDIA, "Getting
+# Started with CUDA Graphs", 2019: 2-5 us per launch); a decode attention block runs
+# six kernels (input norm, qkv projection, q/k norm + rope, KV write, attention, output
+# projection).
+KERNEL_LAUNCH_SECONDS = 5e-6
+ATTENTION_KERNELS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """The rates of the decode device: HBM and host -> device bytes per second, and the
+    fixed cost of one layer's attention kernels."""
+
+    hbm_bytes_per_s: float
+    h2d_bytes_per_s: float
+    attention_launch_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_bytes_per_s", "h2d_bytes_per_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"Device.{name} must be a positive number, got {value!r}")
+        if not math.isfinite(self.attention_launch_s) or self.attention_launch_s < 0:
+            raise ValueError(f"Device.attention_launch_s must be >= 0, got "
+                             f"{self.attention_launch_s!r}")
+
+
+H100 = Device(hbm_bytes_per_s=H100_HBM_BYTES_PER_S, h2d_bytes_per_s=H100_H2D_BYTES_PER_S,
+              attention_launch_s=ATTENTION_KERNELS * KERNEL_LAUNCH_SECONDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertCost:
+    """Expert compute of one layer: ``per_layer_s + per_active_s * n`` for n active
+    experts."""
+
+    per_active_s: float
+    per_layer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("per_active_s", "per_layer_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"ExpertCost.{name} must be >= 0, got {value!r}")
+
+    def layer_seconds(self, active: float) -> float:
+        return self.per_layer_s + self.per_active_s * active
+
+
+def expert_cost_from_file(path: str | Path, batch: int = 1,
+                          compute_model: str = "expert") -> ExpertCost:
+    """The cost file's (``benchmarks/eldr_cost.py --cost-out``) fit for ``batch`` tokens:
+    that of the smallest measured batch >= ``batch``. ``compute_model="expert"`` keeps
+    the per-active-expert term only, ``"layer"`` adds the fit's per-layer term."""
+    if compute_model not in COMPUTE_MODELS:
+        raise ValueError(f"compute_model must be one of {COMPUTE_MODELS}, got {compute_model!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    fits = json.loads(Path(path).read_text())["by_batch"]
+    measured = sorted(int(b) for b in fits)
+    above = [b for b in measured if b >= batch]
+    if not above:
+        raise ValueError(f"{path}: no expert-cost fit for batch {batch} (fits for batches "
+                         f"{measured})")
+    fit = fits[str(above[0])]
+    return ExpertCost(per_active_s=float(fit["a_s"]),
+                      per_layer_s=float(fit["t0_s"]) if compute_model == "layer" else 0.0)
+
+
+def active_experts(shape: ModelShape, batch: int) -> float:
+    """Expected distinct experts of one layer over ``batch`` tokens (uniform routing)."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    e, k = shape.num_experts, shape.top_k
+    return e * (1.0 - (1.0 - k / e) ** batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """One layer's seconds: attention, expert compute, and copying its active experts."""
+
+    attention_s: float
+    expert_s: float
+    copy_s: float
+
+    @property
+    def window_s(self) -> float:
+        """What a prefetch of this layer hides under: the previous layer's experts and
+        this layer's attention (layers are alike, so this layer's own figures)."""
+        return self.expert_s + self.attention_s
+
+
+def layer_cost(shape: ModelShape, device: Device, expert_cost: ExpertCost, context: int,
+               batch: int = 1) -> LayerCost:
+    """The per-layer costs of a decode step at ``context`` tokens of KV per sequence."""
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be a positive int (tokens), got {context!r}")
+    active = active_experts(shape, batch)
+    kv_bytes = batch * context * shape.kv_bytes_per_token
+    attention = ((kv_bytes + shape.attention_weight_bytes) / device.hbm_bytes_per_s
+                 + device.attention_launch_s)
+    return LayerCost(attention_s=attention, expert_s=expert_cost.layer_seconds(active),
+                     copy_s=active * shape.expert_bytes / device.h2d_bytes_per_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds of one decode step: copy exposed (the compute stream waits on it), copy
+    hidden (under compute), attention, expert compute, and the total
+    (attention + expert + copy exposed)."""
+
+    copy_exposed_s: float
+    copy_hidden_s: float
+    attention_s: float
+    expert_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.attention_s + self.expert_s + self.copy_exposed_s
+
+    def as_ms(self) -> dict[str, float]:
+        return {"copy_exposed_ms": 1000 * self.copy_exposed_s,
+                "copy_hidden_ms": 1000 * self.copy_hidden_s,
+                "attention_ms": 1000 * self.attention_s, "expert_ms": 1000 * self.expert_s,
+                "total_ms": 1000 * self.total_s}
+
+
+def step_breakdown(mode: str, layer: LayerCost, num_layers: int, recall: float = 0.0
+                   ) -> StepBreakdown:
+    """One decode step of ``num_layers`` layers alike in ``mode`` (module docstring);
+    ``recall``: the predictor's recall@k on layers >= 1 (exact and speculative)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    if not 0.0 <= recall <= 1.0:
+        raise ValueError(f"recall must lie in [0, 1], got {recall!r}")
+    predicted = num_layers - 1 if mode != "ondemand" else 0
+    hidden = min(layer.copy_s, layer.window_s)
+    spill = layer.copy_s - hidden
+    misses = (1.0 - recall) * layer.copy_s if mode == "exact" else 0.0
+    exposed = (num_layers - predicted) * layer.copy_s + predicted * (spill + misses)
+    return StepBreakdown(copy_exposed_s=exposed, copy_hidden_s=predicted * hidden,
+                         attention_s=num_layers * layer.attention_s,
+                         expert_s=num_layers * layer.expert_s)
+
+
+def step_breakdowns(shape: ModelShape, device: Device, expert_cost: ExpertCost, context: int,
+                    recall: float, batch: int = 1) -> dict[str, StepBreakdown]:
+    """Every mode's step at one context and batch, the predictor's ``recall``."""
+    layer = layer_cost(shape, device, expert_cost, context, batch)
+    return {mode: step_breakdown(mode, layer, shape.num_layers, recall) for mode in MODES}
+
+
+__all__: Sequence[str] = ("ModelShape", "Device", "ExpertCost", "LayerCost", "StepBreakdown",
+                          "QWEN3_30B_A3B", "H100", "MODES", "COMPUTE_MODELS",
+                          "expert_cost_from_file", "active_experts", "layer_cost",
+                          "step_breakdown", "step_breakdowns")
