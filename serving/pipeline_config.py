@@ -81,6 +81,20 @@ def _positive_int(where: str, value: Any) -> int:
     return value
 
 
+def _check_device_index(where: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise PipelineError(f"{where} must be a device index >= 0, got {value!r}")
+
+
+def _check_devices_and_step(where: str, noun: str, kind: str, devices: int, step: str
+                            ) -> None:
+    """A stage's device count and step mode against its backend or placement ``kind``."""
+    if devices > 1 and kind not in MESH_PLACEMENTS:
+        raise PipelineError(f"{where}: devices={devices}, but {noun} {kind!r} runs on one "
+                            f"device (several: {' or '.join(MESH_PLACEMENTS)})")
+    _check_step(where, kind, step)
+
+
 def _check_step(where: str, kind: str, step: str) -> None:
     if step not in STEPS:
         raise PipelineError(f"{where}.step must be one of {STEPS}, got {step!r}")
@@ -159,15 +173,8 @@ class PrefillStage:
             raise PipelineError(f"prefill.backend must be one of {PREFILL_BACKENDS}, got "
                                 f"{self.backend!r}")
         _positive_int(f"{where}.devices", self.devices)
-        if not isinstance(self.first_device, int) or isinstance(self.first_device, bool) \
-                or self.first_device < 0:
-            raise PipelineError(f"{where}.first_device must be a device index >= 0, got "
-                                f"{self.first_device!r}")
-        if self.devices > 1 and self.backend not in MESH_PLACEMENTS:
-            raise PipelineError(f"{where}: devices={self.devices}, but backend "
-                                f"{self.backend!r} runs on one device (several: "
-                                f"{' or '.join(MESH_PLACEMENTS)})")
-        _check_step(where, self.backend, self.step)
+        _check_device_index(f"{where}.first_device", self.first_device)
+        _check_devices_and_step(where, "backend", self.backend, self.devices, self.step)
         unknown = sorted(set(self.options) - set(PREFILL_OPTIONS[self.backend]))
         if unknown:
             raise PipelineError(f"{where} does not take {', '.join(unknown)} (it takes "
@@ -211,16 +218,9 @@ class DecoderStage:
         where = f"{where} (placement {self.placement!r})"
         _positive_int(f"{where}.devices", self.devices)
         _positive_int(f"{where}.count", self.count)
-        if self.first_device is not None and (
-                not isinstance(self.first_device, int) or isinstance(self.first_device, bool)
-                or self.first_device < 0):
-            raise PipelineError(f"{where}.first_device must be a device index >= 0, got "
-                                f"{self.first_device!r}")
-        if self.devices > 1 and self.placement not in MESH_PLACEMENTS:
-            raise PipelineError(f"{where}: devices={self.devices}, but placement "
-                                f"{self.placement!r} decodes on one device (several: "
-                                f"{' or '.join(MESH_PLACEMENTS)})")
-        _check_step(where, self.placement, self.step)
+        if self.first_device is not None:
+            _check_device_index(f"{where}.first_device", self.first_device)
+        _check_devices_and_step(where, "placement", self.placement, self.devices, self.step)
         takes = PLACEMENT_OPTIONS[self.placement]
         unknown = sorted(set(self.options) - set(takes))
         if unknown:
