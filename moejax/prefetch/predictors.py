@@ -22,11 +22,23 @@ request's previous token chose at that layer).
 
 A prediction is a :class:`moejax.moe.Routing` (ids and weights), so the speculative mode
 can compute with it as it is.
+
+A population prior (issue 44: e.g. the expert frequencies of the ELDR cluster a decoder
+serves, ``moejax.eldr.priors``) re-ranks a learned predictor's experts: with ``prior``
+[L, E] (each layer's row normalised to sum 1) and weight w in [0, 1], layer l+1's top-k
+are the k largest of (1 − w)·s / Σs + w·prior[l+1], s the predictor's scores over every
+expert (the router's softmax, or sigmoid, scores; the estimator's softmax). The
+predicted weights are the predictor's own scores at the chosen experts, renormalised and
+scaled as the router does. w = 0 runs today's predictor unchanged (the prior is not
+traced in: ``use_prior=False``); w = 1 predicts the prior's top-k for every token. The
+mixed ranking is over all E experts (a group-limited router's group choice and a
+choice bias do not enter it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -57,25 +69,77 @@ EVAL_TOKENS_PER_CHUNK = 8192
 @dataclasses.dataclass(frozen=True)
 class PrefetchTables:
     """The arrays a predictor reads besides the model: default vectors [L, E, d]
-    (zeros when unused), the estimator's params (a dict, empty when unused) and
-    ``use_estimator`` [L] bool: target layers the hybrid predicts with the estimator."""
+    (zeros when unused), the estimator's params (a dict, empty when unused),
+    ``use_estimator`` [L] bool: target layers the hybrid predicts with the estimator,
+    ``prior`` [L, E] float32: the population prior, each row summing to 1 (zeros when
+    unused) and ``prior_weight`` [] float32: its weight w (0 when unused)."""
 
     defaults: jax.Array
     estimator: dict[str, jax.Array]
     use_estimator: jax.Array
+    prior: jax.Array
+    prior_weight: jax.Array
+
+
+def check_prior(prior: Any, weight: Any, cfg: ModelConfig) -> tuple[np.ndarray | None, float]:
+    """(the prior [L, E] float64 with each layer's row normalised to sum 1, or None; the
+    weight as a float), or a ValueError naming what is wrong: a weight that is not a
+    number in [0, 1], a positive weight without a prior, a prior that is not a finite
+    [num_layers, num_experts] array, has a negative entry or a layer summing to 0."""
+    if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, (int, float, np.integer,
+                                                                       np.floating)) \
+            or not math.isfinite(weight) or not 0 <= weight <= 1:
+        raise ValueError(f"prefetch_prior_weight must be a number in [0, 1] (0: the predictor "
+                         f"alone, 1: the prior alone), got {weight!r}")
+    weight = float(weight)
+    if prior is None:
+        if weight > 0:
+            raise ValueError(f"prefetch_prior_weight={weight} needs a prefetch_prior (an "
+                             f"[L, E] expert-frequency array, e.g. moejax.eldr.priors)")
+        return None, weight
+    array = np.asarray(prior)
+    shape = (cfg.num_layers, cfg.num_experts)
+    if array.dtype.kind not in "fiu" or array.shape != shape:
+        raise ValueError(f"prefetch_prior must be a numeric [num_layers, num_experts] = "
+                         f"{list(shape)} array, got {array.dtype} of shape {array.shape}")
+    array = array.astype(np.float64)
+    if not np.isfinite(array).all():
+        raise ValueError("prefetch_prior holds a NaN or an infinity")
+    if (array < 0).any():
+        layer, expert = (int(i) for i in np.argwhere(array < 0)[0])
+        raise ValueError(f"prefetch_prior holds a negative value {float(array[layer, expert])!r} "
+                         f"(layer {layer}, expert {expert}): it is a frequency")
+    sums = array.sum(axis=1)
+    if (sums <= 0).any():
+        raise ValueError(f"prefetch_prior: layer {int(np.argmin(sums))} sums to 0; every "
+                         f"layer's row must give some expert a positive weight")
+    return array / sums[:, None], weight
 
 
 def make_tables(cfg: ModelConfig, defaults: np.ndarray | None = None,
                 estimator: dict[str, Any] | None = None,
-                estimator_layers: tuple[int, ...] = (), device: Any = None) -> PrefetchTables:
-    """:class:`PrefetchTables` on ``device`` (absent parts as zeros / empty)."""
+                estimator_layers: tuple[int, ...] = (), device: Any = None,
+                prior: np.ndarray | None = None, prior_weight: float = 0.0) -> PrefetchTables:
+    """:class:`PrefetchTables` on ``device`` (absent parts as zeros / empty); ``prior``
+    and ``prior_weight`` are checked and the prior normalised by :func:`check_prior`."""
     if defaults is None:
         defaults = np.zeros((cfg.num_layers, cfg.num_experts, cfg.hidden_size), np.float32)
+    prior, prior_weight = check_prior(prior, prior_weight, cfg)
+    if prior is None:
+        prior = np.zeros((cfg.num_layers, cfg.num_experts))
     mask = np.zeros(cfg.num_layers, bool)
     mask[list(estimator_layers)] = True
     tables = PrefetchTables(defaults=np.asarray(defaults, np.float32),
-                            estimator=dict(estimator or {}), use_estimator=mask)
+                            estimator=dict(estimator or {}), use_estimator=mask,
+                            prior=prior.astype(np.float32),
+                            prior_weight=np.float32(prior_weight))
     return jax.device_put(tables, device)
+
+
+def uses_prior(tables: PrefetchTables) -> bool:
+    """Whether the tables' prior takes part in predictions (its weight is above 0): the
+    ``use_prior`` of :data:`PREDICT`."""
+    return float(np.asarray(tables.prior_weight)) > 0
 
 
 def residual_state(residual: Float[Array, "T d"], norm_next: Float[Array, "d"],
@@ -97,9 +161,25 @@ def quasi_state(residual: Float[Array, "T d"], experts: Int[Array, "T k"],
 def predict_next(kind: str, layer_params: dict[str, jax.Array], tables: PrefetchTables,
                  layer: Int[Array, ""], residual: Float[Array, "T d"],
                  experts: Int[Array, "T k"], weights: Float[Array, "T k"],
-                 cfg: ModelConfig) -> moe.Routing:
+                 cfg: ModelConfig, use_prior: bool = False) -> moe.Routing:
     """Layer ``layer + 1``'s predicted routing from layer ``layer``'s residual and top-k
-    (``layer_params``: the stacked layer params; experts may be absent)."""
+    (``layer_params``: the stacked layer params; experts may be absent). ``use_prior``:
+    re-rank with the tables' prior (module docstring); False runs the predictor alone."""
+    routing, scores = predict_with_scores(kind, layer_params, tables, layer, residual,
+                                          experts, weights, cfg)
+    if not use_prior:
+        return routing
+    prior_next = jax.lax.dynamic_index_in_dim(tables.prior, layer + 1, keepdims=False)
+    return prior_routing(scores, prior_next, tables.prior_weight, cfg)
+
+
+def predict_with_scores(kind: str, layer_params: dict[str, jax.Array], tables: PrefetchTables,
+                        layer: Int[Array, ""], residual: Float[Array, "T d"],
+                        experts: Int[Array, "T k"], weights: Float[Array, "T k"],
+                        cfg: ModelConfig) -> tuple[moe.Routing, jax.Array]:
+    """(the predictor's routing of layer ``layer + 1``, its scores [T, E] over every
+    expert: the router's scores for router and quasi, the estimator's softmax where the
+    estimator predicts)."""
     if kind not in LEARNED:
         raise ValueError(f"predict_next computes {LEARNED}, not {kind!r}")
     nxt = layers_lib.layer_slice({k: layer_params[k] for k in ("mlp_norm", "router",
@@ -107,32 +187,59 @@ def predict_next(kind: str, layer_params: dict[str, jax.Array], tables: Prefetch
                                   if k in layer_params}, layer + 1)
     eps = cfg.rms_norm_eps
     if kind == "router":
-        return layers_lib.route_layer(nxt, residual_state(residual, nxt["mlp_norm"], eps), cfg)
+        routing = layers_lib.route_layer(nxt, residual_state(residual, nxt["mlp_norm"], eps),
+                                         cfg)
+        return routing, routing.probs
     defaults_l = jax.lax.dynamic_index_in_dim(tables.defaults, layer, keepdims=False)
     q = quasi_state(residual, experts, weights, defaults_l, nxt["mlp_norm"], eps)
     quasi = layers_lib.route_layer(nxt, q, cfg)
     if kind == "quasi":
-        return quasi
+        return quasi, quasi.probs
     rows = jnp.full(q.shape[:1], layer, jnp.int32)
     est_weights, est_experts = estimator_lib.predict_topk(
         tables.estimator, q, rows, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    est_scores = jax.nn.softmax(estimator_lib.logits(tables.estimator, q, rows), axis=-1)
     if kind == "hybrid":
         use = tables.use_estimator[layer + 1]
         est_weights = jnp.where(use, est_weights, quasi.weights)
         est_experts = jnp.where(use, est_experts, quasi.experts)
-    return moe.Routing(weights=est_weights, experts=est_experts)
+        est_scores = jnp.where(use, est_scores, quasi.probs)
+    return moe.Routing(weights=est_weights, experts=est_experts), est_scores
+
+
+def prior_routing(scores: Float[Array, "T E"], prior: Float[Array, "E"],
+                  weight: Float[Array, ""], cfg: ModelConfig) -> moe.Routing:
+    """The top-k of (1 − w)·scores / Σ scores + w·prior per token; the weights are the
+    scores at the chosen experts, renormalised (``norm_topk_prob``) and scaled
+    (``routed_scaling_factor``) as ``moejax.moe.route_scored`` does."""
+    scores = scores.astype(jnp.float32)
+    total = jnp.sum(scores, axis=-1, keepdims=True)
+    shares = scores / jnp.where(total > 0, total, 1.0)
+    weight = weight.astype(jnp.float32)
+    mixed = (1.0 - weight) * shares + weight * prior.astype(jnp.float32)[None, :]
+    _, chosen = jax.lax.top_k(mixed, cfg.num_experts_per_tok)
+    gates = jnp.take_along_axis(scores, chosen, axis=1)
+    if cfg.norm_topk_prob:
+        denominator = jnp.sum(gates, axis=-1, keepdims=True)
+        if cfg.router_scoring == "sigmoid":
+            denominator = denominator + 1e-20
+        gates = gates / denominator
+    if cfg.routed_scaling_factor != 1.0:
+        gates = gates * cfg.routed_scaling_factor
+    return moe.Routing(weights=gates, experts=chosen.astype(jnp.int32), probs=scores)
 
 
 def _predict_program(layer_params: dict[str, jax.Array], tables: PrefetchTables,
                      layer: Int[Array, ""], residual: jax.Array, experts: jax.Array,
-                     weights: jax.Array, *, kind: str, cfg: ModelConfig
-                     ) -> tuple[jax.Array, jax.Array]:
-    routing = predict_next(kind, layer_params, tables, layer, residual, experts, weights, cfg)
+                     weights: jax.Array, *, kind: str, cfg: ModelConfig,
+                     use_prior: bool = False) -> tuple[jax.Array, jax.Array]:
+    routing = predict_next(kind, layer_params, tables, layer, residual, experts, weights, cfg,
+                           use_prior)
     return routing.weights, routing.experts
 
 
 # One compile per predictor and shape: the layer index is an argument.
-PREDICT = jax.jit(_predict_program, static_argnames=("kind", "cfg"))
+PREDICT = jax.jit(_predict_program, static_argnames=("kind", "cfg", "use_prior"))
 
 
 # ------------------------------------------------------------------ offline, on states
@@ -141,13 +248,16 @@ def predict_states(kind: str, cfg: ModelConfig, layer_params: dict[str, Any],
                    experts: Int[np.ndarray, "L T k"], weights: Float[np.ndarray, "L T k"]
                    ) -> np.ndarray:
     """Predicted top-k ids [L, T, k] of every layer j >= 1 from layer j - 1 (row 0 is
-    layer 0's true top-k: no predictor runs there) for replayed states."""
+    layer 0's true top-k: no predictor runs there) for replayed states; the tables'
+    prior takes part when its weight is above 0 (:func:`uses_prior`)."""
+    use_prior = uses_prior(tables)
     out = np.array(experts, copy=True)
     for layer in range(cfg.num_layers - 1):
         for start in range(0, residual.shape[1], EVAL_TOKENS_PER_CHUNK):
             part = slice(start, start + EVAL_TOKENS_PER_CHUNK)
             _, ids = PREDICT(layer_params, tables, np.int32(layer), residual[layer, part],
-                             experts[layer, part], weights[layer, part], kind=kind, cfg=cfg)
+                             experts[layer, part], weights[layer, part], kind=kind, cfg=cfg,
+                             use_prior=use_prior)
             out[layer + 1, part] = np.asarray(ids)
     return out
 

@@ -17,6 +17,11 @@ Modes:
   predicted gate weights and never copies a miss (the seed's Router-PF / Est-PF).
   Tokens may change. The traced routing stays the router's own.
 
+A population prior (``prefetch_prior`` [L, E], e.g. the expert frequencies of the ELDR
+cluster this decoder serves: ``moejax.eldr.priors``, and ``prefetch_prior_weight`` w in
+[0, 1]) re-ranks a learned predictor's experts (``moejax.prefetch.predictors``); w = 0
+(the default) is the predictor alone. Exact mode still computes with the true top-k.
+
 Prefill steps (prompt chunks) copy on demand as the plain offload runner does; the
 prediction runs on decode steps (one token per row). :class:`PrefetchStats` counts what
 each decode step copied, ahead of time or on demand, and each layer's recall.
@@ -111,8 +116,10 @@ class PrefetchRunner(OffloadRunner):
                  opts: StepOptions, devices: int = 1, expert_slots: int | None = None,
                  device: Any = None, placement: OffloadPlacement | None = None,
                  prefetch: str = "none", prefetch_mode: str = "exact",
-                 prefetch_files: Any = (), track_memory: bool = False):
+                 prefetch_files: Any = (), track_memory: bool = False,
+                 prefetch_prior: Any = None, prefetch_prior_weight: float = 0.0):
         check_choice(prefetch, prefetch_mode)
+        prior = check_prior_option(prefetch, prefetch_prior, prefetch_prior_weight, cfg)
         super().__init__(cfg, params, dtype=dtype, opts=opts, devices=devices,
                          expert_slots=expert_slots, device=device, placement=placement)
         self.prefetch, self.mode = prefetch, prefetch_mode
@@ -123,7 +130,9 @@ class PrefetchRunner(OffloadRunner):
         self.tables = predictors.make_tables(
             cfg, None if loaded.defaults is None else loaded.defaults.defaults,
             None if estimator is None else estimator.params,
-            () if estimator is None else estimator.hybrid_layers, self._device)
+            () if estimator is None else estimator.hybrid_layers, self._device,
+            prior=prior, prior_weight=prefetch_prior_weight)
+        self.use_prior = predictors.uses_prior(self.tables)
         self.track_memory = bool(track_memory)
         self.expert_bytes = self.placement.host.expert_bytes
         self._slot_shapes = self.slots.shapes()
@@ -229,7 +238,8 @@ class PrefetchRunner(OffloadRunner):
             if layer + 1 < cfg.num_layers and self.prefetch in predictors.LEARNED:
                 predicted = predictors.PREDICT(dense["layers"], self.tables, np.int32(layer), x,
                                                routing.experts, routing.weights,
-                                               kind=self.prefetch, cfg=cfg)
+                                               kind=self.prefetch, cfg=cfg,
+                                               use_prior=self.use_prior)
             renumbered = RENUMBER_EXPERTS(np.maximum(slot_of, 0), used.experts)
             state.x = programs.MOE(self.slots.buffers(layer), None, x, moe_in,
                                    dataclasses.replace(used, experts=renumbered), batch.valid,
@@ -276,5 +286,21 @@ def check_choice(prefetch: Any, mode: Any) -> None:
                            f"{predictors.LEARNED} or 'oracle')")
 
 
+def check_prior_option(prefetch: str, prior: Any, weight: Any, cfg: ModelConfig
+                       ) -> np.ndarray | None:
+    """The normalised ``prefetch_prior`` (``predictors.check_prior``), or a BackendError
+    naming the option: a bad prior or weight, or a positive weight for a choice that
+    predicts nothing to re-rank (none, oracle, layer)."""
+    try:
+        normalised, weight = predictors.check_prior(prior, weight, cfg)
+    except ValueError as exc:
+        raise BackendError(f"backend 'offload': {exc}") from None
+    if weight > 0 and prefetch not in predictors.LEARNED:
+        raise BackendError(f"prefetch_prior_weight={weight} re-ranks a learned predictor's "
+                           f"experts; prefetch={prefetch!r} has none (choose one of "
+                           f"{predictors.LEARNED})")
+    return normalised
+
+
 __all__: Sequence[str] = ("PrefetchRunner", "PrefetchStats", "MODES", "CHOICES",
-                          "check_choice")
+                          "check_choice", "check_prior_option")
