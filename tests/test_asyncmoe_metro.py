@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from kernels_pallas import metro as metro_kernels
-from moejax import checkpoint
 from moejax.asyncmoe import simulator
 from moejax.asyncmoe.engine import Batch, DeviceEngine
 from moejax.asyncmoe.placement import ReplicaSets, make_placement
@@ -24,11 +23,8 @@ from moejax.asyncmoe.runtime import MuQueueRuntime
 from moejax.asyncmoe.schedulers import MostTokensScheduler
 from moejax.asyncmoe.simulator import (CostTables, SkewedRouting, poisson_workload,
                                        simulate_mu_queue)
-from moejax.core.continuous import Scheduler, SchedulerOptions
-from moejax.decode.factory import make_runner
-from moejax.decode.programs import StepOptions
-from moejax.sequences import SequenceSpec
-from serving.api import resolve_model_dir
+
+from mu_queue_fixtures import demo_case
 
 LENGTHS_NEW = [(9, 6), (14, 7), (5, 5), (21, 4), (8, 6)]
 ARRIVALS = [0.0, 0.0, 1.0, 3.0, 3.0]
@@ -184,15 +180,7 @@ def test_simulator_runs_replicas_under_every_policy():
 # ----------------------------------------------------------------------------- real runtime
 @pytest.fixture(scope="module")
 def demo():
-    cfg, params, _ = checkpoint.load_model_dir(resolve_model_dir("demo")[0], "float32")
-    rng = np.random.default_rng(2)
-    specs = [SequenceSpec(prompt=tuple(int(t) for t in rng.integers(3, 1000, n)),
-                          max_new_tokens=m) for n, m in LENGTHS_NEW]
-    resident = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
-    scheduler = Scheduler(resident, 64, SchedulerOptions(max_batch_size=4, max_prefill_tokens=32))
-    seqs = [scheduler.submit(s) for s in specs]
-    scheduler.run_until_idle()
-    return cfg, params, specs, [list(s.output.token_ids) for s in seqs]
+    return demo_case(LENGTHS_NEW, seed=2)
 
 
 @pytest.mark.parametrize("policy, attention", [("metro", (0, 1)), ("round_robin", None)])

@@ -9,39 +9,24 @@ from __future__ import annotations
 import json
 
 import jax
-import numpy as np
 import pytest
 
-from moejax import checkpoint
 from moejax.asyncmoe import simulator
 from moejax.asyncmoe.runtime import MuQueueRuntime
-from moejax.decode.programs import StepOptions
-from moejax.decode.factory import make_runner
 from moejax.sequences import SequenceSpec
-from serving.api import resolve_model_dir
-from moejax.core.continuous import Scheduler, SchedulerOptions
+
+from mu_queue_fixtures import demo_case, resident_tokens
 
 LENGTHS_NEW = [(5, 7), (20, 5), (9, 9), (3, 1), (12, 6), (31, 4)]
 
 
 @pytest.fixture(scope="module")
 def demo():
-    cfg, params, _ = checkpoint.load_model_dir(resolve_model_dir("demo")[0], "float32")
-    rng = np.random.default_rng(0)
-    specs = [SequenceSpec(prompt=tuple(int(t) for t in rng.integers(3, 1000, n)),
-                          max_new_tokens=m) for n, m in LENGTHS_NEW]
-    resident = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
+    cfg, params, specs, first = demo_case(LENGTHS_NEW, seed=0)
     # Request 2 stops at its third generated token (a stop id it produces).
-    scheduler = Scheduler(resident, 64, SchedulerOptions(max_batch_size=4, max_prefill_tokens=32))
-    seqs = [scheduler.submit(s) for s in specs]
-    scheduler.run_until_idle()
-    first = [list(s.output.token_ids) for s in seqs]
     specs[2] = SequenceSpec(prompt=specs[2].prompt, max_new_tokens=9,
                             stop_token_ids=frozenset({first[2][2]}))
-    scheduler = Scheduler(resident, 64, SchedulerOptions(max_batch_size=4, max_prefill_tokens=32))
-    seqs = [scheduler.submit(s) for s in specs]
-    scheduler.run_until_idle()
-    want = [list(s.output.token_ids) for s in seqs]
+    want = resident_tokens(cfg, params, specs)
     assert len(want[2]) < 9 and want[2][-1] == first[2][2]
     return cfg, params, specs, want
 

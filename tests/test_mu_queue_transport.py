@@ -9,14 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from moejax import checkpoint
 from moejax.asyncmoe import runtime as mu_runtime
 from moejax.asyncmoe.runtime import MuQueueRuntime
-from moejax.core.continuous import Scheduler, SchedulerOptions
-from moejax.decode.factory import make_runner
-from moejax.decode.programs import StepOptions
-from moejax.sequences import SequenceSpec
-from serving.api import resolve_model_dir
+
+from mu_queue_fixtures import demo_case
 
 LENGTHS_NEW = [(7, 6), (18, 5), (4, 8), (25, 3), (11, 6)]
 ARRIVALS = [0.0, 0.0, 2.0, 4.0, 4.0]
@@ -24,15 +20,7 @@ ARRIVALS = [0.0, 0.0, 2.0, 4.0, 4.0]
 
 @pytest.fixture(scope="module")
 def demo():
-    cfg, params, _ = checkpoint.load_model_dir(resolve_model_dir("demo")[0], "float32")
-    rng = np.random.default_rng(1)
-    specs = [SequenceSpec(prompt=tuple(int(t) for t in rng.integers(3, 1000, n)),
-                          max_new_tokens=m) for n, m in LENGTHS_NEW]
-    resident = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
-    scheduler = Scheduler(resident, 64, SchedulerOptions(max_batch_size=4, max_prefill_tokens=32))
-    seqs = [scheduler.submit(s) for s in specs]
-    scheduler.run_until_idle()
-    return cfg, params, specs, [list(s.output.token_ids) for s in seqs]
+    return demo_case(LENGTHS_NEW, seed=1)
 
 
 @pytest.mark.parametrize("devices", [4, 8])
