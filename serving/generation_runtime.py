@@ -32,6 +32,7 @@ from moejax.decode.factory import MESH_RUNNERS, make_runner
 from moejax.decode.programs import StepOptions
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, Policy, make_policy
+from moejax.eldr.priors import prior_from_files
 from moejax.param_layout import Params
 from moejax.prefix_hash import BLOCK_SIZE
 from moejax.static.decode import DecodeEngine
@@ -172,14 +173,21 @@ def build_split(inputs: RuntimeInputs) -> GenerationRuntime:
                             expert_counts=policy.reads_counts,
                             step=resolved_step(stage.backend, stage.step)))
     decoders = []
-    for decoder, at in zip(pipeline.decoder_list(), decoders_at):
+    for index, (decoder, at) in enumerate(zip(pipeline.decoder_list(), decoders_at)):
         # A one-device decoder of the prefill stage's backend on its device runs on its
         # weights (one copy).
         shared = (getattr(prefill_runner, "placement", None)
                   if (decoder.placement, at) == (stage.backend, prefill_at)
                   and len(at) == 1 else None)
-        runner = inputs.stage_runner(decoder.placement, [devices[i] for i in at],
-                                     decoder.runner_options(), placement=shared)
+        options = decoder.runner_options()
+        if decoder.eldr_prior:
+            # The decoder's prefetch prior: the expert frequencies of the cluster ELDR
+            # routes to it (the cross-technique signal of moejax.eldr.priors).
+            options["prefetch_prior"] = prior_from_files(
+                pipeline.eldr_fit, decoder.options["prefetch_prior_traces"], index,
+                inputs.config)
+        runner = inputs.stage_runner(decoder.placement, [devices[i] for i in at], options,
+                                     placement=shared)
         decoders.append(Scheduler(runner, inputs.kv_cache_blocks(runner),
                                   inputs.scheduler_options(
                                       record_steps=True,

@@ -26,6 +26,9 @@ A file::
     [[decoders]]
     placement = "offload"
     prefetch = "router"              # prefetch_mode "exact" (default) or "speculative"
+    prefetch_prior = "eldr"          # mix in its ELDR cluster's expert frequencies
+    prefetch_prior_weight = 0.1      # (moejax.eldr.priors: from the fit and its traces)
+    prefetch_prior_traces = ["calib.npz"]
 
     [[decoders]]
     placement = "sync_ep"
@@ -60,13 +63,15 @@ REPLICA_ROUTERS = ("eplb_even", "metro")
 # The options each placement takes beyond placement/devices/first_device/count/step.
 PLACEMENT_OPTIONS: dict[str, tuple[str, ...]] = {
     "resident": (),
-    "offload": ("expert_slots", "prefetch", "prefetch_mode", "prefetch_files"),
+    "offload": ("expert_slots", "prefetch", "prefetch_mode", "prefetch_files",
+                "prefetch_prior", "prefetch_prior_weight", "prefetch_prior_traces"),
     "sync_ep": ("replicas", "router", "prefill_router"),
     "async_ep": (),
 }
 PREFILL_OPTIONS: dict[str, tuple[str, ...]] = {
-    "resident": (), "offload": PLACEMENT_OPTIONS["offload"], "sync_ep": ("replicas", "router"),
-    "async_ep": ()}
+    "resident": (), "offload": ("expert_slots", "prefetch", "prefetch_mode", "prefetch_files"),
+    "sync_ep": ("replicas", "router"), "async_ep": ()}
+ELDR_PRIOR = "eldr"     # prefetch_prior = "eldr": the decoder's ELDR cluster, from the fit
 COMMON_KEYS = ("devices", "first_device", "step")
 ROUTING_KEYS = ("routing", "eldr_fit", "eldr_tau", "routing_seed")
 
@@ -234,10 +239,28 @@ class DecoderStage:
         if self.placement == "sync_ep":
             _check_replicas(where, self.options, self.devices)
         _check_prefetch(where, self.options)
+        prior = self.options.get("prefetch_prior")
+        traces = self.options.get("prefetch_prior_traces")
+        if (isinstance(prior, str) and prior != ELDR_PRIOR) or (prior is None and traces):
+            raise PipelineError(f"{where}: prefetch_prior takes {ELDR_PRIOR!r} (the cluster "
+                                f"ELDR routes to this decoder, with prefetch_prior_traces) "
+                                f"or an [L, E] array; got prefetch_prior={prior!r}")
+        if prior == ELDR_PRIOR and not traces:
+            raise PipelineError(f"{where}: prefetch_prior='eldr' needs prefetch_prior_traces, "
+                                f"the calibration traces the ELDR fit was made from")
+
+    @property
+    def eldr_prior(self) -> bool:
+        """Whether this decoder's prefetch prior is its ELDR cluster's."""
+        return self.options.get("prefetch_prior") == ELDR_PRIOR
 
     def runner_options(self) -> dict[str, Any]:
-        """The decode runner's keywords."""
-        return with_prefetch_defaults(self.options)
+        """The decode runner's keywords (an ELDR prior is computed by the builder)."""
+        options = with_prefetch_defaults(self.options)
+        if self.eldr_prior:
+            del options["prefetch_prior"]
+        options.pop("prefetch_prior_traces", None)
+        return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +310,13 @@ class PipelineConfig:
                 check_tau(self.eldr_tau)
             except ValueError as exc:
                 raise PipelineError(f"eldr_tau: {exc}") from None
+        for index, stage in enumerate(self.decoders):
+            if stage.eldr_prior and self.routing != "eldr":
+                raise PipelineError(
+                    f"decoders[{index}] (placement 'offload'): prefetch_prior='eldr' is the "
+                    f"cluster ELDR routes to the decoder, but the pipeline routes with "
+                    f"{self.routing if isinstance(self.routing, str) else 'a policy object'!r}"
+                    f" (give routing='eldr' and eldr_fit)")
         if not isinstance(self.routing_seed, int) or isinstance(self.routing_seed, bool) \
                 or self.routing_seed < 0:
             raise PipelineError(f"routing_seed must be a non-negative integer, got "

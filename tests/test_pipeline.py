@@ -199,6 +199,36 @@ def test_speculative_prefetch_decoders_equal_speculative_decode_alone():
     assert all(n > 0 for n in gen.scheduler.stats()["routed"])
 
 
+def test_an_eldr_cluster_prior_for_each_decoders_prefetch(tmp_path, demo_fingerprint,
+                                                         resident):
+    """Offload decoders whose prefetch predictor mixes in the expert frequencies of the
+    cluster ELDR routes to them (``prefetch_prior = "eldr"``): each decoder's prior is
+    its own cluster's (``moejax.eldr.priors``), and exact prefetch keeps the resident
+    tokens."""
+    from moejax import traces
+    from moejax.eldr.priors import prior_from_files
+
+    cfg, fingerprint = demo_fingerprint
+    traced = Generator("demo", trace_experts=True, **SMALL)
+    results = traced.generate(_requests())
+    trace_path = tmp_path / "calibration.npz"
+    traces.save(trace_path, traces.from_results(
+        results, [r["prompt_token_ids"] for r in _requests()], config=cfg, model="demo"))
+    fit = _fit_file(tmp_path / "fit.npz", cfg, fingerprint, 2)
+    gen = Generator("demo", pipeline={
+        "routing": "eldr", "eldr_fit": str(fit), "eldr_tau": 1.0,
+        "decoders": [{"placement": "offload", "prefetch": "router", "count": 2,
+                      "prefetch_prior": "eldr", "prefetch_prior_weight": 0.5,
+                      "prefetch_prior_traces": [str(trace_path)]}]}, **SMALL)
+    assert _tokens(gen) == resident
+    priors = [np.asarray(d.runner.tables.prior) for d in gen.scheduler.decoders]
+    for index, got in enumerate(priors):
+        want = prior_from_files(fit, trace_path, index, cfg)
+        np.testing.assert_allclose(got, want / want.sum(axis=1, keepdims=True), rtol=1e-6)
+        assert float(gen.scheduler.decoders[index].runner.tables.prior_weight) == 0.5
+    assert not np.allclose(priors[0], priors[1])        # each decoder its own cluster's
+
+
 def test_decoders_k_is_the_pipeline_of_k_decoders_alike():
     opts = GeneratorOptions(decoders=3, backend="offload", routing="p2c",
                                     prefetch="router")
@@ -300,6 +330,15 @@ def test_a_toml_file_and_the_generate_command(tmp_path, resident):
      r"decoders\[0\] \(placement 'offload'\): prefetch_mode='speculative' computes with "
      r"predicted experts"),
     ({"decoders": [{}], "routing": "eldr"}, r"routing 'eldr' needs eldr_fit"),
+    ({"decoders": [{"placement": "offload", "prefetch": "router", "prefetch_prior": "eldr",
+                    "prefetch_prior_traces": ["t.npz"]}], "routing": "jsq"},
+     r"decoders\[0\] \(placement 'offload'\): prefetch_prior='eldr' is the cluster ELDR "
+     r"routes to the decoder, but the pipeline routes with 'jsq'"),
+    ({"decoders": [{"placement": "offload", "prefetch": "router", "prefetch_prior": "eldr"}]},
+     r"prefetch_prior='eldr' needs prefetch_prior_traces"),
+    ({"decoders": [{"placement": "resident", "prefetch_prior": "eldr"}]},
+     r"decoders\[0\] \(placement 'resident'\) does not take prefetch_prior \(prefetch_prior: "
+     r"placement offload\)"),
     ({"decoders": [{}, {}], "routing": "jsq", "eldr_tau": 0.1},
      r"eldr_tau apply to routing 'eldr', not routing 'jsq'"),
     ({"decoders": []}, r"decoders must be a non-empty list"),
