@@ -305,6 +305,26 @@ def test_a_toml_file_and_the_generate_command(tmp_path, resident):
                      "demo", "--pipeline", str(bad)]) == 2
 
 
+def test_serve_takes_the_pipeline_file(tmp_path):
+    """``moejax serve --pipeline FILE`` (gRPC and HTTP): the Generator gets the pipeline
+    instead of the Scorer's backend and devices, and generation is served even beside a
+    scoring backend that cannot decode; the CLI asks for the devices the file spans."""
+    from serving.cli import build_parser
+    from serving.cli.distributed import host_devices_per_process
+    from serving.grpc.cli import _generator_options, _serves_generation
+
+    path = tmp_path / "pipeline.toml"
+    path.write_text(PIPELINE_TOML)
+    parse = build_parser().parse_args
+    args = parse(["serve", "--backend", "tp", "--devices", "2", "--pipeline", str(path)])
+    assert _serves_generation(args)
+    options = _generator_options(args)
+    assert options["pipeline"] == str(path) and "backend" not in options
+    assert host_devices_per_process(args) == 4
+    generate = parse(["generate", "in.jsonl", "--pipeline", str(path)])
+    assert host_devices_per_process(generate) == 4
+
+
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("description, message", [
     ({"decoders": [{"placement": "resident"},
