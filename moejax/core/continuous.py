@@ -130,14 +130,17 @@ class SchedulerOptions:
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One scheduler step: its prefill and decode rows (sequences), the distinct experts
-    its decode rows activated at each layer ([L] ints, None without decode rows), and its
+    its decode rows activated at each layer ([L] ints, None without decode rows), its
     wall time (seconds, planning to results on the host; pipelined, that includes the
-    planning and dispatch of the next step)."""
+    planning and dispatch of the next step), and the ids of the sequences its decode rows
+    ran, in plan order (what a replay of the step's batch is checked against:
+    ``moejax.eldr.replay``)."""
 
     prefill_sequences: int
     decode_sequences: int
     active_experts: np.ndarray | None
     seconds: float
+    decode_ids: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -407,7 +410,8 @@ class Scheduler:
         self.stats["steps"] += bool(launches)     # steps that ran a program
         if self.options.record_steps and launches:
             self.step_records.append(StepRecord(len(plan.prefill), len(plan.decode), active,
-                                                time.perf_counter() - plan.started))
+                                                time.perf_counter() - plan.started,
+                                                tuple(w.seq.seq_id for w in plan.decode)))
         return events
 
     def _count_decode_experts(self, launch: Launch) -> None:

@@ -25,6 +25,23 @@ Model:
   arrives still counts in the load the router sees, and requests arriving together at
   an idle decoder start their first step together.
 
+When a finished request gives its row (and its load) back is the ``release`` mode of
+:func:`simulate` (:data:`RELEASE_MODES`); the default, ``"at_boundary"``, is the model
+above. The other two are the real prefill→decode pipeline's
+(:class:`moejax.core.decoders.DecoderPool`, one time unit per pool step), which
+:mod:`moejax.eldr.replay` replays exactly:
+
+* ``"before_arrivals"`` (unpipelined decoders, ``SchedulerOptions.pipelined=False``): a
+  decoder reads its step's tokens within the step, so a request finishing at t has left
+  before the hand-offs of t are routed: at one instant, finished requests leave first
+  (lowest decoder index first), then arrivals are routed, then waiting ones join;
+* ``"step_late"`` (pipelined decoders, the default): a decoder reads a step's tokens
+  during its next step, after planning it, so a request whose last token is in flight
+  holds its row, and counts in the loads, through one more step in which it runs no
+  row; it leaves at the end of that step, before the next instant's arrivals are
+  routed. Its ``finish`` is the end of its last decode step; a step whose rows are all
+  held is recorded with batch 0.
+
 TPOT here is (finish − arrival) / D: the time from the hand-off to the last decode token
 per decode token, queueing at the decoder included (a request that waits for a batch
 slot pays for it). The prefill and its first token are outside the simulation.
@@ -50,6 +67,9 @@ from jaxtyping import Float, Integer
 from moejax import traces as traces_lib
 from moejax.eldr.policies import HandOff, Policy
 from moejax.events import EventQueue
+
+RELEASE_MODES = ("at_boundary", "before_arrivals", "step_late")
+"""When a finished request leaves its decoder (module docstring)."""
 
 COST_KEYS = ("t0_s", "a_s", "b_s")
 """The keys of a cost-model JSON file (per layer, seconds); other keys are metadata."""
@@ -397,7 +417,9 @@ def _check_signatures(signatures_of: Mapping[int, Any] | None, n: int,
 # The order of an arrival among the events of one instant: below every decoder index, the
 # order of a decoder's boundary. So at one instant every arrival is routed first (in
 # arrival order: push order), then boundaries run, lowest decoder index first (module
-# docstring's tie rule).
+# docstring's tie rule). A separate leave event (release modes other than at_boundary)
+# has the order _ARRIVAL - num_decoders + decoder index: below every arrival, lowest
+# decoder index first.
 _ARRIVAL = -1
 
 
@@ -405,13 +427,18 @@ class _Replay:
     """One :func:`simulate` run (inputs already checked): its state, and its two events
     as methods, :meth:`arrive` (a request reaches the hand-off and is routed) and
     :meth:`boundary` (a decoder's step ends, or an idle decoder wakes), replayed in time
-    order by :meth:`run` from one :class:`moejax.events.EventQueue`."""
+    order by :meth:`run` from one :class:`moejax.events.EventQueue`; with a ``release``
+    mode other than at_boundary, :meth:`leave` (the step's finished requests leave) is an
+    event of its own, before the instant's arrivals."""
 
     def __init__(self, requests: Sequence[SimRequest], arrivals: Float[np.ndarray, "R"],
                  policy: Policy, *, num_decoders: int, cost: CostModel, max_batch_size: int,
-                 shown: Mapping[int, np.ndarray]) -> None:
+                 shown: Mapping[int, np.ndarray], release: str = "at_boundary") -> None:
         self.requests, self.arrivals, self.policy = requests, arrivals, policy
         self.k, self.cost, self.max_batch, self.shown = num_decoders, cost, max_batch_size, shown
+        self.release = release
+        # Steps a finished request still holds its row for (step_late: one, without a row).
+        self.held = int(release == "step_late")
         self.num_layers, self.num_experts = requests[0].num_layers, requests[0].num_experts
         n, k = len(requests), num_decoders
 
@@ -430,7 +457,8 @@ class _Replay:
         self.in_flight = np.zeros(k, np.int64)
         self.waiting: list[collections.deque[int]] = [collections.deque() for _ in range(k)]
         # Per decoder, its running requests, the row in ``cells`` of each one's next decode
-        # token and its decode tokens left; None while idle (no step, no wake-up due).
+        # token and its steps left (decode tokens, + held); None while idle (no step, no
+        # wake-up due).
         self.running: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * k
         self.empty = np.zeros(0, np.int64)
         self.records: list[tuple] = []          # per step: d, start, end, seconds, rows, active
@@ -447,6 +475,8 @@ class _Replay:
             t, order, index = self.events.pop()
             if order == _ARRIVAL:
                 self.arrive(t, index)
+            elif order < _ARRIVAL:
+                self.leave(t, index)
             else:
                 self.boundary(t, index)
 
@@ -468,18 +498,30 @@ class _Replay:
             self.running[d] = (self.empty, self.empty, self.empty)
             self.events.push(t, d, d)
 
-    def boundary(self, t: float, d: int) -> None:
-        """Decoder ``d``'s step boundary at ``t``: finished requests leave, waiting ones
-        join (FIFO) up to the batch limit, and the next step starts (or ``d`` goes idle)."""
+    def leave(self, t: float, d: int) -> None:
+        """Decoder ``d``'s step ended at ``t``: its rows move one token on, and requests
+        with no step left leave (a request's ``finish`` is the end of its last decode
+        step, which under step_late is one step before it leaves)."""
         rows, position, left = self.running[d]
-        if rows.size:                           # the step that just ended
-            position, left = position + 1, left - 1
-            done = left == 0
-            if done.any():
-                self.finish[rows[done]] = t
-                self.in_flight[d] -= int(np.count_nonzero(done))
-                keep = ~done
-                rows, position, left = rows[keep], position[keep], left[keep]
+        if not rows.size:
+            return
+        computed = left > self.held
+        position, left = position + computed, left - 1
+        self.finish[rows[computed & (left == self.held)]] = t
+        done = left == 0
+        if done.any():
+            self.in_flight[d] -= int(np.count_nonzero(done))
+            keep = ~done
+            rows, position, left = rows[keep], position[keep], left[keep]
+        self.running[d] = (rows, position, left)
+
+    def boundary(self, t: float, d: int) -> None:
+        """Decoder ``d``'s step boundary at ``t``: finished requests leave (here, in
+        at_boundary mode; else their leave event has run), waiting ones join (FIFO) up to
+        the batch limit, and the next step starts (or ``d`` goes idle)."""
+        if self.release == "at_boundary":
+            self.leave(t, d)
+        rows, position, left = self.running[d]
         room = self.max_batch - rows.size
         joining = self.empty
         if room > 0 and self.waiting[d]:
@@ -487,33 +529,42 @@ class _Replay:
             joining = np.array([queue.popleft() for _ in range(min(room, len(queue)))], np.int64)
             rows = np.concatenate([rows, joining])
             position = np.concatenate([position, self.offsets[joining]])
-            left = np.concatenate([left, self.decode[joining]])
+            left = np.concatenate([left, self.decode[joining] + self.held])
         if not rows.size:
             self.running[d] = None
             return
+        computing = left > self.held            # the rest hold their rows, running none
         num_layers, num_experts = self.num_layers, self.num_experts
         mask = np.zeros(num_layers * num_experts, bool)
-        mask[self.cells[position].reshape(-1)] = True
-        seconds = self.cost.seconds(int(np.count_nonzero(mask)), rows.size, num_layers)
+        mask[self.cells[position[computing]].reshape(-1)] = True
+        batch = int(np.count_nonzero(computing))
+        seconds = self.cost.seconds(int(np.count_nonzero(mask)), batch, num_layers)
         end = t + seconds
         self.first_token[joining] = end
-        self.records.append((d, t, end, seconds, rows,
+        self.records.append((d, t, end, seconds, rows[computing],
                              np.add.reduce(mask.reshape(num_layers, num_experts), axis=1)))
         self.running[d] = (rows, position, left)
+        if self.release != "at_boundary":
+            self.events.push(end, _ARRIVAL - self.k + d, d)
         self.events.push(end, d, d)
 
 
 def simulate(requests: Sequence[SimRequest],
              arrival_times: Float[np.ndarray, "R"] | Sequence[float],
              policy: Policy, *, num_decoders: int, cost: CostModel, max_batch_size: int,
-             signatures_of: Mapping[int, Integer[np.ndarray, "L E"]] | None = None
-             ) -> SimResult:
+             signatures_of: Mapping[int, Integer[np.ndarray, "L E"]] | None = None,
+             release: str = "at_boundary") -> SimResult:
     """Replay ``requests`` arriving at ``arrival_times`` (sorted, seconds) on
     ``num_decoders`` continuous-batching decoders of at most ``max_batch_size`` running
     requests, each routed once by ``policy`` (module docstring for the model and the
     tie rule). ``signatures_of`` maps a request index to the counts the router is shown
     instead of the request's own (the noise floor: signatures shuffled across requests).
+    ``release`` (:data:`RELEASE_MODES`) says when a finished request leaves its decoder:
+    at its step boundary (the default model), or as the real pipeline's unpipelined
+    ("before_arrivals") or pipelined ("step_late") decoders do (module docstring).
     Deterministic given the inputs and the policy's state."""
+    if release not in RELEASE_MODES:
+        raise ValueError(f"release must be one of {RELEASE_MODES}, got {release!r}")
     num_layers, num_experts, _ = _check_requests(requests)
     n = len(requests)
     arrivals = _check_arrivals(arrival_times, n)
@@ -530,7 +581,7 @@ def simulate(requests: Sequence[SimRequest],
     shown = _check_signatures(signatures_of, n, (num_layers, num_experts))
 
     replay = _Replay(requests, arrivals, policy, num_decoders=k, cost=cost,
-                     max_batch_size=max_batch, shown=shown)
+                     max_batch_size=max_batch, shown=shown, release=release)
     replay.run()
     decode, records = replay.decode, replay.records
     chosen, first_token, finish = replay.chosen, replay.first_token, replay.finish
