@@ -37,7 +37,7 @@ from moejax.param_layout import Params
 from moejax.prefix_hash import BLOCK_SIZE
 from moejax.static.decode import DecodeEngine
 from serving.generation_options import DEFAULT_KV_CACHE_MIB, GeneratorOptions
-from serving.pipeline_config import PipelineConfig, resolved_step
+from serving.pipeline_config import MU_QUEUE, DecoderStage, PipelineConfig, resolved_step
 from serving.scorer_sharing import ScorerSharing
 
 
@@ -172,8 +172,11 @@ def build_split(inputs: RuntimeInputs) -> GenerationRuntime:
                             max_batch_size=count * opts.max_batch_size, handoff=True,
                             expert_counts=policy.reads_counts,
                             step=resolved_step(stage.backend, stage.step)))
-    decoders = []
+    decoders: list[Any] = []
     for index, (decoder, at) in enumerate(zip(pipeline.decoder_list(), decoders_at)):
+        if decoder.placement == MU_QUEUE:
+            decoders.append(mu_queue_decoder(inputs, decoder, [devices[i] for i in at]))
+            continue
         # A one-device decoder of the prefill stage's backend on its device runs on its
         # weights (one copy).
         shared = (getattr(prefill_runner, "placement", None)
@@ -193,6 +196,26 @@ def build_split(inputs: RuntimeInputs) -> GenerationRuntime:
                                       record_steps=True,
                                       step=resolved_step(decoder.placement, decoder.step))))
     return GenerationRuntime("split", scheduler=DecoderPool(prefill, decoders, policy))
+
+
+def mu_queue_decoder(inputs: RuntimeInputs, stage: DecoderStage, devices: Sequence[Any]
+                     ) -> Any:
+    """A pipeline's μ-queue decoder (``moejax.asyncmoe.decoder``) on ``devices``: the
+    runtime with the stage's options, its pool per rank sized as a one-rank decoder's."""
+    from moejax.asyncmoe.decoder import MuQueueDecoder, RankPoolGeometry  # mesh code
+    from moejax.asyncmoe.runtime import MuQueueRuntime
+    from moejax.kv import block_bytes
+
+    options = stage.options
+    itemsize = jax.numpy.dtype(inputs.dtype).itemsize
+    blocks = inputs.kv_cache_blocks(RankPoolGeometry(block_bytes(inputs.config, itemsize)))
+    runtime = MuQueueRuntime(
+        inputs.config, inputs.params, devices, scheduler=options.get("scheduler", "defrag"),
+        dtype=inputs.dtype, blocks_per_rank=blocks,
+        attention_devices=options.get("attention_devices"),
+        replicas=options.get("replicas", 1),
+        replica_routing=options.get("replica_routing", "home"))
+    return MuQueueDecoder(runtime, blocks, inputs.options.max_batch_size)
 
 
 def build_static(inputs: RuntimeInputs) -> GenerationRuntime:

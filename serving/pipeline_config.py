@@ -3,7 +3,8 @@
 A pipeline is a prefill stage (any paged backend: ``resident``, ``offload``, ``sync_ep``
 or ``async_ep``, on one device or a group) handing each prompt to one of K decoders,
 each its own placement (``resident``; ``offload``, with or without expert prefetch;
-``sync_ep`` with its own replica router; ``async_ep``), chosen by one routing policy
+``sync_ep`` with its own replica router; ``async_ep``; ``mu_queue``, AsyncMoE's
+runtime), chosen by one routing policy
 (ELDR or a load balancer, ``moejax.eldr.policies``). It is data: a TOML or JSON file
 (:func:`load`), a dict (:meth:`PipelineConfig.from_dict`), or the dataclasses, validated
 on construction; a combination that cannot work is refused with both of its parts named.
@@ -36,6 +37,16 @@ A file::
     replicas = 1.5
     router = "metro"                 # decode steps' replica router, apart from prefill's
 
+    [[decoders]]
+    placement = "mu_queue"           # AsyncMoE's μ-queue runtime (moejax.asyncmoe.decoder)
+    devices = 2
+    scheduler = "defrag"             # defrag (default), most_tokens, first_layer
+
+A ``mu_queue`` decoder runs whole calls: each of its steps decodes every sequence it
+adopted since the last one to the end, so its tokens arrive when that call ends (options:
+``scheduler``, ``attention_devices`` — indices within its devices —, ``replicas``,
+``replica_routing``; its step must be "auto").
+
 Devices: the prefill stage takes devices ``[first_device, first_device + devices)``
 (default from 0); decoders are packed one after another from device 0 unless a decoder
 gives ``first_device``. Stages may share devices (the default puts decoder 0 beside the
@@ -52,11 +63,15 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moejax.asyncmoe.replicas import REPLICA_ROUTINGS
+from moejax.asyncmoe.schedulers import SCHEDULER_NAMES
 from moejax.eldr.policies import POLICIES, Policy, check_tau
 
 PREFILL_BACKENDS = ("resident", "offload", "sync_ep", "async_ep")
-DECODER_PLACEMENTS = ("resident", "offload", "sync_ep", "async_ep")
+DECODER_PLACEMENTS = ("resident", "offload", "sync_ep", "async_ep", "mu_queue")
+MU_QUEUE = "mu_queue"                          # the μ-queue runtime, on any device count
 MESH_PLACEMENTS = ("sync_ep", "async_ep")      # data-parallel ranks over several devices
+MULTI_DEVICE = (*MESH_PLACEMENTS, MU_QUEUE)    # what may take devices > 1
 STEPS = ("auto", "fused", "layerwise")
 REPLICA_ROUTERS = ("eplb_even", "metro")
 
@@ -67,6 +82,7 @@ PLACEMENT_OPTIONS: dict[str, tuple[str, ...]] = {
                 "prefetch_prior", "prefetch_prior_weight", "prefetch_prior_traces"),
     "sync_ep": ("replicas", "router", "prefill_router"),
     "async_ep": (),
+    MU_QUEUE: ("scheduler", "attention_devices", "replicas", "replica_routing"),
 }
 PREFILL_OPTIONS: dict[str, tuple[str, ...]] = {
     "resident": (), "offload": ("expert_slots", "prefetch", "prefetch_mode", "prefetch_files"),
@@ -95,8 +111,9 @@ def _check_devices_and_step(where: str, noun: str, kind: str, devices: int, step
                             ) -> None:
     """A stage's device count and step mode against its backend or placement ``kind``."""
     if devices > 1 and kind not in MESH_PLACEMENTS:
+        several = MULTI_DEVICE if noun == "placement" else MESH_PLACEMENTS
         raise PipelineError(f"{where}: devices={devices}, but {noun} {kind!r} runs on one "
-                            f"device (several: {' or '.join(MESH_PLACEMENTS)})")
+                            f"device (several: {' or '.join(several)})")
     _check_step(where, kind, step)
 
 
@@ -109,6 +126,38 @@ def _check_step(where: str, kind: str, step: str) -> None:
     if step == "layerwise" and kind in MESH_PLACEMENTS:
         raise PipelineError(f"{where}: placement {kind!r} runs fused steps (its experts "
                             f"stay in one program), not step='layerwise'")
+
+
+def _check_mu_queue_step(where: str, step: str) -> None:
+    if step != "auto":
+        raise PipelineError(f"{where}: placement 'mu_queue' forms its own batches in the "
+                            f"μ-queue loop (layerwise programs per batch), so its step is "
+                            f"'auto', not step={step!r}")
+
+
+def _check_mu_queue_options(where: str, options: Mapping[str, Any], devices: int) -> None:
+    """A μ-queue decoder's options against its device count (the runtime checks the
+    layout as a whole when it is built)."""
+    scheduler = options.get("scheduler", "defrag")
+    if scheduler not in SCHEDULER_NAMES:
+        raise PipelineError(f"{where}.scheduler must be one of {SCHEDULER_NAMES}, got "
+                            f"{scheduler!r}")
+    ranks = options.get("attention_devices")
+    if ranks is not None:
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or not ranks \
+                or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < devices
+                       for d in ranks) or len(set(ranks)) != len(ranks):
+            raise PipelineError(f"{where}.attention_devices must be distinct device indices "
+                                f"in [0, devices={devices}), got {ranks!r}")
+    replicas = options.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) \
+            or not 1 <= replicas <= devices:
+        raise PipelineError(f"{where}.replicas must be an integer in [1, devices={devices}], "
+                            f"got {replicas!r}")
+    routing = options.get("replica_routing", REPLICA_ROUTINGS[0])
+    if routing not in REPLICA_ROUTINGS:
+        raise PipelineError(f"{where}.replica_routing must be one of {REPLICA_ROUTINGS}, got "
+                            f"{routing!r}")
 
 
 def resolved_step(kind: str, step: str) -> str:
@@ -212,11 +261,6 @@ class DecoderStage:
 
     def check(self, where: str) -> None:
         """PipelineError naming ``where`` (e.g. "decoders[1]") and the part at fault."""
-        if self.placement == "mu_queue":
-            raise PipelineError(
-                f"{where}: placement 'mu_queue' cannot be a decoder of a pipeline: the "
-                f"μ-queue runtime prefills its own requests and runs whole generate calls "
-                f"(use runtime='mu_queue' without a pipeline)")
         if self.placement not in DECODER_PLACEMENTS:
             raise PipelineError(f"{where}.placement must be one of {DECODER_PLACEMENTS}, got "
                                 f"{self.placement!r}")
@@ -225,7 +269,11 @@ class DecoderStage:
         _positive_int(f"{where}.count", self.count)
         if self.first_device is not None:
             _check_device_index(f"{where}.first_device", self.first_device)
-        _check_devices_and_step(where, "placement", self.placement, self.devices, self.step)
+        if self.placement == MU_QUEUE:
+            _check_mu_queue_step(where, self.step)
+        else:
+            _check_devices_and_step(where, "placement", self.placement, self.devices,
+                                    self.step)
         takes = PLACEMENT_OPTIONS[self.placement]
         unknown = sorted(set(self.options) - set(takes))
         if unknown:
@@ -238,6 +286,8 @@ class DecoderStage:
             _check_router(where, name, self.options.get(name))
         if self.placement == "sync_ep":
             _check_replicas(where, self.options, self.devices)
+        if self.placement == MU_QUEUE:
+            _check_mu_queue_options(where, self.options, self.devices)
         _check_prefetch(where, self.options)
         prior = self.options.get("prefetch_prior")
         traces = self.options.get("prefetch_prior_traces")

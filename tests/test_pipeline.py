@@ -331,8 +331,8 @@ def test_serve_takes_the_pipeline_file(tmp_path):
                    {"placement": "sync_ep", "devices": 2, "prefetch": "router"}]},
      r"decoders\[1\] \(placement 'sync_ep'\) does not take prefetch \(prefetch: placement "
      r"offload\); it takes replicas, router, prefill_router"),
-    ({"decoders": [{"placement": "mu_queue"}]},
-     r"decoders\[0\]: placement 'mu_queue' cannot be a decoder of a pipeline"),
+    ({"decoders": [{"placement": "mu_queue", "scheduler": "fifo"}]},
+     r"decoders\[0\] \(placement 'mu_queue'\).scheduler must be one of"),
     ({"prefill": {"backend": "offload", "devices": 2}, "decoders": [{}]},
      r"prefill \(backend 'offload'\): devices=2, but backend 'offload' runs on one device"),
     ({"prefill": {"backend": "tp"}, "decoders": [{}]}, r"prefill.backend must be one of"),

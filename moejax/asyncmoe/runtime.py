@@ -15,7 +15,10 @@ transfers free), so a run is deterministic; :class:`ModelExecutor` does the
 arithmetic with the layerwise decode programs of ``moejax.decode.programs``:
 
 * prefill (``start``): the request's prompt through the fused paged step on its rank
-  (its first token, and its keys/values written to the rank's pool);
+  (its first token, and its keys/values written to the rank's pool); a request
+  prefilled elsewhere (``generate(prefilled=...)``, :class:`Prefilled`: a pipeline's
+  prefill stage) has its prompt's blocks copied into its rank's pool instead
+  (``moejax.kv.copy.copy_blocks``) and starts from the token sampled there;
 * attention batch (rank g, block b): ``BEGIN`` + ``ATTENTION(b)`` over the batch's
   tokens, one row each, over the rank's pool; the post-attention residual waits on the
   rank for the merge, the token's keys/values of block b wait for the end of its step,
@@ -73,7 +76,8 @@ from moejax.asyncmoe.schedulers import QueueScheduler, make_scheduler
 from moejax.backends.base import check_expert_bias, validated
 from moejax.config import ModelConfig
 from moejax.decode import programs
-from moejax.kv import WRITE_ROWS, BlockAllocator, empty_pool
+from moejax.kv import WRITE_ROWS, BlockAllocator, KVPool, empty_pool
+from moejax.kv.copy import copy_blocks
 from moejax.decode.programs import PagedBatch, StepOptions
 from moejax.param_layout import EXPERT_KEYS, Params
 from moejax.prefix_hash import BLOCK_SIZE
@@ -116,6 +120,16 @@ def _index_lists(src_rows: Sequence[int], dst_rows: Sequence[int], out_rows: int
     dst = np.full(bucket(n, 1), out_rows, np.int32)
     src[:n], dst[:n] = src_rows, dst_rows
     return src, dst
+
+
+class Prefilled(NamedTuple):
+    """A request whose prompt ran elsewhere (a pipeline's prefill stage): its prompt's
+    keys/values are blocks ``blocks`` of the pool ``source`` (blocks of the whole pool,
+    on any devices), and ``first_token`` is the token that prefill sampled."""
+
+    source: KVPool
+    blocks: Sequence[int]
+    first_token: int
 
 
 class _Row(NamedTuple):
@@ -199,8 +213,11 @@ class ModelExecutor:
             for h in hosts}
         self.prepare({}, 1)
 
-    def prepare(self, specs: dict[int, SequenceSpec], blocks_per_rank: int) -> None:
-        """A fresh KV pool of ``blocks_per_rank`` blocks per rank for a run of ``specs``."""
+    def prepare(self, specs: dict[int, SequenceSpec], blocks_per_rank: int,
+                prefilled: dict[int, "Prefilled"] | None = None) -> None:
+        """A fresh KV pool of ``blocks_per_rank`` blocks per rank for a run of ``specs``
+        (``prefilled``: the requests, by id, whose prompts ran elsewhere)."""
+        self.prefilled = dict(prefilled or {})
         self.kv = [empty_pool(self.cfg, blocks_per_rank, self.dtype, d)
                    for d in self.devices]
         # The one block allocator of moejax's pools, one per rank (no prefix reuse here).
@@ -223,8 +240,21 @@ class ModelExecutor:
         self.max_table = max(self.max_table, bucket(need, 1))
         seq = _Sequence(spec, rank, blocks, [])
         self.sequences[request.request_id] = seq
-        token = self._prefill(seq)
+        given = self.prefilled.get(request.request_id)
+        token = self._prefill(seq) if given is None else self._copy_in(seq, given)
         return self._append(request.request_id, seq, token), token
+
+    def _copy_in(self, seq: _Sequence, given: "Prefilled") -> int:
+        """A request prefilled elsewhere: its prompt's blocks copied from ``given.source``
+        into the first blocks of its rank here; its first token is the one sampled there."""
+        count = -(-len(seq.spec.prompt) // BLOCK_SIZE)
+        if len(given.blocks) < count:
+            raise ValueError(f"a prefilled request of {len(seq.spec.prompt)} prompt tokens "
+                             f"needs {count} source blocks, got {len(given.blocks)}")
+        self.kv[seq.rank] = copy_blocks(given.source, list(given.blocks)[:count],
+                                        self.kv[seq.rank], [int(b) for b in seq.blocks[:count]],
+                                        self.devices[seq.rank])
+        return int(given.first_token)
 
     def _prefill(self, seq: _Sequence) -> int:
         rank, prompt = seq.rank, np.asarray(seq.spec.prompt, np.int32)
@@ -528,10 +558,19 @@ class MuQueueRuntime:
         self.link = link or (lambda nbytes: 0.0)
         self.last_run: SimResult | None = None
 
-    def generate(self, specs: Sequence[SequenceSpec], arrivals: Sequence[float] | None = None
+    def generate(self, specs: Sequence[SequenceSpec], arrivals: Sequence[float] | None = None,
+                 prefilled: Sequence[Prefilled | None] | None = None
                  ) -> list[SequenceOutput]:
         """Every sequence to its end (arriving at virtual times ``arrivals``, default all at
-        0) -> outputs in order; :attr:`last_run` keeps the batches and timings."""
+        0) -> outputs in order; :attr:`last_run` keeps the batches and timings.
+        ``prefilled[i]`` (if given and not None): request i's prompt already ran elsewhere
+        (:class:`Prefilled`); its blocks are copied in at its arrival instead of a
+        prefill, and it decodes from its first token on (its output holds that token
+        first, and the sampling counters continue from 1, as the continuous scheduler's
+        do: the tokens are those of a run that prefilled it here)."""
+        if prefilled is not None and len(prefilled) != len(specs):
+            raise ValueError(f"prefilled has {len(prefilled)} entries for {len(specs)} "
+                             f"requests")
         placement = self.placement
         engines = [DeviceEngine(d, self.cfg.num_layers, placement.units(d), self.scheduler,
                                 self.cfg.num_experts_per_tok, placement.expert_replicas,
@@ -542,7 +581,9 @@ class MuQueueRuntime:
                     for i, (spec, at) in enumerate(zip(specs, arrivals, strict=True))]
         # Default pool: every request's blocks at once on any rank (all may be in flight).
         need = sum(-(-(len(s.prompt) + s.max_new_tokens) // BLOCK_SIZE) for s in specs)
-        self.executor.prepare(dict(enumerate(specs)), self.blocks_per_rank or max(need, 1))
+        given = {i: p for i, p in enumerate(prefilled or ()) if p is not None}
+        self.executor.prepare(dict(enumerate(specs)), self.blocks_per_rank or max(need, 1),
+                              given)
         loop = MuQueueLoop(engines, self.executor, self.duration, self.link,
                            self.cfg.hidden_size * np.dtype(self.executor.dtype).itemsize)
         self.last_run = loop.run(requests)
