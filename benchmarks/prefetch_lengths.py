@@ -9,7 +9,9 @@ next layer's expert copy hides under more compute. Here, per length:
   request runs ``context`` tokens: a prompt of ``context - new_tokens`` held-out corpus
   tokens (domains in turn), then ``new_tokens`` greedy tokens (EOS ignored;
   ``serving.Generator`` with expert tracing), so its decode steps attend to up to
-  ``context - 1`` tokens and the last point fills the demo's whole context. The demo was
+  ``context - 1`` tokens and the last point fills the demo's whole context (the
+  generator runs one request at a time, prefilling 64 tokens a step: two step shapes
+  whatever the length). The demo was
   trained on 128-token rows (``moejax.demo.train.TrainConfig.seq_len``): the longer
   points ask it to route at positions it never trained at, as a long prompt asks of a
   deployed model. The predictors (router, quasi, estimator, hybrid:
@@ -17,7 +19,9 @@ next layer's expert copy hides under more compute. Here, per length:
   them (``moejax.prefetch.train.train_estimator``: default vectors and estimator), once,
   on other requests of 128 tokens (the demo's training length), and measured on the
   decode tokens of every length (``recall_<p>_<len>``: recall@k averaged over the
-  predicted layers 1..L-1; floors random, popularity, previous too).
+  predicted layers 1..L-1; floors random, popularity, previous too). The four lengths'
+  requests are replayed together (``moejax.prefetch.replay``: packed into attention
+  blocks of the longest's size, so one compiled program) and held to their traces.
   ``best_predictor``: the computed predictor of the highest recall averaged over the
   four lengths; ``recall_best_<len>`` its recall.
 * The step model (``moejax.prefetch.step_model``) at Qwen3-30B-A3B shape on the H100 at
@@ -32,6 +36,14 @@ next layer's expert copy hides under more compute. Here, per length:
   ``ondemand`` = ``OffloadRunner``, ``exact`` / ``speculative`` = ``PrefetchRunner``
   with the best predictor) and their ratios; ``measured_platform`` names where it ran
   (on CPU host and device memory are one, so the figures show overheads, not copies).
+  Both lengths decode on one KV pool sized for the longest.
+
+``--quick`` (under a minute on a 2-core CPU) shrinks only the sample, not the points: the
+same four lengths and contexts, the same predictors and step model, but 1 fitting request
+per domain (8, not 128), 2 requests per length (not 16), 8 new tokens (not 16: 7 decode
+tokens per request), 60 estimator training steps (not 2000) and, with ``--measure``, 1
+prompt per length (not 2). Its recall figures rest on 14 decode tokens per length, so
+they are noisy (a smoke run, not a result); the full run's are the figures to quote.
 
     python -m benchmarks.prefetch_lengths [--quick] [--json PATH] [--batch N]
         [--requests N] [--new-tokens N] [--steps N] [--compute-model expert|layer]
@@ -48,7 +60,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.expert_prefetch import COMPUTED, GPU_COST, MODEL, recall_figures
+from benchmarks.expert_prefetch import COMPUTED, FLOORS, GPU_COST, MODEL
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
@@ -59,18 +71,25 @@ LENGTHS = {"1k": 1024, "4k": 4096, "16k": 16384, "64k": 65536}
 BREAKDOWN = ("copy_exposed_ms", "copy_hidden_ms", "attention_ms", "expert_ms", "total_ms")
 FULL = dict(fit_per_domain=16, requests=16, new_tokens=16, steps=2000, measure_prompts=2)
 QUICK = dict(fit_per_domain=1, requests=2, new_tokens=8, steps=60, measure_prompts=1)
-# Replay runs each request in one attention block of its length rounded up to 16, and
-# blocks over 128 tokens must be multiples of 128 (moejax.attention's sub-blocks): demo
-# contexts are kept to such sizes.
-CONTEXT_MULTIPLE = 16
-SUB_BLOCK = 128
-GENERATE_BATCH = 16
+# The traces are generated one request at a time, host-driven layer by layer, prefilled
+# in 64-token steps: every step is then one of two shapes (a 64-token prefill chunk or one
+# decode token) whatever the prompt's length, and each shape compiles a few small
+# per-layer programs. Batching requests of four lengths compiled a fused step per batch
+# and prefill size met (six in the quick run, most of its time); the greedy tokens and
+# their routing are the model's either way (``replay.check_against_trace`` holds the
+# replay to them).
+GENERATE_OPTIONS = dict(max_batch_size=1, step="layerwise", max_prefill_tokens=64)
+KV_BLOCK_TOKENS = 16     # the paged KV pool's block (``GeneratorOptions``)
+# --measure prefills in 64-token steps too: both lengths' prompts then run the same
+# prefill program (the prefill is not timed; only decode steps are).
+MEASURE_PREFILL_TOKENS = 64
 
 
 def demo_contexts(max_context: int, new_tokens: int) -> dict[str, int]:
     """The demo's context per length: the same fraction of ``max_context`` as the length
     is of 64K. Raises ValueError when the model's context is too short for four distinct
-    contexts that each hold a prompt token and ``new_tokens`` generated ones."""
+    contexts that each hold a prompt token and ``new_tokens`` generated ones. (Any
+    length replays: ``replay.replay_block`` picks an attention block that holds it.)"""
     longest = LENGTHS["64k"]
     contexts = {tag: max_context * tokens // longest for tag, tokens in LENGTHS.items()}
     short = [tag for tag, c in contexts.items() if c <= new_tokens]
@@ -79,11 +98,6 @@ def demo_contexts(max_context: int, new_tokens: int) -> dict[str, int]:
                          f"contexts {[contexts[t] for t in short]}, no room for a prompt and "
                          f"{new_tokens} new tokens (at least {longest // 1024 * (new_tokens + 1)}"
                          f" context tokens are needed)")
-    for tag, c in contexts.items():
-        if c % CONTEXT_MULTIPLE or (c > SUB_BLOCK and c % SUB_BLOCK):
-            raise ValueError(f"the {tag} point's context {c} (of max_context={max_context}) "
-                             f"is not a whole number of replay blocks ({CONTEXT_MULTIPLE}, "
-                             f"or {SUB_BLOCK} beyond {SUB_BLOCK} tokens)")
     return contexts
 
 
@@ -105,7 +119,7 @@ class Tracer:
         self.tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.source = corpus.sources("eval", tuple(self.domains))
         self.generator = Generator(model, dtype="float32", trace_experts=True,
-                                   max_batch_size=GENERATE_BATCH)
+                                   **GENERATE_OPTIONS)
 
     def prompts(self, count: int, length: int, seed: int) -> list[list[int]]:
         """``count`` prompts of exactly ``length`` tokens, request i from domain i mod D."""
@@ -117,7 +131,7 @@ class Tracer:
 
     def trace_sets(self, sets: list[list[list[int]]], new_tokens: int) -> list[Any]:
         """One ``moejax.traces.Trace`` per set of prompts, ``new_tokens`` greedy tokens each
-        (every set in one generate call: the engine batches and compiles them together)."""
+        (every set in one generate call)."""
         from moejax import traces
 
         prompts = [p for group in sets for p in group]
@@ -140,6 +154,46 @@ class Tracer:
 def mean_recall(per_layer: dict[str, np.ndarray]) -> dict[str, float]:
     """Each predictor's recall@k averaged over the predicted layers 1..L-1."""
     return {kind: float(np.mean(values[1:])) for kind, values in per_layer.items()}
+
+
+def length_recall(cfg: Any, params: Any, fitted: dict[str, Any], decode: Any, seed: int
+                  ) -> dict[str, np.ndarray]:
+    """Per predictor, recall@k per layer [L] over ``decode`` (the replayed decode tokens
+    of one length's requests): ``benchmarks.expert_prefetch.recall_figures`` past its
+    replay (the four lengths share one replay, so one compiled program)."""
+    from moejax.prefetch import predictors
+
+    hybrid = tuple(int(j) for j in fitted["meta"]["hybrid_layers"].split(",") if j)
+    tables = predictors.make_tables(cfg, fitted["defaults"].defaults, fitted["params"], hybrid)
+    per_layer: dict[str, np.ndarray] = {}
+    for kind in COMPUTED:
+        predicted = predictors.predict_states(kind, cfg, params["layers"], tables,
+                                              decode.residual, decode.experts, decode.weights)
+        per_layer[kind] = predictors.recall_at_k(predicted, decode.experts)
+    for kind in FLOORS:
+        predicted = predictors.floor_predictions(kind, decode.experts, decode.request,
+                                                 fitted["defaults"].counts, seed)
+        per_layer[kind] = predictors.recall_at_k(predicted, decode.experts)
+    per_layer["oracle"] = predictors.recall_at_k(decode.experts, decode.experts)
+    return per_layer
+
+
+def replay_lengths(cfg: Any, params: Any, traces: list[Any]) -> list[Any]:
+    """Every length's requests replayed together (one attention block, the longest's, so
+    one compiled program for all lengths), held to their traces -> each length's decode
+    tokens' ``replay.LayerStates``, in the order of ``traces``."""
+    from moejax.prefetch import replay
+
+    requests = [req for trace in traces for req in trace.requests]
+    states = replay.replay(cfg, params, requests)
+    replay.check_against_trace(states, requests)
+    out, start = [], 0
+    for trace in traces:
+        end = start + len(trace.requests)
+        out.append(states.take(states.decode & (states.request >= start)
+                               & (states.request < end)))
+        start = end
+    return out
 
 
 def best_predictor(recall: dict[str, dict[str, float]]) -> str:
@@ -170,13 +224,14 @@ def modelled_figures(recall: dict[str, float], batch: int, compute_model: str
 # ----------------------------------------------------------------------------- measured
 def decode_ms(runner: Any, prompts: list[list[int]], context: int, new_tokens: int,
               timed: str | None) -> float:
-    """Greedy decode of ``prompts`` one at a time (batch 1): ms per decode token."""
+    """Greedy decode of ``prompts`` one at a time (batch 1), a KV pool of one
+    ``context``-token sequence: ms per decode token."""
     from moejax.core.continuous import Scheduler, SchedulerOptions
     from moejax.sequences import SequenceSpec
 
-    options = SchedulerOptions(max_batch_size=1, max_prefill_tokens=256, step="layerwise",
-                               record_steps=True)
-    scheduler = Scheduler(runner, context // CONTEXT_MULTIPLE + 8, options)
+    options = SchedulerOptions(max_batch_size=1, max_prefill_tokens=MEASURE_PREFILL_TOKENS,
+                               step="layerwise", record_steps=True)
+    scheduler = Scheduler(runner, context // KV_BLOCK_TOKENS + 8, options)
     for prompt in prompts:
         scheduler.submit(SequenceSpec(prompt=tuple(prompt), max_new_tokens=new_tokens))
     with timed_pass(timed) if timed else contextlib.nullcontext():
@@ -190,7 +245,10 @@ def decode_ms(runner: Any, prompts: list[list[int]], context: int, new_tokens: i
 def measured_figures(cfg: Any, params: Any, files: list[str], predictor: str,
                      prompts: dict[str, list[list[int]]], contexts: dict[str, int],
                      new_tokens: int) -> dict[str, Any]:
-    """TPOT of OffloadRunner and PrefetchRunner (exact, speculative) at each given length."""
+    """TPOT of OffloadRunner and PrefetchRunner (exact, speculative) at each given length.
+    Every length runs on one KV pool, the longest's (as one server's would): the step
+    programs then compile once per runner, not once per length (a compile in a timed pass
+    is counted in ``compiles_in_timed_passes``)."""
     import jax
 
     from moejax.decode.factory import make_runner
@@ -200,14 +258,18 @@ def measured_figures(cfg: Any, params: Any, files: list[str], predictor: str,
                "speculative": dict(prefetch=predictor, prefetch_mode="speculative")}
     out: dict[str, Any] = {"measured_platform": jax.default_backend(),
                            "measured_predictor": predictor}
+    pool_context = max(contexts[tag] for tag in prompts)
+    shortest = min(prompts, key=contexts.__getitem__)
     for name, options in configs.items():
         extra = dict(options, prefetch_files=files) if options else {}
         runner = make_runner("offload", cfg, params, dtype="float32", opts=StepOptions(),
                              **extra)
+        # One untimed pass compiles every program the timed ones run (one pool, 64-token
+        # prefill steps, batch-1 decode: the same shapes at every length).
+        decode_ms(runner, prompts[shortest][:1], pool_context, 2, None)
         for tag, group in prompts.items():
-            decode_ms(runner, group[:1], contexts[tag], 2, None)     # compile outside the clock
             out[f"measured_tpot_ms_{tag}_{name}"] = decode_ms(
-                runner, group, contexts[tag], new_tokens, f"measured_{tag}_{name}")
+                runner, group, pool_context, new_tokens, f"measured_{tag}_{name}")
     for tag in prompts:
         out[f"measured_demo_context_{tag}"] = contexts[tag]
         for mode in ("exact", "speculative"):
@@ -258,12 +320,12 @@ def run(args: Any, shape: dict[str, Any]) -> dict[str, Any]:
                                             args.seed, tmp)
         figures.update(fit)
         recall: dict[str, dict[str, float]] = {}
-        for (tag, context), trace in zip(contexts.items(), length_traces):
-            found, per_layer = recall_figures(cfg, params, fitted, trace.requests, args.seed)
-            recall[tag] = mean_recall(per_layer)
+        decodes = replay_lengths(cfg, params, length_traces)
+        for (tag, context), decode in zip(contexts.items(), decodes):
+            recall[tag] = mean_recall(length_recall(cfg, params, fitted, decode, args.seed))
             figures[f"demo_context_{tag}"] = context
             figures[f"demo_prompt_tokens_{tag}"] = context - new_tokens
-            figures[f"decode_tokens_{tag}"] = found["heldout_decode_tokens"]
+            figures[f"decode_tokens_{tag}"] = decode.num_tokens
             for kind, value in recall[tag].items():
                 figures[f"recall_{kind}_{tag}"] = value
         best = best_predictor(recall)

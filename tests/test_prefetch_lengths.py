@@ -1,8 +1,11 @@
 """moejax.prefetch.step_model against a float64 hand computation at two contexts, the
 facts the overlap rule must keep, its input checks, the demo contexts of
-benchmarks/prefetch_lengths.py, and that benchmark's quick run (every named key, values
-in range, the modelled figures reproduced from its measured recall). No timing is
-asserted."""
+benchmarks/prefetch_lengths.py, the replay's attention blocks and packing (a 135-token
+traced request, once refused by the attention tiling, replays to its trace's routing,
+packed with a short one that replays as it does alone), that benchmark's quick run
+(every named key, values in range, the modelled figures reproduced from its measured
+recall) and its --measure figures on two short contexts (every key, ratios of the
+TPOTs, no compile inside a timed pass). No timing is asserted."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import numpy as np
 import pytest
 
 from benchmarks import expert_prefetch, prefetch_lengths
+from moejax import attention
+from moejax.prefetch import replay
 from moejax.prefetch import step_model as sm
 
 COST = expert_prefetch.GPU_COST
@@ -164,14 +169,97 @@ def test_demo_contexts():
                                                        "64k": 2048}
     with pytest.raises(ValueError, match="too short"):
         prefetch_lengths.demo_contexts(512, 8)           # the 1k point: 8 tokens
-    with pytest.raises(ValueError, match="replay blocks"):
-        prefetch_lengths.demo_contexts(64 * 40, 8)       # 1k: 40, not 16-aligned
+    # any context replays (replay_block pads it to a block the attention accepts)
+    assert prefetch_lengths.demo_contexts(64 * 40, 8) == {"1k": 40, "4k": 160, "16k": 640,
+                                                          "64k": 2560}
+
+
+def test_replay_block_is_the_smallest_the_attention_tiles():
+    assert [replay.replay_block(n) for n in (1, 16, 17, 128, 129, 135, 257, 2048, 2049)] == [
+        16, 16, 32, 128, 256, 256, 384, 2048, 2560]
+    for tokens in range(1, 5000, 7):
+        block = replay.replay_block(tokens)
+        assert block >= tokens and block % replay.BLOCK_MULTIPLE == 0
+        assert block % attention.tiling_for(block).sub == 0, tokens
+        for smaller in range(-(-tokens // 16) * 16, block, 16):      # none smaller tiles
+            assert smaller % attention.tiling_for(smaller).sub != 0, (tokens, smaller)
+    with pytest.raises(ValueError, match="at least one token"):
+        replay.replay_block(0)
+
+
+def test_pack_blocks_keeps_order_and_room():
+    lengths = [100, 20, 200, 256, 1, 30, 226]
+    blocks = replay.pack_blocks(lengths, 256)
+    assert blocks == [[0, 1], [2], [3], [4, 5], [6]]
+    assert [i for b in blocks for i in b] == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 256 for b in blocks)
+    with pytest.raises(ValueError, match="300 tokens does not fit a block of 256"):
+        replay.pack_blocks([10, 300], 256)
+
+
+@pytest.mark.slow
+def test_135_token_request_replays_to_its_trace():
+    """Regression: the replay once gave a 135-token request a 144-token block, which the
+    attention's 128-row sub-blocks cannot cut ("incompatible shapes"). The traces come
+    from the benchmark's own Generator; the short request shares the long one's block."""
+    from moejax.prefetch import train
+
+    cfg, params = train.load_model(expert_prefetch.MODEL)
+    tracer = prefetch_lengths.Tracer(expert_prefetch.MODEL)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (127, 12)]
+    (trace,) = tracer.trace_sets([prompts], 9)
+    requests = trace.requests
+    assert [len(replay.sequence_tokens(r)) for r in requests] == [135, 20]
+    states = replay.replay(cfg, params, requests)
+    assert replay.check_against_trace(states, requests) >= 0.98
+    assert states.num_tokens == 155
+    np.testing.assert_array_equal(states.request, [0] * 135 + [1] * 20)
+    np.testing.assert_array_equal(states.decode[:135], np.arange(135) >= 127)
+    # packed beside the long request, the short one computes what it does alone
+    alone = replay.replay(cfg, params, requests[1:])
+    short = states.take(states.request == 1)
+    np.testing.assert_allclose(short.residual, alone.residual, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.sort(short.experts, -1), np.sort(alone.experts, -1))
+
+
+@pytest.mark.slow
+def test_measured_figures():
+    """--measure's figures (``measured_figures``, the router predictor, which reads no
+    file) on contexts of 32 and 64 tokens: every key, the ratios, and one untimed pass
+    per runner compiling all that the timed passes of both lengths run."""
+    from benchmarks.lib import compiles
+    from moejax.prefetch import train
+
+    cfg, params = train.load_model(expert_prefetch.MODEL)
+    rng = np.random.default_rng(4)
+    contexts = {"1k": 32, "64k": 64}
+    prompts = {tag: [[int(t) for t in rng.integers(3, cfg.vocab_size, c - 4)]]
+               for tag, c in contexts.items()}
+    compiles.start_run()
+    out = prefetch_lengths.measured_figures(cfg, params, [], "router", prompts, contexts, 4)
+    assert compiles.run_figures() == {"compiles_in_timed_passes": 0, "timed_passes": 6}
+    ratios = {f"measured_prefetch_tpot_over_ondemand_{tag}_{mode}"
+              for tag in contexts for mode in ("exact", "speculative")}
+    assert set(out) == ({"measured_platform", "measured_predictor"} | ratios
+                        | {f"measured_tpot_ms_{tag}_{mode}" for tag in contexts
+                           for mode in sm.MODES}
+                        | {f"measured_demo_context_{tag}" for tag in contexts})
+    assert out["measured_platform"] == "cpu" and out["measured_predictor"] == "router"
+    for tag, context in contexts.items():
+        assert out[f"measured_demo_context_{tag}"] == context
+        for mode in sm.MODES:
+            assert math.isfinite(out[f"measured_tpot_ms_{tag}_{mode}"])
+            assert out[f"measured_tpot_ms_{tag}_{mode}"] > 0
+            if mode != "ondemand":
+                assert out[f"measured_prefetch_tpot_over_ondemand_{tag}_{mode}"] == (
+                    out[f"measured_tpot_ms_{tag}_{mode}"] / out[f"measured_tpot_ms_{tag}_ondemand"])
 
 
 @pytest.mark.slow
 def test_quick_run_writes_every_key(tmp_path):
     path = tmp_path / "lengths.json"
-    figures = prefetch_lengths.main(["--quick", "--measure", "--json", str(path)])
+    figures = prefetch_lengths.main(["--quick", "--json", str(path)])
     data = json.loads(path.read_text())
     assert data == json.loads(json.dumps(figures))
     assert all(not isinstance(v, (dict, list)) for v in data.values())
@@ -199,10 +287,4 @@ def test_quick_run_writes_every_key(tmp_path):
         speculative = data[f"prefetch_tpot_over_ondemand_{tag}_modelled_speculative"]
         assert exact == pytest.approx(steps["exact"].total_s / steps["ondemand"].total_s)
         assert 0.5 < speculative <= exact < 1.1
-    assert data["measured_platform"] == "cpu"
-    for tag in ("1k", "64k"):
-        for mode in sm.MODES:
-            assert math.isfinite(data[f"measured_tpot_ms_{tag}_{mode}"])
-            assert data[f"measured_tpot_ms_{tag}_{mode}"] > 0
-        assert data[f"measured_prefetch_tpot_over_ondemand_{tag}_exact"] == pytest.approx(
-            data[f"measured_tpot_ms_{tag}_exact"] / data[f"measured_tpot_ms_{tag}_ondemand"])
+    assert not any(key.startswith("measured_") for key in data)       # no --measure

@@ -4,12 +4,13 @@ An expert trace records each token's routing and router input (``Norm_l(r_l)``),
 the post-attention residual ``r_l`` itself, which every next-layer predictor reads
 (the norm divides its scale away). :func:`replay` runs the traced tokens (prompt, then
 the generated tokens that were fed back) through the model's own decoder layer
-(``moejax.layers``: attention block, router, dispatcher), one request per attention
-block, and returns per layer and token: ``r_l``, the router input, the top-k ids and
-weights and the router's full distribution. A causal forward over a sequence computes
-at each position what decode computed for that token, so the decode positions of the
-replay are the decode steps of the trace (:func:`check_against_trace` holds the replay
-to the trace's own top-k ids).
+(``moejax.layers``: attention block, router, dispatcher), requests packed in order into
+attention blocks (each its own segment, positions from 0, never across a block's end; the
+block holds the longest, :func:`replay_block`), and returns per layer and token:
+``r_l``, the router input, the top-k ids and weights and the router's full distribution.
+A causal forward over a sequence computes at each position what decode computed for that
+token, so the decode positions of the replay are the decode steps of the trace
+(:func:`check_against_trace` holds the replay to the trace's own top-k ids).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from moejax import attention
 from moejax import layers as layers_lib
 from moejax import model as model_lib
 from moejax.attention_kinds import PackedCausal
@@ -29,10 +31,25 @@ from moejax.config import ModelConfig
 from moejax.param_layout import Params
 from moejax.traces import RequestTrace
 
-# Replayed rows per program: requests are padded to one attention block each, and
-# ``ROWS_TOKENS // block`` of them run together (one compile per block size).
+# Replayed rows per program: ``ROWS_TOKENS // block`` blocks run together (one compile
+# per block size; a shorter last program is padded with empty blocks).
 ROWS_TOKENS = 4096
 BLOCK_MULTIPLE = 16
+
+
+def replay_block(tokens: int) -> int:
+    """The attention block of a replay whose longest request runs ``tokens`` tokens: the
+    smallest multiple of ``BLOCK_MULTIPLE`` that holds them and that the attention tiling
+    of its size (``moejax.attention.tiling_for``) cuts into whole tiles. Up to 128
+    tokens any multiple of 16 is one tile; beyond, blocks are cut into 128-row sub-blocks
+    (64 at 256), and past 2048 into 512-row flash chunks (a 135-token request gets 256,
+    not 144)."""
+    if tokens < 1:
+        raise ValueError(f"a replayed request runs at least one token, got {tokens}")
+    block = -(-tokens // BLOCK_MULTIPLE) * BLOCK_MULTIPLE
+    while block % attention.tiling_for(block).sub:
+        block += BLOCK_MULTIPLE
+    return block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +88,23 @@ def sequence_tokens(req: RequestTrace) -> np.ndarray:
     return np.concatenate([req.prompt_token_ids, req.generated_token_ids[:-1]]).astype(np.int32)
 
 
+def pack_blocks(lengths: Sequence[int], block: int) -> list[list[int]]:
+    """Runs of ``lengths`` tokens packed in order into blocks of ``block`` tokens: each
+    block lists its runs' indices; a run starts a new block when the current one cannot
+    hold it (so concatenating the blocks keeps the runs' order)."""
+    if any(n > block for n in lengths):
+        raise ValueError(f"a run of {max(lengths)} tokens does not fit a block of {block}")
+    blocks: list[list[int]] = []
+    room = 0
+    for i, n in enumerate(lengths):
+        if n > room:
+            blocks.append([])
+            room = block
+        blocks[-1].append(i)
+        room -= n
+    return blocks
+
+
 def _replay_rows(params: Params, tokens: Int[Array, "T"], positions: Int[Array, "T"],
                  segments: Int[Array, "T"], *, cfg: ModelConfig, block: int
                  ) -> tuple[jax.Array, ...]:
@@ -102,18 +136,24 @@ def replay(cfg: ModelConfig, params: Params, requests: Sequence[RequestTrace]) -
     if not runs:
         raise ValueError("no request to replay: every traced request failed or none was given")
     longest = max(len(tokens) for _, tokens, _ in runs)
-    block = -(-longest // BLOCK_MULTIPLE) * BLOCK_MULTIPLE
+    block = replay_block(longest)
+    blocks = pack_blocks([len(seq) for _, seq, _ in runs], block)
     per_batch = max(1, ROWS_TOKENS // block)
     parts: list[tuple[np.ndarray, ...]] = []
-    for start in range(0, len(runs), per_batch):
-        chunk = runs[start:start + per_batch]
+    for start in range(0, len(blocks), per_batch):
         tokens = np.zeros((per_batch, block), np.int32)
+        positions = np.zeros((per_batch, block), np.int32)
         segments = np.full((per_batch, block), -1, np.int32)
-        for row, (_, seq, _) in enumerate(chunk):
-            tokens[row, :len(seq)] = seq
-            segments[row, :len(seq)] = row
-        positions = np.tile(np.arange(block, dtype=np.int32), per_batch)
-        out = jax.device_get(_REPLAY_ROWS(params, tokens.reshape(-1), positions,
+        for row, members in enumerate(blocks[start:start + per_batch]):
+            offset = 0
+            for i in members:
+                seq = runs[i][1]
+                end = offset + len(seq)
+                tokens[row, offset:end] = seq
+                positions[row, offset:end] = np.arange(len(seq))
+                segments[row, offset:end] = i
+                offset = end
+        out = jax.device_get(_REPLAY_ROWS(params, tokens.reshape(-1), positions.reshape(-1),
                                           segments.reshape(-1), cfg=cfg, block=block))
         keep = segments.reshape(-1) >= 0
         parts.append(tuple(np.asarray(a)[:, keep] for a in out))
