@@ -4,26 +4,26 @@ The seed (speculating-experts-prefetch) measures TPOT at batch 1 over prompts of
 16K and 64K tokens: a longer context reads more KV in every layer's attention, so the
 next layer's expert copy hides under more compute. Here, per length:
 
-* Recall, measured on demo-e32 (max_context 2048) at the same fractions of its context:
-  1K, 4K, 16K, 64K -> 1/64, 1/16, 1/4 and 1 of it (32, 128, 512, 2048 tokens). Each
-  request runs ``context`` tokens: a prompt of ``context - new_tokens`` held-out corpus
-  tokens (domains in turn), then ``new_tokens`` greedy tokens (EOS ignored;
-  ``serving.Generator`` with expert tracing), so its decode steps attend to up to
-  ``context - 1`` tokens and the last point fills the demo's whole context (the
-  generator runs one request at a time, prefilling 64 tokens a step: two step shapes
-  whatever the length). The demo was
-  trained on 128-token rows (``moejax.demo.train.TrainConfig.seq_len``): the longer
-  points ask it to route at positions it never trained at, as a long prompt asks of a
-  deployed model. The predictors (router, quasi, estimator, hybrid:
-  ``moejax.prefetch.predictors``) are fitted as ``benchmarks/expert_prefetch.py`` fits
-  them (``moejax.prefetch.train.train_estimator``: default vectors and estimator), once,
-  on other requests of 128 tokens (the demo's training length), and measured on the
-  decode tokens of every length (``recall_<p>_<len>``: recall@k averaged over the
-  predicted layers 1..L-1; floors random, popularity, previous too). The four lengths'
-  requests are replayed together (``moejax.prefetch.replay``: packed into attention
-  blocks of the longest's size, so one compiled program) and held to their traces.
-  ``best_predictor``: the computed predictor of the highest recall averaged over the
-  four lengths; ``recall_best_<len>`` its recall.
+* Recall, measured on demo-e32 (or its untrained twin, ``--model demo-e32-init``;
+  max_context 2048) at the same fractions of its context: 1K, 4K, 16K, 64K -> 1/64, 1/16,
+  1/4 and 1 of it (32, 128, 512, 2048 tokens). Each request runs ``context`` tokens: a
+  prompt of ``context - new_tokens`` held-out corpus tokens (domains in turn), then
+  ``new_tokens`` greedy tokens (EOS ignored; ``serving.Generator`` with expert tracing),
+  so its decode steps attend to up to ``context - 1`` tokens and the last point fills the
+  demo's whole context (the generator runs one request at a time, prefilling 64 tokens a
+  step: two step shapes whatever the length). The demo was trained on 128-token rows
+  (``moejax.demo.train.TrainConfig.seq_len``): the longer points ask it to route at
+  positions it never trained at, as a long prompt asks of a deployed model. The
+  predictors (router, quasi, estimator, hybrid: ``moejax.prefetch.predictors``) are
+  fitted as ``benchmarks/expert_prefetch.py`` fits them
+  (``moejax.prefetch.train.train_estimator``: default vectors and estimator), once, on
+  other requests of 128 tokens (the demo's training length), and measured on the decode
+  tokens of every length (``recall_<p>_<len>``: recall@k averaged over the predicted
+  layers 1..L-1; floors random, popularity, previous too). The four lengths' requests are
+  replayed together (``moejax.prefetch.replay``: packed into attention blocks of the
+  longest's size, so one compiled program) and held to their traces. ``best_predictor``:
+  the computed predictor of the highest recall averaged over the four lengths;
+  ``recall_best_<len>`` its recall.
 * The step model (``moejax.prefetch.step_model``) at Qwen3-30B-A3B shape on the H100 at
   the seed's context (1024 ... 65536 tokens), ``--batch`` (default 1), the best
   predictor's measured recall at that length: per mode (ondemand, exact, speculative)
@@ -115,6 +115,7 @@ class Tracer:
         from benchmarks.lib.reference_traces import model_domains
 
         model_dir, _ = resolve_model_dir(model)
+        self.model = model
         self.domains = model_domains(model, model_dir)
         self.tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.source = corpus.sources("eval", tuple(self.domains))
@@ -145,7 +146,7 @@ class Tracer:
         for group in sets:
             out.append(traces.from_results(results[start:start + len(group)], group,
                                            [None] * len(group), config=self.generator.config,
-                                           router_inputs=False, model=MODEL))
+                                           router_inputs=False, model=self.model))
             start += len(group)
         return out
 
@@ -280,12 +281,13 @@ def measured_figures(cfg: Any, params: Any, files: list[str], predictor: str,
 
 # ----------------------------------------------------------------------------- driver
 def fit_predictors(cfg: Any, params: Any, requests: list[Any], steps: int, seed: int,
-                   tmp: str) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
-    """Default vectors and estimator fitted on ``requests``, saved for the runners ->
-    (fitted, files, figures)."""
+                   tmp: str, model: str = MODEL
+                   ) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    """Default vectors and estimator fitted on ``requests`` of ``model``, saved for the
+    runners -> (fitted, files, figures)."""
     from moejax.prefetch import defaults, estimator, train
 
-    fitted = train.train_estimator(cfg, params, requests, model=MODEL, steps=steps, seed=seed)
+    fitted = train.train_estimator(cfg, params, requests, model=model, steps=steps, seed=seed)
     files = [os.path.join(tmp, "defaults.npz"), os.path.join(tmp, "estimator.npz")]
     defaults.save(files[0], fitted["defaults"])
     estimator.save(files[1], fitted["config"], fitted["params"], fitted["meta"])
@@ -301,14 +303,14 @@ def run(args: Any, shape: dict[str, Any]) -> dict[str, Any]:
     from moejax.demo.train import TrainConfig
     from moejax.prefetch import train
 
-    cfg, params = train.load_model(MODEL)
+    cfg, params = train.load_model(args.model)
     contexts = demo_contexts(cfg.max_context, shape["new_tokens"])
     new_tokens = shape["new_tokens"]
     # The predictors are fitted on requests of the demo's training length.
     fit_context = TrainConfig().seq_len
     figures: dict[str, Any] = {"demo_max_context": cfg.max_context, "batch": args.batch,
                                "fit_context": fit_context}
-    tracer = Tracer(MODEL)
+    tracer = Tracer(args.model)
     prompts = {tag: tracer.prompts(shape["requests"], context - new_tokens,
                                    seed=20_000 + 100 * args.seed + i)
                for i, (tag, context) in enumerate(contexts.items())}
@@ -317,7 +319,7 @@ def run(args: Any, shape: dict[str, Any]) -> dict[str, Any]:
     fit_trace, *length_traces = tracer.trace_sets([fit_prompts, *prompts.values()], new_tokens)
     with tempfile.TemporaryDirectory(prefix="moejax-prefetch-lengths-") as tmp:
         fitted, files, fit = fit_predictors(cfg, params, fit_trace.requests, shape["steps"],
-                                            args.seed, tmp)
+                                            args.seed, tmp, args.model)
         figures.update(fit)
         recall: dict[str, dict[str, float]] = {}
         decodes = replay_lengths(cfg, params, length_traces)
@@ -342,7 +344,7 @@ def run(args: Any, shape: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(figures: dict[str, Any]) -> None:
-    print(f"demo-e32 recall@k (layers 1..L-1) by length; best predictor "
+    print(f"{figures['model']} recall@k (layers 1..L-1) by length; best predictor "
           f"{figures['best_predictor']}:")
     for tag in LENGTHS:
         kinds = " ".join(f"{k} {figures[f'recall_{k}_{tag}']:.3f}"
@@ -381,6 +383,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="also time the offload runners at the shortest and longest "
                              "lengths (a GPU run; on CPU the figures are labelled so)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=(MODEL, f"{MODEL}-init"), default=MODEL,
+                        help=f"the trained demo ({MODEL}, default) or its untrained twin "
+                             f"({MODEL}-init: same shape, initial weights)")
     args = parse_args(parser, argv)
     shape = run_shape(args, QUICK, FULL, ("requests", "new_tokens", "steps"))
     for key in ("requests", "new_tokens", "steps"):
@@ -391,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except ValueError as exc:
         parser.error(f"--batch {args.batch}: {exc}")
     started = time.perf_counter()
-    figures: dict[str, Any] = {"model": MODEL, "compute_model": args.compute_model,
+    figures: dict[str, Any] = {"model": args.model, "compute_model": args.compute_model,
                                "quick": int(args.quick),
                                **{f"shape_{k}": v for k, v in shape.items()}}
     figures.update(run(args, shape))
