@@ -81,13 +81,12 @@ CUE_TOKENS = 2    # prompt tokens cut from each task item (" Answer" ":", "false
 
 
 # ----------------------------------------------------------------------------- recall
-def recall_figures(cfg: Any, params: Any, fitted: dict[str, Any], heldout: list[Any],
-                   seed: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    from moejax.prefetch import predictors, replay
+def decode_recall(cfg: Any, params: Any, fitted: dict[str, Any], decode: Any, seed: int
+                  ) -> dict[str, np.ndarray]:
+    """Per predictor (the computed ones, the floors and the oracle), recall@k per layer
+    [L] over ``decode`` (replayed decode tokens: ``replay.LayerStates``)."""
+    from moejax.prefetch import predictors
 
-    states = replay.replay(cfg, params, heldout)
-    replay.check_against_trace(states, heldout)
-    decode = states.take(states.decode)
     hybrid = tuple(int(j) for j in fitted["meta"]["hybrid_layers"].split(",") if j)
     tables = predictors.make_tables(cfg, fitted["defaults"].defaults, fitted["params"], hybrid)
     per_layer: dict[str, np.ndarray] = {}
@@ -100,6 +99,17 @@ def recall_figures(cfg: Any, params: Any, fitted: dict[str, Any], heldout: list[
                                                  fitted["defaults"].counts, seed)
         per_layer[kind] = predictors.recall_at_k(predicted, decode.experts)
     per_layer["oracle"] = predictors.recall_at_k(decode.experts, decode.experts)
+    return per_layer
+
+
+def recall_figures(cfg: Any, params: Any, fitted: dict[str, Any], heldout: list[Any],
+                   seed: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    from moejax.prefetch import replay
+
+    states = replay.replay(cfg, params, heldout)
+    replay.check_against_trace(states, heldout)
+    decode = states.take(states.decode)
+    per_layer = decode_recall(cfg, params, fitted, decode, seed)
     out: dict[str, Any] = {"heldout_decode_tokens": decode.num_tokens}
     for kind, values in per_layer.items():
         out[f"recall_{kind}"] = float(np.mean(values[2:]))

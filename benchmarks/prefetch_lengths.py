@@ -60,7 +60,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.expert_prefetch import COMPUTED, FLOORS, GPU_COST, MODEL
+from benchmarks.expert_prefetch import COMPUTED, GPU_COST, MODEL, decode_recall
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
@@ -160,23 +160,9 @@ def mean_recall(per_layer: dict[str, np.ndarray]) -> dict[str, float]:
 def length_recall(cfg: Any, params: Any, fitted: dict[str, Any], decode: Any, seed: int
                   ) -> dict[str, np.ndarray]:
     """Per predictor, recall@k per layer [L] over ``decode`` (the replayed decode tokens
-    of one length's requests): ``benchmarks.expert_prefetch.recall_figures`` past its
-    replay (the four lengths share one replay, so one compiled program)."""
-    from moejax.prefetch import predictors
-
-    hybrid = tuple(int(j) for j in fitted["meta"]["hybrid_layers"].split(",") if j)
-    tables = predictors.make_tables(cfg, fitted["defaults"].defaults, fitted["params"], hybrid)
-    per_layer: dict[str, np.ndarray] = {}
-    for kind in COMPUTED:
-        predicted = predictors.predict_states(kind, cfg, params["layers"], tables,
-                                              decode.residual, decode.experts, decode.weights)
-        per_layer[kind] = predictors.recall_at_k(predicted, decode.experts)
-    for kind in FLOORS:
-        predicted = predictors.floor_predictions(kind, decode.experts, decode.request,
-                                                 fitted["defaults"].counts, seed)
-        per_layer[kind] = predictors.recall_at_k(predicted, decode.experts)
-    per_layer["oracle"] = predictors.recall_at_k(decode.experts, decode.experts)
-    return per_layer
+    of one length's requests): ``benchmarks.expert_prefetch.decode_recall`` (the four
+    lengths share one replay, so one compiled program)."""
+    return decode_recall(cfg, params, fitted, decode, seed)
 
 
 def replay_lengths(cfg: Any, params: Any, traces: list[Any]) -> list[Any]:
