@@ -150,7 +150,10 @@ def test_precompile_covers_every_program(demo):
     scheduler = _scheduler(runner, row=8)
     assert scheduler.program_shapes() == [(1, 1), (2, 1), (4, 1), (1, 8), (2, 8), (4, 8)]
     before = compiled_program_counts().get("fused_step", 0)
-    assert scheduler.precompile() == 6
+    # 6 step programs, and the token feed of pipelined steps: each of the 3 decode
+    # programs fed from the last plan's prefill program (3 shapes), decode program (3) or
+    # both (3 x 3).
+    assert scheduler.precompile() == 6 + 3 * (3 + 3 + 3 * 3)
     assert compiled_program_counts()["fused_step"] == before + 6
     assert not np.asarray(scheduler.kv.keys).any() and scheduler.occupancy() == 0
     seqs = [scheduler.submit(s) for s in specs]

@@ -229,6 +229,23 @@ def test_an_eldr_cluster_prior_for_each_decoders_prefetch(tmp_path, demo_fingerp
     assert not np.allclose(priors[0], priors[1])        # each decoder its own cluster's
 
 
+def test_a_precompiled_pipeline_compiles_nothing_later():
+    """Precompile covers every program a pipeline's steps run, the token feed of its
+    pipelined decoders at every shape included (before it, the feed compiled during
+    serving: 3 and 2 programs in `benchmarks/pipeline.py`'s timed calls)."""
+    from compile_events import backend_compiles
+
+    gen = Generator("demo", pipeline={
+        "routing": "round_robin", "prefill": {"backend": "async_ep", "devices": 2},
+        "decoders": [{"placement": "resident", "first_device": 2},
+                     {"placement": "sync_ep", "devices": 2, "first_device": 3}]},
+        precompile=True, **{**SMALL, "max_prefill_tokens": 16})
+    with backend_compiles() as compiles:
+        results = gen.generate(_requests())
+    assert [r.error for r in results] == [None] * len(LENGTHS)
+    assert compiles == []
+
+
 def test_decoders_k_is_the_pipeline_of_k_decoders_alike():
     opts = GeneratorOptions(decoders=3, backend="offload", routing="p2c",
                                     prefetch="router")

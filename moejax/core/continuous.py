@@ -435,12 +435,12 @@ class Scheduler:
 
     def precompile(self) -> int:
         """Compile every step program (:meth:`program_shapes`) by running each once on
-        rows that are all padding (nothing is read or written), so that no later step
-        stalls on a compile. Returns how many programs ran."""
+        rows that are all padding (nothing is read or written), and, with pipelined steps,
+        the token feed at every shape (``PagedRunner.precompile_feeds``), so that no later
+        step stalls on a compile. Returns how many programs ran."""
         shapes = self.program_shapes()
         with self.store.lock:
-            self.paged.precompile(shapes)
-        return len(shapes)
+            return self.paged.precompile(shapes, feeds=self.pipelined)
 
     def run_until_idle(self, sink: Callable[[TokenEvent], None] | None = None) -> None:
         """Step until nothing waits or runs; events go to ``sink`` too."""

@@ -111,14 +111,37 @@ class PagedRunner:
         tokens = FEED_TOKENS(batch.tokens, feed, *arrays)
         return dataclasses.replace(batch, tokens=tokens)
 
-    def precompile(self, shapes: Sequence[tuple[int, int]]) -> None:
+    def precompile(self, shapes: Sequence[tuple[int, int]], feeds: bool = False) -> int:
         """Run each (rows per rank, row width) program once on rows that are all padding
-        (nothing is read or written)."""
+        (nothing is read or written); with ``feeds`` (pipelined steps) also the token feed
+        at every shape it can take (:meth:`precompile_feeds`). Returns how many programs
+        ran."""
         self.runner.precompile()
+        sampled: dict[tuple[int, int], jax.Array] = {}
         for rows, width in shapes:
             batch, samp, _, _ = self.build_batch([[] for _ in range(self.layout.ranks)], rows,
                                                  width)
-            self.store.pool, _ = self.runner.run(self.store.pool, batch, samp, self.step)
+            self.store.pool, result = self.runner.run(self.store.pool, batch, samp, self.step)
+            sampled[(rows, width)] = result.tokens
+        return len(shapes) + (self.precompile_feeds(sampled) if feeds else 0)
+
+    def precompile_feeds(self, sampled: dict[tuple[int, int], jax.Array]) -> int:
+        """Run :data:`FEED_TOKENS` once at each shape a pipelined step gives it: a decode
+        program's tokens (the fed work is a sequence's next decode row) taken from the last
+        plan's sampled tokens, its prefill program's, its decode program's or both, in
+        that order (``sampled``: each program shape's sampled tokens, placed as a step
+        leaves them). Returns how many ran."""
+        prefill = [t for (_, width), t in sampled.items() if width > 1]
+        decode = [t for (_, width), t in sampled.items() if width == 1]
+        previous = ([(t,) for t in prefill + decode]
+                    + [(p, d) for p in prefill for d in decode])
+        ran = 0
+        for tokens in decode:          # the fed program: [ranks · rows] tokens
+            n = tokens.shape[0]
+            for arrays in previous:
+                FEED_TOKENS(np.zeros(n, np.int32), np.full(n, -1, np.int32), *arrays)
+                ran += 1
+        return ran
 
     def copy_in(self, source: KVPool, source_blocks: Sequence[int], blocks: Sequence[int]
                 ) -> None:
