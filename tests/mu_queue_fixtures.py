@@ -10,11 +10,12 @@ from typing import Any
 import numpy as np
 
 from moejax import checkpoint
-from moejax.core.continuous import Scheduler, SchedulerOptions
 from moejax.decode.factory import make_runner
 from moejax.decode.programs import StepOptions
 from moejax.sequences import SequenceSpec
 from serving.api import resolve_model_dir
+
+from scheduler_runs import scheduler_tokens
 
 
 def demo_model() -> tuple[Any, Any]:
@@ -33,11 +34,7 @@ def random_specs(lengths_new: Sequence[tuple[int, int]], seed: int) -> list[Sequ
 def resident_tokens(cfg: Any, params: Any, specs: Sequence[SequenceSpec]) -> list[list[int]]:
     """The resident decoder's greedy tokens for ``specs``."""
     resident = make_runner("resident", cfg, params, dtype="float32", opts=StepOptions())
-    scheduler = Scheduler(resident, 64, SchedulerOptions(max_batch_size=4,
-                                                         max_prefill_tokens=32))
-    seqs = [scheduler.submit(s) for s in specs]
-    scheduler.run_until_idle()
-    return [list(s.output.token_ids) for s in seqs]
+    return scheduler_tokens(resident, specs)
 
 
 def demo_case(lengths_new: Sequence[tuple[int, int]], seed: int

@@ -26,7 +26,8 @@ from moejax.prefetch import predictors, replay
 from moejax.prefetch.defaults import PrefetchFileError
 from moejax.sequences import SequenceSpec
 from serving.api import resolve_model_dir
-from moejax.core.continuous import Scheduler, SchedulerOptions
+
+from scheduler_runs import scheduler_tokens
 
 PROMPTS_NEW = [(5, 8), (17, 6), (9, 10), (3, 7)]
 
@@ -39,11 +40,7 @@ def _synthetic_requests(rng, vocab: int, lengths=((16, 8),) * 6):
 
 
 def _run(runner, specs, batch=4, step="layerwise"):
-    options = SchedulerOptions(max_batch_size=batch, max_prefill_tokens=32, step=step)
-    scheduler = Scheduler(runner, 64, options)
-    seqs = [scheduler.submit(s) for s in specs]
-    scheduler.run_until_idle()
-    return [list(s.output.token_ids) for s in seqs]
+    return scheduler_tokens(runner, specs, batch, step)
 
 
 @pytest.fixture(scope="module")

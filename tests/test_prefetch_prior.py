@@ -22,9 +22,10 @@ from moejax.prefetch import defaults as defaults_lib
 from moejax.prefetch import estimator as estimator_lib
 from moejax.prefetch import predictors, replay
 from moejax.sequences import SequenceSpec
-from moejax.core.continuous import Scheduler, SchedulerOptions
 from moejax.traces import RequestTrace, Trace
 from serving.api import resolve_model_dir
+
+from scheduler_runs import scheduler_tokens
 
 PROMPTS_NEW = [(5, 8), (17, 6), (9, 10), (3, 7)]
 
@@ -130,11 +131,7 @@ def test_prior_from_files_and_its_errors(tmp_path, demo):
 
 # ----------------------------------------------------------------------------- predictor
 def _run(runner, specs, batch=4, step="layerwise"):
-    options = SchedulerOptions(max_batch_size=batch, max_prefill_tokens=32, step=step)
-    scheduler = Scheduler(runner, 64, options)
-    seqs = [scheduler.submit(s) for s in specs]
-    scheduler.run_until_idle()
-    return [list(s.output.token_ids) for s in seqs]
+    return scheduler_tokens(runner, specs, batch, step)
 
 
 @pytest.fixture(scope="module")

@@ -269,9 +269,13 @@ class Scheduler:
         self.allocators[rank].release(blocks)
 
     def pool_blocks(self, seq: SequenceState) -> list[int]:
-        """``seq``'s blocks as blocks of the whole pool: rank r's block b is
+        """``seq``'s blocks as blocks of the whole pool (:meth:`rank_blocks`)."""
+        return self.rank_blocks(seq.rank, seq.blocks)
+
+    def rank_blocks(self, rank: int, blocks: Sequence[int]) -> list[int]:
+        """Rank ``rank``'s ``blocks`` as blocks of the whole pool: rank r's block b is
         ``r · num_blocks + b`` (the pool holds the ranks' blocks one after another)."""
-        return [seq.rank * self.num_blocks + b for b in seq.blocks]
+        return [rank * self.num_blocks + b for b in blocks]
 
     def prompt_counts(self, seqs: Sequence[SequenceState]) -> np.ndarray:
         """The raw signatures [len(seqs), L, E] int32 of sequences whose blocks this pool
@@ -313,7 +317,7 @@ class Scheduler:
         with self.store.lock:
             blocks = self.allocators[rank].allocate(count)
             self.paged.copy_in(source, list(source_blocks)[:count],
-                               [rank * self.num_blocks + b for b in blocks])
+                               self.rank_blocks(rank, blocks))
         seq.rank, seq.blocks, seq.handed_off = rank, blocks, False
         self.running.append(seq)
         self.stats["adopted"] += 1

@@ -9,7 +9,7 @@ rows. Block tables and write slots are rank-local.
 * **KV pool.** ``keys``/``values`` are [L, G·S, n_kv, h] (S = num_blocks · 16 slots per
   rank), sharded on the slot axis: device g holds rank g's pool [L, S, n_kv, h], and
   inside a ``shard_map`` it is an ordinary :class:`~moejax.kv.KVPool`. Rank g's block b
-  is block ``g · num_blocks + b`` of the whole pool (:func:`global_blocks`): that is how
+  is block ``g · num_blocks + b`` of the whole pool (``Scheduler.pool_blocks``): that is how
   a hand-off copies blocks between pools of any rank counts.
 * **Signature cache.** With ``expert_counts`` the pool keeps ELDR's counts
   [G·num_blocks, L, E], sharded on the block axis, so each rank counts the experts of
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -42,12 +41,6 @@ from moejax.distributed import fetch_global
 from moejax.kv import KVPool, empty_pool, write_rows
 
 AXIS = "dp"
-
-
-def global_blocks(rank: int, blocks: Sequence[int], num_blocks: int) -> list[int]:
-    """Rank ``rank``'s blocks (numbered from 0 on the rank) as blocks of the whole pool
-    of ``num_blocks`` blocks per rank."""
-    return [rank * num_blocks + b for b in blocks]
 
 
 def result_specs(router_inputs: bool) -> StepResult:
