@@ -156,6 +156,12 @@ def initialize(options: DistributedOptions) -> bool:
     # Gloo carries the CPU collectives between processes (the default CPU collectives
     # work inside one process only). It is ignored by GPU backends.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service is off: moejax uses no preemption sync points, and the
+    # service's SIGTERM handler starts a sync protocol whose barrier only processes still
+    # running can join, so one process's SIGTERM could hold its exit for 3 minutes after
+    # the others left, failing their shutdown barrier. SIGTERM is each command's own
+    # (``moejax serve``: process 0 drains and tells the others to stop).
+    jax.config.update("jax_enable_preemption_service", False)
     # Read when the CPU backend starts, which is after this (no computation before a join).
     os.environ["XLA_FLAGS"] = with_collective_timeout(os.environ.get("XLA_FLAGS", ""),
                                                       options.heartbeat_timeout_seconds)

@@ -230,9 +230,20 @@ def _follow(args: argparse.Namespace) -> int:
     from serving import Scorer
     from serving.multi_process import follow
 
+    process = jax.process_index()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # Process 0 got it too (``moejax launch`` passes signals to every process): it
+        # drains its calls and then tells this process to stop. Ending here instead would
+        # fail the collective process 0 is in.
+        print(f"moejax serve (process {process}): {signal.Signals(signum).name}: stopping "
+              f"when process 0 says so", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     scorer = Scorer(args.model, **scorer_options(args))
     runs = follow(scorer)
-    print(f"moejax serve (process {jax.process_index()}): ran {runs} batches for process 0",
+    print(f"moejax serve (process {process}): ran {runs} batches for process 0",
           file=sys.stderr)
     return 0
 
