@@ -17,7 +17,7 @@ import pytest
 
 from moejax.distributed import (COLLECTIVE_TIMEOUT_FLAG, DistributedOptions, agree, fetch_global,
                                 initialize, with_collective_timeout)
-from serving.launch import free_port, process_commands, supervise
+from serving.launch import process_commands, supervise
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "multi_process_job.py"
