@@ -397,10 +397,12 @@ def h100_run(system: str, tables: Any, routing: Any, workload: Any, devices: int
     """One simulation of ``system`` ("sync_ep", or a μ-queue system: the defrag scheduler
     in the layout :func:`h100_layout` names) at the Qwen3-30B-A3B shape (128 experts,
     hidden 2048, bf16 transfers)."""
-    from moejax.asyncmoe import costs, simulator
+    from moejax.asyncmoe import simulator
+    from moejax.model_shape import QWEN3_30B_A3B
 
-    common = dict(num_devices=devices, num_layers=layers, num_experts=costs.QWEN3_EXPERTS,
-                  top_k=top_k, hidden=costs.QWEN3_HIDDEN, dtype_bytes=H100_DTYPE_BYTES)
+    common = dict(num_devices=devices, num_layers=layers,
+                  num_experts=QWEN3_30B_A3B.num_experts, top_k=top_k,
+                  hidden=QWEN3_30B_A3B.hidden_size, dtype_bytes=H100_DTYPE_BYTES)
     if system == "sync_ep":
         return simulator.simulate_sync_ep(tables, routing, workload, **common)
     return simulator.simulate_mu_queue(tables, routing, workload, scheduler="defrag",
@@ -416,6 +418,7 @@ def h100_figures(quick: bool = False, seed: int = 0, fit_path: str | None = None
 
     from moejax.asyncmoe import costs
     from moejax.asyncmoe.simulator import SkewedRouting
+    from moejax.model_shape import QWEN3_30B_A3B
 
     shape = shape or H100_SHAPES["quick" if quick else "full"]
     path = fit_path or str(Path(__file__).resolve().parent.parent / H100_FIT_PATH)
@@ -430,7 +433,7 @@ def h100_figures(quick: bool = False, seed: int = 0, fit_path: str | None = None
         "h100_attention_us_b64_c256": 1e6 * tables.attention_s(64, 256),
         "h100_head_us_b1": 1e6 * tables.head_s(1),
         "h100_head_us_b64": 1e6 * tables.head_s(64),
-        "h100_link_us_64_tokens": 1e6 * tables.link_s(64 * costs.QWEN3_HIDDEN
+        "h100_link_us_64_tokens": 1e6 * tables.link_s(64 * QWEN3_30B_A3B.hidden_size
                                                       * H100_DTYPE_BYTES),
         "h100_layers_simulated": shape["layers"], "h100_skew": SKEW,
         "h100_requests_per_device": shape["requests_per_device"],
@@ -438,7 +441,7 @@ def h100_figures(quick: bool = False, seed: int = 0, fit_path: str | None = None
     for name, value in PAPER_TOP1.items():
         out[f"paper_mu_queue_over_sync_ep_top1_{name}"] = value
     for k in H100_TOP_KS:
-        routing = SkewedRouting(costs.QWEN3_EXPERTS, k, SKEW, seed)
+        routing = SkewedRouting(QWEN3_30B_A3B.num_experts, k, SKEW, seed)
         for devices in H100_DEVICES:
             suffix = "" if devices == 8 else f"_{devices}dev"
             for name in shape["workloads"]:

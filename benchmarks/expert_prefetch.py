@@ -60,6 +60,8 @@ from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
+from moejax.asyncmoe import costs
+from moejax.model_shape import QWEN3_30B_A3B
 from moejax.prefetch import step_model
 
 MODEL = "demo-e32"
@@ -71,12 +73,9 @@ TASKS = ("domain_question", "arithmetic_yes_no", "arithmetic_claim", "multiple_c
 COMPUTED = ("router", "quasi", "estimator", "hybrid")
 FLOORS = ("random", "popularity", "previous")
 GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
-# The Qwen3-30B-A3B expert shape and the H100's measured host -> device rate (22.7 ms
-# per 1.21 GB layer, docs/PERF.md) are the step model's, one definition for both.
-QWEN_EXPERT_BYTES = step_model.QWEN_EXPERT_BYTES
-QWEN_LAYER_BYTES = step_model.QWEN_LAYER_BYTES
-H2D_SECONDS_PER_LAYER = step_model.H2D_SECONDS_PER_LAYER
-QWEN_TOP_K = step_model.QWEN_TOP_K
+# The Qwen3-30B-A3B shape is moejax.model_shape's and the H100's measured host -> device
+# rate (22.7 ms per 1.21 GB layer, docs/PERF.md) the step model's: one definition each.
+H2D_SECONDS_PER_LAYER = costs.H100_H2D_SECONDS_PER_QWEN3_LAYER
 CUE_TOKENS = 2    # prompt tokens cut from each task item (" Answer" ":", "false" "?")
 
 
@@ -265,13 +264,14 @@ def h100_compute_per_layer(path: Path, compute_model: str) -> float:
     H100 cost file's batch-8 fit: a_s per active expert (+ t0_s per layer with
     ``compute_model="layer"``)."""
     cost = step_model.expert_cost_from_file(path, batch=1, compute_model=compute_model)
-    return cost.layer_seconds(QWEN_TOP_K)
+    return cost.layer_seconds(QWEN3_30B_A3B.top_k)
 
 
 def modelled_tpot(recall: dict[str, np.ndarray], num_layers: int, compute: float
                   ) -> dict[str, float]:
     """Modelled TPOT (ms) per config, the seed's Eq. 1 overlap (module docstring)."""
-    copy = QWEN_TOP_K * QWEN_EXPERT_BYTES / (QWEN_LAYER_BYTES / H2D_SECONDS_PER_LAYER)
+    shape = QWEN3_30B_A3B
+    copy = shape.top_k * shape.expert_bytes / (shape.layer_expert_bytes / H2D_SECONDS_PER_LAYER)
     spill = max(0.0, copy - compute)    # the part of a prefetch the previous layer cannot hide
 
     def total(recall_per_layer: np.ndarray | None, exact: bool) -> float:

@@ -52,9 +52,10 @@ from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import (held_out_prompts, make_trace, model_domains,
                                              reference_traces)
 from moejax.eldr.simulator import poisson_arrivals
+from moejax.model_shape import QWEN3_30B_A3B
 from moejax.pipeline_sim import hardware
 from moejax.pipeline_sim import pipeline as pl
-from moejax.pipeline_sim.shape import QWEN3_30B_A3B, requests_of_trace
+from moejax.pipeline_sim.shape import requests_of_trace
 
 MODEL = "demo-e32"
 FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, requests=2000,

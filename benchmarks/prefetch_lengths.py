@@ -64,6 +64,7 @@ from benchmarks.expert_prefetch import COMPUTED, GPU_COST, MODEL, decode_recall
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
+from moejax.model_shape import QWEN3_30B_A3B
 from moejax.prefetch import step_model
 
 # The seed's prompt lengths (its Section 5.1.1), by the names the keys carry.
@@ -195,7 +196,7 @@ def modelled_figures(recall: dict[str, float], batch: int, compute_model: str
     cost = step_model.expert_cost_from_file(GPU_COST, batch, compute_model)
     out: dict[str, float] = {}
     for tag, context in LENGTHS.items():
-        steps = step_model.step_breakdowns(step_model.QWEN3_30B_A3B, step_model.H100, cost,
+        steps = step_model.step_breakdowns(QWEN3_30B_A3B, step_model.H100, cost,
                                            context, recall[tag], batch)
         for mode, step in steps.items():
             for name, value in step.as_ms().items():

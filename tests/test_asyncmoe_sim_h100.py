@@ -13,6 +13,7 @@ import pytest
 
 from moejax.asyncmoe import costs, simulator
 from moejax.asyncmoe.schedulers import DefragScheduler
+from moejax.model_shape import QWEN3_30B_A3B
 
 FIT_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / \
     "eldr_cost_h100_qwen3-30b-a3b.json"
@@ -54,7 +55,7 @@ def test_table_matches_fit_at_its_sample_points(fit, tables):
     """At every (n, B) the fit was measured at, n experts of B·k/n rows each plus
     attention's fixed part give the fit's t0 + a·n + b·B."""
     data = json.loads(FIT_FILE.read_text())
-    k = costs.QWEN3_TOP_K
+    k = QWEN3_30B_A3B.top_k
     for n, batch in data["points_n_b"]:
         want = fit["t0_s"] + fit["a_s"] * n + fit["b_s"] * batch
         rows = batch * k / n
@@ -82,10 +83,10 @@ class CountingDefrag(DefragScheduler):
 
 @pytest.mark.parametrize("top_k", [1, 8])
 def test_simulator_under_h100_runs_runtime_scheduler(tables, top_k):
-    routing = simulator.SkewedRouting(costs.QWEN3_EXPERTS, top_k, 0.15, 0)
+    routing = simulator.SkewedRouting(QWEN3_30B_A3B.num_experts, top_k, 0.15, 0)
     workload = simulator.poisson_workload(16, 1e9, (50, 150), (5, 10), 0)
-    common = dict(num_devices=8, num_layers=2, num_experts=costs.QWEN3_EXPERTS, top_k=top_k,
-                  hidden=costs.QWEN3_HIDDEN, dtype_bytes=2)
+    common = dict(num_devices=8, num_layers=2, num_experts=QWEN3_30B_A3B.num_experts,
+                  top_k=top_k, hidden=QWEN3_30B_A3B.hidden_size, dtype_bytes=2)
     CountingDefrag.calls = 0
     mu = simulator.simulate_mu_queue(tables, routing, workload, scheduler=CountingDefrag(),
                                      **common)

@@ -14,20 +14,23 @@ import pytest
 from moejax import traces
 from moejax.asyncmoe import costs
 from moejax.eldr.simulator import SimRequest
+from moejax.model_shape import QWEN3_30B_A3B, ModelShape
 from moejax.pipeline_sim import decode_cost, hardware, prefill, shape as sh
 from moejax.pipeline_sim import pipeline as pl
 
 FIT = hardware.ExpertFit(t0_s=1e-4, a_s=3e-5, b_s=8e-7, top_k=8)
-ONE_LAYER = sh.ModelShape(num_layers=1, num_experts=4, top_k=1, hidden=2048,
-                          moe_intermediate=768, num_heads=32, num_kv_heads=4, head_dim=128)
-SMALL = sh.ModelShape(num_layers=4, num_experts=16, top_k=4, hidden=256,
-                      moe_intermediate=128, num_heads=4, num_kv_heads=2, head_dim=64)
+ONE_LAYER = ModelShape(num_layers=1, num_experts=4, top_k=1, hidden_size=2048,
+                       expert_intermediate=768, num_heads=32, num_kv_heads=4, head_dim=128,
+                       vocab_size=151936)
+SMALL = ModelShape(num_layers=4, num_experts=16, top_k=4, hidden_size=256,
+                   expert_intermediate=128, num_heads=4, num_kv_heads=2, head_dim=64,
+                   vocab_size=512)
 
 
-def attention_by_hand(shape: sh.ModelShape, lengths: list[int]) -> float:
-    weights = (2 * shape.hidden * shape.num_heads * shape.head_dim
-               + 2 * shape.hidden * shape.num_kv_heads * shape.head_dim
-               + shape.hidden * shape.num_experts)
+def attention_by_hand(shape: ModelShape, lengths: list[int]) -> float:
+    weights = (2 * shape.hidden_size * shape.num_heads * shape.head_dim
+               + 2 * shape.hidden_size * shape.num_kv_heads * shape.head_dim
+               + shape.hidden_size * shape.num_experts)
     tokens = sum(lengths)
     nbytes = 2 * weights + tokens * 2 * shape.num_kv_heads * shape.head_dim * 2
     flops = 2 * weights * tokens + 4 * shape.num_heads * shape.head_dim * sum(
@@ -37,8 +40,9 @@ def attention_by_hand(shape: sh.ModelShape, lengths: list[int]) -> float:
 
 # ----------------------------------------------------------------------------- the lift
 def test_lift_ids_by_hand():
-    target = sh.ModelShape(num_layers=3, num_experts=8, top_k=4, hidden=8,
-                           moe_intermediate=8, num_heads=1, num_kv_heads=1, head_dim=8)
+    target = ModelShape(num_layers=3, num_experts=8, top_k=4, hidden_size=8,
+                        expert_intermediate=8, num_heads=1, num_kv_heads=1, head_dim=8,
+                        vocab_size=16)
     ids = np.array([[[1, 0]], [[0, 1]]])          # 2 traced layers, 1 token, top-2 of 2
     lifted = sh.lift_ids(ids, 2, target)           # f = 4 copies, m = 2 choices per choice
     # rank 0 -> offsets {0, 1}, rank 1 -> {2, 3} (times 2 traced experts)
@@ -102,7 +106,7 @@ def test_async_ep_exposes_the_gather_when_compute_is_shorter():
     assert got == pytest.approx(gather + compute)  # layer 0 waits for layer 1's gather
 
 
-def dataclass_replace(shape: sh.ModelShape, **changes) -> sh.ModelShape:
+def dataclass_replace(shape: ModelShape, **changes) -> ModelShape:
     import dataclasses
 
     return dataclasses.replace(shape, **changes)
@@ -157,8 +161,7 @@ def test_decode_step_one_request_one_layer_by_hand():
 def test_offload_prefetch_is_the_expert_prefetch_benchmarks_model():
     from benchmarks import expert_prefetch as reference
 
-    shape = sh.QWEN3_30B_A3B
-    assert shape.expert_bytes == reference.QWEN_EXPERT_BYTES
+    shape = QWEN3_30B_A3B
     table = decode_cost.ActivationTable.single_device(shape.num_experts)
     head = costs.h100_head_roofline_s(1)
     recall = {kind: np.ones(shape.num_layers) for kind in (*reference.COMPUTED, "oracle")}
@@ -173,7 +176,7 @@ def test_offload_prefetch_is_the_expert_prefetch_benchmarks_model():
 
 def synthetic_requests(n: int, domains: int, seed: int, trace_layers: int = 2,
                        trace_experts: int = 8, trace_k: int = 2, decode: int = 6,
-                       prompt: int = 12, shape: sh.ModelShape = SMALL) -> list[SimRequest]:
+                       prompt: int = 12, shape: ModelShape = SMALL) -> list[SimRequest]:
     """Lifted requests whose domain d mostly picks traced experts of its own half."""
     rng = np.random.default_rng(seed)
     prefill_ids, decode_ids, labels = [], [], []

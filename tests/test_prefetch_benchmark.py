@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from benchmarks import expert_prefetch as bench
+from moejax.model_shape import QWEN3_30B_A3B
 
 
 def test_modelled_tpot_by_hand():
-    copy = bench.QWEN_TOP_K * bench.QWEN_EXPERT_BYTES * bench.H2D_SECONDS_PER_LAYER / \
-        bench.QWEN_LAYER_BYTES
+    copy = 8 * 9_437_184 * bench.H2D_SECONDS_PER_LAYER / 1_207_959_552  # top-8 of 128 experts
     recall = {kind: np.array([1.0, 0.5, 0.75]) for kind in bench.COMPUTED}
     recall["oracle"] = np.ones(3)
     for compute in (0.2 * copy, 3.0 * copy):     # copy-bound, then compute-bound
@@ -35,9 +35,9 @@ def test_modelled_tpot_by_hand():
 def test_h100_compute_per_layer_reads_the_cost_file(tmp_path):
     fit = json.loads(bench.GPU_COST.read_text())["by_batch"]["8"]
     assert bench.h100_compute_per_layer(bench.GPU_COST, "expert") == pytest.approx(
-        bench.QWEN_TOP_K * fit["a_s"])
+        QWEN3_30B_A3B.top_k * fit["a_s"])
     assert bench.h100_compute_per_layer(bench.GPU_COST, "layer") == pytest.approx(
-        bench.QWEN_TOP_K * fit["a_s"] + fit["t0_s"])
+        QWEN3_30B_A3B.top_k * fit["a_s"] + fit["t0_s"])
 
 
 class _Tokenizer:

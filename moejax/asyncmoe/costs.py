@@ -12,6 +12,7 @@ import numpy as np
 
 from moejax.asyncmoe.checks import (grid, int_at_least, interp1, nonnegative, positive,
                                     seconds_row, segment)
+from moejax.model_shape import QWEN3_30B_A3B
 
 TABLE_KEYS = ("attention", "expert", "head", "batch_overhead_s", "link")
 """The keys of a cost-table dict (:meth:`CostTables.from_dict`); "meta" may be added."""
@@ -178,18 +179,11 @@ H100_BATCH_OVERHEAD_S = 0.0
 """Extra fixed cost per execution, s: 0 by default, because the fit's per-layer t0 (charged
 on attention) and per-expert a already hold the measured program's launch and fixed work;
 a MODELLED knob for sensitivity."""
-
-# Qwen3-30B-A3B's shape (its public config.json; also ``benchmarks/decode_step.py``'s
-# ``qwen_config`` and ``benchmarks/eldr_cost.py``'s SHAPES["qwen3-30b-a3b"]).
-QWEN3_HIDDEN = 2048
-QWEN3_HEADS = 32
-QWEN3_KV_HEADS = 4
-QWEN3_HEAD_DIM = 128
-QWEN3_EXPERTS = 128
-QWEN3_TOP_K = 8
-QWEN3_LAYERS = 48
-QWEN3_VOCAB = 151936
-BF16_BYTES = 2
+H100_H2D_SECONDS_PER_QWEN3_LAYER = 22.7e-3
+"""Measured host→device copy of one Qwen3-30B-A3B layer of experts (128 × 9.4 MB bf16,
+1.21 GB) on the lent H100: docs/PERF.md "Execution backends on one GPU"."""
+H100_H2D_BPS = QWEN3_30B_A3B.layer_expert_bytes / H100_H2D_SECONDS_PER_QWEN3_LAYER
+"""Host→device rate per device, B/s, from that measurement (53 GB/s: PCIe Gen5 x16)."""
 
 H100_EXPERT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 H100_ATTENTION_BATCH = (1, 4, 16, 64, 256, 1024)
@@ -212,20 +206,21 @@ def h100_attention_roofline_s(batch: float, context: float) -> float:
     floor at the H100 ceilings): read q/k/v/o and router weights once plus every token's
     KV (2 · kv_heads · head_dim bf16 per position); 2 FLOP per weight per token plus
     QKᵀ and PV (4 · heads · head_dim per position per token)."""
-    d, h, kv, hd = QWEN3_HIDDEN, QWEN3_HEADS, QWEN3_KV_HEADS, QWEN3_HEAD_DIM
-    weights = d * h * hd * 2 + d * kv * hd * 2 + d * QWEN3_EXPERTS   # q, o; k, v; router
-    kv_bytes = batch * context * 2 * kv * hd * BF16_BYTES
-    flops = 2 * weights * batch + 4 * h * hd * context * batch
-    return _roofline_s(weights * BF16_BYTES + kv_bytes, flops)
+    shape = QWEN3_30B_A3B
+    weights = shape.non_expert_weight_count                    # q, o; k, v; router
+    kv_bytes = batch * context * shape.kv_bytes_per_token_layer
+    flops = 2 * weights * batch + 4 * shape.num_heads * shape.head_dim * context * batch
+    return _roofline_s(weights * shape.dtype_bytes + kv_bytes, flops)
 
 
 def h100_head_roofline_s(batch: float) -> float:
     """The LM head (vocab × hidden bf16, read once) for ``batch`` tokens (roofline)."""
-    weights = QWEN3_VOCAB * QWEN3_HIDDEN
-    return _roofline_s(weights * BF16_BYTES, 2 * weights * batch)
+    weights = QWEN3_30B_A3B.lm_head_weight_count
+    return _roofline_s(weights * QWEN3_30B_A3B.dtype_bytes, 2 * weights * batch)
 
 
-def h100_expert_s(rows: float, fit: Mapping[str, Any], fit_top_k: int = QWEN3_TOP_K) -> float:
+def h100_expert_s(rows: float, fit: Mapping[str, Any],
+                  fit_top_k: int = QWEN3_30B_A3B.top_k) -> float:
     """One expert of one layer over ``rows`` rows from a per-layer fit t0 + a·n + b·B
     (B tokens of ``fit_top_k`` rows each): a + (b / fit_top_k) · rows, a negative
     coefficient (fit noise) taken as 0."""
@@ -234,7 +229,7 @@ def h100_expert_s(rows: float, fit: Mapping[str, Any], fit_top_k: int = QWEN3_TO
     return a + b / fit_top_k * float(rows)
 
 
-def h100_cost_tables(fit: Mapping[str, Any], fit_top_k: int = QWEN3_TOP_K,
+def h100_cost_tables(fit: Mapping[str, Any], fit_top_k: int = QWEN3_30B_A3B.top_k,
                      batch_overhead_s: float = H100_BATCH_OVERHEAD_S,
                      link_latency_s: float = H100_LINK_LATENCY_S,
                      link_bandwidth_Bps: float = H100_LINK_BPS) -> CostTables:

@@ -5,8 +5,8 @@ expert-parallel group, experts resident or offloaded with prefetch).
 
 Modules, one job each:
 
-* :mod:`moejax.pipeline_sim.shape` -- the model shape and the lift of real (demo) expert
-  traces to it;
+* :mod:`moejax.pipeline_sim.shape` -- the lift of real (demo) expert traces to the model
+  shape (:class:`moejax.model_shape.ModelShape`, Qwen3-30B-A3B's ``QWEN3_30B_A3B``);
 * :mod:`moejax.pipeline_sim.hardware` -- every H100 figure and modelled constant, named;
 * :mod:`moejax.pipeline_sim.prefill` -- the prefill stage: per-layer times, FCFS batches;
 * :mod:`moejax.pipeline_sim.decode_cost` -- a decoder's step cost: EPLB-even or METRO

@@ -41,9 +41,10 @@ from jaxtyping import Integer
 from kernels_pallas import metro
 from moejax.asyncmoe import costs
 from moejax.eldr.simulator import CostModel, SimRequest
+from moejax.model_shape import ModelShape
 from moejax.pipeline_sim import hardware
 from moejax.pipeline_sim.prefill import all_to_all_s
-from moejax.pipeline_sim.shape import ModelShape, layer_period
+from moejax.pipeline_sim.shape import layer_period
 
 ROUTERS = ("eplb_even", "metro")
 EXPERT_MODES = ("resident", "offload_prefetch", "offload_ondemand")

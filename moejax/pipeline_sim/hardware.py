@@ -8,6 +8,7 @@ import os
 
 from moejax.asyncmoe import costs
 from moejax.eldr.simulator import COST_KEYS
+from moejax.model_shape import QWEN3_30B_A3B
 
 # ----------------------------------------------------------------------------- H100
 HBM_BPS = costs.H100_HBM_BPS
@@ -18,15 +19,9 @@ LINK_BPS = costs.H100_LINK_BPS
 """Device-to-device bandwidth, B/s one way: NVLink 4 (``moejax.asyncmoe.costs``)."""
 LINK_LATENCY_S = costs.H100_LINK_LATENCY_S
 """Per-collective latency, s: MODELLED in ``moejax.asyncmoe.costs`` (a few µs)."""
-H2D_SECONDS_PER_QWEN_LAYER = 22.7e-3
-"""Measured host→device copy of one Qwen3-30B-A3B layer of experts (128 × 9.4 MB bf16,
-1.21 GB) on the lent H100: docs/PERF.md "Execution backends on one GPU" (the same figure
-``benchmarks/expert_prefetch.py`` uses as H2D_SECONDS_PER_LAYER)."""
-QWEN3_LAYER_EXPERT_BYTES = 128 * 3 * 2048 * 768 * 2
-"""The bytes that copy moved (128 experts × gate/up/down 2048 × 768 bf16)."""
-H2D_BPS = QWEN3_LAYER_EXPERT_BYTES / H2D_SECONDS_PER_QWEN_LAYER
-"""Host→device rate per device, B/s, from that measurement (each device has its own
-PCIe link, so devices of one group copy in parallel)."""
+H2D_BPS = costs.H100_H2D_BPS
+"""Host→device rate per device, B/s (measured: ``moejax.asyncmoe.costs``); each device has
+its own PCIe link, so devices of one group copy in parallel."""
 
 # ----------------------------------------------------------------------------- the fit
 DEFAULT_FIT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -77,7 +72,7 @@ class ExpertFit:
 
     @classmethod
     def from_file(cls, path: str = DEFAULT_FIT_FILE, fit_name: str = DEFAULT_FIT,
-                  top_k: int = costs.QWEN3_TOP_K) -> ExpertFit:
+                  top_k: int = QWEN3_30B_A3B.top_k) -> ExpertFit:
         """The fit ``fit_name`` of an H100 cost file (``"top"``: its top-level fit),
         negative coefficients taken as 0 (fit noise)."""
         fit = costs.load_h100_fit(path, fit_name)

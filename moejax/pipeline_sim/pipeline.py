@@ -31,9 +31,10 @@ from moejax.eldr import fitting
 from moejax.eldr.fitfile import EldrFit
 from moejax.eldr.policies import DEFAULT_TAU, make_policy
 from moejax.eldr.simulator import SimRequest, SimResult, simulate
+from moejax.model_shape import ModelShape
 from moejax.pipeline_sim import decode_cost, hardware
 from moejax.pipeline_sim.prefill import PrefillConfig, PrefillResult, simulate_prefill
-from moejax.pipeline_sim.shape import ModelShape, layer_period, lifted_counts, rows_per_token
+from moejax.pipeline_sim.shape import layer_period, lifted_counts, rows_per_token
 
 TECHNIQUES = ("async_ep", "eldr", "metro", "offload_prefetch")
 BASELINE = "baseline"

@@ -38,9 +38,8 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import Float, Integer
 
-from moejax.asyncmoe import costs
+from moejax.model_shape import ModelShape
 from moejax.pipeline_sim import hardware
-from moejax.pipeline_sim.shape import ModelShape
 
 STRATEGIES = ("sync_ep", "async_ep")
 
@@ -72,8 +71,8 @@ def prefill_attention_s(shape: ModelShape, prompt_tokens: Sequence[int]) -> floa
     if not lengths.size:
         return 0.0
     tokens = float(lengths.sum())
-    weights = shape.attention_weight_count
-    nbytes = weights * costs.BF16_BYTES + tokens * shape.kv_bytes_per_token_layer
+    weights = shape.non_expert_weight_count
+    nbytes = weights * shape.dtype_bytes + tokens * shape.kv_bytes_per_token_layer
     pairs = float(np.sum(lengths * (lengths + 1) / 2))
     flops = 2 * weights * tokens + 4 * shape.num_heads * shape.head_dim * pairs
     return max(nbytes / hardware.HBM_BPS, flops / hardware.BF16_FLOPS)
@@ -93,11 +92,12 @@ def deal_to_devices(prompt_tokens: Sequence[int], devices: int) -> Integer[np.nd
 
 
 def all_to_all_s(tokens: float, shape: ModelShape, devices: int) -> float:
-    """One all-to-all of ``tokens`` tokens' top-k rows (bf16 activations) from one
-    device of ``devices`` (0 on one device)."""
+    """One all-to-all of ``tokens`` tokens' top-k rows (activations,
+    ``shape.dtype_bytes`` each) from one device of ``devices`` (0 on one device)."""
     if devices == 1:
         return 0.0
-    nbytes = tokens * shape.top_k * shape.hidden * costs.BF16_BYTES * (devices - 1) / devices
+    nbytes = (tokens * shape.top_k * shape.hidden_size * shape.dtype_bytes * (devices - 1)
+              / devices)
     return hardware.LINK_LATENCY_S + nbytes / hardware.LINK_BPS
 
 

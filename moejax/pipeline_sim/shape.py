@@ -1,4 +1,5 @@
-"""The model shape the pipeline is simulated at, and the lift of real expert traces to it.
+"""The lift of real expert traces to the model shape the pipeline is simulated at
+(:class:`moejax.model_shape.ModelShape`, e.g. ``QWEN3_30B_A3B``).
 
 Why a lift: the expert traces this project can record come from its demo models
 (``demo-e32``: 6 layers, 32 experts, top-4), while the pipeline is costed at
@@ -21,75 +22,14 @@ are those of the demo's routing structure at the target's fan-out.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 from jaxtyping import Integer
 
 from moejax import traces as traces_lib
-from moejax.asyncmoe import costs
 from moejax.eldr.simulator import SimRequest, simulable_indices
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the cost model needs of an MoE transformer: layers, experts, top-k, hidden
-    size, expert intermediate size, attention heads, KV heads, head dim."""
-
-    num_layers: int
-    num_experts: int
-    top_k: int
-    hidden: int
-    moe_intermediate: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelShape.{field.name} must be a positive integer, "
-                                 f"got {value!r}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"ModelShape.top_k = {self.top_k} exceeds num_experts = "
-                             f"{self.num_experts}")
-
-    @property
-    def expert_bytes(self) -> int:
-        """One expert's gate, up and down projections in bf16."""
-        return 3 * self.hidden * self.moe_intermediate * costs.BF16_BYTES
-
-    @property
-    def layer_expert_bytes(self) -> int:
-        """Every expert of one layer in bf16."""
-        return self.num_experts * self.expert_bytes
-
-    @property
-    def attention_weight_count(self) -> int:
-        """q and o (hidden × heads·head_dim each), k and v (hidden × kv_heads·head_dim
-        each), and the router (hidden × experts): the per-layer weights outside experts."""
-        q_o = 2 * self.hidden * self.num_heads * self.head_dim
-        k_v = 2 * self.hidden * self.num_kv_heads * self.head_dim
-        return q_o + k_v + self.hidden * self.num_experts
-
-    @property
-    def kv_bytes_per_token_layer(self) -> int:
-        """K and V of one token at one layer in bf16."""
-        return 2 * self.num_kv_heads * self.head_dim * costs.BF16_BYTES
-
-
-QWEN3_MOE_INTERMEDIATE = 768
-"""Qwen3-30B-A3B's ``moe_intermediate_size`` (its public config.json; also
-``benchmarks/expert_prefetch.py``'s QWEN_EXPERT_BYTES = 3 · 2048 · 768 · 2)."""
-
-QWEN3_30B_A3B = ModelShape(
-    num_layers=costs.QWEN3_LAYERS, num_experts=costs.QWEN3_EXPERTS, top_k=costs.QWEN3_TOP_K,
-    hidden=costs.QWEN3_HIDDEN, moe_intermediate=QWEN3_MOE_INTERMEDIATE,
-    num_heads=costs.QWEN3_HEADS, num_kv_heads=costs.QWEN3_KV_HEADS,
-    head_dim=costs.QWEN3_HEAD_DIM)
-"""Qwen3-30B-A3B (shape constants of ``moejax.asyncmoe.costs``, from its config.json)."""
+from moejax.model_shape import ModelShape
 
 
 def lift_factors(trace_experts: int, trace_top_k: int, shape: ModelShape) -> tuple[int, int]:

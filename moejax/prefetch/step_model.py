@@ -44,71 +44,12 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from moejax.asyncmoe import costs
+from moejax.model_shape import ModelShape
+
 MODES = ("ondemand", "exact", "speculative")
 COMPUTE_MODELS = ("expert", "layer")
 
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The shape of an MoE decoder, as far as the step model needs it (bf16: 2 bytes)."""
-
-    num_layers: int
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    expert_intermediate: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_bytes: int = 2
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelShape.{field.name} must be a positive int, got {value!r}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"ModelShape.top_k={self.top_k} exceeds num_experts="
-                             f"{self.num_experts}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelShape.num_heads={self.num_heads} is not a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
-
-    @property
-    def expert_bytes(self) -> int:
-        """One SwiGLU expert: gate, up [hidden, inter] and down [inter, hidden]."""
-        return 3 * self.hidden_size * self.expert_intermediate * self.dtype_bytes
-
-    @property
-    def layer_expert_bytes(self) -> int:
-        return self.num_experts * self.expert_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token at one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def attention_weight_bytes(self) -> int:
-        """q, k, v and o projections of one layer."""
-        q_and_o = 2 * self.hidden_size * self.num_heads * self.head_dim
-        k_and_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        return (q_and_o + k_and_v) * self.dtype_bytes
-
-
-# Qwen3-30B-A3B (its config.json on the Hugging Face hub: 48 layers, 128 experts, 8 per
-# token, hidden 2048, moe_intermediate_size 768, 32 query / 4 KV heads of 128, bf16).
-QWEN3_30B_A3B = ModelShape(num_layers=48, num_experts=128, top_k=8, hidden_size=2048,
-                           expert_intermediate=768, num_heads=32, num_kv_heads=4, head_dim=128)
-QWEN_TOP_K = QWEN3_30B_A3B.top_k
-QWEN_EXPERT_BYTES = QWEN3_30B_A3B.expert_bytes          # 9.44 MB
-QWEN_LAYER_BYTES = QWEN3_30B_A3B.layer_expert_bytes     # 1.21 GB
-# docs/PERF.md ("Execution backends on one GPU"): a Qwen3-30B-A3B layer of experts
-# (1.21 GB) copies host -> device in 22.7 ms on the lent H100 (53 GB/s: PCIe Gen5 x16).
-H2D_SECONDS_PER_LAYER = 22.7e-3
-H100_H2D_BYTES_PER_S = QWEN_LAYER_BYTES / H2D_SECONDS_PER_LAYER
-# NVIDIA H100 SXM5 datasheet: HBM3, 3.35 TB/s (the H100 80GB HBM3 of the cost file).
-H100_HBM_BYTES_PER_S = 3.35e12
 # A CUDA kernel launch costs ~5 us on the host-side launch path (NVIDIA, "Getting
 # Started with CUDA Graphs", 2019: 2-5 us per launch); a decode attention block runs
 # six kernels (input norm, qkv projection, q/k norm + rope, KV write, attention, output
@@ -136,7 +77,9 @@ class Device:
                              f"{self.attention_launch_s!r}")
 
 
-H100 = Device(hbm_bytes_per_s=H100_HBM_BYTES_PER_S, h2d_bytes_per_s=H100_H2D_BYTES_PER_S,
+# The H100 figures of the AsyncMoE H100 cost table (one definition): HBM bandwidth (the
+# datasheet) and the host -> device rate (measured).
+H100 = Device(hbm_bytes_per_s=costs.H100_HBM_BPS, h2d_bytes_per_s=costs.H100_H2D_BPS,
               attention_launch_s=ATTENTION_KERNELS * KERNEL_LAUNCH_SECONDS)
 
 
@@ -207,7 +150,7 @@ def layer_cost(shape: ModelShape, device: Device, expert_cost: ExpertCost, conte
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive int (tokens), got {context!r}")
     active = active_experts(shape, batch)
-    kv_bytes = batch * context * shape.kv_bytes_per_token
+    kv_bytes = batch * context * shape.kv_bytes_per_token_layer
     attention = ((kv_bytes + shape.attention_weight_bytes) / device.hbm_bytes_per_s
                  + device.attention_launch_s)
     return LayerCost(attention_s=attention, expert_s=expert_cost.layer_seconds(active),
@@ -263,7 +206,6 @@ def step_breakdowns(shape: ModelShape, device: Device, expert_cost: ExpertCost, 
     return {mode: step_breakdown(mode, layer, shape.num_layers, recall) for mode in MODES}
 
 
-__all__: Sequence[str] = ("ModelShape", "Device", "ExpertCost", "LayerCost", "StepBreakdown",
-                          "QWEN3_30B_A3B", "H100", "MODES", "COMPUTE_MODELS",
-                          "expert_cost_from_file", "active_experts", "layer_cost",
+__all__: Sequence[str] = ("Device", "ExpertCost", "LayerCost", "StepBreakdown", "H100", "MODES",
+                          "COMPUTE_MODELS", "expert_cost_from_file", "active_experts", "layer_cost",
                           "step_breakdown", "step_breakdowns")
