@@ -68,6 +68,7 @@ from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
 from benchmarks.lib.timing import median, median_seconds
+from moejax.model_shape import QWEN3_30B_A3B
 
 HOST_DEVICES = 8        # the real runs need several CPU devices
 MODEL = "demo-e32"
@@ -85,8 +86,6 @@ QUICK = dict(per_domain=2, prompt_tokens=32, new_tokens=8, devices=(4,),
 CPU_TABLES = REPO_ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
 GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
 GPU_FIT = "fused_tiles_given"
-QWEN_HIDDEN = 2048
-BF16_BYTES = 2
 ROUTER_REPEATS = 64
 ROUTER_TIMINGS = 30        # timed calls per figure (median)
 ROUTER_SHAPES = ((32, 4), (32, 8), (128, 8), (256, 16))     # (experts, devices)
@@ -138,7 +137,8 @@ def moe_seconds(expert_tokens: np.ndarray, fit: dict[str, float], link_bps: floa
     activated = (expert_tokens > 0).sum(axis=0)
     rows = expert_tokens.sum(axis=0)
     compute = fit["t0_s"] + float(np.max(fit["a_s"] * activated + fit["b_s"] * rows))
-    return compute + 2 * float(rows.max()) * QWEN_HIDDEN * BF16_BYTES / link_bps
+    row_bytes = QWEN3_30B_A3B.hidden_size * QWEN3_30B_A3B.dtype_bytes
+    return compute + 2 * float(rows.max()) * row_bytes / link_bps
 
 
 def quality_figures(load: np.ndarray, pools: list[np.ndarray], shape: dict[str, Any],
