@@ -16,7 +16,7 @@ def test_moe_seconds_by_hand():
     tokens = np.array([[3, 0], [0, 2], [1, 1]])         # [E=3, G=2]
     # device 0: 2 experts, 4 rows; device 1: 2 experts, 3 rows; most rows received: 4.
     want = 1e-4 + max(3e-5 * 2 + 1e-6 * 4, 3e-5 * 2 + 1e-6 * 3) \
-        + 2 * 4 * ep_decode.QWEN_HIDDEN * ep_decode.BF16_BYTES / 1e9
+        + 2 * 4 * 2048 * 2 / 1e9                      # rows of Qwen3's 2048 bf16 values
     assert ep_decode.moe_seconds(tokens, fit, 1e9) == pytest.approx(want)
 
 
