@@ -246,6 +246,7 @@ class GeneratorOptions:
             ("routing", self.routing is not None),
             ("eldr_fit", self.eldr_fit is not None),
             ("eldr_tau", self.eldr_tau is not None),
+            (f"routing_seed={self.routing_seed!r}", self.routing_seed != 0),
             (f"backend={self.backend!r}", self.backend != "resident"),
             (f"devices={self.devices}", self.devices != 1),
             ("backend_options", bool(self.backend_options)),

@@ -63,7 +63,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moejax.asyncmoe.replicas import REPLICA_ROUTINGS
+from moejax.asyncmoe.replicas import REPLICA_ROUTINGS, check_replica_routing
 from moejax.asyncmoe.schedulers import SCHEDULER_NAMES
 from moejax.eldr.policies import POLICIES, Policy, check_tau
 
@@ -154,10 +154,10 @@ def _check_mu_queue_options(where: str, options: Mapping[str, Any], devices: int
             or not 1 <= replicas <= devices:
         raise PipelineError(f"{where}.replicas must be an integer in [1, devices={devices}], "
                             f"got {replicas!r}")
-    routing = options.get("replica_routing", REPLICA_ROUTINGS[0])
-    if routing not in REPLICA_ROUTINGS:
-        raise PipelineError(f"{where}.replica_routing must be one of {REPLICA_ROUTINGS}, got "
-                            f"{routing!r}")
+    try:
+        check_replica_routing(options.get("replica_routing", REPLICA_ROUTINGS[0]))
+    except ValueError as exc:       # its message starts "replica_routing must be one of"
+        raise PipelineError(f"{where}.{exc}") from None
 
 
 def resolved_step(kind: str, step: str) -> str:

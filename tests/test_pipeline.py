@@ -392,6 +392,9 @@ def test_refusals_beside_the_generator_options():
     with pytest.raises(ValueError, match=r"pipeline describes the prefill stage.*does not "
                                          r"take decoders, routing, backend='offload'"):
         Generator("demo", pipeline=pipe, decoders=2, routing="jsq", backend="offload")
+    with pytest.raises(ValueError, match=r"pipeline describes the prefill stage.*does not "
+                                         r"take routing_seed=3 beside it"):
+        Generator("demo", pipeline=pipe, routing_seed=3)    # the pipeline's own seed rules
     with pytest.raises(ValueError, match=r"weights_dtype='fp8' .* does not take pipeline"):
         GeneratorOptions(pipeline=pipe, weights_dtype="fp8")
     with pytest.raises(PipelineError, match=r"decoder 4 \(placement 'sync_ep'\) needs devices "

@@ -8,6 +8,8 @@ counters); a bad μ-queue option is refused with both parts named.
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -155,6 +157,64 @@ def test_the_mu_queue_decoder_admits_what_one_call_can_hold():
     assert decoder.occupancy() == 0 and len(decoder.step_records) == 1
 
 
+def test_a_failed_call_leaves_its_sequences_for_drain(monkeypatch):
+    """A ``generate`` call that raises leaves its sequences adopted (their staging blocks
+    held): the pool's drain() after the failed step finds them, frees their blocks and
+    returns them, so the generation loop gives each its error (none waits forever)."""
+    cfg, params = demo_model()
+    runtime = MuQueueRuntime(cfg, params, jax.devices()[:2], blocks_per_rank=4)
+    decoder = MuQueueDecoder(runtime, 4, 2)
+    source = empty_pool(cfg, 8, runtime.executor.dtype, jax.devices()[4])
+    a, b = _prefilled_state(0, 20, 4), _prefilled_state(1, 9, 6)      # 2 and 1 blocks
+    decoder.adopt(a, source, [5, 6])
+    decoder.adopt(b, source, [7])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runtime, "generate", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        decoder.step()
+    assert decoder.running == [a, b] and decoder.occupancy() == 3
+    assert decoder.drain() == [a, b]
+    assert decoder.running == [] and decoder.occupancy() == 0
+    assert decoder.paged.allocator.num_available == 4
+    assert a.blocks == [] and b.blocks == []
+
+
+def test_a_failed_mu_queue_call_gives_every_request_of_a_loop_its_error(monkeypatch):
+    """A generation loop over a pipeline whose μ-queue decoder's call raises: every
+    request gets an error result naming the failure (none waits forever) and the pool
+    holds nothing after."""
+    gen = Generator("demo", pipeline={"decoders": [{"placement": "mu_queue", "devices": 2}]},
+                    **SMALL)
+    decoder = gen.scheduler.decoders[0]
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(decoder.runtime, "generate", fail)
+    loop = gen.start_loop()
+    results, done = {}, threading.Event()
+
+    def on_event(event):
+        if event.result is not None:
+            results[event.index] = event.result
+            if len(results) == 2:
+                done.set()
+
+    try:
+        for index, request in enumerate(_requests()[:2]):
+            loop.submit(request, on_event, index)
+        assert done.wait(120), f"only {sorted(results)} of 2 requests got a result"
+    finally:
+        loop.close()
+    for result in results.values():
+        assert result.finish_reason == "error"
+        assert result.error == "generation failed: RuntimeError: boom"
+    assert gen.scheduler.occupancy() == 0 and not gen.scheduler.busy
+
+
 def test_a_run_of_prefilled_requests_continues_a_run_that_prefilled_them():
     """``generate(prefilled=...)``: requests whose prompts' blocks are another pool's
     (here: the pools a first run left, whose prompt blocks still hold the prompts) and
@@ -224,3 +284,10 @@ def test_a_mu_queue_decoder_stage_from_a_table():
     assert stage.options == {"scheduler": "first_layer", "attention_devices": [0],
                              "replicas": 2, "replica_routing": "round_robin"}
     assert config.device_indices(8) == ((0,), [(0,), (1, 2, 3)])
+
+
+def test_a_replica_routing_alias_the_runtime_takes_is_accepted():
+    """``replica_routing`` is checked by the runtime's own check, aliases included."""
+    config = PipelineConfig.from_dict({"decoders": [
+        {"placement": "mu_queue", "devices": 2, "replicas": 2, "replica_routing": "even"}]})
+    assert config.decoders[0].options["replica_routing"] == "even"

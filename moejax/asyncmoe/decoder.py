@@ -176,11 +176,13 @@ class MuQueueDecoder:
         started = time.perf_counter()
         staged = [Prefilled(self.paged.kv, list(s.blocks), s.output.token_ids[-1])
                   for s in seqs]
-        try:
-            outputs = self.runtime.generate([s.spec for s in seqs], prefilled=staged)
-        finally:
-            for seq in seqs:
-                self._free(seq)
+        # The sequences stay adopted (and their staging blocks held) while the call runs:
+        # if it raises, the pool's drain() (after a failed step) finds them here, frees
+        # their blocks and gives them their error.
+        outputs = self.runtime.generate([s.spec for s in seqs], prefilled=staged)
+        self.adopted = []
+        for seq in seqs:
+            self._free(seq)
         for seq, out in zip(seqs, outputs):
             new = out.token_ids[1:]          # its first token is prefill's, already out
             seq.output.token_ids.extend(new)
