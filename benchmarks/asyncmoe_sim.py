@@ -337,7 +337,6 @@ def real_runtime_figures(cfg: Any, params: Any, prompts: list[tuple[int, ...]],
 # * ``paper_mu_queue_over_sync_ep_top1_{short,medium,reasonable}`` (2.7, 2.3, 2.0: the
 #   seed's Fig. 9 a–c, 8 × A100, Mixtral 8x7B with MQA) beside them, and the table's
 #   figures (``h100_expert_us_r{1,256}``, ``h100_attention_us_b64_c256``, ...).
-H100_FIT_PATH = "benchmarks/data/eldr_cost_h100_qwen3-30b-a3b.json"
 PAPER_WORKLOADS = {"short": ((30, 70), (70, 130)),           # seed §5, "Workloads"
                    "medium": ((50, 150), (50, 250)),
                    "reasonable": ((100, 300), (100, 500))}
@@ -414,15 +413,13 @@ def h100_figures(quick: bool = False, seed: int = 0, fit_path: str | None = None
     """Every key of the H100 mode (see the comment above); ``shape`` replaces the
     ``H100_SHAPES`` entry (tests run a smaller one)."""
     import time
-    from pathlib import Path
 
     from moejax.asyncmoe import costs
     from moejax.asyncmoe.simulator import SkewedRouting
     from moejax.model_shape import QWEN3_30B_A3B
 
     shape = shape or H100_SHAPES["quick" if quick else "full"]
-    path = fit_path or str(Path(__file__).resolve().parent.parent / H100_FIT_PATH)
-    fit = costs.load_h100_fit(path)
+    fit = costs.load_h100_fit(fit_path or costs.H100_FIT_FILE)
     tables = costs.h100_cost_tables(fit)
     out: dict[str, Any] = {
         "h100_fit": costs.H100_FIT, "h100_fit_t0_us": 1e6 * fit["t0_s"],
@@ -494,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import argparse
 
     from benchmarks.lib.meta import write_json
+    from moejax.asyncmoe import costs
 
     parser = argparse.ArgumentParser(
         description="AsyncMoE's μ-queue runtime against sync EP in simulation "
@@ -506,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", dest="json_path", metavar="PATH",
                         help="write the figures (flat keys) to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fit", default=None, help=f"H100 cost fit (default {H100_FIT_PATH})")
+    parser.add_argument("--fit", default=None,
+                        help=f"H100 cost fit (default {costs.H100_FIT_FILE})")
     args = parser.parse_args(argv)
     if not args.h100:
         parser.error("only --h100 runs from here; the CPU-table simulation is part of "

@@ -66,15 +66,17 @@ import argparse
 import os
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
 from benchmarks.lib.timing import median
+from moejax.asyncmoe import costs  # (no JAX)
 from moejax.eldr.policies import HandOff, Policy, make_policy  # (no JAX)
 
 HOST_DEVICES = 8        # the real runs need several CPU devices
@@ -83,7 +85,7 @@ FULL = dict(per_domain=64, prompt_tokens=64, new_tokens=32, sim_requests=4000,
             ks=(8, 16, 24), real_requests=None, decoders=4, batch=8, max_prefill_tokens=512)
 QUICK = dict(per_domain=2, prompt_tokens=32, new_tokens=8, sim_requests=300, ks=(8,),
              real_requests=8, decoders=2, batch=4, max_prefill_tokens=128)
-GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
+GPU_COST = Path(costs.H100_FIT_FILE)
 BASELINES = ("random", "round_robin", "jsq", "p2c")
 TAUS = (0.0, 0.1, 1.0)
 

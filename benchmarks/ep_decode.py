@@ -68,6 +68,7 @@ from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
 from benchmarks.lib.timing import median, median_seconds
+from moejax.asyncmoe import costs
 from moejax.model_shape import QWEN3_30B_A3B
 
 HOST_DEVICES = 8        # the real runs need several CPU devices
@@ -84,7 +85,7 @@ QUICK = dict(per_domain=2, prompt_tokens=32, new_tokens=8, devices=(4,),
              sim_devices=(4,), sim_sources=("trace", "uniform"), rate_fractions=(0.5, 1.0),
              sim_requests=12, sweep_deltas=(0.5,), sweep_lookaheads=(1, 2))
 CPU_TABLES = REPO_ROOT / "benchmarks" / "data" / "asyncmoe_cost_cpu_demo-e32.json"
-GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
+GPU_COST = Path(costs.H100_FIT_FILE)
 GPU_FIT = "fused_tiles_given"
 ROUTER_REPEATS = 64
 ROUTER_TIMINGS = 30        # timed calls per figure (median)

@@ -56,7 +56,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
 from benchmarks.lib.reference_traces import reference_traces
@@ -72,10 +72,9 @@ QUICK = dict(per_domain=2, prompt_tokens=32, trace_new_tokens=8, steps=60, items
 TASKS = ("domain_question", "arithmetic_yes_no", "arithmetic_claim", "multiple_choice")
 COMPUTED = ("router", "quasi", "estimator", "hybrid")
 FLOORS = ("random", "popularity", "previous")
-GPU_COST = REPO_ROOT / "benchmarks" / "data" / "eldr_cost_h100_qwen3-30b-a3b.json"
+GPU_COST = Path(costs.H100_FIT_FILE)
 # The Qwen3-30B-A3B shape is moejax.model_shape's and the H100's measured host -> device
-# rate (22.7 ms per 1.21 GB layer, docs/PERF.md) the step model's: one definition each.
-H2D_SECONDS_PER_LAYER = costs.H100_H2D_SECONDS_PER_QWEN3_LAYER
+# rate (22.7 ms per 1.21 GB layer, docs/PERF.md) moejax.asyncmoe.costs': one definition each.
 CUE_TOKENS = 2    # prompt tokens cut from each task item (" Answer" ":", "false" "?")
 
 
@@ -101,12 +100,19 @@ def decode_recall(cfg: Any, params: Any, fitted: dict[str, Any], decode: Any, se
     return per_layer
 
 
-def recall_figures(cfg: Any, params: Any, fitted: dict[str, Any], heldout: list[Any],
-                   seed: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def checked_replay(cfg: Any, params: Any, requests: list[Any]) -> Any:
+    """``requests`` (traced) replayed together -> their tokens' ``replay.LayerStates``,
+    held to the trace (the replay must route as the traced run did)."""
     from moejax.prefetch import replay
 
-    states = replay.replay(cfg, params, heldout)
-    replay.check_against_trace(states, heldout)
+    states = replay.replay(cfg, params, requests)
+    replay.check_against_trace(states, requests)
+    return states
+
+
+def recall_figures(cfg: Any, params: Any, fitted: dict[str, Any], heldout: list[Any],
+                   seed: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    states = checked_replay(cfg, params, heldout)
     decode = states.take(states.decode)
     per_layer = decode_recall(cfg, params, fitted, decode, seed)
     out: dict[str, Any] = {"heldout_decode_tokens": decode.num_tokens}
@@ -271,7 +277,7 @@ def modelled_tpot(recall: dict[str, np.ndarray], num_layers: int, compute: float
                   ) -> dict[str, float]:
     """Modelled TPOT (ms) per config, the seed's Eq. 1 overlap (module docstring)."""
     shape = QWEN3_30B_A3B
-    copy = shape.top_k * shape.expert_bytes / (shape.layer_expert_bytes / H2D_SECONDS_PER_LAYER)
+    copy = shape.top_k * shape.expert_bytes / costs.H100_H2D_BPS
     spill = max(0.0, copy - compute)    # the part of a prefetch the previous layer cannot hide
 
     def total(recall_per_layer: np.ndarray | None, exact: bool) -> float:
@@ -294,18 +300,29 @@ def modelled_tpot(recall: dict[str, np.ndarray], num_layers: int, compute: float
 
 
 # ----------------------------------------------------------------------------- driver
+def fit_and_save(cfg: Any, params: Any, requests: list[Any], *, model: str, steps: int,
+                 seed: int, files: Sequence[str]) -> dict[str, Any]:
+    """The default vectors and estimator trained on ``requests`` of ``model``
+    (``train.train_estimator``), saved to ``files`` (defaults, estimator) for the runners
+    that load them -> the fitted dict."""
+    from moejax.prefetch import defaults, estimator, train
+
+    fitted = train.train_estimator(cfg, params, requests, model=model, steps=steps, seed=seed)
+    defaults.save(files[0], fitted["defaults"])
+    estimator.save(files[1], fitted["config"], fitted["params"], fitted["meta"])
+    return fitted
+
+
 def run_model(suffix: str, trace: Any, shape: dict[str, Any], tmp: str, args: Any
               ) -> dict[str, Any]:
-    from moejax.prefetch import defaults, estimator, train
+    from moejax.prefetch import train
 
     name = MODEL if not suffix else f"{MODEL}-init"
     cfg, params = train.load_model(name)
     training, heldout = train.split_requests(trace.requests)
-    fitted = train.train_estimator(cfg, params, training, model=name, steps=shape["steps"],
-                                   seed=args.seed)
     files = [os.path.join(tmp, f"defaults{suffix}.npz"), os.path.join(tmp, f"est{suffix}.npz")]
-    defaults.save(files[0], fitted["defaults"])
-    estimator.save(files[1], fitted["config"], fitted["params"], fitted["meta"])
+    fitted = fit_and_save(cfg, params, training, model=name, steps=shape["steps"],
+                          seed=args.seed, files=files)
     meta = fitted["meta"]
     out: dict[str, Any] = {"estimator_params": meta["param_count"],
                            "estimator_training_tokens": meta["training_tokens"],

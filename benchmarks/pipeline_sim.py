@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.lib.cli import REPO_ROOT, bench_parser, parse_args, run_shape
+from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
-from benchmarks.lib.reference_traces import (held_out_prompts, make_trace, model_domains,
-                                             reference_traces)
+from benchmarks.lib.reference_traces import model_trace, reference_traces
+from moejax.asyncmoe import costs
 from moejax.eldr.simulator import poisson_arrivals
 from moejax.model_shape import QWEN3_30B_A3B
 from moejax.pipeline_sim import hardware
@@ -104,8 +104,8 @@ def headline(throughput: dict[str, float]) -> dict[str, Any]:
 
 
 def run_model(trace: Any, shape: dict[str, Any], configs: Sequence[pl.Techniques],
-              seed: int) -> dict[str, Any]:
-    """Every configuration's figures on one trace."""
+              fit: hardware.ExpertFit, seed: int) -> dict[str, Any]:
+    """Every configuration's figures on one trace under the H100 expert fit ``fit``."""
     requests = requests_of_trace(trace, QWEN3_30B_A3B)
     calib, pool = requests[0::2], requests[1::2]
     deployment = pl.Deployment(
@@ -115,7 +115,6 @@ def run_model(trace: Any, shape: dict[str, Any], configs: Sequence[pl.Techniques
     calibration = pl.calibrate(calib, deployment, model=trace.model,
                                batch_sizes=TABLE_BATCHES, samples=shape["table_samples"],
                                seed=seed)
-    fit = hardware.ExpertFit.from_file()
     n = shape["requests"]
     saturated = pl.draw_workload(pool, n, PROMPT_TOKENS, np.zeros(n), seed)
     runs = {c.name: pl.run_pipeline(c, deployment, QWEN3_30B_A3B, fit, calibration, saturated)
@@ -145,27 +144,12 @@ def run_model(trace: Any, shape: dict[str, Any], configs: Sequence[pl.Techniques
     return out
 
 
-def quick_traces(shape: dict[str, Any], seed: int) -> dict[str, Any]:
-    """{"": demo-e32's trace of ``shape``'s prompts} (no twin: the quick run stays under a
-    minute), on the reference traces' prompts."""
-    import os
-
-    from serving.api import resolve_model_dir
-    from serving.requests import TokenizerAdapter
-
-    model_dir, _ = resolve_model_dir(MODEL)
-    tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
-    prompts, labels = held_out_prompts(tokenizer, model_domains(MODEL, model_dir),
-                                       shape["per_domain"], shape["prompt_tokens"], seed)
-    trace, _ = make_trace(MODEL, prompts, labels, shape["new_tokens"], router_inputs=False)
-    return {"": trace}
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = bench_parser(__doc__, quick_help="small traces (2 requests per domain), 200 "
                           "requests, 4 decoders, the 7 headline configurations", traces=True)
     parser.add_argument("--requests", type=int, help="workload requests (default 2000)")
     # --quick traces the trained model into memory unless --traces names a folder.
+    default_traces = parser.get_default("traces")
     parser.set_defaults(traces=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parse_args(parser, argv)
@@ -175,18 +159,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     fit = hardware.ExpertFit.from_file()
     figures: dict[str, Any] = {
         "model": MODEL, "shape": "qwen3-30b-a3b", "quick": int(args.quick),
-        "fit": hardware.DEFAULT_FIT, "fit_t0_us": 1e6 * fit.t0_s, "fit_a_us": 1e6 * fit.a_s,
-        "fit_b_us": 1e6 * fit.b_s, "h2d_gbps": hardware.H2D_BPS / 1e9,
+        "fit": costs.H100_FIT, "fit_t0_us": 1e6 * fit.t0_s, "fit_a_us": 1e6 * fit.a_s,
+        "fit_b_us": 1e6 * fit.b_s, "h2d_gbps": costs.H100_H2D_BPS / 1e9,
         "prompt_tokens_min": PROMPT_TOKENS[0], "prompt_tokens_max": PROMPT_TOKENS[1],
         "max_batch": MAX_BATCH, "load": LOAD, "replication": hardware.EPLB_REPLICATION,
         **{f"shape_{k}": v for k, v in shape.items()}}
     if args.quick and args.traces is None:
-        traces = quick_traces(shape, args.seed)
+        # demo-e32 alone (no twin: the quick run stays under a minute)
+        traces = {"": model_trace(MODEL, per_domain=shape["per_domain"],
+                                  prompt_tokens=shape["prompt_tokens"],
+                                  new_tokens=shape["new_tokens"], seed=args.seed)}
     else:
-        folder = args.traces or str(REPO_ROOT / "out" / "traces")
-        traces = reference_traces(MODEL, folder, shape, args.seed)
+        traces = reference_traces(MODEL, args.traces or default_traces, shape, args.seed)
     for suffix, trace in traces.items():
-        for key, value in run_model(trace, shape, configs, args.seed).items():
+        for key, value in run_model(trace, shape, configs, fit, args.seed).items():
             figures[f"{key}{suffix}"] = value
     figures["seconds"] = time.perf_counter() - started
     for suffix in traces:

@@ -60,7 +60,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.expert_prefetch import COMPUTED, GPU_COST, MODEL, decode_recall
+from benchmarks.expert_prefetch import (COMPUTED, GPU_COST, MODEL, checked_replay,
+                                        decode_recall, fit_and_save)
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.compiles import timed_pass
 from benchmarks.lib.meta import finish_run
@@ -158,23 +159,12 @@ def mean_recall(per_layer: dict[str, np.ndarray]) -> dict[str, float]:
     return {kind: float(np.mean(values[1:])) for kind, values in per_layer.items()}
 
 
-def length_recall(cfg: Any, params: Any, fitted: dict[str, Any], decode: Any, seed: int
-                  ) -> dict[str, np.ndarray]:
-    """Per predictor, recall@k per layer [L] over ``decode`` (the replayed decode tokens
-    of one length's requests): ``benchmarks.expert_prefetch.decode_recall`` (the four
-    lengths share one replay, so one compiled program)."""
-    return decode_recall(cfg, params, fitted, decode, seed)
-
-
 def replay_lengths(cfg: Any, params: Any, traces: list[Any]) -> list[Any]:
     """Every length's requests replayed together (one attention block, the longest's, so
     one compiled program for all lengths), held to their traces -> each length's decode
     tokens' ``replay.LayerStates``, in the order of ``traces``."""
-    from moejax.prefetch import replay
-
     requests = [req for trace in traces for req in trace.requests]
-    states = replay.replay(cfg, params, requests)
-    replay.check_against_trace(states, requests)
+    states = checked_replay(cfg, params, requests)
     out, start = [], 0
     for trace in traces:
         end = start + len(trace.requests)
@@ -272,12 +262,9 @@ def fit_predictors(cfg: Any, params: Any, requests: list[Any], steps: int, seed:
                    ) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     """Default vectors and estimator fitted on ``requests`` of ``model``, saved for the
     runners -> (fitted, files, figures)."""
-    from moejax.prefetch import defaults, estimator, train
-
-    fitted = train.train_estimator(cfg, params, requests, model=model, steps=steps, seed=seed)
     files = [os.path.join(tmp, "defaults.npz"), os.path.join(tmp, "estimator.npz")]
-    defaults.save(files[0], fitted["defaults"])
-    estimator.save(files[1], fitted["config"], fitted["params"], fitted["meta"])
+    fitted = fit_and_save(cfg, params, requests, model=model, steps=steps, seed=seed,
+                          files=files)
     meta = fitted["meta"]
     figures = {"fit_requests": len(requests), "estimator_params": meta["param_count"],
                "estimator_training_tokens": meta["training_tokens"],
@@ -311,7 +298,8 @@ def run(args: Any, shape: dict[str, Any]) -> dict[str, Any]:
         recall: dict[str, dict[str, float]] = {}
         decodes = replay_lengths(cfg, params, length_traces)
         for (tag, context), decode in zip(contexts.items(), decodes):
-            recall[tag] = mean_recall(length_recall(cfg, params, fitted, decode, args.seed))
+            # the four lengths share one replay, so one compiled program
+            recall[tag] = mean_recall(decode_recall(cfg, params, fitted, decode, args.seed))
             figures[f"demo_context_{tag}"] = context
             figures[f"demo_prompt_tokens_{tag}"] = context - new_tokens
             figures[f"decode_tokens_{tag}"] = decode.num_tokens

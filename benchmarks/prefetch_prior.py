@@ -50,15 +50,15 @@ and the same number of its copies is wasted.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from benchmarks.expert_prefetch import checked_replay
 from benchmarks.lib.cli import bench_parser, parse_args, run_shape
 from benchmarks.lib.meta import finish_run
-from benchmarks.lib.reference_traces import reference_traces
+from benchmarks.lib.reference_traces import model_trace, reference_traces
 
 MODEL = "demo-e32"
 FULL = dict(per_domain=64, prompt_tokens=64, trace_new_tokens=32, steps=2000, decoders=4)
@@ -70,21 +70,6 @@ SMALLEST_BUCKET = 64     # replayed tokens are padded to a power of two >= this 
 
 
 # ----------------------------------------------------------------------------- inputs
-def quick_trace(shape: dict[str, Any], seed: int) -> Any:
-    """A small reference-shaped trace of the model alone (no twin: the prior is a
-    property of the trained model's clusters)."""
-    from serving.api import resolve_model_dir
-    from serving.requests import TokenizerAdapter
-
-    from benchmarks.lib.reference_traces import held_out_prompts, make_trace, model_domains
-
-    model_dir, _ = resolve_model_dir(MODEL)
-    tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
-    prompts, labels = held_out_prompts(tokenizer, model_domains(MODEL, model_dir),
-                                       shape["per_domain"], shape["prompt_tokens"], seed)
-    return make_trace(MODEL, prompts, labels, shape["trace_new_tokens"], router_inputs=False)[0]
-
-
 def split_indices(num_requests: int, heldout_every: int) -> tuple[np.ndarray, np.ndarray]:
     """(training, held-out) request indices, as ``train.split_requests`` splits them."""
     index = np.arange(num_requests)
@@ -222,10 +207,7 @@ def paired_gain(with_prior: np.ndarray, without: np.ndarray, request: np.ndarray
 def decoder_states(cfg: Any, params: Any, requests: list[Any], decoder: np.ndarray,
                    num_decoders: int) -> list[DecoderStates]:
     """The requests' decode tokens replayed (checked against the trace), by decoder."""
-    from moejax.prefetch import replay
-
-    states = replay.replay(cfg, params, requests)
-    replay.check_against_trace(states, requests)
+    states = checked_replay(cfg, params, requests)
     decode = states.take(states.decode)
     token_decoder = decoder[decode.request]
     return [DecoderStates(decode.take(token_decoder == d)) for d in range(num_decoders)]
@@ -249,9 +231,10 @@ def run(trace: Any, shape: dict[str, Any], args: Any) -> dict[str, Any]:
     if counts.num_requests != len(trace):
         raise SystemExit(f"{MODEL}: the reference trace has errored requests; rewrite it")
     train_idx, held_idx = split_indices(counts.num_requests, train.HELDOUT_EVERY)
-    training, heldout = train.split_requests(trace.requests)
-    if (len(training), len(heldout)) != (len(train_idx), len(held_idx)):
-        raise SystemExit("the request split and the count split disagree")
+    # every request ran (checked above), so the count rows are the trace's requests
+    requests = trace.requests
+    training = [requests[int(i)] for i in train_idx]
+    heldout = [requests[int(i)] for i in held_idx]
     k = shape["decoders"]
     fit = fitting.fit_counts(counts.prefill[train_idx], counts.decode[train_idx],
                              counts.decode_tokens[train_idx], k,
@@ -387,7 +370,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     figures: dict[str, Any] = {"model": MODEL, "quick": int(args.quick),
                                **{f"shape_{key}": value for key, value in shape.items()}}
     if args.quick:
-        trace = quick_trace(shape, args.seed)
+        # a small trace of the model alone (no twin: the prior is a property of the
+        # trained model's clusters)
+        trace = model_trace(MODEL, per_domain=shape["per_domain"],
+                            prompt_tokens=shape["prompt_tokens"],
+                            new_tokens=shape["trace_new_tokens"], seed=args.seed)
     else:
         trace = reference_traces(MODEL, args.traces, shape, args.seed,
                                  new_tokens_key="trace_new_tokens")[""]

@@ -15,7 +15,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from kernels_pallas import gmm as pallas_gmm
 from kernels_pallas import gmm_fp8 as pallas_gmm_fp8
@@ -116,6 +116,15 @@ def route_scored(x: Float[Array, "T d"], router_w: Float[Array, "d E"], k: int, 
         # scores to 0, which picks the same experts since every kept score is > 0).
         choice = jnp.where(jnp.repeat(keep, e // n_group, axis=1), choice, -jnp.inf)
     _, experts = jax.lax.top_k(choice, k)
+    return gated_routing(scores, experts, norm_topk_prob=norm_topk_prob, scoring=scoring,
+                         scaling=scaling)
+
+
+def gated_routing(scores: Float[Array, "T E"], experts: Int[Array, "T k"], *,
+                  norm_topk_prob: bool, scoring: str, scaling: float) -> Routing:
+    """The routing of the chosen ``experts``: their ``scores`` as gate weights,
+    renormalised over the k (``norm_topk_prob``) and scaled (``scaling``: the routed
+    scaling factor); ``probs`` are the scores."""
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if norm_topk_prob:
         denominator = jnp.sum(weights, axis=-1, keepdims=True)

@@ -13,12 +13,13 @@ from moejax.backends import check_multi_process
 from moejax.backends.base import BackendError
 from moejax.eldr.policies import POLICIES, Policy, check_tau
 from serving.options import ScorerOptions
-from serving.pipeline_config import DecoderStage, PipelineConfig, PrefillStage, as_config
+from serving.pipeline_config import (STEPS, DecoderStage, PipelineConfig, PrefillStage,
+                                     as_config, check_positive_int, resolved_step,
+                                     with_prefetch_defaults)
 
 
 BATCHING = ("continuous", "static")
 SPLIT_BACKENDS = ("resident", "offload")   # the backends a decoder of several may use
-STEPS = ("auto", "fused", "layerwise")
 RUNTIMES = ("continuous", "mu_queue")
 DEFAULT_KV_CACHE_MIB = 1024
 
@@ -131,9 +132,9 @@ class GeneratorOptions:
         if self.trace_router_inputs and not self.trace_experts:
             raise ValueError("trace_router_inputs needs trace_experts=True")
         for name in ("max_batch_size", "max_prefill_tokens", "prefill_row_tokens", "devices"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name), ValueError)
         if self.kv_cache_blocks is not None:
-            _positive_int("kv_cache_blocks", self.kv_cache_blocks)
+            check_positive_int("kv_cache_blocks", self.kv_cache_blocks, ValueError)
         if self.kv_cache_mib is not None and (
                 isinstance(self.kv_cache_mib, bool)
                 or not isinstance(self.kv_cache_mib, (int, float)) or not self.kv_cache_mib > 0):
@@ -229,11 +230,9 @@ class GeneratorOptions:
 
     def prefetch_options(self) -> dict[str, Any]:
         """The offload runner's prefetch keywords ({} when prefetch is not asked for)."""
-        if self.prefetch is None and self.prefetch_mode is None and self.prefetch_files is None:
-            return {}
-        return {"prefetch": self.prefetch or "none",
-                "prefetch_mode": self.prefetch_mode or "exact",
-                "prefetch_files": self.prefetch_files or ()}
+        return with_prefetch_defaults({
+            name: getattr(self, name) for name in ("prefetch", "prefetch_mode", "prefetch_files")
+            if getattr(self, name) is not None})
 
     def _check_pipeline(self) -> None:
         """A ``pipeline`` as a :class:`PipelineConfig`, refused beside the options it
@@ -259,6 +258,12 @@ class GeneratorOptions:
                              f"routing between them; it does not take {', '.join(clashes)} "
                              f"beside it (give each stage's in the pipeline)")
 
+    @property
+    def splits(self) -> bool:
+        """Whether prefill and decode run apart (a pipeline, or decoders >= 2): whether
+        :meth:`resolved_pipeline` is not None, without building it."""
+        return self.pipeline is not None or self.decoders != 1
+
     def resolved_pipeline(self) -> PipelineConfig | None:
         """The prefill→decode pipeline these options run: ``pipeline``, or ``decoders=K``
         as K decoders alike on the backend (with its options), decoder i on device i and
@@ -276,7 +281,7 @@ class GeneratorOptions:
             routing_seed=self.routing_seed)
 
     def _check_decoders(self) -> None:
-        _positive_int("decoders", self.decoders)
+        check_positive_int("decoders", self.decoders, ValueError)
         if not isinstance(self.routing_seed, int) or isinstance(self.routing_seed, bool) \
                 or self.routing_seed < 0:
             raise ValueError(f"routing_seed must be a non-negative integer, got "
@@ -321,20 +326,13 @@ class GeneratorOptions:
     def resolved_step(self) -> str:
         """The step mode: "auto" is layerwise on offload (the host picks the experts to
         copy each layer), fused elsewhere."""
-        if self.step != "auto":
-            return self.step
-        return "layerwise" if self.backend == "offload" else "fused"
+        return resolved_step(self.backend, self.step)
 
     def scorer_view(self) -> ScorerOptions:
         """The options shared with the Scorer, resolved by the same code."""
         return ScorerOptions(dtype=self.dtype, expert_impl=self.expert_impl,
                              tile_rows=self.tile_rows, compilation_cache=self.compilation_cache,
                              weights_dtype=self.weights_dtype)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def make_options(options: Mapping[str, Any]) -> GeneratorOptions:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from moejax.backends.base import BackendError, require_devices
 from moejax.config import ModelConfig
@@ -32,7 +33,7 @@ from moejax.decode.factory import MESH_RUNNERS, make_runner
 from moejax.decode.programs import StepOptions
 from moejax.eldr import fitfile
 from moejax.eldr.policies import DEFAULT_TAU, Policy, make_policy
-from moejax.eldr.priors import prior_from_files
+from moejax.eldr.priors import cluster_priors_from_files
 from moejax.param_layout import Params
 from moejax.prefix_hash import BLOCK_SIZE
 from moejax.static.decode import DecodeEngine
@@ -58,7 +59,7 @@ def runtime_name(options: GeneratorOptions) -> str:
         return "mu_queue"
     if options.batching == "static":
         return "static"
-    return "continuous" if options.resolved_pipeline() is None else "split"
+    return "split" if options.splits else "continuous"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,24 +79,25 @@ class RuntimeInputs:
         opts = self.options
         if self.sharing is not None and self.sharing.placement is not None:
             params, placement["placement"] = None, self.sharing.placement
-        return make_runner(opts.backend, self.config, params, dtype=self.dtype,
-                           opts=StepOptions(expert_impl=opts.expert_impl,
-                                            tile_rows=opts.tile_rows,
-                                            router_inputs=opts.trace_router_inputs),
-                           **placement, **dict(opts.backend_options or {}),
-                           **opts.prefetch_options())
+        return self._make_runner(opts.backend, params, placement,
+                                 {**dict(opts.backend_options or {}), **opts.prefetch_options()})
 
     def stage_runner(self, backend: str, devices: Sequence[Any], options: dict[str, Any],
                      placement: Any = None) -> Any:
         """The decode runner of one pipeline stage: ``backend`` on ``devices`` (one device,
         or a mesh group) with the stage's options, on ``placement`` when one is shared."""
-        opts = self.options
+        if placement is not None:
+            return self._make_runner(backend, None, {"placement": placement}, options)
         where = ({"device_pool": tuple(devices), "devices": len(devices)}
                  if backend in MESH_RUNNERS else {"device": devices[0]})
-        if placement is not None:
-            where = {"placement": placement}
-        return make_runner(backend, self.config, None if placement is not None else self.params,
-                           dtype=self.dtype,
+        return self._make_runner(backend, self.params, where, options)
+
+    def _make_runner(self, backend: str, params: Params | None, where: dict[str, Any],
+                     options: dict[str, Any]) -> Any:
+        """``make_runner`` with the Generator's step options (one place for both kinds of
+        runner: the options' backend and a pipeline stage's)."""
+        opts = self.options
+        return make_runner(backend, self.config, params, dtype=self.dtype,
                            opts=StepOptions(expert_impl=opts.expert_impl,
                                             tile_rows=opts.tile_rows,
                                             router_inputs=opts.trace_router_inputs),
@@ -109,8 +111,14 @@ class RuntimeInputs:
             trace=opts.trace_experts, pipelined=opts.pipelined), **changes)
 
     def kv_cache_blocks(self, runner: Any) -> int:
-        """The paged pool's blocks per rank (:class:`GeneratorOptions`)."""
-        opts, block = self.options, runner.block_bytes()
+        """The paged pool's blocks per rank of ``runner`` (:meth:`kv_cache_blocks_for` of
+        its block bytes and ranks)."""
+        return self.kv_cache_blocks_for(runner.block_bytes(), runner.num_ranks)
+
+    def kv_cache_blocks_for(self, block: int, num_ranks: int = 1) -> int:
+        """The paged pool's blocks per rank (:class:`GeneratorOptions`) for blocks of
+        ``block`` bytes over ``num_ranks`` data-parallel ranks."""
+        opts = self.options
         if opts.kv_cache_blocks is not None:
             return opts.kv_cache_blocks
         if opts.kv_cache_mib is not None:
@@ -119,7 +127,7 @@ class RuntimeInputs:
                 raise ValueError(f"kv_cache_mib={opts.kv_cache_mib} holds no KV block "
                                  f"({block} bytes each)")
             return blocks
-        per_rank = -(-opts.max_batch_size // runner.num_ranks)
+        per_rank = -(-opts.max_batch_size // num_ranks)
         full = per_rank * -(-self.config.max_context // BLOCK_SIZE)
         return max(1, min(full, DEFAULT_KV_CACHE_MIB * 2**20 // block))
 
@@ -173,6 +181,7 @@ def build_split(inputs: RuntimeInputs) -> GenerationRuntime:
                             expert_counts=policy.reads_counts,
                             step=resolved_step(stage.backend, stage.step)))
     decoders: list[Any] = []
+    eldr_priors: dict[str, np.ndarray] = {}    # [K, L, E] by the traces named
     for index, (decoder, at) in enumerate(zip(pipeline.decoder_list(), decoders_at)):
         if decoder.placement == MU_QUEUE:
             decoders.append(mu_queue_decoder(inputs, decoder, [devices[i] for i in at]))
@@ -185,10 +194,15 @@ def build_split(inputs: RuntimeInputs) -> GenerationRuntime:
         options = decoder.runner_options()
         if decoder.eldr_prior:
             # The decoder's prefetch prior: the expert frequencies of the cluster ELDR
-            # routes to it (the cross-technique signal of moejax.eldr.priors).
-            options["prefetch_prior"] = prior_from_files(
-                pipeline.eldr_fit, decoder.options["prefetch_prior_traces"], index,
-                inputs.config)
+            # routes to it (the cross-technique signal of moejax.eldr.priors). Every
+            # cluster's prior comes of one read of the fit and the traces, kept for the
+            # other decoders naming the same traces. (The policy checked the fit's K.)
+            traces = decoder.options["prefetch_prior_traces"]
+            key = repr(traces)     # any value the option takes (the reader checks it)
+            if key not in eldr_priors:
+                eldr_priors[key] = cluster_priors_from_files(pipeline.eldr_fit, traces,
+                                                             inputs.config)
+            options["prefetch_prior"] = eldr_priors[key][index]
         runner = inputs.stage_runner(decoder.placement, [devices[i] for i in at], options,
                                      placement=shared)
         decoders.append(Scheduler(runner, inputs.kv_cache_blocks(runner),
@@ -202,19 +216,17 @@ def mu_queue_decoder(inputs: RuntimeInputs, stage: DecoderStage, devices: Sequen
                      ) -> Any:
     """A pipeline's μ-queue decoder (``moejax.asyncmoe.decoder``) on ``devices``: the
     runtime with the stage's options, its pool per rank sized as a one-rank decoder's."""
-    from moejax.asyncmoe.decoder import MuQueueDecoder, RankPoolGeometry  # mesh code
+    from moejax.asyncmoe.decoder import MuQueueDecoder   # imported when used: mesh code
     from moejax.asyncmoe.runtime import MuQueueRuntime
     from moejax.kv import block_bytes
 
-    options = stage.options
     itemsize = jax.numpy.dtype(inputs.dtype).itemsize
-    blocks = inputs.kv_cache_blocks(RankPoolGeometry(block_bytes(inputs.config, itemsize)))
-    runtime = MuQueueRuntime(
-        inputs.config, inputs.params, devices, scheduler=options.get("scheduler", "defrag"),
-        dtype=inputs.dtype, blocks_per_rank=blocks,
-        attention_devices=options.get("attention_devices"),
-        replicas=options.get("replicas", 1),
-        replica_routing=options.get("replica_routing", "home"))
+    # One rank's share: the decoder admits only what fits on any one rank.
+    blocks = inputs.kv_cache_blocks_for(block_bytes(inputs.config, itemsize), num_ranks=1)
+    # The stage's options (PLACEMENT_OPTIONS["mu_queue"]) are the runtime's keywords by
+    # name; what the stage leaves out takes the runtime's defaults.
+    runtime = MuQueueRuntime(inputs.config, inputs.params, devices, dtype=inputs.dtype,
+                             blocks_per_rank=blocks, **stage.options)
     return MuQueueDecoder(runtime, blocks, inputs.options.max_batch_size)
 
 

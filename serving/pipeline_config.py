@@ -96,9 +96,12 @@ class PipelineError(ValueError):
     """A pipeline description that cannot work; the message names the parts."""
 
 
-def _positive_int(where: str, value: Any) -> int:
+def check_positive_int(where: str, value: Any, error: type[ValueError] = PipelineError
+                       ) -> int:
+    """``value`` if a positive int (not a bool), else ``error`` naming ``where`` (the
+    Generator's own options raise a plain ValueError, a pipeline's a PipelineError)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PipelineError(f"{where} must be a positive integer, got {value!r}")
+        raise error(f"{where} must be a positive integer, got {value!r}")
     return value
 
 
@@ -199,13 +202,14 @@ def _check_prefetch(where: str, options: Mapping[str, Any]) -> None:
 
 
 def with_prefetch_defaults(options: Mapping[str, Any]) -> dict[str, Any]:
-    """A stage's runner keywords: with any prefetch key (the prefetching offload runner),
-    the others' defaults filled in."""
+    """A stage's (or the Generator's) runner keywords: with any prefetch key (the
+    prefetching offload runner), the prefetch choice, mode and files each filled with its
+    default where missing or empty."""
     options = dict(options)
     if any(k.startswith("prefetch") for k in options):
-        options.setdefault("prefetch", "none")
-        options.setdefault("prefetch_mode", "exact")
-        options.setdefault("prefetch_files", ())
+        options["prefetch"] = options.get("prefetch") or "none"
+        options["prefetch_mode"] = options.get("prefetch_mode") or "exact"
+        options["prefetch_files"] = options.get("prefetch_files") or ()
     return options
 
 
@@ -226,7 +230,7 @@ class PrefillStage:
         if self.backend not in PREFILL_BACKENDS:
             raise PipelineError(f"prefill.backend must be one of {PREFILL_BACKENDS}, got "
                                 f"{self.backend!r}")
-        _positive_int(f"{where}.devices", self.devices)
+        check_positive_int(f"{where}.devices", self.devices)
         _check_device_index(f"{where}.first_device", self.first_device)
         _check_devices_and_step(where, "backend", self.backend, self.devices, self.step)
         unknown = sorted(set(self.options) - set(PREFILL_OPTIONS[self.backend]))
@@ -265,8 +269,8 @@ class DecoderStage:
             raise PipelineError(f"{where}.placement must be one of {DECODER_PLACEMENTS}, got "
                                 f"{self.placement!r}")
         where = f"{where} (placement {self.placement!r})"
-        _positive_int(f"{where}.devices", self.devices)
-        _positive_int(f"{where}.count", self.count)
+        check_positive_int(f"{where}.devices", self.devices)
+        check_positive_int(f"{where}.count", self.count)
         if self.first_device is not None:
             _check_device_index(f"{where}.first_device", self.first_device)
         if self.placement == MU_QUEUE:

@@ -82,7 +82,7 @@ def _common_blocker(engine: Any, dtype: Any, options: Any) -> str | None:
     """Why nothing can be shared, or None."""
     if options.runtime != "continuous" or options.batching != "continuous":
         return "this Generator does not run continuous batching on the paged runtime"
-    if options.resolved_pipeline() is not None:
+    if options.splits:
         return "this Generator splits prefill and decode over several devices"
     if np.dtype(engine.dtype) != np.dtype(dtype):
         return (f"the Scorer computes in {np.dtype(engine.dtype).name}, this Generator in "

@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from moejax.asyncmoe.engine import (Batch, DeviceEngine, contiguous_placement,
-                                    device_units)
+from moejax.asyncmoe.engine import Batch, DeviceEngine
+from moejax.asyncmoe.placement import contiguous_placement, device_units
 from moejax.asyncmoe.pool import TokenPool
 from moejax.asyncmoe.records import (ATTENTION_UNIT, EXPERT, HEAD, HEAD_UNIT, TokenRecord,
                                      attention_record, head_record, queue_key, token_key)

@@ -15,13 +15,10 @@ from moejax.asyncmoe import costs, simulator
 from moejax.asyncmoe.schedulers import DefragScheduler
 from moejax.model_shape import QWEN3_30B_A3B
 
-FIT_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / \
-    "eldr_cost_h100_qwen3-30b-a3b.json"
-
 
 @pytest.fixture(scope="module")
 def fit():
-    return costs.load_h100_fit(str(FIT_FILE))
+    return costs.load_h100_fit(costs.H100_FIT_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +27,7 @@ def tables(fit):
 
 
 def test_fit_is_the_measured_h100_one(fit):
-    data = json.loads(FIT_FILE.read_text())
+    data = json.loads(Path(costs.H100_FIT_FILE).read_text())
     assert "H100" in data["device"] and data["shape"] == "qwen3-30b-a3b"
     assert fit["t0_s"] == data["fits"][costs.H100_FIT]["t0_s"]
     assert fit["a_s"] > 0 and fit["b_s"] > 0
@@ -54,7 +51,7 @@ def test_costs_monotone_in_rows(tables):
 def test_table_matches_fit_at_its_sample_points(fit, tables):
     """At every (n, B) the fit was measured at, n experts of B·k/n rows each plus
     attention's fixed part give the fit's t0 + a·n + b·B."""
-    data = json.loads(FIT_FILE.read_text())
+    data = json.loads(Path(costs.H100_FIT_FILE).read_text())
     k = QWEN3_30B_A3B.top_k
     for n, batch in data["points_n_b"]:
         want = fit["t0_s"] + fit["a_s"] * n + fit["b_s"] * batch

@@ -256,6 +256,7 @@ def test_decoders_k_is_the_pipeline_of_k_decoders_alike():
     assert pipeline.decoder_list()[0].runner_options() == {
         "prefetch": "router", "prefetch_mode": "exact", "prefetch_files": ()}
     assert GeneratorOptions().resolved_pipeline() is None
+    assert opts.splits and not GeneratorOptions().splits
 
 
 def test_the_benchmark_quick_run_writes_its_keys(tmp_path):

@@ -151,7 +151,7 @@ def test_decode_step_one_request_one_layer_by_hand():
     want = (costs.h100_attention_roofline_s(1, 100.0) + FIT.t0_s + FIT.a_s * 1
             + FIT.b_s / 8 * 1 + costs.h100_head_roofline_s(1))
     assert cost.seconds(1, 1, 1) == pytest.approx(want, rel=1e-12)
-    copy = ONE_LAYER.expert_bytes / hardware.H2D_BPS
+    copy = ONE_LAYER.expert_bytes / costs.H100_H2D_BPS
     ondemand = decode_cost.DecoderCost.build(ONE_LAYER, FIT, table, "offload_ondemand", 100.0)
     assert ondemand.seconds(1, 1, 1) == pytest.approx(want + copy, rel=1e-12)
     with pytest.raises(ValueError, match="a step of 2 layers"):

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from benchmarks import expert_prefetch as bench
+from moejax.asyncmoe import costs
 from moejax.model_shape import QWEN3_30B_A3B
 
 
 def test_modelled_tpot_by_hand():
-    copy = 8 * 9_437_184 * bench.H2D_SECONDS_PER_LAYER / 1_207_959_552  # top-8 of 128 experts
+    # top-8 of 128 experts
+    copy = 8 * 9_437_184 * costs.H100_H2D_SECONDS_PER_QWEN3_LAYER / 1_207_959_552
     recall = {kind: np.array([1.0, 0.5, 0.75]) for kind in bench.COMPUTED}
     recall["oracle"] = np.ones(3)
     for compute in (0.2 * copy, 3.0 * copy):     # copy-bound, then compute-bound

@@ -103,6 +103,28 @@ def held_out_prompts(tokenizer, domains: Sequence[str], per_domain: int, prompt_
     return prompts, labels
 
 
+def model_prompts(model: str, per_domain: int, prompt_tokens: int, seed: int
+                  ) -> tuple[str, tuple[str, ...], list[list[int]], list[str]]:
+    """(model directory, domains, prompts, labels): :func:`held_out_prompts` of the
+    domains ``model`` was trained on, tokenized with its tokenizer."""
+    from serving.api import resolve_model_dir
+    from serving.requests import TokenizerAdapter
+
+    model_dir, _ = resolve_model_dir(model)
+    domains = model_domains(model, model_dir)
+    tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
+    prompts, labels = held_out_prompts(tokenizer, domains, per_domain, prompt_tokens, seed)
+    return model_dir, domains, prompts, labels
+
+
+def model_trace(model: str, *, per_domain: int, prompt_tokens: int, new_tokens: int,
+                seed: int, router_inputs: bool = False) -> Any:
+    """``model``'s trace (``moejax.traces.Trace``) of :func:`model_prompts`, in memory:
+    a reference-shaped trace of the model alone (no twin)."""
+    _, _, prompts, labels = model_prompts(model, per_domain, prompt_tokens, seed)
+    return make_trace(model, prompts, labels, new_tokens, router_inputs=router_inputs)[0]
+
+
 def make_trace(model: str, prompts: list[list[int]], labels: Sequence[str | None],
                new_tokens: int, router_inputs: bool, batch: int = 16, name: str | None = None):
     """Greedy float32 generation of ``new_tokens`` per prompt (EOS ignored) with expert
@@ -149,13 +171,8 @@ def write_reference_traces(model: str, out_dir: str, *, per_domain: int, prompt_
     (the built-in twin, or one written from the training script's seeded init), on the
     same prompts. Returns figures: paths, seconds, sizes."""
     from moejax import traces
-    from serving.api import resolve_model_dir
-    from serving.requests import TokenizerAdapter
 
-    model_dir, _ = resolve_model_dir(model)
-    domains = model_domains(model, model_dir)
-    tokenizer = TokenizerAdapter.from_file(os.path.join(model_dir, "tokenizer.json"))
-    prompts, labels = held_out_prompts(tokenizer, domains, per_domain, prompt_tokens, seed)
+    model_dir, domains, prompts, labels = model_prompts(model, per_domain, prompt_tokens, seed)
     os.makedirs(out_dir, exist_ok=True)
     figures: dict[str, Any] = {"requests": len(prompts), "domains": list(domains),
                                "prompt_tokens_total": sum(map(len, prompts))}

@@ -5,6 +5,7 @@ batch, the head over batch, a per-execution overhead and a point-to-point link
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -194,9 +195,14 @@ H100_FIT = "fused_tiles_given"
 one whose plane t = t0 + a·n + b·B fits (R² 0.9998; the Pallas fits' planes have
 R² 0.81 and a negative b, their per-expert cost changing with B rather than with an
 expert's rows); ``benchmarks/ep_decode.py``'s modelled MoE time uses it too."""
+H100_FIT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks", "data", "eldr_cost_h100_qwen3-30b-a3b.json")
+"""The measured H100 cost file of one Qwen3-30B-A3B MoE layer (``benchmarks/eldr_cost.py``
+on the lent H100), whose fits :data:`H100_FIT` names: the one path every H100 cost model
+and benchmark reads it from (a data file of the repository, located from this file)."""
 
 
-def _roofline_s(nbytes: float, flops: float) -> float:
+def roofline_s(nbytes: float, flops: float) -> float:
     """The larger of the memory time and the arithmetic time at the H100 ceilings."""
     return max(nbytes / H100_HBM_BPS, flops / H100_BF16_FLOPS)
 
@@ -210,13 +216,13 @@ def h100_attention_roofline_s(batch: float, context: float) -> float:
     weights = shape.non_expert_weight_count                    # q, o; k, v; router
     kv_bytes = batch * context * shape.kv_bytes_per_token_layer
     flops = 2 * weights * batch + 4 * shape.num_heads * shape.head_dim * context * batch
-    return _roofline_s(weights * shape.dtype_bytes + kv_bytes, flops)
+    return roofline_s(weights * shape.dtype_bytes + kv_bytes, flops)
 
 
 def h100_head_roofline_s(batch: float) -> float:
     """The LM head (vocab × hidden bf16, read once) for ``batch`` tokens (roofline)."""
     weights = QWEN3_30B_A3B.lm_head_weight_count
-    return _roofline_s(weights * QWEN3_30B_A3B.dtype_bytes, 2 * weights * batch)
+    return roofline_s(weights * QWEN3_30B_A3B.dtype_bytes, 2 * weights * batch)
 
 
 def h100_expert_s(rows: float, fit: Mapping[str, Any],
@@ -262,7 +268,7 @@ def h100_cost_tables(fit: Mapping[str, Any], fit_top_k: int = QWEN3_30B_A3B.top_
         link_bandwidth_Bps=link_bandwidth_Bps)
 
 
-def load_h100_fit(path: str, fit_name: str = H100_FIT) -> dict[str, Any]:
+def load_h100_fit(path: str = H100_FIT_FILE, fit_name: str = H100_FIT) -> dict[str, Any]:
     """The fit ``fit_name`` of an ELDR H100 cost file (``"top"``: its top-level fit)."""
     import json
 

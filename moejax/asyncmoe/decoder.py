@@ -49,19 +49,6 @@ def blocks_needed(tokens: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankPoolGeometry:
-    """What sizing a decoder's KV pool reads of its runner (``serving``'s
-    ``RuntimeInputs.kv_cache_blocks``): the bytes of one block, and one rank (the decoder
-    admits only what fits on any one rank: module docstring)."""
-
-    bytes_per_block: int
-    num_ranks: int = 1
-
-    def block_bytes(self) -> int:
-        return self.bytes_per_block
-
-
-@dataclasses.dataclass(frozen=True)
 class MuQueueRunnerInfo:
     """What a pipeline reads of a decoder's runner: its name."""
 
@@ -170,7 +157,7 @@ class MuQueueDecoder:
             self.adopted.remove(seq)
             self._free(seq)
             self._finish(seq, "cancelled", [], events)
-        seqs, self.adopted = self.adopted, []
+        seqs = list(self.adopted)
         if not seqs:
             return events
         started = time.perf_counter()

@@ -40,21 +40,14 @@ from typing import Any
 
 import numpy as np
 
-# contiguous_placement and device_units live in placement; re-exported for callers.
-from moejax.asyncmoe.placement import (contiguous_placement, device_units,  # noqa: F401
-                                       replica_sets)
+from moejax.asyncmoe.checks import int_at_least
+from moejax.asyncmoe.placement import replica_sets
 from moejax.asyncmoe.pool import TokenPool
 from moejax.asyncmoe.replicas import HOME, check_replica_routing, replica_destinations
 from moejax.asyncmoe.records import (ATTENTION, ATTENTION_UNIT, EXPERT, HEAD, HEAD_UNIT,
                                      KINDS, QueueKey, TokenRecord, attention_record,
                                      head_record, queue_key, unit_kind)
 from moejax.asyncmoe.schedulers import QueueScheduler
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,17 +128,17 @@ class DeviceEngine:
                  scheduler: QueueScheduler, top_k: int,
                  expert_device: Sequence[int | Sequence[int]],
                  replica_routing: str = HOME) -> None:
-        self.device = _check_int("device", device, 0)
-        self.num_layers = _check_int("num_layers", num_layers, 1)
+        self.device = int_at_least("device", device, 0)
+        self.num_layers = int_at_least("num_layers", num_layers, 1)
         self.expert_replicas = replica_sets(expert_device)
         self.expert_device = tuple(r[0] for r in self.expert_replicas)   # the homes
         self.replica_routing = check_replica_routing(replica_routing)
         self._home = np.array(self.expert_device, dtype=np.int64)
         self._rotor: dict[int, int] = {}     # round robin's copies dealt per expert
-        self.top_k = _check_int("top_k", top_k, 1)
+        self.top_k = int_at_least("top_k", top_k, 1)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k = {top_k} exceeds the {self.num_experts} experts")
-        self.units = tuple(_check_int("unit", u, HEAD_UNIT) for u in units)
+        self.units = tuple(int_at_least("unit", u, HEAD_UNIT) for u in units)
         self._check_units()
         if not callable(getattr(scheduler, "choose", None)):
             raise ValueError(f"scheduler must have a choose(queue_lengths) method, got "

@@ -15,10 +15,12 @@ replica the "home" routing always uses).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 
+from moejax.asyncmoe.checks import int_at_least
 from moejax.asyncmoe.records import ATTENTION_UNIT, HEAD_UNIT
 
 ReplicaSets = tuple[tuple[int, ...], ...]
@@ -73,9 +75,8 @@ def device_units(device: int, expert_device: Sequence[int | Sequence[int]],
 def contiguous_placement(num_experts: int, num_devices: int) -> tuple[int, ...]:
     """The default expert placement: expert e on device e · G // E (contiguous blocks of
     experts, as even as E and G allow)."""
-    for name, value in (("num_experts", num_experts), ("num_devices", num_devices)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    num_experts = int_at_least("num_experts", num_experts, 1)
+    num_devices = int_at_least("num_devices", num_devices, 1)
     return tuple(e * num_devices // num_experts for e in range(num_experts))
 
 
@@ -107,9 +108,7 @@ class Placement:
     expert_replicas: ReplicaSets
 
     def __post_init__(self) -> None:
-        g = self.num_devices
-        if isinstance(g, bool) or not isinstance(g, (int, np.integer)) or g < 1:
-            raise ValueError(f"num_devices must be an int >= 1, got {g!r}")
+        g = int_at_least("num_devices", self.num_devices, 1)
         ranks = tuple(_device_id(f"attention_devices[{i}]", d)
                       for i, d in enumerate(self.attention_devices))
         if not ranks:
@@ -136,12 +135,13 @@ class Placement:
     def num_experts(self) -> int:
         return len(self.expert_replicas)
 
-    @property
+    # Cached: the simulators read these per routed token (the placement is frozen).
+    @functools.cached_property
     def expert_devices(self) -> tuple[int, ...]:
         """The devices hosting at least one expert replica, ascending."""
         return tuple(sorted({d for r in self.expert_replicas for d in r}))
 
-    @property
+    @functools.cached_property
     def home(self) -> tuple[int, ...]:
         """Each expert's home device (its first replica)."""
         return tuple(r[0] for r in self.expert_replicas)
@@ -178,12 +178,8 @@ def make_placement(num_experts: int, num_devices: int, *,
     the expert devices (:func:`replicated_placement`; 1: :func:`contiguous_placement`).
     ValueError naming what is wrong: an empty set, a device out of range, an expert on an
     attention-only device, both ``expert_device`` and ``replicas`` > 1, ..."""
-    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) \
-            or num_experts < 1:
-        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
-    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) \
-            or num_devices < 1:
-        raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
+    num_experts = int_at_least("num_experts", num_experts, 1)
+    num_devices = int_at_least("num_devices", num_devices, 1)
     ranks = (tuple(range(num_devices)) if attention_devices is None
              else tuple(_device_id(f"attention_devices[{i}]", d)
                         for i, d in enumerate(attention_devices)))

@@ -37,7 +37,7 @@ from moejax import model as model_lib
 from moejax import moe
 from moejax.backends import xla_flags
 from moejax.attention_kinds import PrefixContext, PrefixPooled
-from moejax.backends.base import (MeshBackend, MemoryReport, StepOutput, dense_bytes,
+from moejax.backends.base import (RANK_AXIS, MeshBackend, MemoryReport, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, rank_axis, require_devices,
                                   resolve_placement, stack_batches, unstack_outputs,
                                   validated)
@@ -48,7 +48,7 @@ from moejax.kv import KVPool
 from moejax.model import ForwardOptions, PackedBatch, VocabReadout
 from moejax.param_layout import Params, split_experts
 
-AXIS = "dp"
+AXIS = RANK_AXIS
 
 
 def pad_experts(experts: Mapping[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
@@ -67,8 +67,13 @@ def local_rank(tree: Any) -> Any:
     return jax.tree.map(lambda a: a[0], tree)
 
 
-def _gathered_ahead(shards: Mapping[str, jax.Array], first_experts: Mapping[str, jax.Array],
-                    cfg: ModelConfig, opts: ForwardOptions):
+def gathered_ahead_dispatcher(shards: Mapping[str, jax.Array],
+                              first_experts: Mapping[str, jax.Array], cfg: ModelConfig,
+                              opts: Any) -> Any:
+    """The per-rank expert path of AsyncEP (inside shard_map), scoring's and decode's:
+    each layer's experts all-gathered a layer ahead, behind a local transport (no token
+    leaves its rank). ``opts``: a ForwardOptions or StepOptions (its expert_impl and
+    tile_rows)."""
     source = GatheredAhead(shards=shards, first=first_experts, axis=AXIS,
                            num_experts=cfg.num_experts, num_layers=cfg.num_layers)
     return local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
@@ -81,7 +86,7 @@ def async_ep_forward(params: Params, shards: Mapping[str, jax.Array],
     """Per-device body (inside shard_map). params: replicated, ``layers`` without experts;
     shards: local [L, E/G, ...]; first_experts: layer 0's [E, ...]; batch: this rank's
     (leading axis 1). Returns the rank's readout (a leading axis of 1)."""
-    dispatcher = _gathered_ahead(shards, first_experts, cfg, opts)
+    dispatcher = gathered_ahead_dispatcher(shards, first_experts, cfg, opts)
     out = model_lib.decoder(cfg, params, with_experts=False).score(local_rank(batch), opts,
                                                                   dispatcher=dispatcher)
     return rank_axis(out.readout)
@@ -97,8 +102,9 @@ def async_ep_pooled(params: Params, shards: Mapping[str, jax.Array],
     batch, context = local_rank(batch), local_rank(context)
     attn = PrefixPooled.of(batch.positions, batch.segment_ids, opts.attn_block, context,
                            pool.keys, pool.values, defer_writes=True)
+    dispatcher = gathered_ahead_dispatcher(shards, first_experts, cfg, opts)
     out = model_lib.decoder(cfg, params, with_experts=False).score(
-        batch, opts, attn=attn, dispatcher=_gathered_ahead(shards, first_experts, cfg, opts))
+        batch, opts, attn=attn, dispatcher=dispatcher)
     keys, values = out.attn.written()
     return rank_axis(out.readout), dataclasses.replace(pool, keys=keys, values=values)
 

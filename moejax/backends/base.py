@@ -332,6 +332,11 @@ def unstack_outputs(readout: VocabReadout, count: int) -> list[StepOutput]:
     return [jax.tree.map(lambda a, g=g: a[g], readout) for g in range(count)]
 
 
+RANK_AXIS = "dp"
+"""The mesh axis of data-parallel ranks: every rank-mesh backend's (sync_ep, async_ep,
+dp_tp) and the decode runners' on their placements (``moejax.decode.rank_mesh``)."""
+
+
 def rank_axis(readout: VocabReadout) -> VocabReadout:
     """A rank's readout with a leading rank axis of 1 (shard_map stacks the ranks on it)."""
     return jax.tree.map(lambda a: a[None], readout)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from moejax import model, moe
 from moejax.backends import xla_flags
 from moejax.backends.async_ep import local_rank
-from moejax.backends.base import (MemoryReport, MeshBackend, StepOutput, dense_bytes,
+from moejax.backends.base import (RANK_AXIS, MemoryReport, MeshBackend, StepOutput, dense_bytes,
                                   expert_bytes_per_layer, rank_axis, require_devices,
                                   stack_batches, unstack_outputs, validated)
 from moejax.backends.tp import pad_experts as pad_intermediate, padded_intermediate
@@ -41,7 +41,7 @@ from moejax.distributed import place_local_ranks
 from moejax.model import ForwardOptions, PackedBatch, VocabReadout
 from moejax.param_layout import Params, split_experts
 
-AXIS = "dp"
+AXIS = RANK_AXIS
 # [L, E, d, f] split on f; [L, E, f, d] on its f rows.
 EXPERT_SPECS = {"w_gate": P(None, None, None, AXIS), "w_up": P(None, None, None, AXIS),
                 "w_down": P(None, None, AXIS, None)}

@@ -94,9 +94,10 @@ from jaxtyping import Array, Bool, Float, Int
 from kernels_pallas import metro
 from moejax import moe
 from moejax import model as model_lib
-from moejax.backends.base import (BackendError, MemoryReport, MeshBackend, StepOutput, dense_bytes,
-                                  expert_bytes_per_layer, require_devices, resolve_placement,
-                                  rank_axis, stack_batches, unstack_outputs, validated)
+from moejax.backends.base import (RANK_AXIS, BackendError, MemoryReport, MeshBackend,
+                                  StepOutput, dense_bytes, expert_bytes_per_layer,
+                                  require_devices, resolve_placement, rank_axis, stack_batches,
+                                  unstack_outputs, validated)
 from moejax.config import ModelConfig
 from moejax.dispatch import ExpertWeights, MoEDispatcher, StackedExperts
 from moejax.distributed import fetch_global, place_local_ranks
@@ -105,7 +106,7 @@ from moejax.param_layout import Params, split_experts
 
 log = logging.getLogger(__name__)
 
-AXIS = "dp"
+AXIS = RANK_AXIS
 ROUTERS = ("eplb_even", "metro")
 HOME = "home"                      # internal router: one replica per expert, no all-gather
 DEFAULT_CAPACITY_FACTOR = 2.0      # see the module docstring

@@ -292,12 +292,8 @@ class Scheduler:
 
     def _adoption_rank(self, seq: SequenceState) -> int | None:
         """The rank that can adopt ``seq`` now (a running row and blocks for its computed
-        tokens) with the fewest running sequences, ties to the lowest; None if none can."""
-        running = collections.Counter(s.rank for s in self.running)
-        needed = -(-seq.computed // BLOCK)
-        open_ranks = [r for r in range(self.ranks) if running[r] < self.layout.per_rank
-                      and self.allocators[r].num_available >= needed]
-        return min(open_ranks, key=lambda r: running[r]) if open_ranks else None
+        tokens), or None."""
+        return self._open_rank(-(-seq.computed // BLOCK))
 
     def room_to_adopt(self, seq: SequenceState) -> bool:
         """Whether :meth:`adopt` can take ``seq`` now (on some rank: a running row and
@@ -501,16 +497,20 @@ class Scheduler:
             self.running.append(seq)
 
     def _rank_for(self, seq: SequenceState) -> int | None:
-        """The rank with room (running rows, blocks for the first chunk) and the fewest
-        running sequences, or None."""
-        first = min(len(seq.tokens), self.options.max_prefill_tokens)
-        need = -(-first // BLOCK)
-        counts = [0] * self.ranks
+        """The rank with room for admitting ``seq`` (a running row, blocks for its first
+        chunk), or None."""
+        return self._open_rank(-(-min(len(seq.tokens), self.options.max_prefill_tokens)
+                                 // BLOCK))
+
+    def _open_rank(self, blocks: int) -> int | None:
+        """The rank with a free running row and ``blocks`` free blocks that runs the
+        fewest sequences (ties to the lowest), or None."""
+        running = [0] * self.ranks
         for s in self.running:
-            counts[s.rank] += 1
-        open_ranks = [r for r in range(self.ranks) if counts[r] < self.layout.per_rank
-                      and self.allocators[r].num_available >= need]
-        return min(open_ranks, key=lambda r: counts[r]) if open_ranks else None
+            running[s.rank] += 1
+        open_ranks = [r for r in range(self.ranks) if running[r] < self.layout.per_rank
+                      and self.allocators[r].num_available >= blocks]
+        return min(open_ranks, key=lambda r: running[r]) if open_ranks else None
 
     def _plan(self) -> tuple[list[Work], list[Work]]:
         """This step's prefill chunks and decode rows, with their blocks allocated

@@ -21,17 +21,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moejax import model, moe, sampling
-from moejax.backends.async_ep import AsyncEPPlacement
+from moejax import model, sampling
+from moejax.backends.async_ep import AsyncEPPlacement, gathered_ahead_dispatcher
 from moejax.backends.base import BackendError
 from moejax.config import ModelConfig
 from moejax.decode import programs
 from moejax.decode.programs import PagedBatch, StepOptions, StepResult
 from moejax.decode.rank_mesh import AXIS, RankMeshRunner, rank_rows, result_specs
-from moejax.dispatch import GatheredAhead, local_dispatcher
 from moejax.kv import KVPool
 from moejax.param_layout import Params
 
@@ -43,10 +41,7 @@ def rank_step(params: Params, shards: dict[str, jax.Array], first: dict[str, jax
     layer ahead. shards: this device's [L, E/G, ...]; first: layer 0's [E, ...]; kv: this
     rank's pool; batch, samp: this rank's rows (``last`` still global)."""
     programs.count_compile("async_ep_step")
-    source = GatheredAhead(shards=shards, first=first, axis=AXIS,
-                           num_experts=cfg.num_experts, num_layers=cfg.num_layers)
-    dispatcher = local_dispatcher(source, cfg.num_experts, opts.expert_impl, opts.tile_rows,
-                                  activation=moe.expert_activation_of(cfg))
+    dispatcher = gathered_ahead_dispatcher(shards, first, cfg, opts)
     module = model.decoder(cfg, params, with_experts=False)
     return programs.paged_forward(module, kv, rank_rows(batch), samp, dispatcher, opts)[0]
 
@@ -76,8 +71,7 @@ class AsyncEPRunner(RankMeshRunner):
             raise BackendError(f"backend 'async_ep' (decode) got unknown option(s) "
                                f"{', '.join(map(repr, sorted(options)))}; it takes none")
         placement = AsyncEPPlacement.resolve(
-            self.name, cfg, params, jnp.dtype(dtype if placement is None else placement.dtype),
-            devices, placement, device_pool)
+            self.name, cfg, params, dtype, devices, placement, device_pool)
         super().__init__(cfg, dtype=placement.dtype, opts=opts, mesh=placement.mesh)
         self.placement = placement
         self.dense_params = placement.params

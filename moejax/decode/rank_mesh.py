@@ -29,18 +29,17 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax import moe, sampling
-from moejax.backends.base import BackendError
+from moejax.backends.base import RANK_AXIS, BackendError
 from moejax.config import ModelConfig
 from moejax.decode.programs import PagedBatch, StepOptions, StepResult
 from moejax.decode.runners import DecodeRunner
 from moejax.distributed import fetch_global
-from moejax.kv import KVPool, empty_pool, write_rows
+from moejax.kv import KVPool, write_rows
 
-AXIS = "dp"
+AXIS = RANK_AXIS
 
 
 def result_specs(router_inputs: bool) -> StepResult:
@@ -100,6 +99,7 @@ class RankMeshRunner(DecodeRunner, abc.ABC):
         self._devices = tuple(mesh.devices.flat)
         self._ranks = NamedSharding(mesh, P(AXIS))
         self._pool = NamedSharding(mesh, P(None, AXIS))
+        self._counts = NamedSharding(mesh, P(AXIS))
         self._writes = {counts: RankWrite(mesh, counts) for counts in (False, True)}
 
     @property
@@ -115,17 +115,11 @@ class RankMeshRunner(DecodeRunner, abc.ABC):
     def devices(self) -> tuple[jax.Device, ...]:
         return self._devices
 
-    def make_kv(self, num_blocks: int, expert_counts: bool = False) -> KVPool:
-        """A zeroed pool of ``num_blocks`` blocks per rank: [L, G·S, n_kv, h], rank g's
-        slots on device g, with rank g's signature cache beside them when
-        ``expert_counts``."""
-        pool = empty_pool(self.cfg, num_blocks * self.num_ranks, self.dtype, self._pool)
-        if not expert_counts:
-            return pool
-        counts = jnp.zeros((num_blocks * self.num_ranks, self.cfg.num_layers,
-                            self.cfg.num_experts), jnp.int8,
-                           device=NamedSharding(self.mesh, P(AXIS)))
-        return dataclasses.replace(pool, expert_counts=counts)
+    @property
+    def counts_device(self) -> Any:
+        """The signature cache's sharding: its block axis split over the ranks (rank g's
+        blocks on device g, beside its slots)."""
+        return self._counts
 
     @abc.abstractmethod
     def dispatch(self, kv: KVPool, batch: PagedBatch, samp: sampling.SamplingParams

@@ -81,13 +81,16 @@ class DecodeRunner(abc.ABC):
         """Bytes of one KV block (all layers, keys and values) on one rank."""
         return block_bytes(self.cfg, self.dtype.itemsize)
 
+    @property
+    def counts_device(self) -> Any:
+        """Where the pool's signature cache lives (default: where the pool does)."""
+        return self.device
+
     def make_kv(self, num_blocks: int, expert_counts: bool = False) -> KVPool:
-        """A zeroed pool of ``num_blocks`` blocks per rank (with the ELDR signature cache
-        when ``expert_counts``: one-rank runners only)."""
-        if expert_counts and self.num_ranks != 1:
-            raise BackendError(f"backend {self.name!r}: the signature cache (expert counts "
-                               f"per KV block) needs a one-rank decode backend")
-        return empty_pool(self.cfg, num_blocks, self.dtype, self.device, expert_counts)
+        """A zeroed pool of ``num_blocks`` blocks per rank (rank g's blocks and slots
+        after rank g-1's), with the ELDR signature cache when ``expert_counts``."""
+        return empty_pool(self.cfg, num_blocks * self.num_ranks, self.dtype, self.device,
+                          expert_counts, self.counts_device)
 
     def precompile(self) -> None:
         """Compile what a step runs besides its programs (the scheduler's ``precompile``

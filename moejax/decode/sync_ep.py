@@ -47,7 +47,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -144,8 +143,8 @@ class SyncEPRunner(RankMeshRunner):
         for option, value in (("router", router), ("prefill_router", prefill_router)):
             check_router(self.name, value, option)
         placement = SyncEPPlacement.resolve(
-            self.name, cfg, params, jnp.dtype(dtype if placement is None else placement.dtype),
-            devices, replicas, expert_load, placement, device_pool)
+            self.name, cfg, params, dtype, devices, replicas, expert_load, placement,
+            device_pool)
         super().__init__(cfg, dtype=placement.dtype, opts=opts, mesh=placement.mesh)
         # The layout's replica routers (home without replicas), as the scoring backend's:
         # ``ctx`` for the decode steps, ``prefill_ctx`` for the prefill steps.

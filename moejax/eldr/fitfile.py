@@ -101,14 +101,18 @@ class EldrFit:
         """The signature s [D] (or [N, D]) of raw prompt counts [L, E] (or [N, L, E])."""
         return sig.signatures(counts, self.idf, self.layers)
 
-    def check_model(self, cfg: ModelConfig, fingerprint: str, decoders: int,
-                    where: str = "the fit") -> None:
-        """Refuse a fit made for another model or another number of decoders."""
+    def check_shape(self, cfg: ModelConfig, where: str = "the fit") -> None:
+        """Refuse a fit made for a model of other layers, experts or top-k than ``cfg``."""
         shape = (cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok)
         if shape != (self.num_layers, self.num_experts, self.top_k):
             raise FitError(f"{where} was fitted for a model with {self.num_layers} layers, "
                            f"{self.num_experts} experts, top-{self.top_k}; this model has "
                            f"{shape[0]} layers, {shape[1]} experts, top-{shape[2]}")
+
+    def check_model(self, cfg: ModelConfig, fingerprint: str, decoders: int,
+                    where: str = "the fit") -> None:
+        """Refuse a fit made for another model or another number of decoders."""
+        self.check_shape(cfg, where)
         if fingerprint != self.fingerprint:
             raise FitError(f"{where} is stale: it was fitted for model {self.model!r} with "
                            f"router fingerprint {self.fingerprint[:12]}, this model's is "

@@ -17,7 +17,8 @@ decode-time expert use at each layer is known from calibration. The prior of dec
 A fit file holds the IDF weights, the selected layers and the centroids over those layers
 only (``moejax.eldr.fitfile``): not per-layer frequencies. So the prior needs the
 calibration counts, the traces the fit was made from (or other traces of the same
-model): :func:`prior_from_files` reads both.
+model): :func:`prior_from_files` (one decoder's) and :func:`cluster_priors_from_files`
+(every decoder's) read both.
 """
 
 from __future__ import annotations
@@ -58,15 +59,6 @@ def check_decoder(fit: EldrFit, decoder: object) -> int:
     return int(decoder)
 
 
-def check_model_shape(fit: EldrFit, cfg: ModelConfig) -> None:
-    """A FitError when ``cfg``'s layers, experts or top-k differ from the fit's model."""
-    shape = (cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok)
-    if shape != (fit.num_layers, fit.num_experts, fit.top_k):
-        raise FitError(f"the fit was made for a model with {fit.num_layers} layers, "
-                       f"{fit.num_experts} experts, top-{fit.top_k}; this model has "
-                       f"{shape[0]} layers, {shape[1]} experts, top-{shape[2]}")
-
-
 def cluster_assignment(fit: EldrFit, prefill_counts: Integer[np.ndarray, "N L E"]
                        ) -> np.ndarray:
     """The cluster [N] each request's prompt counts belong to: its nearest centroid
@@ -98,6 +90,19 @@ def decoder_prior(fit: EldrFit, decoder: int, prefill_counts: Integer[np.ndarray
     return cluster_priors(fit, prefill_counts, decode_counts)[decoder]
 
 
+def cluster_priors_from_files(fit_path: str | os.PathLike,
+                              trace_paths: str | os.PathLike | Sequence[str | os.PathLike],
+                              cfg: ModelConfig | None = None) -> Float[np.ndarray, "K L E"]:
+    """Every decoder's prior [K, L, E] (decoder d's is row d) from an ELDR fit file and
+    calibration traces of its model (``moejax eldr-fit``'s inputs), read once for all K;
+    with ``cfg``, the fit must be of its shape (layers, experts, top-k). Errors as
+    :func:`prior_from_files`'s, but for the decoder."""
+    fit = fitfile.load(fit_path)
+    if cfg is not None:
+        fit.check_shape(cfg, where=os.fspath(fit_path))
+    return _priors_of_traces(fit, fit_path, trace_paths)
+
+
 def prior_from_files(fit_path: str | os.PathLike,
                      trace_paths: str | os.PathLike | Sequence[str | os.PathLike],
                      decoder: int, cfg: ModelConfig | None = None) -> Float[np.ndarray, "L E"]:
@@ -105,16 +110,25 @@ def prior_from_files(fit_path: str | os.PathLike,
     model (``moejax eldr-fit``'s inputs); with ``cfg``, the fit must be of its shape
     (layers, experts, top-k). Errors: a missing file (FileNotFoundError), a malformed fit
     or one of another model shape than the traces or ``cfg`` (FitError), a decoder out of
-    range (ValueError)."""
+    range (ValueError). (For every decoder's, :func:`cluster_priors_from_files` reads the
+    files once.)"""
     fit = fitfile.load(fit_path)
     if cfg is not None:
-        check_model_shape(fit, cfg)
+        fit.check_shape(cfg, where=os.fspath(fit_path))
     decoder = check_decoder(fit, decoder)
+    return _priors_of_traces(fit, fit_path, trace_paths)[decoder]
+
+
+def _priors_of_traces(fit: EldrFit, fit_path: str | os.PathLike,
+                      trace_paths: str | os.PathLike | Sequence[str | os.PathLike]
+                      ) -> Float[np.ndarray, "K L E"]:
+    """Every cluster's prior of ``fit`` (read from ``fit_path``, named in errors) from the
+    calibration traces at ``trace_paths``."""
     counts = fitting.trace_counts(fitting.load_traces(trace_paths))
     if counts.top_k != fit.top_k:
         raise FitError(f"{os.fspath(fit_path)} was fitted for top-{fit.top_k} routing, the "
                        f"traces route top-{counts.top_k}")
     try:
-        return decoder_prior(fit, decoder, counts.prefill, counts.decode)
+        return cluster_priors(fit, counts.prefill, counts.decode)
     except FitError as exc:
         raise FitError(f"{os.fspath(fit_path)}: the traces' counts do not fit: {exc}") from None

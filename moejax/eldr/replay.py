@@ -192,8 +192,7 @@ def observe(pool: DecoderPool, specs: Sequence[SequenceSpec]) -> PipelineRun:
                              f"at its length: the replay models length endings only")
         handoffs.append(HandOffRecord(
             seq_id=seq_id, step=at, decode_steps=len(seq.output.token_ids) - 1,
-            counts=None if seq_counts is None or not policy.reads_counts
-            else np.asarray(seq_counts),
+            counts=None if seq_counts is None else np.asarray(seq_counts),
             domain=seq.spec.domain, decoder=decoder, loads=loads))
     cfg = pool.prefill.runner.cfg
     return PipelineRun(handoffs=tuple(handoffs),

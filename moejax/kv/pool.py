@@ -59,13 +59,15 @@ def expert_count_bytes(cfg: ModelConfig) -> int:
 
 
 def empty_pool(cfg: ModelConfig, num_blocks: int, dtype: Any, device: Any = None,
-               expert_counts: bool = False) -> KVPool:
+               expert_counts: bool = False, counts_device: Any = None) -> KVPool:
     """A zeroed pool of ``num_blocks`` blocks (placed on ``device``: a device or sharding),
-    with a zeroed signature cache when ``expert_counts``."""
+    with a zeroed signature cache when ``expert_counts`` (on ``counts_device``, default
+    ``device``: a pool sharded on its slot axis shards the cache on its block axis)."""
     heads, key_dim, value_dim = cfg.kv_store_dims
     shape = (cfg.num_layers, num_blocks * BLOCK_SIZE, heads)
     counts = (jnp.zeros((num_blocks, cfg.num_layers, cfg.num_experts), jnp.int8,
-                        device=device) if expert_counts else None)
+                        device=device if counts_device is None else counts_device)
+              if expert_counts else None)
     return KVPool(keys=jnp.zeros((*shape, key_dim), dtype, device=device),
                   values=jnp.zeros((*shape, value_dim), dtype, device=device),
                   expert_counts=counts)

@@ -7,7 +7,8 @@ Modules, one job each:
 
 * :mod:`moejax.pipeline_sim.shape` -- the lift of real (demo) expert traces to the model
   shape (:class:`moejax.model_shape.ModelShape`, Qwen3-30B-A3B's ``QWEN3_30B_A3B``);
-* :mod:`moejax.pipeline_sim.hardware` -- every H100 figure and modelled constant, named;
+* :mod:`moejax.pipeline_sim.hardware` -- the measured H100 expert-cost fit and the modelled
+  EPLB replication (the H100 figures are ``moejax.asyncmoe.costs``' ``H100_*``);
 * :mod:`moejax.pipeline_sim.prefill` -- the prefill stage: per-layer times, FCFS batches;
 * :mod:`moejax.pipeline_sim.decode_cost` -- a decoder's step cost: EPLB-even or METRO
   activated replicas (measured by running the routers), resident or offloaded experts;

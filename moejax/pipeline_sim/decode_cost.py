@@ -32,6 +32,7 @@ head (``h100_head_roofline_s`` of ⌈B/G⌉ tokens).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -44,7 +45,7 @@ from moejax.eldr.simulator import CostModel, SimRequest
 from moejax.model_shape import ModelShape
 from moejax.pipeline_sim import hardware
 from moejax.pipeline_sim.prefill import all_to_all_s
-from moejax.pipeline_sim.shape import layer_period
+from moejax.pipeline_sim.shape import layer_period, lifted_counts
 
 ROUTERS = ("eplb_even", "metro")
 EXPERT_MODES = ("resident", "offload_prefetch", "offload_ondemand")
@@ -81,12 +82,17 @@ class ActivationTable:
         n = np.arange(num_experts + 1, dtype=np.float64)
         return cls("eplb_even", 1, n, (n > 0).astype(np.float64))
 
+    @functools.cached_property
+    def union_grid(self) -> np.ndarray:
+        """The union sizes n = 0 … E the table holds values at (built once: :meth:`at`
+        runs every simulated step)."""
+        return np.arange(self.max_activated.size, dtype=np.float64)
+
     def at(self, n: float) -> tuple[float, float]:
         """(activated replicas on the busiest device, its share of the rows) at a union
         of ``n`` experts."""
-        grid = np.arange(self.max_activated.size, dtype=np.float64)
-        return (float(np.interp(n, grid, self.max_activated)),
-                float(np.interp(n, grid, self.max_row_share)))
+        return (float(np.interp(n, self.union_grid, self.max_activated)),
+                float(np.interp(n, self.union_grid, self.max_row_share)))
 
 
 def layer_placements(requests: Sequence[SimRequest], devices: int, replication: float,
@@ -101,9 +107,7 @@ def layer_placements(requests: Sequence[SimRequest], devices: int, replication: 
         raise ValueError(f"replication must lie in [1, devices = {devices}], got {replication}")
     load = np.zeros((num_layers, num_experts))
     for req in requests:
-        ids = req.decode_experts
-        load += np.stack([np.bincount(ids[l].reshape(-1), minlength=num_experts)
-                          for l in range(num_layers)])
+        load += lifted_counts(req.decode_experts[:num_layers], num_experts)
     replicas = round(replication * num_experts)
     return [metro.eplb_placement(load[l], devices, replicas) for l in range(num_layers)]
 
@@ -143,10 +147,11 @@ def activation_table(requests: Sequence[SimRequest], router: str, devices: int,
     for batch in batch_sizes:
         for _ in range(samples):
             layer = int(rng.integers(period))
-            rows = np.zeros(num_experts, np.int64)
+            chosen = []                   # [batch, k]: each drawn request's experts
             for i in rng.choice(len(requests), int(batch)):
                 ids = requests[int(i)].decode_experts
-                np.add.at(rows, ids[layer, int(rng.integers(ids.shape[1]))], 1)
+                chosen.append(ids[layer, int(rng.integers(ids.shape[1]))])
+            rows = metro.tokens_per_expert(np.stack(chosen), num_experts)
             n = int(np.count_nonzero(rows))
             activated, share = route_rows(router, placements[layer], rows)
             sums[:, n] += (activated, share)
@@ -190,17 +195,21 @@ class DecoderCost(CostModel):
     def layer_compute_s(self, union: float, batch: int) -> float:
         """One layer on the busiest device at a union of ``union`` experts, ``batch``
         requests."""
+        return self.busiest_compute_s(*self.table.at(union), batch)
+
+    def busiest_compute_s(self, activated: float, share: float, batch: int) -> float:
+        """One layer on the busiest device: ``activated`` replicas and ``share`` of the
+        rows on it (``self.table.at`` of the step's union), ``batch`` requests."""
         g = self.table.devices
         local = math.ceil(batch / g)
-        activated, share = self.table.at(union)
         moe = self.fit.layer_s(activated, batch * self.shape.top_k * share)
         return (costs.h100_attention_roofline_s(local, self.context_tokens)
                 + 2 * all_to_all_s(local, self.shape, g) + moe)
 
-    def layer_copy_s(self, union: float) -> float:
-        """Copying the busiest device's activated experts host → device."""
-        activated, _ = self.table.at(union)
-        return activated * self.shape.expert_bytes / hardware.H2D_BPS
+    def busiest_copy_s(self, activated: float) -> float:
+        """Copying the busiest device's ``activated`` experts host → device (each device
+        has its own PCIe link: the devices of a group copy in parallel)."""
+        return activated * self.shape.expert_bytes / costs.H100_H2D_BPS
 
     def seconds(self, total_active: int, batch: int, num_layers: int) -> float:
         """One step of ``batch`` requests whose rows chose ``total_active`` distinct
@@ -210,12 +219,13 @@ class DecoderCost(CostModel):
                              f"layer cost model")
         if batch < 1:
             raise ValueError(f"a step needs a batch >= 1, got {batch}")
-        union = total_active / num_layers
-        compute = self.layer_compute_s(union, batch)
+        activated, share = self.table.at(total_active / num_layers)
+        # one table lookup per step: both the compute and the copy need it
+        compute = self.busiest_compute_s(activated, share, batch)
         head = costs.h100_head_roofline_s(math.ceil(batch / self.table.devices))
         if self.experts == "resident":
             return num_layers * compute + head
-        copy = self.layer_copy_s(union)
+        copy = self.busiest_copy_s(activated)
         if self.experts == "offload_ondemand":
             return num_layers * (compute + copy) + head
         return compute + copy + (num_layers - 1) * (compute + max(0.0, copy - compute)) + head

@@ -1,36 +1,15 @@
-"""Every hardware figure and modelled constant of the pipeline model, each named with
-where it comes from, and the measured H100 expert-cost fit."""
+"""The pipeline model's modelled constant and the measured H100 expert-cost fit. Its H100
+figures (HBM, bf16 rate, NVLink, link latency, host→device rate) and the cost file are
+``moejax.asyncmoe.costs``' ``H100_*``, read there."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from moejax.asyncmoe import costs
+from moejax.asyncmoe.checks import int_at_least, nonnegative
 from moejax.eldr.simulator import COST_KEYS
 from moejax.model_shape import QWEN3_30B_A3B
-
-# ----------------------------------------------------------------------------- H100
-HBM_BPS = costs.H100_HBM_BPS
-"""H100 SXM HBM3 bandwidth, B/s (datasheet; ``moejax.asyncmoe.costs.H100_HBM_BPS``)."""
-BF16_FLOPS = costs.H100_BF16_FLOPS
-"""H100 SXM dense bf16 rate, FLOP/s (datasheet; ``moejax.asyncmoe.costs``)."""
-LINK_BPS = costs.H100_LINK_BPS
-"""Device-to-device bandwidth, B/s one way: NVLink 4 (``moejax.asyncmoe.costs``)."""
-LINK_LATENCY_S = costs.H100_LINK_LATENCY_S
-"""Per-collective latency, s: MODELLED in ``moejax.asyncmoe.costs`` (a few µs)."""
-H2D_BPS = costs.H100_H2D_BPS
-"""Host→device rate per device, B/s (measured: ``moejax.asyncmoe.costs``); each device has
-its own PCIe link, so devices of one group copy in parallel."""
-
-# ----------------------------------------------------------------------------- the fit
-DEFAULT_FIT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks", "data", "eldr_cost_h100_qwen3-30b-a3b.json")
-"""The measured H100 cost file of one Qwen3-30B-A3B MoE layer (``benchmarks/eldr_cost.py``
-on the lent H100)."""
-DEFAULT_FIT = costs.H100_FIT
-"""Its fit the model uses (``fused_tiles_given``: the plane that fits, R² 0.9998; the
-reason is in ``moejax.asyncmoe.costs.H100_FIT``)."""
 
 # ----------------------------------------------------------------------------- modelled
 EPLB_REPLICATION = 1.5
@@ -52,14 +31,8 @@ class ExpertFit:
 
     def __post_init__(self) -> None:
         for name in ("t0_s", "a_s", "b_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
-                    or value != value or value == float("inf"):
-                raise ValueError(f"ExpertFit.{name} must be a finite number of seconds >= 0, "
-                                 f"got {value!r}")
-            object.__setattr__(self, name, float(value))
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"ExpertFit.top_k must be a positive integer, got {self.top_k!r}")
+            object.__setattr__(self, name, nonnegative(f"ExpertFit.{name}", getattr(self, name)))
+        object.__setattr__(self, "top_k", int_at_least("ExpertFit.top_k", self.top_k, 1))
 
     @property
     def row_s(self) -> float:
@@ -71,7 +44,7 @@ class ExpertFit:
         return self.t0_s + self.a_s * active + self.row_s * rows
 
     @classmethod
-    def from_file(cls, path: str = DEFAULT_FIT_FILE, fit_name: str = DEFAULT_FIT,
+    def from_file(cls, path: str = costs.H100_FIT_FILE, fit_name: str = costs.H100_FIT,
                   top_k: int = QWEN3_30B_A3B.top_k) -> ExpertFit:
         """The fit ``fit_name`` of an H100 cost file (``"top"``: its top-level fit),
         negative coefficients taken as 0 (fit noise)."""

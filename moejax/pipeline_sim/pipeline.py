@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import Float, Integer
 
+from moejax.asyncmoe.checks import int_at_least
 from moejax.eldr import fitting
 from moejax.eldr.fitfile import EldrFit
 from moejax.eldr.policies import DEFAULT_TAU, make_policy
@@ -93,10 +94,8 @@ class Deployment:
     def __post_init__(self) -> None:
         for name in ("prefill_devices", "prefill_tokens_per_device", "num_decoders",
                      "decoder_devices", "max_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Deployment.{name} must be a positive integer, got "
-                                 f"{value!r}")
+            object.__setattr__(self, name, int_at_least(f"Deployment.{name}",
+                                                        getattr(self, name), 1))
         if not 1.0 <= self.replication <= self.decoder_devices:
             raise ValueError(f"Deployment.replication must lie in [1, decoder_devices = "
                              f"{self.decoder_devices}], got {self.replication!r}")
@@ -231,7 +230,7 @@ class PipelineRun:
 
     @property
     def tpot_p50_s(self) -> float:
-        return float(np.percentile(self.tpot, 50))
+        return self.decode.tpot_p50          # a median: the hand-off order does not matter
 
 
 def run_pipeline(techniques: Techniques, deployment: Deployment, shape: ModelShape,

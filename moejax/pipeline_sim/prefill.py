@@ -38,6 +38,8 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import Float, Integer
 
+from moejax.asyncmoe import costs
+from moejax.asyncmoe.checks import int_at_least
 from moejax.model_shape import ModelShape
 from moejax.pipeline_sim import hardware
 
@@ -55,10 +57,8 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         for name in ("devices", "tokens_per_device"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PrefillConfig.{name} must be a positive integer, "
-                                 f"got {value!r}")
+            object.__setattr__(self, name, int_at_least(f"PrefillConfig.{name}",
+                                                        getattr(self, name), 1))
         if self.strategy not in STRATEGIES:
             raise ValueError(f"PrefillConfig.strategy must be one of {STRATEGIES}, "
                              f"got {self.strategy!r}")
@@ -75,7 +75,7 @@ def prefill_attention_s(shape: ModelShape, prompt_tokens: Sequence[int]) -> floa
     nbytes = weights * shape.dtype_bytes + tokens * shape.kv_bytes_per_token_layer
     pairs = float(np.sum(lengths * (lengths + 1) / 2))
     flops = 2 * weights * tokens + 4 * shape.num_heads * shape.head_dim * pairs
-    return max(nbytes / hardware.HBM_BPS, flops / hardware.BF16_FLOPS)
+    return costs.roofline_s(nbytes, flops)
 
 
 def deal_to_devices(prompt_tokens: Sequence[int], devices: int) -> Integer[np.ndarray, "n"]:
@@ -91,6 +91,12 @@ def deal_to_devices(prompt_tokens: Sequence[int], devices: int) -> Integer[np.nd
     return out
 
 
+def link_transfer_s(nbytes: float) -> float:
+    """One collective moving ``nbytes`` per device over NVLink: its latency plus the
+    bytes at the link rate."""
+    return costs.H100_LINK_LATENCY_S + nbytes / costs.H100_LINK_BPS
+
+
 def all_to_all_s(tokens: float, shape: ModelShape, devices: int) -> float:
     """One all-to-all of ``tokens`` tokens' top-k rows (activations,
     ``shape.dtype_bytes`` each) from one device of ``devices`` (0 on one device)."""
@@ -98,7 +104,7 @@ def all_to_all_s(tokens: float, shape: ModelShape, devices: int) -> float:
         return 0.0
     nbytes = (tokens * shape.top_k * shape.hidden_size * shape.dtype_bytes * (devices - 1)
               / devices)
-    return hardware.LINK_LATENCY_S + nbytes / hardware.LINK_BPS
+    return link_transfer_s(nbytes)
 
 
 def gather_s(shape: ModelShape, devices: int) -> float:
@@ -106,7 +112,7 @@ def gather_s(shape: ModelShape, devices: int) -> float:
     if devices == 1:
         return 0.0
     nbytes = shape.layer_expert_bytes * (devices - 1) / devices
-    return hardware.LINK_LATENCY_S + nbytes / hardware.LINK_BPS
+    return link_transfer_s(nbytes)
 
 
 def forward_s(config: PrefillConfig, shape: ModelShape, fit: hardware.ExpertFit,

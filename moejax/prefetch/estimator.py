@@ -110,7 +110,13 @@ def predict_topk(params: dict[str, jax.Array], q: Float[Array, "N d"], layer: In
     """Top-k of the predicted probabilities, as ``moejax.moe.route`` does for the true router
     (softmax over all E, top_k, renormalise the k when ``norm_topk_prob``). Jittable with
     ``k`` and ``norm_topk_prob`` static."""
-    probs = jax.nn.softmax(logits(params, q, layer), axis=-1)
+    return topk_of_probs(jax.nn.softmax(logits(params, q, layer), axis=-1), k, norm_topk_prob)
+
+
+def topk_of_probs(probs: Float[Array, "N E"], k: int, norm_topk_prob: bool
+                  ) -> tuple[Float[Array, "N k"], Int[Array, "N k"]]:
+    """The k most probable experts and their probabilities (renormalised over the k when
+    ``norm_topk_prob``)."""
     weights, experts = jax.lax.top_k(probs, k)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

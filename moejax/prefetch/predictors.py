@@ -196,9 +196,9 @@ def predict_with_scores(kind: str, layer_params: dict[str, jax.Array], tables: P
     if kind == "quasi":
         return quasi, quasi.probs
     rows = jnp.full(q.shape[:1], layer, jnp.int32)
-    est_weights, est_experts = estimator_lib.predict_topk(
-        tables.estimator, q, rows, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     est_scores = jax.nn.softmax(estimator_lib.logits(tables.estimator, q, rows), axis=-1)
+    est_weights, est_experts = estimator_lib.topk_of_probs(
+        est_scores, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if kind == "hybrid":
         use = tables.use_estimator[layer + 1]
         est_weights = jnp.where(use, est_weights, quasi.weights)
@@ -218,15 +218,8 @@ def prior_routing(scores: Float[Array, "T E"], prior: Float[Array, "E"],
     weight = weight.astype(jnp.float32)
     mixed = (1.0 - weight) * shares + weight * prior.astype(jnp.float32)[None, :]
     _, chosen = jax.lax.top_k(mixed, cfg.num_experts_per_tok)
-    gates = jnp.take_along_axis(scores, chosen, axis=1)
-    if cfg.norm_topk_prob:
-        denominator = jnp.sum(gates, axis=-1, keepdims=True)
-        if cfg.router_scoring == "sigmoid":
-            denominator = denominator + 1e-20
-        gates = gates / denominator
-    if cfg.routed_scaling_factor != 1.0:
-        gates = gates * cfg.routed_scaling_factor
-    return moe.Routing(weights=gates, experts=chosen.astype(jnp.int32), probs=scores)
+    return moe.gated_routing(scores, chosen, norm_topk_prob=cfg.norm_topk_prob,
+                             scoring=cfg.router_scoring, scaling=cfg.routed_scaling_factor)
 
 
 def _predict_program(layer_params: dict[str, jax.Array], tables: PrefetchTables,

@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from moejax.asyncmoe import costs
+from moejax.asyncmoe.checks import int_at_least, nonnegative, positive
 from moejax.model_shape import ModelShape
 
 MODES = ("ondemand", "exact", "speculative")
@@ -69,12 +69,8 @@ class Device:
 
     def __post_init__(self) -> None:
         for name in ("hbm_bytes_per_s", "h2d_bytes_per_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"Device.{name} must be a positive number, got {value!r}")
-        if not math.isfinite(self.attention_launch_s) or self.attention_launch_s < 0:
-            raise ValueError(f"Device.attention_launch_s must be >= 0, got "
-                             f"{self.attention_launch_s!r}")
+            positive(f"Device.{name}", getattr(self, name))
+        nonnegative("Device.attention_launch_s", self.attention_launch_s)
 
 
 # The H100 figures of the AsyncMoE H100 cost table (one definition): HBM bandwidth (the
@@ -93,9 +89,7 @@ class ExpertCost:
 
     def __post_init__(self) -> None:
         for name in ("per_active_s", "per_layer_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"ExpertCost.{name} must be >= 0, got {value!r}")
+            nonnegative(f"ExpertCost.{name}", getattr(self, name))
 
     def layer_seconds(self, active: float) -> float:
         return self.per_layer_s + self.per_active_s * active
@@ -108,8 +102,7 @@ def expert_cost_from_file(path: str | Path, batch: int = 1,
     the per-active-expert term only, ``"layer"`` adds the fit's per-layer term."""
     if compute_model not in COMPUTE_MODELS:
         raise ValueError(f"compute_model must be one of {COMPUTE_MODELS}, got {compute_model!r}")
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    batch = int_at_least("batch", batch, 1)
     fits = json.loads(Path(path).read_text())["by_batch"]
     measured = sorted(int(b) for b in fits)
     above = [b for b in measured if b >= batch]
@@ -123,8 +116,7 @@ def expert_cost_from_file(path: str | Path, batch: int = 1,
 
 def active_experts(shape: ModelShape, batch: int) -> float:
     """Expected distinct experts of one layer over ``batch`` tokens (uniform routing)."""
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    batch = int_at_least("batch", batch, 1)
     e, k = shape.num_experts, shape.top_k
     return e * (1.0 - (1.0 - k / e) ** batch)
 
@@ -147,8 +139,7 @@ class LayerCost:
 def layer_cost(shape: ModelShape, device: Device, expert_cost: ExpertCost, context: int,
                batch: int = 1) -> LayerCost:
     """The per-layer costs of a decode step at ``context`` tokens of KV per sequence."""
-    if not isinstance(context, int) or context < 1:
-        raise ValueError(f"context must be a positive int (tokens), got {context!r}")
+    context = int_at_least("context (tokens)", context, 1)
     active = active_experts(shape, batch)
     kv_bytes = batch * context * shape.kv_bytes_per_token_layer
     attention = ((kv_bytes + shape.attention_weight_bytes) / device.hbm_bytes_per_s
@@ -185,8 +176,7 @@ def step_breakdown(mode: str, layer: LayerCost, num_layers: int, recall: float =
     ``recall``: the predictor's recall@k on layers >= 1 (exact and speculative)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    num_layers = int_at_least("num_layers", num_layers, 1)
     if not 0.0 <= recall <= 1.0:
         raise ValueError(f"recall must lie in [0, 1], got {recall!r}")
     predicted = num_layers - 1 if mode != "ondemand" else 0
